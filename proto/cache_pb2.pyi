@@ -1,0 +1,357 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ConversationKey(_message.Message):
+    __slots__ = ("conversation_id", "cache_salt")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    cache_salt: str
+    def __init__(self, conversation_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("replica_id", "address", "epoch", "running_requests", "free_kv_blocks", "last_seen_ms")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_MS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    epoch: int
+    running_requests: int
+    free_kv_blocks: int
+    last_seen_ms: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., last_seen_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterReplicaRequest(_message.Message):
+    __slots__ = ("replica_id", "address", "ttl_ms")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    ttl_ms: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterReplicaResponse(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: Replica
+    def __init__(self, replica: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("replica_id", "epoch", "ttl_ms", "running_requests", "free_kv_blocks")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    epoch: int
+    ttl_ms: int
+    running_requests: int
+    free_kv_blocks: int
+    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("replica",)
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    replica: Replica
+    def __init__(self, replica: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class AcquireLeaseRequest(_message.Message):
+    __slots__ = ("key", "holder", "ttl_ms")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    holder: str
+    ttl_ms: int
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., holder: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("holder", "token", "expires_at_ms")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    token: int
+    expires_at_ms: int
+    def __init__(self, holder: _Optional[str] = ..., token: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("key", "token", "ttl_ms")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    token: int
+    ttl_ms: int
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., token: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("key", "token")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    token: int
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., token: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetHeadRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ...) -> None: ...
+
+class Head(_message.Message):
+    __slots__ = ("version", "turn", "committed_tokens", "tokens_sha256", "owner_replica", "tier_version", "updated_at_ms")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    OWNER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    TIER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    turn: int
+    committed_tokens: int
+    tokens_sha256: str
+    owner_replica: str
+    tier_version: int
+    updated_at_ms: int
+    def __init__(self, version: _Optional[int] = ..., turn: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., tokens_sha256: _Optional[str] = ..., owner_replica: _Optional[str] = ..., tier_version: _Optional[int] = ..., updated_at_ms: _Optional[int] = ...) -> None: ...
+
+class Message(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class LedgerTurn(_message.Message):
+    __slots__ = ("turn", "messages", "token_ids", "publish_id", "committed_at_ms")
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    turn: int
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    publish_id: str
+    committed_at_ms: int
+    def __init__(self, turn: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., publish_id: _Optional[str] = ..., committed_at_ms: _Optional[int] = ...) -> None: ...
+
+class PublishTurnRequest(_message.Message):
+    __slots__ = ("key", "lease_token", "expected_version", "turn", "committed_tokens", "tokens_sha256", "owner_replica", "release_lease", "publish_id")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    OWNER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_ID_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    lease_token: int
+    expected_version: int
+    turn: LedgerTurn
+    committed_tokens: int
+    tokens_sha256: str
+    owner_replica: str
+    release_lease: bool
+    publish_id: str
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ..., expected_version: _Optional[int] = ..., turn: _Optional[_Union[LedgerTurn, _Mapping]] = ..., committed_tokens: _Optional[int] = ..., tokens_sha256: _Optional[str] = ..., owner_replica: _Optional[str] = ..., release_lease: _Optional[bool] = ..., publish_id: _Optional[str] = ...) -> None: ...
+
+class DiscardRequest(_message.Message):
+    __slots__ = ("key", "lease_token")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    lease_token: int
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ...) -> None: ...
+
+class ReadLedgerRequest(_message.Message):
+    __slots__ = ("key", "from_turn", "max_turns")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FROM_TURN_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    from_turn: int
+    max_turns: int
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., from_turn: _Optional[int] = ..., max_turns: _Optional[int] = ...) -> None: ...
+
+class ReadLedgerResponse(_message.Message):
+    __slots__ = ("head", "turns")
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    head: Head
+    turns: _containers.RepeatedCompositeFieldContainer[LedgerTurn]
+    def __init__(self, head: _Optional[_Union[Head, _Mapping]] = ..., turns: _Optional[_Iterable[_Union[LedgerTurn, _Mapping]]] = ...) -> None: ...
+
+class DeleteConversationRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ...) -> None: ...
+
+class DeleteConversationResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
+
+class TransferOwnershipRequest(_message.Message):
+    __slots__ = ("key", "lease_token", "expected_version", "new_owner")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEW_OWNER_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    lease_token: int
+    expected_version: int
+    new_owner: str
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ..., expected_version: _Optional[int] = ..., new_owner: _Optional[str] = ...) -> None: ...
+
+class ChunkRef(_message.Message):
+    __slots__ = ("digest", "size")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    size: int
+    def __init__(self, digest: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+
+class MissingChunksRequest(_message.Message):
+    __slots__ = ("key", "digests")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class MissingChunksResponse(_message.Message):
+    __slots__ = ("digests",)
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StateManifest(_message.Message):
+    __slots__ = ("key", "version", "chunks")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    version: int
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkRef]
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("digest", "data")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    data: bytes
+    def __init__(self, digest: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutStateRequest(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: StateManifest
+    chunk: Chunk
+    def __init__(self, manifest: _Optional[_Union[StateManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PutStateResponse(_message.Message):
+    __slots__ = ("total_bytes", "chunks_sent", "chunks_reused", "head")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    chunks_sent: int
+    chunks_reused: int
+    head: Head
+    def __init__(self, total_bytes: _Optional[int] = ..., chunks_sent: _Optional[int] = ..., chunks_reused: _Optional[int] = ..., head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
+
+class GetStateRequest(_message.Message):
+    __slots__ = ("key", "version")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    version: int
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class GetStateResponse(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: StateManifest
+    chunk: Chunk
+    def __init__(self, manifest: _Optional[_Union[StateManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("tier_memory_bytes", "tier_disk_bytes", "tier_budget_bytes", "tier_entries", "tier_chunks", "tier_spills", "tier_disk_reads", "tier_checksum_failures", "live_replicas", "rpc_counts", "rpc_errors")
+    class RpcCountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RpcErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TIER_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TIER_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_SPILLS_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_READS_FIELD_NUMBER: _ClassVar[int]
+    TIER_CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    RPC_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    RPC_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    tier_memory_bytes: int
+    tier_disk_bytes: int
+    tier_budget_bytes: int
+    tier_entries: int
+    tier_chunks: int
+    tier_spills: int
+    tier_disk_reads: int
+    tier_checksum_failures: int
+    live_replicas: int
+    rpc_counts: _containers.ScalarMap[str, int]
+    rpc_errors: _containers.ScalarMap[str, int]
+    def __init__(self, tier_memory_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_budget_bytes: _Optional[int] = ..., tier_entries: _Optional[int] = ..., tier_chunks: _Optional[int] = ..., tier_spills: _Optional[int] = ..., tier_disk_reads: _Optional[int] = ..., tier_checksum_failures: _Optional[int] = ..., live_replicas: _Optional[int] = ..., rpc_counts: _Optional[_Mapping[str, int]] = ..., rpc_errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
