@@ -1,0 +1,1 @@
+"""The hybrid-model engine a worker replica runs: model, caches, scheduler, runner."""

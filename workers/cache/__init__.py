@@ -1,0 +1,1 @@
+"""Cache accounting (block pool, state slots) and the tensors they describe."""

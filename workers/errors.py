@@ -1,0 +1,25 @@
+"""Typed errors raised at the engine's boundaries."""
+
+
+class EngineError(Exception):
+    """Base class of every error the engine reports to its callers."""
+
+
+class UnsupportedModelError(EngineError):
+    """The checkpoint asks for something this engine does not implement; names the field."""
+
+    def __init__(self, field: str, value: object, why: str):
+        super().__init__(f"unsupported model config: {field}={value!r}: {why}")
+        self.field = field
+
+
+class CheckpointError(EngineError):
+    """The checkpoint directory is missing files or holds tensors of the wrong shape."""
+
+
+class InvalidRequestError(EngineError):
+    """The request itself is bad (too long, invalid sampling parameters, unknown tokens)."""
+
+
+class OutOfCacheError(EngineError):
+    """The KV block pool or the Mamba state pool cannot hold what was asked for."""

@@ -1,0 +1,1 @@
+"""Hybrid attention + Mamba2 language models (Bamba, GraniteMoeHybrid, Nemotron-H)."""

@@ -1,0 +1,102 @@
+"""Grouped-query attention over the paged KV cache.
+
+K/V of the step's tokens are first written to their cache slots; each sequence then reads
+its keys back through its block table, so a prefill chunk, a cache hit and a decode step all
+see exactly the cached history.
+
+    block_table = [7, 2, 9]   block_size = 4
+    position:      0 1 2 3 | 4 5 6 7 | 8 9
+    cache block:   7 . . . | 2 . . . | 9 .        kv slot of position p = table[p // 4] * 4 + p % 4
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import AttentionShape
+from workers.model.forward_batch import ForwardBatch
+from workers.model.layers import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, shape: AttentionShape):
+        super().__init__()
+        self.shape = shape
+        q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+        self.qkv = nn.Linear(hidden, q_dim + 2 * kv_dim, bias=shape.bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=shape.bias)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        s = self.shape
+        n = h.shape[0]
+        q, k, v = self.qkv(h).split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim], -1)
+        q = q.view(n, s.n_heads, s.head_dim)
+        k = k.view(n, s.n_kv_heads, s.head_dim)
+        v = v.view(n, s.n_kv_heads, s.head_dim)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+
+        flat_k = kv_cache[0].view(-1, s.n_kv_heads, s.head_dim)
+        flat_v = kv_cache[1].view(-1, s.n_kv_heads, s.head_dim)
+        flat_k[batch.kv_slots] = k
+        flat_v[batch.kv_slots] = v
+
+        out = torch.empty(n, s.n_heads, s.head_dim, dtype=h.dtype, device=h.device)
+        for seg in batch.prefills:
+            rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, seg)
+        if batch.decode is not None:
+            out[batch.decode.token_index] = self._decode(q[batch.decode.token_index], kv_cache, batch)
+        return self.o_proj(out.reshape(n, -1))
+
+    def _prefill(self, q, k, v, kv_cache, seg) -> torch.Tensor:
+        s = self.shape
+        if seg.context_len == 0:
+            keys, values, mask, causal = k, v, None, True
+        else:
+            total = seg.context_len + seg.num_tokens
+            keys = _gather(kv_cache[0], seg.block_table[None])[0, :total]
+            values = _gather(kv_cache[1], seg.block_table[None])[0, :total]
+            # Query i sits at absolute position context_len + i and sees keys 0..context_len+i.
+            q_pos = torch.arange(seg.num_tokens, device=q.device)[:, None] + seg.context_len
+            mask, causal = torch.arange(total, device=q.device)[None, :] <= q_pos, False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=s.scale,
+            enable_gqa=s.n_heads != s.n_kv_heads,
+        )
+        return out[0].transpose(0, 1)
+
+    def _decode(self, q, kv_cache, batch: ForwardBatch) -> torch.Tensor:
+        s = self.shape
+        group = batch.decode
+        keys = _gather(kv_cache[0], group.block_tables)  # [B, L, kv, d]
+        values = _gather(kv_cache[1], group.block_tables)
+        valid = torch.arange(keys.shape[1], device=q.device)[None, :] <= group.context_lens[:, None]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [B, H, 1, d]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=s.scale,
+            enable_gqa=s.n_heads != s.n_kv_heads,
+        )
+        return out[:, :, 0, :]
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, kv, d] gathered by [B, max_blocks] -> [B, max_blocks * block_size, kv, d]."""
+    b, m = block_tables.shape
+    return cache[block_tables].reshape(b, m * cache.shape[1], cache.shape[2], cache.shape[3])

@@ -1,0 +1,80 @@
+"""The hybrid language model: embeddings, a stack of blocks, final norm, LM head.
+
+    Bamba / Granite block:   h += r * mixer(norm(h));  h += r * mlp(ffn_norm(h))   (r = residual multiplier)
+    Nemotron-H block:        h += mixer(norm(h))       (mixer = Mamba2 | attention | MLP)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.attention import Attention
+from workers.model.config import BlockSpec, HybridModelConfig, MixerKind
+from workers.model.forward_batch import ForwardBatch, ModelCaches
+from workers.model.layers import MLP, RMSNorm, RotaryEmbedding
+from workers.model.mamba_mixer import MambaMixer
+
+
+class Block(nn.Module):
+    def __init__(self, config: HybridModelConfig, spec: BlockSpec, cache_index: int):
+        super().__init__()
+        self.kind = spec.mixer
+        self.cache_index = cache_index  # index into ModelCaches.kv or .conv/.ssm
+        self.residual_multiplier = config.residual_multiplier
+        hidden = config.hidden_size
+        self.norm = RMSNorm(hidden, config.norm_eps)
+        if spec.mixer is MixerKind.MAMBA:
+            self.mixer = MambaMixer(hidden, config.mamba, config.norm_eps)
+        elif spec.mixer is MixerKind.ATTENTION:
+            self.mixer = Attention(hidden, config.attention)
+        else:
+            self.mixer = MLP(config.mlp_kind, hidden, config.mlp_intermediate, config.mlp_bias)
+        self.ffn_norm = RMSNorm(hidden, config.norm_eps) if spec.has_ffn else None
+        self.ffn = MLP(config.mlp_kind, hidden, config.mlp_intermediate, config.mlp_bias) if spec.has_ffn else None
+
+    def forward(self, h, batch: ForwardBatch, caches: ModelCaches, rope) -> torch.Tensor:
+        x = self.norm(h)
+        if self.kind is MixerKind.MAMBA:
+            x = self.mixer(x, batch, caches.conv[self.cache_index], caches.ssm[self.cache_index])
+        elif self.kind is MixerKind.ATTENTION:
+            x = self.mixer(x, batch, caches.kv[self.cache_index], rope)
+        else:
+            x = self.mixer(x)
+        h = h + x * self.residual_multiplier
+        if self.ffn is not None:
+            h = h + self.ffn(self.ffn_norm(h)) * self.residual_multiplier
+        return h
+
+
+class HybridLM(nn.Module):
+    def __init__(self, config: HybridModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        attn_index = {layer: i for i, layer in enumerate(config.attention_layers)}
+        mamba_index = {layer: i for i, layer in enumerate(config.mamba_layers)}
+        self.blocks = nn.ModuleList(
+            Block(config, spec, attn_index.get(i, mamba_index.get(i, -1))) for i, spec in enumerate(config.blocks)
+        )
+        self.final_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        attn = config.attention
+        self.rotary = RotaryEmbedding(attn.rotary_dim, attn.rope_theta) if attn.rotary_dim else None
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Hidden states after the final norm, one row per token of the flat batch."""
+        h = self.embed(batch.input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            h = h * self.config.embedding_multiplier
+        rope = self.rotary.cos_sin(batch.positions, h.dtype) if self.rotary else None
+        for block in self.blocks:
+            h = block(h, batch, caches, rope)
+        return self.final_norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = hidden @ weight.t()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits

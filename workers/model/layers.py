@@ -1,0 +1,85 @@
+"""Small building blocks shared by the three families: norms, MLPs, rotary embedding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.config import MlpKind
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """RMSNorm over groups of channels of `x * silu(gate)` (Mamba2's output norm)."""
+
+    def __init__(self, size: int, n_groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group_size = size // n_groups
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float() * F.silu(gate.float())
+        grouped = x32.view(*x32.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(x32.shape).to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU (Bamba, Granite) or squared-ReLU (Nemotron-H) feed-forward.
+
+    SwiGLU keeps gate and up in one matrix so a single matmul serves both.
+    """
+
+    def __init__(self, kind: MlpKind, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.kind = kind
+        self.intermediate = intermediate
+        up_rows = 2 * intermediate if kind is MlpKind.SWIGLU else intermediate
+        self.up = nn.Linear(hidden, up_rows, bias=bias)
+        self.down = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind is MlpKind.SWIGLU:
+            gate, up = self.up(x).split(self.intermediate, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(torch.square(F.relu(self.up(x))))
+
+
+class RotaryEmbedding:
+    """cos/sin tables for (partial) RoPE, computed once per forward for all layers."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        self.rotary_dim = rotary_dim
+        # Built on the CPU explicitly: the model may be constructed under the meta device.
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
+        self.inv_freq = 1.0 / (theta**exponents)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `rotary_dim` channels of x [tokens, heads, head_dim]; the rest pass."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)

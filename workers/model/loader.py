@@ -1,0 +1,130 @@
+"""Load a Hugging Face checkpoint directory into `HybridLM`.
+
+Each family names its tensors differently; a table of regular expressions maps a
+checkpoint name to one of ours, and names that fuse (q/k/v into one projection,
+gate/up into one MLP matrix) carry a part index so they are concatenated in order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.errors import CheckpointError
+from workers.model.config import HybridModelConfig, ModelFamily, parse_hf_config
+from workers.model.hybrid_lm import HybridLM
+
+# (pattern, replacement, part): part orders the pieces of a fused tensor.
+_MAMBA_RULES = [
+    (r"\.(mamba|mixer)\.conv1d\.weight$", r".mixer.conv_weight", 0),
+    (r"\.(mamba|mixer)\.conv1d\.bias$", r".mixer.conv_bias", 0),
+    (r"\.(mamba|mixer)\.(in_proj|out_proj|norm)\.(weight|bias)$", r".mixer.\2.\3", 0),
+    (r"\.(mamba|mixer)\.(A_log|D|dt_bias)$", r".mixer.\2", 0),
+]
+_ATTENTION_RULES = [
+    (r"\.(self_attn|mixer)\.q_proj\.(weight|bias)$", r".mixer.qkv.\2", 0),
+    (r"\.(self_attn|mixer)\.k_proj\.(weight|bias)$", r".mixer.qkv.\2", 1),
+    (r"\.(self_attn|mixer)\.v_proj\.(weight|bias)$", r".mixer.qkv.\2", 2),
+    (r"\.(self_attn|mixer)\.o_proj\.(weight|bias)$", r".mixer.o_proj.\2", 0),
+]
+_RULES: dict[ModelFamily, list[tuple[str, str, int]]] = {
+    ModelFamily.BAMBA: [
+        (r"^model\.embed_tokens\.weight$", "embed.weight", 0),
+        (r"^model\.final_layernorm\.weight$", "final_norm.weight", 0),
+        (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"blocks.\1.norm.weight", 0),
+        (r"^model\.layers\.(\d+)\.pre_ff_layernorm\.weight$", r"blocks.\1.ffn_norm.weight", 0),
+        (r"^model\.layers\.(\d+)\.feed_forward\.gate_proj\.(weight|bias)$", r"blocks.\1.ffn.up.\2", 0),
+        (r"^model\.layers\.(\d+)\.feed_forward\.up_proj\.(weight|bias)$", r"blocks.\1.ffn.up.\2", 1),
+        (r"^model\.layers\.(\d+)\.feed_forward\.down_proj\.(weight|bias)$", r"blocks.\1.ffn.down.\2", 0),
+    ],
+    ModelFamily.GRANITE_MOE_HYBRID: [
+        (r"^model\.embed_tokens\.weight$", "embed.weight", 0),
+        (r"^model\.norm\.weight$", "final_norm.weight", 0),
+        (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"blocks.\1.norm.weight", 0),
+        (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"blocks.\1.ffn_norm.weight", 0),
+        (r"^model\.layers\.(\d+)\.shared_mlp\.input_linear\.weight$", r"blocks.\1.ffn.up.weight", 0),
+        (r"^model\.layers\.(\d+)\.shared_mlp\.output_linear\.weight$", r"blocks.\1.ffn.down.weight", 0),
+    ],
+    ModelFamily.NEMOTRON_H: [
+        (r"^backbone\.embeddings\.weight$", "embed.weight", 0),
+        (r"^backbone\.norm_f\.weight$", "final_norm.weight", 0),
+        (r"^backbone\.layers\.(\d+)\.norm\.weight$", r"blocks.\1.norm.weight", 0),
+        (r"^backbone\.layers\.(\d+)\.mixer\.up_proj\.(weight|bias)$", r"blocks.\1.mixer.up.\2", 0),
+        (r"^backbone\.layers\.(\d+)\.mixer\.down_proj\.(weight|bias)$", r"blocks.\1.mixer.down.\2", 0),
+    ],
+}
+_LAYER_PREFIX = re.compile(r"^(?:model|backbone)\.layers\.(\d+)(\..*)$")
+
+
+def _internal_name(family: ModelFamily, name: str) -> tuple[str, int] | None:
+    if name == "lm_head.weight":
+        return "lm_head.weight", 0
+    for pattern, repl, part in _RULES[family]:
+        if re.search(pattern, name):
+            return re.sub(pattern, repl, name), part
+    layer = _LAYER_PREFIX.match(name)
+    if layer:
+        for pattern, repl, part in _MAMBA_RULES + _ATTENTION_RULES:
+            if re.search(pattern, layer.group(2)):
+                return f"blocks.{layer.group(1)}" + re.sub(pattern, repl, layer.group(2)), part
+    return None
+
+
+def read_model_config(path: Path) -> HybridModelConfig:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
+    return parse_hf_config(raw)
+
+
+def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HybridLM:
+    path = Path(path)
+    config = read_model_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    mapped = _internal_name(config.family, name)
+                    if mapped is None:
+                        raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for {config.family.value}")
+                    pieces.setdefault(mapped[0], {})[mapped[1]] = f.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for truncated files
+            raise CheckpointError(f"{file}: cannot read safetensors: {e}") from e
+
+    with torch.device("meta"):
+        model = HybridLM(config)
+    expected = dict(model.named_parameters())
+    state: dict[str, torch.Tensor] = {}
+    for name, parts in pieces.items():
+        tensor = torch.cat([parts[i] for i in sorted(parts)], dim=0) if len(parts) > 1 else parts[0]
+        if name.endswith("conv_weight"):
+            tensor = tensor.reshape(tensor.shape[0], -1)  # [C, 1, k] -> [C, k]
+        if name not in expected:
+            if name == "lm_head.weight" and config.tie_embeddings:
+                continue
+            raise CheckpointError(f"{path}: tensor {name!r} does not belong to this model")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
+        state[name] = tensor.to(dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    model = model.to_empty(device=device)
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval().requires_grad_(False)
