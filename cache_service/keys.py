@@ -1,0 +1,66 @@
+"""Conversation identity and the Redis key layout (see README.md for the full schema).
+
+A conversation is (conversation_id, cache_salt). Redis never sees either: every key
+of a conversation is derived from sha256 over both, length-prefixed so that no
+(id, salt) pair can be re-split into another. A wrong salt therefore addresses a
+different, empty conversation: a miss, never someone else's state.
+
+All keys of one conversation share the hash tag {<conv hash>} so the Lua scripts
+that touch several of them stay valid on a Redis Cluster (one slot per conversation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+NAMESPACE = "hs:v1"
+_DOMAIN = b"hybridserve/conversation/v1\0"
+
+
+def conversation_hash(conversation_id: str, cache_salt: str) -> str:
+    """128-bit hex digest naming a conversation; stable across processes and versions."""
+    salt = cache_salt.encode()
+    ident = conversation_id.encode()
+    material = _DOMAIN + len(salt).to_bytes(4, "big") + salt + len(ident).to_bytes(4, "big") + ident
+    return hashlib.sha256(material).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ConversationKeys:
+    """The Redis keys of one conversation."""
+
+    conv_hash: str
+
+    @classmethod
+    def of(cls, conversation_id: str, cache_salt: str) -> "ConversationKeys":
+        return cls(conversation_hash(conversation_id, cache_salt))
+
+    def _key(self, suffix: str) -> str:
+        return f"{NAMESPACE}:conv:{{{self.conv_hash}}}:{suffix}"
+
+    @property
+    def head(self) -> str:
+        return self._key("head")
+
+    @property
+    def lease(self) -> str:
+        return self._key("lease")
+
+    @property
+    def ledger(self) -> str:
+        return self._key("ledger")
+
+    @property
+    def fence(self) -> str:
+        return self._key("fence")
+
+
+# The registry shares one hash tag so its scripts also stay on one Cluster slot.
+_REGISTRY = f"{NAMESPACE}:{{replicas}}"
+REPLICA_SET = f"{_REGISTRY}:set"
+REPLICA_EPOCH = f"{_REGISTRY}:epoch"
+
+
+def replica_key(replica_id: str) -> str:
+    return f"{_REGISTRY}:replica:{replica_id}"

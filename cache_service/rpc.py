@@ -1,0 +1,88 @@
+"""One decorator for every RPC handler: typed errors -> status codes, counters, logs.
+
+A handler raises CacheError subclasses (or lets a Redis connection error escape);
+the decorator aborts the RPC with the error's code and "hs-reason" trailing metadata,
+counts the call and logs one structured line. Works for unary handlers and for
+server-streaming handlers (async generators).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import inspect
+import logging
+
+import grpc
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from cache_service import errors
+from cache_service.logs import fields, monotonic_ms
+
+log = logging.getLogger("cache_service.rpc")
+
+
+class RpcCounters:
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+
+
+def _as_cache_error(exc: BaseException) -> errors.CacheError | None:
+    if isinstance(exc, errors.CacheError):
+        return exc
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return errors.Unavailable(f"redis unavailable: {exc}")
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, name: str, exc: errors.CacheError,
+                 counters: RpcCounters, started: float) -> None:
+    counters.errors[f"{name}:{exc.code.name}"] += 1
+    level = logging.WARNING if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS) \
+        else logging.DEBUG
+    log.log(level, "rpc_error", extra=fields(rpc=name, code=exc.code.name, reason=exc.reason.value,
+                                             message=exc.message, ms=round(monotonic_ms() - started, 3)))
+    await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata())
+
+
+def rpc(handler):
+    """Decorate a servicer method `(self, request, context)`; self must have `counters`."""
+    name = handler.__name__
+
+    if inspect.isasyncgenfunction(handler):
+        @functools.wraps(handler)
+        async def stream(self, request, context):
+            started = monotonic_ms()
+            self.counters.calls[name] += 1
+            try:
+                async for item in handler(self, request, context):
+                    yield item
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped or re-raised just below
+                mapped = _as_cache_error(exc)
+                if mapped is None:
+                    raise
+                await _abort(context, name, mapped, self.counters, started)
+        return stream
+
+    @functools.wraps(handler)
+    async def unary(self, request, context):
+        started = monotonic_ms()
+        self.counters.calls[name] += 1
+        try:
+            reply = await handler(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped or re-raised just below
+            mapped = _as_cache_error(exc)
+            if mapped is None:
+                raise
+            await _abort(context, name, mapped, self.counters, started)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rpc", extra=fields(rpc=name, ms=round(monotonic_ms() - started, 3)))
+        return reply
+    return unary

@@ -1,0 +1,97 @@
+"""Input validation: every request is checked here before anything touches Redis.
+
+Each function raises InvalidArgument with a message naming the field, so a bad
+request is a 4xx-class status with a reason and never a partial write.
+"""
+
+from __future__ import annotations
+
+import re
+
+from cache_service.config import Limits
+from cache_service.errors import InvalidArgument
+from cache_service.keys import ConversationKeys
+from proto import cache_pb2 as pb
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+DIGEST_BYTES = 32
+
+
+def identifier(value: str, field: str, limits: Limits, *, required: bool = True) -> str:
+    size = len(value.encode())
+    if required and size == 0:
+        raise InvalidArgument(f"{field} must not be empty")
+    if size > limits.max_id_bytes:
+        raise InvalidArgument(f"{field} is {size} bytes, over the limit of {limits.max_id_bytes}")
+    return value
+
+
+def conversation(key: pb.ConversationKey, limits: Limits) -> ConversationKeys:
+    identifier(key.conversation_id, "key.conversation_id", limits)
+    identifier(key.cache_salt, "key.cache_salt", limits, required=False)
+    return ConversationKeys.of(key.conversation_id, key.cache_salt)
+
+
+def ttl(value: int, limits: Limits) -> int:
+    if not limits.min_ttl_ms <= value <= limits.max_ttl_ms:
+        raise InvalidArgument(f"ttl_ms must be in [{limits.min_ttl_ms}, {limits.max_ttl_ms}], got {value}")
+    return value
+
+
+def token(value: int, field: str = "lease_token") -> int:
+    if value <= 0:
+        raise InvalidArgument(f"{field} must be a token returned by AcquireLease")
+    return value
+
+
+def publish(req: pb.PublishTurnRequest, limits: Limits) -> ConversationKeys:
+    keys = conversation(req.key, limits)
+    token(req.lease_token)
+    identifier(req.publish_id, "publish_id", limits)
+    identifier(req.owner_replica, "owner_replica", limits, required=False)
+    if not _SHA256_HEX.fullmatch(req.tokens_sha256):
+        raise InvalidArgument("tokens_sha256 must be 64 lowercase hex digits")
+    turn = req.turn
+    if not turn.token_ids:
+        raise InvalidArgument("turn.token_ids must not be empty: a turn commits at least one token")
+    if len(turn.token_ids) > limits.max_token_ids_per_turn:
+        raise InvalidArgument(f"turn has {len(turn.token_ids)} token ids, over the limit of "
+                              f"{limits.max_token_ids_per_turn}")
+    if len(turn.messages) > limits.max_messages_per_turn:
+        raise InvalidArgument(f"turn has {len(turn.messages)} messages, over the limit of "
+                              f"{limits.max_messages_per_turn}")
+    content = 0
+    for i, message in enumerate(turn.messages):
+        if not message.role:
+            raise InvalidArgument(f"turn.messages[{i}].role must not be empty")
+        content += len(message.role.encode()) + len(message.content.encode())
+    if content > limits.max_turn_content_bytes:
+        raise InvalidArgument(f"turn messages hold {content} bytes, over the limit of "
+                              f"{limits.max_turn_content_bytes}")
+    if req.committed_tokens < len(turn.token_ids):
+        raise InvalidArgument("committed_tokens must count the committed history including this turn")
+    return keys
+
+
+def digests(values, field: str, limits: Limits) -> list[bytes]:
+    values = list(values)
+    if len(values) > limits.max_chunks_per_state:
+        raise InvalidArgument(f"{field} has {len(values)} entries, over the limit of "
+                              f"{limits.max_chunks_per_state}")
+    for i, digest in enumerate(values):
+        if len(digest) != DIGEST_BYTES:
+            raise InvalidArgument(f"{field}[{i}] must be a 32-byte sha256 digest, got {len(digest)} bytes")
+    return values
+
+
+def manifest(m: pb.StateManifest, limits: Limits) -> ConversationKeys:
+    keys = conversation(m.key, limits)
+    if m.version <= 0:
+        raise InvalidArgument("manifest.version must be the committed head version (> 0)")
+    if not m.chunks:
+        raise InvalidArgument("manifest.chunks must not be empty")
+    digests((c.digest for c in m.chunks), "manifest.chunks", limits)
+    for i, chunk in enumerate(m.chunks):
+        if not 0 < chunk.size <= limits.max_chunk_bytes:
+            raise InvalidArgument(f"manifest.chunks[{i}].size must be in [1, {limits.max_chunk_bytes}]")
+    return keys
