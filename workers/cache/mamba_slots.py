@@ -1,0 +1,59 @@
+"""Mamba state slots: one slot holds a sequence's whole recurrent state (all layers).
+
+States are never shared: a request that continues a committed head gets its own copy
+(`copy_into`), so the head stays intact whatever happens to the turn. A holder may own
+several slots (a head keeps its terminal state and its block-aligned state).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from workers.cache.holders import CacheUsage, Holder, HolderKind
+from workers.cache.layout import MambaStateLayout
+from workers.errors import OutOfCacheError
+
+
+class MambaStateManager:
+    def __init__(self, layout: MambaStateLayout):
+        self.layout = layout
+        self._free: deque[int] = deque(range(layout.num_slots))
+        self.slots: dict[Holder, list[int]] = {}
+        self.reclaim: Callable[[int], None] = lambda n: None
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        if n > len(self._free):
+            self.reclaim(n)
+        return n <= len(self._free)
+
+    def allocate(self, holder: Holder) -> int:
+        if not self.can_allocate(1):
+            raise OutOfCacheError(f"Mamba state pool: no free slot of {self.layout.num_slots}")
+        slot = self._free.popleft()
+        self.slots.setdefault(holder, []).append(slot)
+        return slot
+
+    def slot_of(self, holder: Holder) -> int:
+        """The holder's primary (running / terminal) slot."""
+        return self.slots[holder][0]
+
+    def transfer(self, src: Holder, dst: Holder) -> None:
+        assert dst not in self.slots, f"{dst} already holds slots"
+        self.slots[dst] = self.slots.pop(src, [])
+
+    def release(self, holder: Holder, slot: int) -> None:
+        self.slots[holder].remove(slot)
+        self._free.append(slot)
+
+    def free(self, holder: Holder) -> None:
+        self._free.extend(self.slots.pop(holder, []))
+
+    def usage(self) -> CacheUsage:
+        in_use = sum(len(s) for h, s in self.slots.items() if h.kind is HolderKind.REQUEST)
+        cached = sum(len(s) for h, s in self.slots.items() if h.kind is HolderKind.HEAD)
+        return CacheUsage(free=len(self._free), cached=cached, in_use=in_use, total=self.layout.num_slots)

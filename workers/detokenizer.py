@@ -1,0 +1,42 @@
+"""Incremental detokenization with stop strings.
+
+Text is emitted as deltas. While a request runs, the last (longest stop string - 1)
+characters are held back, so a stop string that completes over several tokens is never
+partly streamed; nothing past a matched stop string is ever emitted.
+"""
+
+from __future__ import annotations
+
+from workers.tokenizer import ChatTokenizer
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self._sent = 0
+
+    def update(self, output_ids: list[int]) -> tuple[str, bool]:
+        """Returns (text delta to emit, whether a stop string matched)."""
+        text = self.tokenizer.decode(output_ids)
+        if text.endswith("\ufffd"):
+            return "", False  # an incomplete UTF-8 sequence: wait for the next token
+        search_from = max(0, len(self.text) - self.hold)
+        cut = min((i for i in (text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = text[:cut]
+            return self.flush(), True
+        self.text = text
+        upto = len(text) - self.hold
+        if upto <= self._sent:
+            return "", False
+        delta = text[self._sent : upto]
+        self._sent = upto
+        return delta, False
+
+    def flush(self) -> str:
+        delta = self.text[self._sent :]
+        self._sent = len(self.text)
+        return delta

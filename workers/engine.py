@@ -1,0 +1,202 @@
+"""The engine loop: admit requests, schedule a step, run it, sample, report outputs.
+
+Synchronous and single-threaded by design; `workers.async_engine` runs it on a thread and
+gives asyncio callers streams of outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.cache.coordinator import CacheCoordinator
+from workers.cache.kv_blocks import KVCacheManager
+from workers.cache.layout import layouts_for
+from workers.cache.mamba_slots import MambaStateManager
+from workers.config import EngineConfig
+from workers.detokenizer import Detokenizer
+from workers.errors import InvalidRequestError
+from workers.model.loader import load_model
+from workers.request import FinishReason, HeadAttachment, Request
+from workers.runner import ModelRunner
+from workers.sampling import SampledToken, SamplingParams, sample
+from workers.scheduler import Scheduler, SchedulerOutput
+from workers.tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a delta, not the whole text)."""
+
+    request_id: str
+    new_tokens: tuple[SampledToken, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return [t.token_id for t in self.new_tokens]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_dir = Path(config.model)
+        self.model = load_model(model_dir, config.dtype, config.device)
+        self.model_config = self.model.config
+        self.tokenizer = ChatTokenizer(model_dir)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids())
+        self.eos_token_ids = frozenset(eos)
+        self.banned_token_ids = torch.tensor(sorted(self.tokenizer.never_sample_ids), dtype=torch.long)
+
+        cache = config.cache
+        probe_kv, probe_state = layouts_for(self.model_config, 1, cache.block_size, 1, config.dtype)
+        num_blocks = max(2, cache.kv_cache_bytes // max(1, probe_kv.block_bytes) + 1)
+        max_seqs = config.scheduler.max_num_seqs
+        head_slots = min(4 * max_seqs, max(8, cache.head_cache_bytes // probe_state.slot_bytes))
+        num_slots = cache.num_state_slots or max_seqs + head_slots
+        self.kv_layout, self.state_layout = layouts_for(
+            self.model_config, num_blocks, cache.block_size, num_slots, config.dtype
+        )
+        self.caches = CacheCoordinator(KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout))
+        self.scheduler = Scheduler(config.scheduler, self.caches)
+        self.runner = ModelRunner(self.model, self.kv_layout, self.state_layout, config.device)
+        self._detok: dict[str, Detokenizer] = {}
+        self.finished: dict[str, Request] = {}  # finished requests not yet collected (retain_state ones)
+
+    # -- admission ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        head: HeadAttachment | None = None,
+        retain_state: bool = False,
+    ) -> Request:
+        self._validate(request_id, prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, head=head, retain_state=retain_state)
+        self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(request)
+        return request
+
+    def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model's limit is {self.max_model_len} (prompt + output)"
+            )
+        blocks = -(-(len(ids) + 1) // self.kv_layout.block_size)
+        if blocks > self.kv_layout.usable_blocks:
+            raise InvalidRequestError(f"prompt of {len(ids)} tokens cannot fit the KV cache ({blocks} blocks)")
+
+    def abort(self, request_id: str) -> None:
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self.scheduler.finish(request, FinishReason.ABORT)
+            self._detok.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        try:
+            logits = self.runner.execute(step)
+        except Exception as e:  # a failing step fails its requests; the engine keeps serving
+            log.exception("model step failed")
+            return self._fail_step(step, f"model step failed: {e}")
+        self.scheduler.advance(step)
+        sampling = [c for c in step.chunks if c.samples]
+        sampled = sample(
+            logits,
+            [c.request.params for c in sampling],
+            [c.request.num_tokens for c in sampling],
+            self.banned_token_ids,
+        )
+        outputs = []
+        for chunk, token in zip(sampling, sampled):
+            outputs.append(self._on_token(chunk.request, token))
+        return outputs
+
+    def _on_token(self, request: Request, token: SampledToken) -> RequestOutput:
+        request.append(token)
+        params = request.params
+        detok = self._detok[request.request_id]
+        delta, stopped = detok.update(request.output_token_ids)
+        reason = None
+        if stopped or token.token_id in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif token.token_id in self.eos_token_ids and not params.ignore_eos:
+            reason = FinishReason.STOP
+        elif len(request.output) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            delta += detok.flush()
+            self._finish(request, reason)
+        return self._output(request, (token,), delta)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(request, reason)
+        self._detok.pop(request.request_id, None)
+        if request.retain_state:
+            self.finished[request.request_id] = request
+
+    def _fail_step(self, step: SchedulerOutput, message: str) -> list[RequestOutput]:
+        outputs = []
+        for chunk in step.chunks:
+            self.scheduler.finish(chunk.request, FinishReason.ERROR)
+            self._detok.pop(chunk.request.request_id, None)
+            outputs.append(self._output(chunk.request, (), "", error=message))
+        return outputs
+
+    def _output(self, request: Request, tokens, delta: str, error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_tokens=tuple(tokens),
+            text_delta=delta,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            error=error,
+        )
+
+    # -- conveniences -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[SampledToken]]:
+        """Run prompts to completion (tests, CLI, benchmarks); outputs in prompt order."""
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, params)
+        results: dict[str, list[SampledToken]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.error:
+                    raise RuntimeError(out.error)
+                results[out.request_id].extend(out.new_tokens)
+        return [results[rid] for rid in ids]
+
+    def check_integrity(self) -> None:
+        self.caches.check_integrity()

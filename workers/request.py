@@ -1,0 +1,79 @@
+"""A request's plain-Python state: its tokens and the one counter that drives everything.
+
+    token_ids:  [ prompt ............ | out0 out1 out2 ]
+                 <- num_computed_tokens ->|            cached in KV / Mamba state
+                                          <- to run -> next step's tokens
+
+Prefill, chunked prefill, decode, attaching a committed head and preemption are all moves
+of `num_computed_tokens`. After sampling out_k the state covers everything but out_k.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from workers.cache.holders import Holder
+from workers.sampling import SampledToken, SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # end-of-turn token, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's length limit
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class HeadAttachment:
+    """A committed conversation head this request continues from (see workers/conversation)."""
+
+    holder: Holder
+    state_len: int  # tokens covered by the head's KV and terminal Mamba state
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    head: HeadAttachment | None = None
+    retain_state: bool = False  # keep KV and Mamba state after a completed finish (to publish)
+    token_ids: list[int] = field(init=False)
+    output: list[SampledToken] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # reused from a committed head on the last admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append(self, sampled: SampledToken) -> None:
+        self.token_ids.append(sampled.token_id)
+        self.output.append(sampled)

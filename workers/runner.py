@@ -1,0 +1,95 @@
+"""The model runner: turns a scheduled step into tensors, runs the model, returns logits.
+
+It owns the cache tensors and knows nothing of requests' lifecycles: the scheduler's
+output says which tokens run, where their K/V go and which state slot each uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.cache.coordinator import PendingCopies
+from workers.cache.layout import NULL_BLOCK, KVCacheLayout, MambaStateLayout, allocate_caches
+from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
+from workers.model.hybrid_lm import HybridLM
+from workers.scheduler import ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: HybridLM, kv_layout: KVCacheLayout, state_layout: MambaStateLayout, device: str):
+        self.model = model
+        self.device = device
+        self.block_size = kv_layout.block_size
+        self.caches = allocate_caches(kv_layout, state_layout, device)
+
+    def apply_copies(self, copies: PendingCopies) -> None:
+        """Copy-on-write of tail blocks and copies of Mamba states, before the step runs."""
+        if copies.blocks:
+            src = torch.tensor([s for s, _ in copies.blocks], device=self.device)
+            dst = torch.tensor([d for _, d in copies.blocks], device=self.device)
+            for kv in self.caches.kv:
+                kv[:, dst] = kv[:, src]
+        if copies.slots:
+            src = torch.tensor([s for s, _ in copies.slots], device=self.device)
+            dst = torch.tensor([d for _, d in copies.slots], device=self.device)
+            for conv, ssm in zip(self.caches.conv, self.caches.ssm):
+                conv[dst] = conv[src]
+                ssm[dst] = ssm[src]
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> torch.Tensor:
+        """Run the step; returns logits [number of sampling chunks, vocab] in chunk order."""
+        self.apply_copies(step.copies)
+        batch, sample_rows = self.build_batch(step.chunks)
+        hidden = self.model(batch, self.caches)
+        return self.model.compute_logits(hidden[sample_rows])
+
+    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        kv_slots: list[int] = []
+        prefills: list[PrefillSegment] = []
+        decode_rows: list[int] = []
+        decode_chunks: list[ScheduledChunk] = []
+        sample_rows: list[int] = []
+        bs = self.block_size
+        for chunk in chunks:
+            row = len(ids)
+            ids.extend(chunk.token_ids)
+            span = range(chunk.start, chunk.start + chunk.num_tokens)
+            positions.extend(span)
+            table = chunk.block_table
+            kv_slots.extend(table[p // bs] * bs + p % bs for p in span)
+            if chunk.num_tokens == 1 and chunk.start > 0:
+                decode_rows.append(row)
+                decode_chunks.append(chunk)
+            else:
+                needed = -(-(chunk.start + chunk.num_tokens) // bs)
+                prefills.append(
+                    PrefillSegment(
+                        row, chunk.num_tokens, chunk.start, torch.tensor(table[:needed]), chunk.state_slot
+                    )
+                )
+            if chunk.samples:
+                sample_rows.append(row + chunk.num_tokens - 1)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, device=self.device),
+            positions=torch.tensor(positions, device=self.device),
+            kv_slots=torch.tensor(kv_slots, device=self.device),
+            prefills=tuple(prefills),
+            decode=self._decode_group(decode_rows, decode_chunks),
+        )
+        return batch, torch.tensor(sample_rows, device=self.device, dtype=torch.long)
+
+    def _decode_group(self, rows: list[int], chunks: list[ScheduledChunk]) -> DecodeGroup | None:
+        if not chunks:
+            return None
+        bs = self.block_size
+        width = max(-(-(c.start + 1) // bs) for c in chunks)
+        tables = [c.block_table[:width] + [NULL_BLOCK] * (width - len(c.block_table[:width])) for c in chunks]
+        return DecodeGroup(
+            token_index=torch.tensor(rows, device=self.device),
+            context_lens=torch.tensor([c.start for c in chunks], device=self.device),
+            block_tables=torch.tensor(tables, device=self.device),
+            state_slots=torch.tensor([c.state_slot for c in chunks], device=self.device),
+        )

@@ -1,0 +1,121 @@
+"""Sampling parameters and the sampler.
+
+A sampled token is a pure function of (seed, position, logits): the random draw for the
+token at position p of a request with seed s comes from a generator seeded by mix(s, p),
+never from a shared stream. Re-running a position (a preempted request, a verify pass in
+deterministic mode, another replica) therefore draws the same token from the same logits.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
+    resolved_seed: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            problems.append(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 disables), got {self.top_k!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            problems.append(f"seed must be in [0, 2**63), got {self.seed!r}")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must be non-empty")
+        if problems:
+            raise InvalidRequestError("; ".join(problems))
+        if self.seed is not None:
+            object.__setattr__(self, "resolved_seed", self.seed)
+        else:
+            object.__setattr__(self, "resolved_seed", random.getrandbits(63))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...] | None
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): independent draws per position, same draw on replay."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    scaled = logits.double() / params.temperature
+    order = torch.argsort(scaled, descending=True, stable=True)
+    sorted_logits = scaled[order]
+    if params.top_k:
+        sorted_logits[params.top_k :] = -torch.inf
+    probs = torch.softmax(sorted_logits, dim=-1)
+    if params.top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before = torch.cumsum(probs, dim=-1) - probs
+        probs = torch.where(before < params.top_p, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    generator = torch.Generator().manual_seed(_mix(params.resolved_seed, position))
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    index = int(torch.searchsorted(torch.cumsum(probs, dim=-1), u * probs.sum(), right=True))
+    index = min(index, int((probs > 0).sum()) - 1)
+    return int(order[index])
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V]
+    params: list[SamplingParams],
+    positions: list[int],  # absolute position of the token being sampled, per row
+    banned_token_ids: torch.Tensor | None = None,
+) -> list[SampledToken]:
+    logits = logits.float()
+    if banned_token_ids is not None and banned_token_ids.numel():
+        logits = logits.index_fill(1, banned_token_ids, -torch.inf)
+    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    want_logprobs = any(p.logprobs is not None for p in params)
+    logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    out = []
+    for row, (p, pos) in enumerate(zip(params, positions)):
+        token = greedy_ids[row] if p.greedy else _draw(logits[row], p, pos)
+        if p.logprobs is None:
+            out.append(SampledToken(token, None, None))
+            continue
+        row_lp = logprobs[row]
+        top = ()
+        if p.logprobs:
+            values, ids = torch.topk(row_lp, p.logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        out.append(SampledToken(token, float(row_lp[token]), top))
+    return out

@@ -1,0 +1,135 @@
+"""Continuous batching on plain Python state: which tokens of which requests run next.
+
+Each step spends a token budget: running requests first (a decode costs 1 token, an
+unfinished prefill continues in chunks), then waiting requests in arrival order (FCFS).
+When KV blocks run out the most recently arrived running request is preempted: its
+cache is freed and it re-enters the queue to be recomputed later (a Mamba state cannot
+be partially un-done, so recompute is the only preemption mode).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.cache.coordinator import CacheCoordinator, PendingCopies
+from workers.config import SchedulerConfig
+from workers.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Run tokens [start, start + num_tokens) of a request; plain data for the runner."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_table: list[int]
+    state_slot: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the end of the request's known tokens."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    copies: PendingCopies = field(default_factory=PendingCopies)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, caches: CacheCoordinator):
+        self.config = config
+        self.caches = caches
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._make_room(request, request.num_computed_tokens + n, out):
+                continue
+            out.chunks.append(self._chunk(request, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            start = request.head.state_len if request.head else request.num_computed_tokens
+            n = min(request.num_tokens - start, budget)
+            if out.preempted or not self.caches.can_admit(request, n):
+                break  # no room now; FCFS keeps the queue order
+            self.waiting.popleft()
+            self.caches.admit(request)
+            self.caches.grow(request, request.num_computed_tokens + n)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, n))
+            budget -= n
+        out.copies = self.caches.pending.take()
+        return out
+
+    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(request, start, n, list(self.caches.block_table(request)), self.caches.state_slot(request))
+
+    def _make_room(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        while not self.caches.can_grow(request, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        self.caches.grow(request, num_tokens)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.caches.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Move the counters of everything that just ran (before new tokens are appended)."""
+        for chunk in output.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Stop a request wherever it is: waiting, running or mid-prefill."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if not (completed and request.retain_state):
+            self.caches.free(request)  # else the conversation cache publishes or frees it
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]

@@ -1,0 +1,51 @@
+"""The checkpoint's tokenizer and chat template, plus incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from workers.errors import InvalidRequestError
+
+
+class ChatTokenizer:
+    """Wraps the checkpoint's `transformers` tokenizer; absent files mean token ids only."""
+
+    def __init__(self, model_dir: Path):
+        self._tok = None
+        if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer  # imported lazily: slow, and optional for id-only use
+
+            self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        extra = model_dir / "hybridserve.json"
+        meta = json.loads(extra.read_text()) if extra.is_file() else {}
+        self.never_sample_ids: tuple[int, ...] = tuple(meta.get("never_sample_token_ids", ()))
+
+    @property
+    def available(self) -> bool:
+        return self._tok is not None
+
+    def _require(self):
+        if self._tok is None:
+            raise InvalidRequestError("this model has no tokenizer: send token ids")
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._require().encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        if self._tok is None:
+            return ""
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        tok = self._require()
+        try:
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja raises for malformed messages (missing role, bad content)
+            raise InvalidRequestError(f"cannot render messages with the chat template: {e}") from e
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        tok = self._tok
+        return () if tok is None or tok.eos_token_id is None else (int(tok.eos_token_id),)
