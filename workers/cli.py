@@ -1,0 +1,103 @@
+"""`hybridserve` command line: make-model, generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from workers.errors import EngineError
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in small model)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="user message, rendered with the model's chat template")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids, used as they are")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--logprobs", type=int, default=None, help="report the top K logprobs per token")
+    parser.add_argument("--json", action="store_true", help="print token ids and logprobs as JSON")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise EngineError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from workers.config import EngineConfig
+    from workers.engine import LLMEngine
+    from workers.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        logprobs=args.logprobs,
+    )
+    from workers.checkpoint.builtin import builtin_model_dir
+
+    engine = LLMEngine(EngineConfig(model=str(args.model or builtin_model_dir())))
+    if args.prompt_ids is not None:
+        prompt = _parse_ids(args.prompt_ids)
+    else:
+        text = engine.tokenizer.render_chat([{"role": "user", "content": args.prompt}])
+        prompt = engine.tokenizer.encode(text)
+    engine.add_request("cli", prompt, params)
+    tokens, text, reason = [], "", None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error:
+                raise EngineError(out.error)
+            tokens.extend(out.new_tokens)
+            text += out.text_delta
+            reason = out.finish_reason
+    if args.json:
+        result = {
+            "prompt_token_ids": prompt,
+            "token_ids": [t.token_id for t in tokens],
+            "logprobs": [t.logprob for t in tokens] if args.logprobs is not None else None,
+            "top_logprobs": [[list(p) for p in t.top_logprobs] for t in tokens] if args.logprobs else None,
+            "text": text,
+            "finish_reason": reason.value if reason else None,
+        }
+        print(json.dumps(result))
+    else:
+        print(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from workers.checkpoint.cli import add_make_model_arguments, run_make_model
+
+    parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make-model", help="write a random-weight checkpoint with tokenizer and chat template")
+    add_make_model_arguments(make)
+    make.set_defaults(run=run_make_model)
+    generate = sub.add_parser("generate", help="one-shot generation on a checkpoint")
+    _add_generate_arguments(generate)
+    generate.set_defaults(run=run_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
