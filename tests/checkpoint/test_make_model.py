@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import pytest
 import torch
@@ -83,15 +82,6 @@ def test_loads_offline_and_generates(tiny_dirs, arch):
     assert len(generated) == 20
     assert len(set(generated)) > 1
     assert not set(generated) & set(NEVER_SAMPLE_TOKEN_IDS)
-
-
-def test_tiny_loads_and_runs_fast(tiny_dirs):
-    _load(tiny_dirs[Arch.BAMBA])  # warm-up: lazy imports
-    start = time.perf_counter()
-    model, _ = _load(tiny_dirs[Arch.BAMBA])
-    with torch.no_grad():
-        model(torch.randint(6, 103, (1, 64)))
-    assert time.perf_counter() - start < 1.0
 
 
 @pytest.mark.parametrize("arch", list(Arch))
