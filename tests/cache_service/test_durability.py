@@ -1,0 +1,105 @@
+"""Crashes: Redis SIGKILLed and restarted, the cache service SIGKILLed and restarted.
+
+This module runs its own Redis (appendfsync always: the policy that loses nothing
+acknowledged) and its own service, since it kills them.
+"""
+
+import asyncio
+import uuid
+
+import pytest
+from conftest import ServiceProcess, fast_client
+from cs_helpers import History, commit_turn
+
+from cache_service.client import Conversation, tokens_sha256
+from cache_service.config import FsyncPolicy
+from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+
+
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory):
+    server = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path_factory.mktemp("redis-crash"),
+                                               fsync=FsyncPolicy.ALWAYS))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def own_service(own_redis, tmp_path_factory):
+    proc = ServiceProcess(data_dir=tmp_path_factory.mktemp("service-crash"), redis_url=own_redis.url)
+    proc.start()
+    yield proc
+    if proc.proc.poll() is None:
+        proc.terminate()
+
+
+@pytest.fixture(scope="module")
+async def own_client(own_service):
+    async with fast_client(own_service.target) as c:
+        await c.wait_ready()
+        yield c
+
+
+def new_conv() -> Conversation:
+    return Conversation(f"durable-{uuid.uuid4().hex}", salt="s")
+
+
+async def snapshot(client, convs):
+    return {c: await client.read_ledger(c) for c in convs}
+
+
+async def test_redis_sigkill_and_restart_keeps_every_committed_turn(own_client, own_redis, own_service):
+    convs = [new_conv() for _ in range(6)]
+    histories = {c: History() for c in convs}
+
+    async def three_turns(c):
+        for t in range(3):
+            await commit_turn(own_client, c, histories[c], [t * 10 + i for i in range(t + 2)], f"{c.id}/{t}")
+
+    await asyncio.gather(*(three_turns(c) for c in convs))
+    before = await snapshot(own_client, convs)
+    last = convs[0]
+    lease = await own_client.acquire_lease(last, ttl_ms=60_000)
+
+    own_redis.kill()
+    # A publish issued while Redis is down: the service answers UNAVAILABLE, the client
+    # backs off and retries until Redis is back.
+    tokens = histories[last].tokens + [99]
+    publish = asyncio.create_task(own_client.publish_turn(
+        last, lease_token=lease.token, expected_version=3, messages=[{"role": "user", "content": "late"}],
+        token_ids=[99], committed_tokens=len(tokens), tokens_sha256=tokens_sha256(tokens)))
+    await asyncio.to_thread(own_service.wait_event,
+                            lambda e: e.get("rpc") == "PublishTurn" and e.get("code") == "UNAVAILABLE")
+    assert not publish.done()
+    own_redis.start()  # same port, same data directory: the AOF is replayed
+    head = await publish
+    assert head.version == 4
+
+    after = await snapshot(own_client, convs)
+    for c in convs:
+        expected_turns = list(before[c].turns) + ([] if c != last else list(after[c].turns[3:]))
+        assert list(after[c].turns) == expected_turns
+        assert after[c].head.tokens_sha256 == tokens_sha256(
+            histories[c].tokens + ([99] if c == last else []))
+    assert [t.token_ids[-1] for t in after[last].turns] == [1, 12, 23, 99]
+
+
+async def test_service_sigkill_and_restart_loses_no_turn(own_client, own_service):
+    conv = new_conv()
+    history = History()
+    await commit_turn(own_client, conv, history, [1, 2, 3], "one")
+    await commit_turn(own_client, conv, history, [4, 5], "two")
+    await own_client.put_state(conv, 2, b"exported state" * 1000)
+
+    own_service.kill()
+    # The next turn starts while the service is dead; the same client rides it out.
+    third = asyncio.create_task(commit_turn(own_client, conv, history, [6], "three"))
+    await asyncio.to_thread(own_service.start)  # same port
+    await third
+
+    ledger = await own_client.read_ledger(conv)
+    assert [list(t.token_ids) for t in ledger.turns] == [[1, 2, 3], [4, 5], [6]]
+    assert ledger.head.version == 3 and ledger.head.committed_tokens == 6
+    # The tier lived in the dead process: the head says so rather than pointing at nothing.
+    assert ledger.head.tier_version == 0

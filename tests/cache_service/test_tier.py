@@ -1,0 +1,102 @@
+"""The state tier through the service: round trips, incremental puts, spill, corruption."""
+
+import os
+import random
+
+import pytest
+from conftest import TIER_BUDGET
+from cs_helpers import History, commit_turn
+
+from cache_service.client import DataLoss, NotFound, VersionConflict
+from cache_service.keys import conversation_hash
+from cache_service.tier import SPILL_SUBDIR
+
+
+async def conversation_at_version(client, conv, versions=1):
+    history = History()
+    for i in range(versions):
+        await commit_turn(client, conv, history, [i + 1], f"t{i}")
+    return history
+
+
+async def test_64_mib_head_round_trips_byte_exact_through_disk(client, conv):
+    await conversation_at_version(client, conv)
+    data = random.Random(1).randbytes(64 << 20)
+    reply = await client.put_state(conv, 1, data)
+    assert reply.total_bytes == len(data) and reply.chunks_sent == 64
+    assert reply.head.tier_version == 1
+    stats = await client.stats()
+    # 64 MiB cannot fit a 16 MiB budget: most of it went to disk, memory stayed bounded.
+    assert stats.tier_memory_bytes <= TIER_BUDGET
+    assert stats.tier_disk_bytes >= len(data) - TIER_BUDGET
+    version, back = await client.get_state(conv)
+    assert version == 1 and back == data
+    assert (await client.stats()).tier_disk_reads > stats.tier_disk_reads
+    assert (await client.get_head(conv)).tier_version == 1
+    await client.delete_conversation(conv)  # free the disk for the other tests
+    with pytest.raises(NotFound):
+        await client.get_state(conv)
+
+
+async def test_incremental_put_sends_only_new_chunks_and_supersedes(client, conv):
+    await conversation_at_version(client, conv, versions=1)
+    chunks = [os.urandom(64 << 10) for _ in range(8)]
+    first = await client.put_state(conv, 1, chunks)
+    assert (first.chunks_sent, first.chunks_reused) == (8, 0)
+
+    await commit_turn(client, conv, History(tokens=[1], version=1), [2], "t1")
+    # Version 2: the full blocks are unchanged, the tail changed, one block was added.
+    chunks2 = chunks[:7] + [os.urandom(64 << 10), os.urandom(1000)]
+    second = await client.put_state(conv, 2, chunks2)
+    assert (second.chunks_sent, second.chunks_reused) == (2, 7)
+    version, back = await client.get_state(conv)
+    assert version == 2 and back == b"".join(chunks2)
+    with pytest.raises(NotFound):  # superseded
+        await client.get_state(conv, version=1)
+
+
+async def test_put_must_match_the_committed_head_version(client, conv):
+    await conversation_at_version(client, conv, versions=2)
+    before = await client.stats()
+    with pytest.raises(VersionConflict):
+        await client.put_state(conv, 1, b"old state")
+    with pytest.raises(VersionConflict):
+        await client.put_state(conv, 3, b"future state")
+    assert (await client.stats()).tier_entries == before.tier_entries
+    with pytest.raises(NotFound):
+        await client.get_state(conv)
+
+
+async def test_corrupted_chunk_on_disk_is_detected(client, conv, service):
+    await conversation_at_version(client, conv)
+    data = os.urandom(TIER_BUDGET + (4 << 20))  # larger than the budget: its head spills
+    await client.put_state(conv, 1, data)
+    spilled = service.data_dir / "tier" / SPILL_SUBDIR / conversation_hash(conv.id, conv.salt)
+    victim = sorted(spilled.iterdir())[0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+
+    failures = (await client.stats()).tier_checksum_failures
+    with pytest.raises(DataLoss):
+        await client.get_state(conv)
+    assert (await client.stats()).tier_checksum_failures == failures + 1
+    # The entry is dropped, so the head no longer claims a tier copy (recovery recomputes).
+    assert (await client.get_head(conv)).tier_version == 0
+    with pytest.raises(NotFound):
+        await client.get_state(conv)
+
+
+async def test_delete_drops_the_tier_entry(client, conv):
+    await conversation_at_version(client, conv)
+    data = os.urandom(100_000)
+    await client.put_state(conv, 1, data)
+    entries = (await client.stats()).tier_entries
+    await client.delete_conversation(conv)
+    assert (await client.stats()).tier_entries == entries - 1
+    with pytest.raises(NotFound):
+        await client.get_state(conv)
+    # Its chunks are gone too: a fresh put of the same bytes has to send them again.
+    await conversation_at_version(client, conv)
+    again = await client.put_state(conv, 1, data)
+    assert (again.chunks_sent, again.chunks_reused) == (1, 0)
