@@ -23,10 +23,17 @@ class CacheConfig:
     kv_cache_bytes: int = 512 << 20
     num_state_slots: int = 0  # 0: twice max_num_seqs, plus room for retained heads
     head_cache_bytes: int = 256 << 20  # budget for committed conversation heads (evictable)
+    mamba_align_tokens: int = 0  # aligned Mamba snapshots every N tokens; 0: the block size
+
+    @property
+    def align_tokens(self) -> int:
+        return self.mamba_align_tokens or self.block_size
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_bytes <= 0 or self.num_state_slots < 0:
             raise ValueError(f"invalid cache config: {self}")
+        if self.mamba_align_tokens % self.block_size:
+            raise ValueError("mamba_align_tokens must be a multiple of block_size")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ gives asyncio callers streams of outputs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,10 +72,12 @@ class LLMEngine:
             self.model_config, num_blocks, cache.block_size, num_slots, config.dtype
         )
         self.caches = CacheCoordinator(KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout))
-        self.scheduler = Scheduler(config.scheduler, self.caches)
+        self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
         self.runner = ModelRunner(self.model, self.kv_layout, self.state_layout, config.device)
         self._detok: dict[str, Detokenizer] = {}
-        self.finished: dict[str, Request] = {}  # finished requests not yet collected (retain_state ones)
+        # Called with every request that finishes, however it ends (the conversation cache
+        # publishes or discards the turn there, while the request's state is still held).
+        self.finish_listeners: list[Callable[[Request], None]] = []
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(
@@ -112,8 +115,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         request = self.scheduler.requests.get(request_id)
         if request is not None:
-            self.scheduler.finish(request, FinishReason.ABORT)
-            self._detok.pop(request_id, None)
+            self._finish(request, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -161,14 +163,13 @@ class LLMEngine:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
         self._detok.pop(request.request_id, None)
-        if request.retain_state:
-            self.finished[request.request_id] = request
+        for listener in self.finish_listeners:
+            listener(request)
 
     def _fail_step(self, step: SchedulerOutput, message: str) -> list[RequestOutput]:
         outputs = []
         for chunk in step.chunks:
-            self.scheduler.finish(chunk.request, FinishReason.ERROR)
-            self._detok.pop(chunk.request.request_id, None)
+            self._finish(chunk.request, FinishReason.ERROR)
             outputs.append(self._output(chunk.request, (), "", error=message))
         return outputs
 

@@ -23,3 +23,15 @@ class InvalidRequestError(EngineError):
 
 class OutOfCacheError(EngineError):
     """The KV block pool or the Mamba state pool cannot hold what was asked for."""
+
+
+class ConversationBusyError(EngineError):
+    """A turn of this conversation is already in flight."""
+
+
+class ConversationNotFoundError(EngineError):
+    """No such conversation under this (conversation_id, cache_salt), or no such turn."""
+
+
+class CorruptStateError(EngineError):
+    """An exported head failed its checksums or does not fit this engine's model and layout."""

@@ -37,6 +37,7 @@ class HeadAttachment:
 
     holder: Holder
     state_len: int  # tokens covered by the head's KV and terminal Mamba state
+    aligned_len: int = 0  # position of the head's aligned Mamba state
 
 
 @dataclass(eq=False)
@@ -46,6 +47,7 @@ class Request:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     head: HeadAttachment | None = None
+    aligned_len: int = 0  # position of the snapshot in the aligned Mamba slot (retain_state only)
     retain_state: bool = False  # keep KV and Mamba state after a completed finish (to publish)
     token_ids: list[int] = field(init=False)
     output: list[SampledToken] = field(default_factory=list)

@@ -23,15 +23,26 @@ class ModelRunner:
         self.caches = allocate_caches(kv_layout, state_layout, device)
 
     def apply_copies(self, copies: PendingCopies) -> None:
-        """Copy-on-write of tail blocks and copies of Mamba states, before the step runs."""
-        if copies.blocks:
-            src = torch.tensor([s for s, _ in copies.blocks], device=self.device)
-            dst = torch.tensor([d for _, d in copies.blocks], device=self.device)
+        """Copy-on-write of tail blocks, copies and zeroing of Mamba states, before the step runs."""
+        self.copy_blocks(copies.blocks)
+        self.copy_slots(copies.slots)
+        if copies.zero_slots:
+            dst = torch.tensor(copies.zero_slots, device=self.device)
+            for conv, ssm in zip(self.caches.conv, self.caches.ssm):
+                conv[dst] = 0
+                ssm[dst] = 0
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.device)
             for kv in self.caches.kv:
                 kv[:, dst] = kv[:, src]
-        if copies.slots:
-            src = torch.tensor([s for s, _ in copies.slots], device=self.device)
-            dst = torch.tensor([d for _, d in copies.slots], device=self.device)
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.device)
             for conv, ssm in zip(self.caches.conv, self.caches.ssm):
                 conv[dst] = conv[src]
                 ssm[dst] = ssm[src]
@@ -64,12 +75,7 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_chunks.append(chunk)
             else:
-                needed = -(-(chunk.start + chunk.num_tokens) // bs)
-                prefills.append(
-                    PrefillSegment(
-                        row, chunk.num_tokens, chunk.start, torch.tensor(table[:needed]), chunk.state_slot
-                    )
-                )
+                prefills.extend(self._segments(row, chunk))
             if chunk.samples:
                 sample_rows.append(row + chunk.num_tokens - 1)
         batch = ForwardBatch(
@@ -81,15 +87,34 @@ class ModelRunner:
         )
         return batch, torch.tensor(sample_rows, device=self.device, dtype=torch.long)
 
+    def _segments(self, row: int, chunk: ScheduledChunk) -> list[PrefillSegment]:
+        """One segment per chunk, or two when the Mamba state must be snapshot inside it.
+
+            chunk [start ........ a ..... end)     a = aligned snapshot position
+                  \_ segment 1 _/\_ segment 2 _/  the state after segment 1 is copied
+        """
+        end = chunk.start + chunk.num_tokens
+        table = torch.tensor(chunk.block_table[: -(-end // self.block_size)])
+        if chunk.snapshot is None:
+            return [PrefillSegment(row, chunk.num_tokens, chunk.start, table, chunk.state_slot)]
+        aligned, slot = chunk.snapshot
+        first = PrefillSegment(row, aligned - chunk.start, chunk.start, table, chunk.state_slot, snapshot_slot=slot)
+        if aligned == end:
+            return [first]
+        return [first, PrefillSegment(row + aligned - chunk.start, end - aligned, aligned, table, chunk.state_slot)]
+
     def _decode_group(self, rows: list[int], chunks: list[ScheduledChunk]) -> DecodeGroup | None:
         if not chunks:
             return None
         bs = self.block_size
         width = max(-(-(c.start + 1) // bs) for c in chunks)
         tables = [c.block_table[:width] + [NULL_BLOCK] * (width - len(c.block_table[:width])) for c in chunks]
+        snap = [(i, c.snapshot[1]) for i, c in enumerate(chunks) if c.snapshot is not None]
         return DecodeGroup(
             token_index=torch.tensor(rows, device=self.device),
             context_lens=torch.tensor([c.start for c in chunks], device=self.device),
             block_tables=torch.tensor(tables, device=self.device),
             state_slots=torch.tensor([c.state_slot for c in chunks], device=self.device),
+            snapshot_rows=torch.tensor([i for i, _ in snap], device=self.device) if snap else None,
+            snapshot_slots=torch.tensor([s for _, s in snap], device=self.device) if snap else None,
         )

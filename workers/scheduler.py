@@ -26,6 +26,7 @@ class ScheduledChunk:
     num_tokens: int
     block_table: list[int]
     state_slot: int
+    snapshot: tuple[int, int] | None = None  # (aligned position in (start, end], slot to copy the state to)
 
     @property
     def samples(self) -> bool:
@@ -49,9 +50,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, caches: CacheCoordinator):
+    def __init__(self, config: SchedulerConfig, caches: CacheCoordinator, align_tokens: int):
         self.config = config
         self.caches = caches
+        self.align_tokens = align_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -94,7 +96,14 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return ScheduledChunk(request, start, n, list(self.caches.block_table(request)), self.caches.state_slot(request))
+        snapshot = None
+        aligned_slot = self.caches.aligned_slot(request)
+        if aligned_slot is not None:
+            aligned = (start + n) // self.align_tokens * self.align_tokens
+            if aligned > start:
+                snapshot = (aligned, aligned_slot)
+        table = list(self.caches.block_table(request))
+        return ScheduledChunk(request, start, n, table, self.caches.state_slot(request), snapshot)
 
     def _make_room(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.caches.can_grow(request, num_tokens):
@@ -118,6 +127,8 @@ class Scheduler:
         """Move the counters of everything that just ran (before new tokens are appended)."""
         for chunk in output.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+            if chunk.snapshot is not None:
+                chunk.request.aligned_len = chunk.snapshot[0]
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Stop a request wherever it is: waiting, running or mid-prefill."""

@@ -39,6 +39,10 @@ class ChatTokenizer:
             return ""
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def decode_exact(self, ids: list[int]) -> str:
+        """Text of ids with special tokens kept: the inverse of `encode` for the template."""
+        return self._require().decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         tok = self._require()
         try:

@@ -1,5 +1,9 @@
 """One front for both cache groups: what a request needs to run, and attaching heads.
 
+A request that will publish its state (a conversation turn) holds two Mamba slots: the
+running state, and a snapshot at the last aligned position it passed (deterministic mode
+restarts tiles there).
+
 Attaching a committed head (state covers `L` tokens, block size 4, L = 10):
 
     head blocks:     [ b3 | b5 | b8: t8 t9 . . ]
@@ -26,10 +30,11 @@ class PendingCopies:
 
     blocks: list[tuple[int, int]] = field(default_factory=list)
     slots: list[tuple[int, int]] = field(default_factory=list)
+    zero_slots: list[int] = field(default_factory=list)  # fresh sequences start from the zero state
 
     def take(self) -> PendingCopies:
-        taken = PendingCopies(self.blocks, self.slots)
-        self.blocks, self.slots = [], []
+        taken = PendingCopies(self.blocks, self.slots, self.zero_slots)
+        self.blocks, self.slots, self.zero_slots = [], [], []
         return taken
 
 
@@ -43,16 +48,19 @@ class CacheCoordinator:
     def can_admit(self, request: Request, num_new_tokens: int) -> bool:
         holder = Holder.request(request.request_id)
         first = request.num_computed_tokens if request.head is None else request.head.state_len
-        return self.states.can_allocate(1) and self.kv.can_allocate(
+        slots = 2 if request.retain_state else 1
+        return self.states.can_allocate(slots) and self.kv.can_allocate(
             self.kv.blocks_needed(holder, first + num_new_tokens)
         )
 
     def admit(self, request: Request) -> None:
         """Give a waiting request its state slot, continuing its head if it has one."""
         holder = Holder.request(request.request_id)
-        slot = self.states.allocate(holder)
+        slots = [self.states.allocate(holder) for _ in range(2 if request.retain_state else 1)]
         request.num_cached_tokens = 0
+        request.aligned_len = 0
         if request.head is None:
+            self.pending.zero_slots.extend(slots)
             return
         head, length = request.head.holder, request.head.state_len
         bs = self.kv.block_size
@@ -63,9 +71,11 @@ class CacheCoordinator:
             self.kv.grow(holder, length)
             self.pending.blocks.append((head_table[full], self.kv.table(holder)[-1]))
             self.counters["cow_block_copies"] += 1
-        self.pending.slots.append((self.states.slot_of(head), slot))
+        # Terminal state, and (for a request that will publish) the aligned state too.
+        self.pending.slots.extend(zip(self.states.slots[head], slots))
         self.counters["state_copies"] += 1
         request.num_computed_tokens = length
+        request.aligned_len = request.head.aligned_len if request.retain_state else 0
         request.num_cached_tokens = length
 
     def can_grow(self, request: Request, num_tokens: int) -> bool:
@@ -84,6 +94,10 @@ class CacheCoordinator:
 
     def state_slot(self, request: Request) -> int:
         return self.states.slot_of(Holder.request(request.request_id))
+
+    def aligned_slot(self, request: Request) -> int | None:
+        slots = self.states.slots[Holder.request(request.request_id)]
+        return slots[1] if len(slots) > 1 else None
 
     def check_integrity(self) -> None:
         self.kv.usage().check("KV blocks")

@@ -24,6 +24,7 @@ class PrefillSegment:
     context_len: int
     block_table: torch.Tensor  # [blocks covering positions < context_len + num_tokens], long
     state_slot: int
+    snapshot_slot: int | None = None  # copy the Mamba state here after this segment
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [B] tokens cached before this one, long
     block_tables: torch.Tensor  # [B, max_blocks] padded with the null block, long
     state_slots: torch.Tensor  # [B], long
+    snapshot_rows: torch.Tensor | None = None  # rows whose state is also copied, after the step,
+    snapshot_slots: torch.Tensor | None = None  # into these slots
 
 
 @dataclass(frozen=True)

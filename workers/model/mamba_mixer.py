@@ -36,9 +36,16 @@ class MambaMixer(nn.Module):
         for seg in batch.prefills:
             rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
             y[rows] = self._prefill(xbc[rows], dt[rows], conv, ssm, seg.state_slot)
-        if batch.decode is not None:
-            rows = batch.decode.token_index
-            y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, batch.decode.state_slots)
+            if seg.snapshot_slot is not None:
+                conv[seg.snapshot_slot] = conv[seg.state_slot]
+                ssm[seg.snapshot_slot] = ssm[seg.state_slot]
+        group = batch.decode
+        if group is not None:
+            y[group.token_index] = self._decode(xbc[group.token_index], dt[group.token_index], conv, ssm, group.state_slots)
+            if group.snapshot_rows is not None:
+                src = group.state_slots[group.snapshot_rows]
+                conv[group.snapshot_slots] = conv[src]
+                ssm[group.snapshot_slots] = ssm[src]
         return self.out_proj(self.norm(y, gate))
 
     def _time_step(self, dt: torch.Tensor) -> torch.Tensor:

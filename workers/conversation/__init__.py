@@ -1,0 +1,1 @@
+"""The exact conversation cache: committed heads, turn publish/discard, export/import."""

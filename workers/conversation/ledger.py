@@ -1,0 +1,65 @@
+"""The engine-side conversation ledger: committed token ids and turns, keyed by (salt, id).
+
+Token ids are authoritative: the next turn's prompt extends them, it is never the
+re-tokenized text of the history.
+
+    token_ids:  [ turn 1: prompt suffix + reply | turn 2: suffix + reply | ... ]
+                 ^ turns[0].start               ^ turns[1].start         ^ len = committed length
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def conversation_key(conversation_id: str, cache_salt: str) -> str:
+    """Salted key: the same id under another salt is another conversation, never a hit."""
+    digest = hashlib.sha256(f"{len(cache_salt)}:{cache_salt}\x00{conversation_id}".encode()).hexdigest()
+    return digest[:32]
+
+
+def tokens_digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+
+
+@dataclass
+class Turn:
+    number: int  # 1-based
+    messages: list[dict[str, Any]]  # the suffix messages, then the assistant reply
+    start: int  # first token of the turn in the conversation's token ids
+    end: int  # one past the turn's last (generated) token
+
+
+@dataclass
+class Conversation:
+    key: str
+    conversation_id: str
+    token_ids: list[int] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    in_flight: str | None = None  # request id of the turn being computed
+
+    @property
+    def turn(self) -> int:
+        return len(self.turns)
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return [m for t in self.turns for m in t.messages]
+
+    def tokens_until(self, turn: int) -> list[int]:
+        return self.token_ids[: self.turns[turn - 1].end] if turn else []
+
+    def truncate(self, turn: int) -> None:
+        """Keep turns 1..turn (rewind)."""
+        del self.token_ids[self.turns[turn - 1].end if turn else 0 :]
+        del self.turns[turn:]
+
+    def append(self, messages: list[dict[str, Any]], token_ids: list[int], start: int) -> Turn:
+        assert start == len(self.token_ids) or start <= len(self.token_ids)
+        del self.token_ids[start:]
+        self.token_ids.extend(token_ids)
+        turn = Turn(self.turn + 1, messages, start, len(self.token_ids))
+        self.turns.append(turn)
+        return turn
