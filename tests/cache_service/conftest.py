@@ -18,13 +18,11 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # the project is not pip-installed in the venv
-    sys.path.insert(0, str(REPO_ROOT))
+from cache_service.client import CacheClient, ClientConfig, Conversation, RetryPolicy
+from cache_service.config import FsyncPolicy
+from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 
-from cache_service.client import CacheClient, ClientConfig, Conversation, RetryPolicy  # noqa: E402
-from cache_service.config import FsyncPolicy  # noqa: E402
-from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TIER_BUDGET = 16 << 20
 
@@ -89,6 +87,11 @@ class ServiceProcess:
         self.proc.send_signal(sig)
         return self.proc.wait(30)
 
+    def close(self) -> None:
+        """Kill the process if a failed test left it running."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+
     def event(self, name: str) -> dict:
         return next(e for e in self.events if e.get("event") == name)
 
@@ -125,7 +128,10 @@ def service(redis_server, tmp_path_factory):
     proc = ServiceProcess(data_dir=tmp_path_factory.mktemp("service"), redis_url=redis_server.url)
     proc.start()
     yield proc
-    assert proc.terminate() == 0
+    try:
+        assert proc.terminate() == 0
+    finally:
+        proc.close()
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ def own_redis(tmp_path_factory):
                                                fsync=FsyncPolicy.ALWAYS))
     server.start()
     yield server
-    server.stop()
+    server.stop()  # also after a failed restart: stop() is a no-op if it is not running
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,7 @@ def own_service(own_redis, tmp_path_factory):
     proc = ServiceProcess(data_dir=tmp_path_factory.mktemp("service-crash"), redis_url=own_redis.url)
     proc.start()
     yield proc
-    if proc.proc.poll() is None:
-        proc.terminate()
+    proc.close()
 
 
 @pytest.fixture(scope="module")

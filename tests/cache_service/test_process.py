@@ -4,6 +4,7 @@ import os
 import select
 
 import grpc
+import pytest
 from conftest import ServiceProcess, fast_client
 from cs_helpers import History, commit_turn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,8 +32,15 @@ async def health_status(target: str, service: str) -> int:
         return reply.status
 
 
-async def test_embedded_redis_default_persists_across_restarts(tmp_path):
+@pytest.fixture
+def embedded_service(tmp_path):
     proc = ServiceProcess(data_dir=tmp_path, redis_url=None)
+    yield proc
+    proc.close()
+
+
+async def test_embedded_redis_default_persists_across_restarts(embedded_service, tmp_path):
+    proc = embedded_service
     conv = Conversation("embedded", salt="s")
     history = History()
 

@@ -1,0 +1,299 @@
+"""Cache service benchmark: `python -m bench.cache_service [--quick]`.
+
+Measures the turn-bookkeeping cycle a router + worker perform per turn,
+    acquire lease -> get head -> publish turn (releasing the lease),
+through the gRPC service (a real `python -m cache_service` process) and, as the floor,
+the very same Redis operations (the same Lua scripts and HMGET) issued directly with
+redis-py. Each of C concurrent clients works on its own conversation, so the numbers
+measure overhead, not lease contention. Also measures state tier put/get throughput
+(fresh and incremental puts), next to plain redis-py SET/GET of the same bytes.
+
+Writes bench/results/cache_service.json and bench/results/cache_service.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import redis
+import redis.asyncio as aioredis
+
+from cache_service import scripts
+from cache_service.client import CacheClient, Conversation, tokens_sha256
+from cache_service.config import FsyncPolicy
+from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+from cache_service.keys import ConversationKeys
+from cache_service.store import now_ms
+from proto import cache_pb2 as pb
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENS_PER_TURN = 64
+MESSAGE = "x" * 400  # a short chat message
+
+
+@dataclass(frozen=True)
+class Plan:
+    seconds_per_point: float
+    concurrency: tuple[int, ...]
+    state_bytes: int
+    tier_budget: int
+    fsync: tuple[FsyncPolicy, ...]
+
+
+FULL = Plan(8.0, (1, 16, 64), 64 << 20, 256 << 20, (FsyncPolicy.EVERYSEC, FsyncPolicy.ALWAYS))
+QUICK = Plan(1.5, (1, 16, 64), 16 << 20, 64 << 20, (FsyncPolicy.EVERYSEC,))
+
+
+@dataclass
+class Point:
+    cycles: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+
+    @property
+    def cycles_per_s(self) -> float:
+        return self.cycles / self.seconds
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run_clients(concurrency: int, seconds: float, cycle_factory) -> Point:
+    """Run `concurrency` loops of cycle() for `seconds` (after a short warm-up)."""
+    latencies: list[float] = []
+    cycles = [await cycle_factory(i) for i in range(concurrency)]
+    for cycle in cycles:  # warm-up: connections, script cache, first head
+        await cycle()
+    stop_at = time.perf_counter() + seconds
+
+    async def loop(cycle) -> None:
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            await cycle()
+            latencies.append((time.perf_counter() - t0) * 1000)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop(c) for c in cycles))
+    elapsed = time.perf_counter() - started
+    return Point(len(latencies), elapsed, statistics.median(latencies), percentile(latencies, 0.99))
+
+
+def service_cycle_factory(client: CacheClient):
+    async def make(i: int):
+        conv = Conversation(f"bench-{uuid.uuid4().hex}", "salt")
+        state = {"tokens": 0}
+        new_tokens = list(range(TOKENS_PER_TURN))
+        messages = [{"role": "user", "content": MESSAGE}]
+
+        async def cycle() -> None:
+            lease = await client.acquire_lease(conv, ttl_ms=30_000)
+            head = await client.get_head_or_none(conv)
+            version = head.version if head else 0
+            state["tokens"] += TOKENS_PER_TURN
+            await client.publish_turn(conv, lease_token=lease.token, expected_version=version,
+                                      messages=messages, token_ids=new_tokens,
+                                      committed_tokens=state["tokens"],
+                                      tokens_sha256=tokens_sha256(new_tokens), owner_replica="r0")
+        return cycle
+    return make
+
+
+def redis_cycle_factory(r: aioredis.Redis):
+    acquire = r.register_script(scripts.ACQUIRE)
+    publish = r.register_script(scripts.PUBLISH)
+
+    async def make(i: int):
+        keys = ConversationKeys.of(f"raw-{uuid.uuid4().hex}", "salt")
+        state = {"tokens": 0}
+        new_tokens = list(range(TOKENS_PER_TURN))
+        sha = tokens_sha256(new_tokens)
+
+        async def cycle() -> None:
+            holder = uuid.uuid4().hex
+            reply = await acquire(keys=[keys.lease, keys.fence], args=[holder, 30_000])
+            token = int(reply[1])
+            head = await r.hmget(keys.head, scripts.HEAD_FIELDS)
+            version = int(head[0] or 0)
+            state["tokens"] += TOKENS_PER_TURN
+            entry = pb.LedgerTurn(messages=[pb.Message(role="user", content=MESSAGE)],
+                                  token_ids=new_tokens, publish_id=holder, committed_at_ms=now_ms())
+            reply = await publish(keys=[keys.head, keys.lease, keys.ledger],
+                                  args=[token, version, entry.SerializeToString(), state["tokens"], sha,
+                                        "r0", entry.committed_at_ms, 1, holder, TOKENS_PER_TURN])
+            assert reply[0] == b"OK", reply
+        return cycle
+    return make
+
+
+def start_service(redis_url: str, data_dir: Path, tier_budget: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cache_service", "--port", "0", "--redis-url", redis_url,
+         "--data-dir", str(data_dir), "--tier-budget", str(tier_budget), "--log-level", "INFO"],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # the service announces its port in the "serving" event
+        event = json.loads(line)
+        if event.get("event") == "serving":
+            # Keep draining its log so the service never blocks on a full pipe.
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, f"127.0.0.1:{event['port']}"
+    raise RuntimeError("cache service exited before serving")
+
+
+async def bench_cycles(plan: Plan, fsync: FsyncPolicy, workdir: Path) -> dict:
+    out = {}
+    with EmbeddedRedis(EmbeddedRedisConfig(data_dir=workdir / f"redis-{fsync.value}", fsync=fsync)) as server:
+        proc, target = start_service(server.url, workdir / f"svc-{fsync.value}", plan.tier_budget)
+        try:
+            raw = aioredis.Redis.from_url(server.url, max_connections=256)
+            async with CacheClient(target) as client:
+                await client.wait_ready()
+                for c in plan.concurrency:
+                    svc = await run_clients(c, plan.seconds_per_point, service_cycle_factory(client))
+                    floor = await run_clients(c, plan.seconds_per_point, redis_cycle_factory(raw))
+                    out[str(c)] = {
+                        "service": {**asdict(svc), "cycles_per_s": svc.cycles_per_s},
+                        "redis": {**asdict(floor), "cycles_per_s": floor.cycles_per_s},
+                        # time per cycle through the service / time per cycle on raw Redis
+                        "overhead_ratio_vs_redis": floor.cycles_per_s / svc.cycles_per_s,
+                        "p50_ratio_vs_redis": svc.p50_ms / floor.p50_ms,
+                    }
+                    print(f"[{fsync.value}] c={c:3d} service {svc.cycles_per_s:8.0f}/s p50 {svc.p50_ms:6.2f} ms "
+                          f"p99 {svc.p99_ms:6.2f} ms | redis {floor.cycles_per_s:8.0f}/s "
+                          f"p50 {floor.p50_ms:6.2f} ms | ratio {out[str(c)]['overhead_ratio_vs_redis']:.2f}",
+                          flush=True)
+            await raw.aclose()
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return out
+
+
+async def bench_tier(plan: Plan, workdir: Path) -> dict:
+    data = os.urandom(plan.state_bytes)
+    mib = plan.state_bytes / (1 << 20)
+    with EmbeddedRedis(EmbeddedRedisConfig(data_dir=workdir / "redis-tier", fsync=FsyncPolicy.EVERYSEC)) as server:
+        proc, target = start_service(server.url, workdir / "svc-tier", plan.tier_budget)
+        try:
+            async with CacheClient(target) as client:
+                conv = Conversation(f"tier-{uuid.uuid4().hex}", "salt")
+                lease = await client.acquire_lease(conv, ttl_ms=60_000)
+                await client.publish_turn(conv, lease_token=lease.token, expected_version=0, messages=[],
+                                          token_ids=[1], committed_tokens=1, tokens_sha256=tokens_sha256([1]),
+                                          release_lease=False)
+                t0 = time.perf_counter()
+                await client.put_state(conv, 1, data)
+                put_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                _, back = await client.get_state(conv)
+                get_s = time.perf_counter() - t0
+                assert back == data
+                # Next turn: the same blocks plus one new 1 MiB chunk at the end.
+                await client.publish_turn(conv, lease_token=lease.token, expected_version=1, messages=[],
+                                          token_ids=[2], committed_tokens=2,
+                                          tokens_sha256=tokens_sha256([1, 2]))
+                t0 = time.perf_counter()
+                reply = await client.put_state(conv, 2, data + os.urandom(1 << 20))
+                inc_s = time.perf_counter() - t0
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        r = redis.Redis.from_url(server.url)
+        chunks = [data[i:i + (1 << 20)] for i in range(0, len(data), 1 << 20)]
+        t0 = time.perf_counter()
+        pipe = r.pipeline(transaction=False)
+        for i, chunk in enumerate(chunks):
+            pipe.set(f"bench:chunk:{i}", chunk)
+        pipe.execute()
+        set_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        assert b"".join(r.mget([f"bench:chunk:{i}" for i in range(len(chunks))])) == data
+        mget_s = time.perf_counter() - t0
+        r.close()
+    return {
+        "state_mib": mib,
+        "put_MBps": mib / put_s, "get_MBps": mib / get_s,
+        "incremental_put_MBps": (mib + 1) / inc_s,
+        "incremental_chunks_sent": reply.chunks_sent, "incremental_chunks_reused": reply.chunks_reused,
+        "redis_set_MBps": mib / set_s, "redis_get_MBps": mib / mget_s,
+    }
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Cache service benchmark", "",
+             f"{results['mode']} run, {results['env']['cpus']} CPUs, {results['seconds_per_point']} s per point. "
+             "Cycle = acquire lease + get head + publish turn (release). "
+             "Floor = the same Lua scripts and HMGET straight from redis-py. "
+             "Ratio = time per cycle through the service / on raw Redis.", ""]
+    for fsync, points in results["cycles"].items():
+        lines += [f"## appendfsync {fsync}", "",
+                  "| clients | service cycles/s | p50 ms | p99 ms | redis-py cycles/s | p50 ms | p99 ms | overhead ratio |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c, p in points.items():
+            s, f = p["service"], p["redis"]
+            lines.append(f"| {c} | {s['cycles_per_s']:.0f} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
+                         f"{f['cycles_per_s']:.0f} | {f['p50_ms']:.2f} | {f['p99_ms']:.2f} | "
+                         f"{p['overhead_ratio_vs_redis']:.2f}× |")
+        lines.append("")
+    t = results["tier"]
+    lines += [f"## State tier ({t['state_mib']:.0f} MiB head)", "",
+              "| operation | MB/s |", "|---|---:|",
+              f"| put (all chunks new) | {t['put_MBps']:.0f} |",
+              f"| put, next version ({t['incremental_chunks_sent']} chunk sent, "
+              f"{t['incremental_chunks_reused']} reused) | {t['incremental_put_MBps']:.0f} |",
+              f"| get (checksums verified both ends) | {t['get_MBps']:.0f} |",
+              f"| redis-py SET, 1 MiB values (reference) | {t['redis_set_MBps']:.0f} |",
+              f"| redis-py MGET, 1 MiB values (reference) | {t['redis_get_MBps']:.0f} |", ""]
+    return "\n".join(lines)
+
+
+async def main_async(plan: Plan, mode: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
+        workdir = Path(tmp)
+        cycles = {f.value: await bench_cycles(plan, f, workdir) for f in plan.fsync}
+        tier = await bench_tier(plan, workdir)
+    primary = cycles[plan.fsync[0].value]
+    return {
+        "mode": mode,
+        "seconds_per_point": plan.seconds_per_point,
+        "env": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpc": grpc.__version__,
+                "redis_py": redis.__version__},
+        "primary_fsync": plan.fsync[0].value,
+        "overhead_ratio_vs_redis": {c: p["overhead_ratio_vs_redis"] for c, p in primary.items()},
+        "cycles": cycles,
+        "tier": tier,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="short run (CI smoke)")
+    args = parser.parse_args()
+    plan, mode = (QUICK, "quick") if args.quick else (FULL, "full")
+    results = asyncio.run(main_async(plan, mode))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "cache_service.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS / "cache_service.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
