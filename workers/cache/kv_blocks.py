@@ -86,6 +86,14 @@ class KVCacheManager:
             raise OutOfCacheError(f"KV cache: need {n} blocks, {self.pool.num_free} free")
         self.tables.setdefault(holder, []).extend(self.pool.allocate(n))
 
+    def append_new(self, holder: Holder, n: int) -> list[int]:
+        """Append n fresh blocks to the holder's table (importing state written elsewhere)."""
+        if n and not self.can_allocate(n):
+            raise OutOfCacheError(f"KV cache: need {n} blocks, {self.pool.num_free} free")
+        blocks = self.pool.allocate(n)
+        self.tables.setdefault(holder, []).extend(blocks)
+        return blocks
+
     def share(self, holder: Holder, blocks: list[int]) -> None:
         """Append already-written blocks to the holder's table by reference."""
         self.pool.incref(blocks)

@@ -57,6 +57,9 @@ class HeadStore:
             self._heads.move_to_end(head.id)
         return head
 
+    def all(self) -> list[CommittedHead]:
+        return list(self._heads.values())
+
     def of_conversation(self, key: str) -> list[CommittedHead]:
         return [h for h in self._heads.values() if h.conversation_key == key]
 
