@@ -48,15 +48,16 @@ MESSAGE = "x" * 400  # a short chat message
 
 @dataclass(frozen=True)
 class Plan:
-    seconds_per_point: float
+    seconds_per_point: float  # per side (service, raw Redis), split into `rounds` slices
+    rounds: int
     concurrency: tuple[int, ...]
     state_bytes: int
     tier_budget: int
     fsync: tuple[FsyncPolicy, ...]
 
 
-FULL = Plan(8.0, (1, 16, 64), 64 << 20, 256 << 20, (FsyncPolicy.EVERYSEC, FsyncPolicy.ALWAYS))
-QUICK = Plan(1.5, (1, 16, 64), 16 << 20, 64 << 20, (FsyncPolicy.EVERYSEC,))
+FULL = Plan(10.0, 10, (1, 16, 64), 64 << 20, 256 << 20, (FsyncPolicy.EVERYSEC, FsyncPolicy.ALWAYS))
+QUICK = Plan(1.5, 3, (1, 16, 64), 16 << 20, 64 << 20, (FsyncPolicy.EVERYSEC,))
 
 
 @dataclass
@@ -76,24 +77,45 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_clients(concurrency: int, seconds: float, cycle_factory) -> Point:
-    """Run `concurrency` loops of cycle() for `seconds` (after a short warm-up)."""
-    latencies: list[float] = []
-    cycles = [await cycle_factory(i) for i in range(concurrency)]
-    for cycle in cycles:  # warm-up: connections, script cache, first head
-        await cycle()
+@dataclass
+class Samples:
+    latencies_ms: list[float]
+    seconds: float = 0.0
+
+    def point(self) -> Point:
+        return Point(len(self.latencies_ms), self.seconds, statistics.median(self.latencies_ms),
+                     percentile(self.latencies_ms, 0.99))
+
+
+async def run_slice(cycles, seconds: float, samples: Samples) -> None:
+    """Run every cycle() in its own loop for `seconds`, appending latencies."""
     stop_at = time.perf_counter() + seconds
 
     async def loop(cycle) -> None:
         while time.perf_counter() < stop_at:
             t0 = time.perf_counter()
             await cycle()
-            latencies.append((time.perf_counter() - t0) * 1000)
+            samples.latencies_ms.append((time.perf_counter() - t0) * 1000)
 
     started = time.perf_counter()
     await asyncio.gather(*(loop(c) for c in cycles))
-    elapsed = time.perf_counter() - started
-    return Point(len(latencies), elapsed, statistics.median(latencies), percentile(latencies, 0.99))
+    samples.seconds += time.perf_counter() - started
+
+
+async def compare(concurrency: int, seconds: float, rounds: int, service_factory, redis_factory):
+    """Alternate short service and raw-Redis slices so both see the same machine load
+    (this box is shared; a quiet minute for one side and a busy one for the other
+    would make any ratio meaningless)."""
+    sides = []
+    for factory in (service_factory, redis_factory):
+        cycles = [await factory(i) for i in range(concurrency)]
+        for cycle in cycles:  # warm-up: connections, script cache, first head
+            await cycle()
+        sides.append((cycles, Samples([])))
+    for _ in range(rounds):
+        for cycles, samples in sides:
+            await run_slice(cycles, seconds / rounds, samples)
+    return sides[0][1].point(), sides[1][1].point()
 
 
 def service_cycle_factory(client: CacheClient):
@@ -167,8 +189,8 @@ async def bench_cycles(plan: Plan, fsync: FsyncPolicy, workdir: Path) -> dict:
             async with CacheClient(target) as client:
                 await client.wait_ready()
                 for c in plan.concurrency:
-                    svc = await run_clients(c, plan.seconds_per_point, service_cycle_factory(client))
-                    floor = await run_clients(c, plan.seconds_per_point, redis_cycle_factory(raw))
+                    svc, floor = await compare(c, plan.seconds_per_point, plan.rounds,
+                                               service_cycle_factory(client), redis_cycle_factory(raw))
                     out[str(c)] = {
                         "service": {**asdict(svc), "cycles_per_s": svc.cycles_per_s},
                         "redis": {**asdict(floor), "cycles_per_s": floor.cycles_per_s},
@@ -239,13 +261,16 @@ async def bench_tier(plan: Plan, workdir: Path) -> dict:
 
 def markdown(results: dict) -> str:
     lines = ["# Cache service benchmark", "",
-             f"{results['mode']} run, {results['env']['cpus']} CPUs, {results['seconds_per_point']} s per point. "
+             f"{results['mode']} run, {results['env']['cpus']} CPUs, {results['seconds_per_point']} s per side "
+             f"and point (alternating slices), load average {results['env']['load_avg_before'][0]:.1f} "
+             f"before / {results['env']['load_avg_after'][0]:.1f} after (shared machine). "
              "Cycle = acquire lease + get head + publish turn (release). "
              "Floor = the same Lua scripts and HMGET straight from redis-py. "
              "Ratio = time per cycle through the service / on raw Redis.", ""]
     for fsync, points in results["cycles"].items():
         lines += [f"## appendfsync {fsync}", "",
-                  "| clients | service cycles/s | p50 ms | p99 ms | redis-py cycles/s | p50 ms | p99 ms | overhead ratio |",
+                  "| clients | service cycles/s | p50 ms | p99 ms "
+                  "| redis-py cycles/s | p50 ms | p99 ms | overhead ratio |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for c, p in points.items():
             s, f = p["service"], p["redis"]
@@ -266,6 +291,7 @@ def markdown(results: dict) -> str:
 
 
 async def main_async(plan: Plan, mode: str) -> dict:
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
         workdir = Path(tmp)
         cycles = {f.value: await bench_cycles(plan, f, workdir) for f in plan.fsync}
@@ -275,7 +301,8 @@ async def main_async(plan: Plan, mode: str) -> dict:
         "mode": mode,
         "seconds_per_point": plan.seconds_per_point,
         "env": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpc": grpc.__version__,
-                "redis_py": redis.__version__},
+                "redis_py": redis.__version__, "load_avg_before": load_before,
+                "load_avg_after": os.getloadavg()},
         "primary_fsync": plan.fsync[0].value,
         "overhead_ratio_vs_redis": {c: p["overhead_ratio_vs_redis"] for c, p in primary.items()},
         "cycles": cycles,

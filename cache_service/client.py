@@ -27,9 +27,20 @@ from typing import Any
 import grpc
 
 from cache_service import hashing
-from cache_service.errors import (CacheError, DataLoss, InvalidArgument, LeaseHeld,  # noqa: F401
-                                  LeaseLost, MissingChunks, NotFound, StaleFence,
-                                  Unavailable, VersionConflict, from_status)
+from cache_service.errors import (  # noqa: F401
+    CacheError,
+    DataLoss,
+    DeadlineExceeded,
+    InvalidArgument,
+    LeaseHeld,
+    LeaseLost,
+    MissingChunks,
+    NotFound,
+    StaleFence,
+    Unavailable,
+    VersionConflict,
+    from_status,
+)
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 
@@ -243,7 +254,7 @@ class CacheClient:
             else list(data)
         digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
         manifest = pb.StateManifest(key=conv.pb(), version=version, chunks=[
-            pb.ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks)])
+            pb.ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks, strict=True)])
         missing = await self._unary("MissingChunks", pb.MissingChunksRequest(
             key=conv.pb(), digests=list(dict.fromkeys(digests))))
         try:
@@ -257,7 +268,7 @@ class CacheClient:
         async def requests() -> AsyncIterator[pb.PutStateRequest]:
             yield pb.PutStateRequest(manifest=manifest)
             pending = set(send)
-            for digest, chunk in zip(digests, chunks):
+            for digest, chunk in zip(digests, chunks, strict=True):
                 if digest in pending:
                     pending.discard(digest)
                     yield pb.PutStateRequest(chunk=pb.Chunk(digest=digest, data=bytes(chunk)))

@@ -25,6 +25,7 @@ class Reason(enum.Enum):
     MISSING_CHUNKS = "missing_chunks"
     DATA_LOSS = "data_loss"
     UNAVAILABLE = "unavailable"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
 
 
 class CacheError(Exception):
@@ -96,10 +97,17 @@ class Unavailable(CacheError):
     reason, code = Reason.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(CacheError):
+    """The call's deadline passed. Not retried: the mutation may or may not have
+    happened (retry it yourself with the same holder / publish_id to find out)."""
+
+    reason, code = Reason.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 _BY_REASON: dict[Reason, type[CacheError]] = {
     cls.reason: cls
     for cls in (NotFound, InvalidArgument, LeaseHeld, LeaseLost, StaleFence,
-                VersionConflict, MissingChunks, DataLoss, Unavailable)
+                VersionConflict, MissingChunks, DataLoss, Unavailable, DeadlineExceeded)
 }
 _BY_CODE: dict[grpc.StatusCode, type[CacheError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -107,6 +115,7 @@ _BY_CODE: dict[grpc.StatusCode, type[CacheError]] = {
     grpc.StatusCode.ABORTED: VersionConflict,
     grpc.StatusCode.DATA_LOSS: DataLoss,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     # gRPC itself refuses messages above the size limit with RESOURCE_EXHAUSTED.
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
 }

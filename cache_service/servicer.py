@@ -11,10 +11,10 @@ import weakref
 
 from cache_service import errors, validation
 from cache_service.config import Limits
+from cache_service.hashing import sha256
 from cache_service.keys import ConversationKeys
 from cache_service.rpc import RpcCounters, rpc
 from cache_service.store import MetadataStore
-from cache_service.hashing import sha256
 from cache_service.tier import ChunkRef, StateTier
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc

@@ -8,6 +8,7 @@ status words to typed errors. Input is assumed validated (validation.py).
 from __future__ import annotations
 
 import time
+
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError

@@ -5,15 +5,21 @@ acknowledged) and its own service, since it kills them.
 """
 
 import asyncio
+import os
+import signal
+import time
 import uuid
 
 import pytest
 from conftest import ServiceProcess, fast_client
 from cs_helpers import History, commit_turn
 
-from cache_service.client import Conversation, tokens_sha256
+from cache_service.client import CacheClient, ClientConfig, Conversation, DeadlineExceeded, tokens_sha256
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+
+# Processes get killed here; a hang must fail fast, not eat the session timeout.
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +108,19 @@ async def test_service_sigkill_and_restart_loses_no_turn(own_client, own_service
     assert ledger.head.version == 3 and ledger.head.committed_tokens == 6
     # The tier lived in the dead process: the head says so rather than pointing at nothing.
     assert ledger.head.tier_version == 0
+
+
+async def test_deadline_bounds_a_call_when_redis_hangs(own_client, own_redis, own_service):
+    conv = new_conv()
+    await commit_turn(own_client, conv, History(), [1], "one")
+    impatient = CacheClient(own_service.target, ClientConfig(timeout_s=0.3))
+    os.kill(own_redis.pid, signal.SIGSTOP)  # Redis hangs: connections open, no answers
+    try:
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await impatient.get_head(conv)
+        assert time.monotonic() - started < 3.0  # not the 5 s Redis socket timeout
+    finally:
+        os.kill(own_redis.pid, signal.SIGCONT)
+    assert (await impatient.get_head(conv)).version == 1
+    await impatient.close()

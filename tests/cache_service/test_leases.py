@@ -4,8 +4,7 @@ import asyncio
 
 import pytest
 
-from cache_service.client import (Conversation, LeaseHeld, LeaseLost, NotFound, StaleFence,
-                                  tokens_sha256)
+from cache_service.client import Conversation, LeaseHeld, LeaseLost, NotFound, StaleFence, tokens_sha256
 
 
 async def publish_first_turn(client, conv, token, tokens=(1, 2, 3)):

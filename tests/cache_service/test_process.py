@@ -12,6 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.client import Conversation
 from cache_service.server import SERVICE_NAME
 
+# Processes get killed here; a hang must fail fast, not eat the session timeout.
+pytestmark = pytest.mark.timeout(60)
+
 
 def wait_for_exit(pid: int, timeout_s: float = 10.0) -> bool:
     """True once pid (not our child) has exited; waits on a pidfd, no polling."""

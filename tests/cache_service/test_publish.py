@@ -5,8 +5,7 @@ import asyncio
 import pytest
 from cs_helpers import History, commit_turn
 
-from cache_service.client import (InvalidArgument, LeaseHeld, LeaseLost, NotFound,
-                                  VersionConflict, tokens_sha256)
+from cache_service.client import InvalidArgument, LeaseHeld, LeaseLost, NotFound, VersionConflict, tokens_sha256
 
 
 async def test_two_publishers_at_the_same_version_one_wins(client, conv):
