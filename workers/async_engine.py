@@ -50,10 +50,17 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iterator early aborts the request."""
         request_id = request_id or f"req-{next(self._ids)}"
+        start = lambda e: e.add_request(request_id, prompt_token_ids, params, **add_kwargs)  # noqa: E731
+        async for out in self.stream(request_id, start):
+            yield out
+
+    async def stream(self, request_id: str, start: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
+        """Run start(engine) on the engine thread (it adds request_id, e.g. a conversation
+        turn) and stream that request's outputs; leaving early aborts it."""
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         try:
-            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, params, **add_kwargs))
+            await self.call(start)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
