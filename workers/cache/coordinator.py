@@ -46,12 +46,13 @@ class CacheCoordinator:
         self.counters = {"cow_block_copies": 0, "state_copies": 0}
 
     def can_admit(self, request: Request, num_new_tokens: int) -> bool:
-        holder = Holder.request(request.request_id)
-        first = request.num_computed_tokens if request.head is None else request.head.state_len
         slots = 2 if request.retain_state else 1
-        return self.states.can_allocate(slots) and self.kv.can_allocate(
-            self.kv.blocks_needed(holder, first + num_new_tokens)
-        )
+        if request.head is None:
+            blocks = self.kv.blocks_needed(Holder.request(request.request_id), request.num_computed_tokens + num_new_tokens)
+        else:  # the head's full blocks are shared, not allocated
+            length = request.head.state_len
+            blocks = -(-(length + num_new_tokens) // self.kv.block_size) - length // self.kv.block_size
+        return self.states.can_allocate(slots) and self.kv.can_allocate(blocks)
 
     def admit(self, request: Request) -> None:
         """Give a waiting request its state slot, continuing its head if it has one."""
