@@ -74,6 +74,7 @@ class EmbeddedRedis:
         self.config = config
         self.binary = config.binary or find_redis_server()
         self.port = config.port or free_port()
+        self._may_move_port = config.port == 0
         self._proc: subprocess.Popen | None = None
         self._drain: threading.Thread | None = None
 
@@ -98,9 +99,24 @@ class EmbeddedRedis:
         ]
 
     def start(self) -> None:
+        """Start (or restart, on the same port) and wait until it accepts connections."""
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError("embedded redis already running")
         Path(self.config.data_dir).mkdir(parents=True, exist_ok=True)
+        # A port picked by free_port() can be taken before redis binds it; then pick
+        # another. Never once clients know the URL (a restart must keep its port).
+        attempts = 3 if self._may_move_port else 1
+        for attempt in range(attempts):
+            try:
+                self._launch()
+                break
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                self.port = free_port()
+        self._may_move_port = False
+
+    def _launch(self) -> None:
         proc = subprocess.Popen(self._argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
