@@ -7,111 +7,14 @@ processes' own log lines, never by sleeping.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import uuid
-from pathlib import Path
 
 import pytest
+from cs_helpers import ServiceProcess, fast_client
 
-from cache_service.client import CacheClient, ClientConfig, Conversation, RetryPolicy
+from cache_service.client import Conversation
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-TIER_BUDGET = 16 << 20
-
-
-class ServiceProcess:
-    """`python -m cache_service` as a child process; restartable on the same port."""
-
-    def __init__(self, *, data_dir: Path, redis_url: str | None, tier_budget: int = TIER_BUDGET,
-                 extra_env: dict[str, str] | None = None):
-        self.data_dir = data_dir
-        self.redis_url = redis_url
-        self.tier_budget = tier_budget
-        self.port = 0
-        self.proc: subprocess.Popen | None = None
-        self.events: list[dict] = []
-        self._new_event = threading.Condition()
-        self._extra_env = extra_env or {}
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        argv = [sys.executable, "-m", "cache_service", "--port", str(self.port),
-                "--data-dir", str(self.data_dir), "--tier-budget", str(self.tier_budget),
-                "--grace-s", "2"]
-        if self.redis_url:
-            argv += ["--redis-url", self.redis_url]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **self._extra_env}
-        env.pop("REDIS_URL", None)
-        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
-        serving = threading.Event()
-        proc = self.proc
-
-        def drain() -> None:
-            for line in proc.stderr:
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    event = {"event": "raw", "line": line.rstrip()}
-                with self._new_event:
-                    self.events.append(event)
-                    self._new_event.notify_all()
-                if event.get("event") == "serving":
-                    self.port = event["port"]
-                    serving.set()
-            serving.set()  # EOF: exited
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not serving.wait(timeout_s) or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError(f"cache service did not start: {self.events[-10:]}")
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    def terminate(self) -> int:
-        return self._signal(signal.SIGTERM)
-
-    def _signal(self, sig: signal.Signals) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        return self.proc.wait(30)
-
-    def close(self) -> None:
-        """Kill the process if a failed test left it running."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.kill()
-
-    def event(self, name: str) -> dict:
-        return next(e for e in self.events if e.get("event") == name)
-
-    def wait_event(self, predicate, timeout_s: float = 30.0) -> dict:
-        """Block until the service logs an event matching predicate (use via to_thread)."""
-        seen = 0
-        with self._new_event:
-            while True:
-                for event in self.events[seen:]:
-                    if predicate(event):
-                        return event
-                seen = len(self.events)
-                if not self._new_event.wait(timeout_s):
-                    raise TimeoutError("the service never logged the awaited event")
-
-
-def fast_client(target: str) -> CacheClient:
-    # Tests want quick retries but enough of them to ride out a process restart.
-    return CacheClient(target, ClientConfig(
-        timeout_s=5.0, retry=RetryPolicy(attempts=40, initial_backoff_s=0.01, max_backoff_s=0.25)))
 
 
 @pytest.fixture(scope="session")

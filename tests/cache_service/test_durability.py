@@ -11,8 +11,7 @@ import time
 import uuid
 
 import pytest
-from conftest import ServiceProcess, fast_client
-from cs_helpers import History, commit_turn
+from cs_helpers import History, ServiceProcess, commit_turn, fast_client
 
 from cache_service.client import CacheClient, ClientConfig, Conversation, DeadlineExceeded, tokens_sha256
 from cache_service.config import FsyncPolicy

@@ -5,8 +5,7 @@ import select
 
 import grpc
 import pytest
-from conftest import ServiceProcess, fast_client
-from cs_helpers import History, commit_turn
+from cs_helpers import History, ServiceProcess, commit_turn, fast_client
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.client import Conversation

@@ -4,8 +4,7 @@ import os
 import random
 
 import pytest
-from conftest import TIER_BUDGET
-from cs_helpers import History, commit_turn
+from cs_helpers import TIER_BUDGET, History, commit_turn
 
 from cache_service.client import DataLoss, NotFound, VersionConflict
 from cache_service.keys import conversation_hash
