@@ -99,3 +99,28 @@ async def test_delete_drops_the_tier_entry(client, conv):
     await conversation_at_version(client, conv)
     again = await client.put_state(conv, 1, data)
     assert (again.chunks_sent, again.chunks_reused) == (1, 0)
+
+
+async def test_migration_export_transfer_import(client, conv):
+    """Scale-in: the owner exports its head, the router moves ownership, the new
+    owner imports exactly the exported bytes; a stale export cannot overwrite it."""
+    history = await conversation_at_version(client, conv, versions=2)
+    exported = os.urandom(3 << 20) + b"tail"
+    await client.put_state(conv, history.version, exported)
+
+    lease = await client.acquire_lease(conv, ttl_ms=10_000)
+    head = await client.get_head(conv)
+    assert (head.owner_replica, head.tier_version) == ("replica-0", 2)
+    moved = await client.transfer_ownership(conv, lease_token=lease.token, expected_version=head.version,
+                                            new_owner="replica-1")
+    assert moved.owner_replica == "replica-1" and moved.tier_version == 2
+    version, imported = await client.get_state(conv, version=moved.tier_version)
+    assert version == 2 and imported == exported
+
+    # The new owner commits turn 3; an export of version 2 arriving late is refused.
+    await client.release_lease(conv, lease.token)
+    await commit_turn(client, conv, history, [9], "on the new replica", owner="replica-1")
+    with pytest.raises(VersionConflict):
+        await client.put_state(conv, 2, b"late export of version 2")
+    head = await client.get_head(conv)
+    assert (head.version, head.owner_replica, head.tier_version) == (3, "replica-1", 2)
