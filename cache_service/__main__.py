@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="state tier spill directory [CACHE_TIER_DIR] (default DATA_DIR/tier)")
     p.add_argument("--tier-budget", type=parse_bytes, default=parse_bytes(env("CACHE_TIER_BUDGET", "1GiB")),
                    help="state tier memory budget, e.g. 512MiB [CACHE_TIER_BUDGET]")
-    p.add_argument("--appendfsync", type=FsyncPolicy, choices=list(FsyncPolicy),
-                   default=FsyncPolicy(env("CACHE_REDIS_APPENDFSYNC", "always")),
+    p.add_argument("--appendfsync", choices=[policy.value for policy in FsyncPolicy],
+                   default=env("CACHE_REDIS_APPENDFSYNC", FsyncPolicy.ALWAYS.value),
                    help="AOF fsync policy of the embedded Redis [CACHE_REDIS_APPENDFSYNC]")
     p.add_argument("--grace-s", type=float, default=float(env("CACHE_SERVICE_GRACE_S", "5")),
                    help="shutdown grace period [CACHE_SERVICE_GRACE_S]")
@@ -55,7 +55,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         tier=TierConfig(directory=Path(tier_dir), memory_budget_bytes=args.tier_budget),
         redis_url=args.redis_url or None, data_dir=args.data_dir, host=args.host,
-        port=args.port, fsync=args.appendfsync, grace_s=args.grace_s)
+        port=args.port, fsync=FsyncPolicy(args.appendfsync), grace_s=args.grace_s)
 
 
 def main() -> None:
