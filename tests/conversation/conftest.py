@@ -1,0 +1,38 @@
+"""Fixtures of the conversation-cache tests: tiny checkpoints of the three families, shared
+stateless reference engines, and the integrity checks run after every test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conversation.helpers import CACHES, ENGINES, check_cache, check_engine, new_engine
+from workers.checkpoint import Arch, Preset, make_model
+from workers.engine import LLMEngine
+
+# Seeds whose tiny models end some replies with <|end_of_turn|> within a few tokens and not
+# others (granite's seed 0 ends every reply at once).
+SEEDS = {Arch.BAMBA: 4, Arch.GRANITEMOEHYBRID: 2, Arch.NEMOTRON_H: 0}
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[Arch, Path]:
+    root = tmp_path_factory.mktemp("conversation-models")
+    return {arch: make_model(root / arch.value, arch, Preset.TINY, seed=SEEDS[arch]) for arch in Arch}
+
+
+@pytest.fixture(scope="session")
+def reference_engines(models) -> dict[Arch, LLMEngine]:
+    """Stateless engines (no conversation cache), shared: they are idle between tests."""
+    return {arch: new_engine(path, max_num_batched_tokens=512) for arch, path in models.items()}
+
+
+@pytest.fixture(autouse=True)
+def _integrity():
+    yield
+    for engine in list(ENGINES):
+        check_engine(engine)
+    for cc in list(CACHES):
+        check_cache(cc)
