@@ -92,9 +92,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:  # a bug in scheduling itself: log it, fail nothing silently
+            except Exception as e:  # a bug outside the model step: fail every request, keep the loop
                 log.exception("engine step crashed")
-                raise
+                outputs = self.engine.fail_all(f"engine step crashed: {e}")
             for out in outputs:
                 self._deliver(out)
 

@@ -173,6 +173,14 @@ class LLMEngine:
             outputs.append(self._output(chunk.request, (), "", error=message))
         return outputs
 
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every unfinished request with an error (the loop itself failed)."""
+        outputs = []
+        for request in list(self.scheduler.requests.values()):
+            self._finish(request, FinishReason.ERROR)
+            outputs.append(self._output(request, (), "", error=message))
+        return outputs
+
     def _output(self, request: Request, tokens, delta: str, error: str | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
