@@ -222,6 +222,23 @@ def test_aborts_in_every_phase_of_a_busy_engine(bamba):
     assert_all_free(engine)
 
 
+def test_integrity_check_catches_leaks(bamba):
+    """The check run after every test is not vacuous: a leaked block or slot trips it."""
+    from workers.config import CacheConfig, EngineConfig
+    from workers.engine import LLMEngine
+
+    config = EngineConfig(model=str(bamba.path), cache=CacheConfig(kv_cache_bytes=1 << 20, head_cache_bytes=1 << 20))
+    engine = LLMEngine(config)  # not registered: it ends up corrupt
+    engine.check_integrity()
+    engine.caches.kv.pool.allocate(1)  # a block no table refers to
+    with pytest.raises(AssertionError):
+        engine.check_integrity()
+    engine = LLMEngine(config)
+    engine.caches.states._free.popleft()  # a slot nobody holds and that is not free
+    with pytest.raises(AssertionError):
+        engine.check_integrity()
+
+
 # -- a failing model step ----------------------------------------------------------------------
 def _fail_call(monkeypatch, engine, which: int):
     """Make the `which`-th model forward from now raise (once)."""

@@ -69,7 +69,7 @@ def _generate(engine, prompts, params=GREEDY):
 
 
 @ARCHS
-@pytest.mark.parametrize("budget", [5, 16, 23])
+@pytest.mark.parametrize("budget", [1, 5, 16, 23])
 def test_engine_chunked_prefill_equals_one_shot(tiny, arch, budget):
     prompts = {"a": prompt_of(50, seed=1), "b": prompt_of(33, seed=2), "c": prompt_of(16, seed=3)}
     ref_run, ref_logits = _generate(new_engine(tiny[arch].path), prompts)

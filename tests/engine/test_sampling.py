@@ -59,16 +59,16 @@ def test_draws_vary_with_seed_and_position():
 
 def test_sample_frequencies_follow_the_softmax():
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
-    n = 3000
+    n = 1500
     counts = torch.zeros(4)
     for p in range(n):
         counts[sample(logits, [_seeded(99)], [p])[0].token_id] += 1
-    assert torch.allclose(counts / n, torch.softmax(logits[0], -1), atol=0.03)
+    assert torch.allclose(counts / n, torch.softmax(logits[0], -1), atol=0.04)
     # temperature 0.5 sharpens the same distribution
     counts.zero_()
     for p in range(n):
         counts[sample(logits, [SamplingParams(temperature=0.5, seed=99)], [p])[0].token_id] += 1
-    assert torch.allclose(counts / n, torch.softmax(logits[0] / 0.5, -1), atol=0.03)
+    assert torch.allclose(counts / n, torch.softmax(logits[0] / 0.5, -1), atol=0.04)
 
 
 def test_top_k_and_top_p_restrict_the_support():
