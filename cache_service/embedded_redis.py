@@ -14,7 +14,6 @@ is replayed and clients that reconnect to the same URL find their data.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import logging
 import os
@@ -32,7 +31,6 @@ from cache_service.logs import fields
 
 log = logging.getLogger("cache_service.embedded_redis")
 _READY = "Ready to accept connections"
-_PR_SET_PDEATHSIG = 1
 
 
 def find_redis_server() -> Path:
@@ -47,11 +45,20 @@ def find_redis_server() -> Path:
     return Path(on_path)
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: if the parent dies (even by SIGKILL), the kernel
-    sends redis SIGTERM, which makes it flush the AOF and exit instead of lingering."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent_prefix() -> list[str]:
+    """argv prefix so that if the parent dies (even by SIGKILL) the kernel sends redis
+    SIGTERM, which makes it flush the AOF and exit instead of lingering.
+
+    util-linux `setpriv` sets the parent-death signal and execs redis. Not a
+    preexec_fn: Python code between fork and exec can crash or deadlock in a process
+    with threads (gRPC, torch), and this process always has some.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or not sys.platform.startswith("linux"):
+        log.warning("embedded_redis_no_pdeathsig", extra=fields(
+            reason="setpriv not found: redis-server may outlive a killed parent"))
+        return []
+    return [setpriv, "--pdeathsig", "TERM", "--"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -117,9 +124,10 @@ class EmbeddedRedis:
         self._may_move_port = False
 
     def _launch(self) -> None:
-        proc = subprocess.Popen(self._argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        # The parent-death signal belongs to the forking *thread*: start from a thread
+        # that lives as long as the process (the main thread), not from a pool worker.
+        proc = subprocess.Popen(_die_with_parent_prefix() + self._argv(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         ready = threading.Event()
         lines: list[str] = []
 

@@ -124,4 +124,4 @@ class ServiceProcess:
 def fast_client(target: str) -> CacheClient:
     # Tests want quick retries but enough of them to ride out a process restart.
     return CacheClient(target, ClientConfig(
-        timeout_s=5.0, retry=RetryPolicy(attempts=40, initial_backoff_s=0.01, max_backoff_s=0.25)))
+        timeout_s=5.0, retry=RetryPolicy(attempts=100, initial_backoff_s=0.01, max_backoff_s=0.25)))

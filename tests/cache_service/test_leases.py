@@ -14,7 +14,9 @@ async def publish_first_turn(client, conv, token, tokens=(1, 2, 3)):
 
 
 async def test_fifty_concurrent_acquirers_one_winner_then_takeover_and_stale_fence(client, conv):
-    results = await asyncio.gather(*(client.acquire_lease(conv, ttl_ms=300, holder=f"h{i}")
+    # The TTL must outlast 50 round trips on a loaded machine, or a second acquirer
+    # would rightly win after the first lease expired.
+    results = await asyncio.gather(*(client.acquire_lease(conv, ttl_ms=1500, holder=f"h{i}")
                                      for i in range(50)), return_exceptions=True)
     winners = [r for r in results if not isinstance(r, BaseException)]
     losers = [r for r in results if isinstance(r, BaseException)]
@@ -24,7 +26,7 @@ async def test_fifty_concurrent_acquirers_one_winner_then_takeover_and_stale_fen
     assert {e.details["holder"] for e in losers} == {first.holder}
 
     # Someone else waits for the expiry and takes over with a larger token.
-    second = await client.acquire_lease(conv, ttl_ms=10_000, holder="late", wait_s=5.0)
+    second = await client.acquire_lease(conv, ttl_ms=10_000, holder="late", wait_s=10.0)
     assert second.holder == "late" and second.token > first.token
 
     # The first holder wakes up and tries to commit: refused, nothing written.
