@@ -75,14 +75,25 @@ def run_generate(args: argparse.Namespace) -> None:
         print(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from workers.checkpoint.cli import add_make_model_arguments, run_make_model
+def _run_make_model(args: argparse.Namespace) -> None:
+    from workers.checkpoint.cli import run_make_model  # imports transformers: only when asked
 
+    run_make_model(args)
+
+
+def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, help="directory to write the checkpoint into")
+    parser.add_argument("--arch", choices=["bamba", "granitemoehybrid", "nemotron_h"], default="bamba")
+    parser.add_argument("--preset", choices=["tiny", "small", "bench"], default="small")
+    parser.add_argument("--seed", type=int, default=0, help="same seed, same bytes")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-model", help="write a random-weight checkpoint with tokenizer and chat template")
-    add_make_model_arguments(make)
-    make.set_defaults(run=run_make_model)
+    _add_make_model_arguments(make)
+    make.set_defaults(run=_run_make_model)
     generate = sub.add_parser("generate", help="one-shot generation on a checkpoint")
     _add_generate_arguments(generate)
     generate.set_defaults(run=run_generate)

@@ -6,7 +6,9 @@ gives asyncio callers streams of outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +59,7 @@ class LLMEngine:
         self.model = load_model(model_dir, config.dtype, config.device)
         self.model_config = self.model.config
         self.tokenizer = ChatTokenizer(model_dir)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        model_limit = config.max_model_len or self.model_config.max_position_embeddings
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids())
         self.eos_token_ids = frozenset(eos)
         self.banned_token_ids = torch.tensor(sorted(self.tokenizer.never_sample_ids), dtype=torch.long)
@@ -71,6 +73,8 @@ class LLMEngine:
         self.kv_layout, self.state_layout = layouts_for(
             self.model_config, num_blocks, cache.block_size, num_slots, config.dtype
         )
+        # A request longer than the whole pool could never run: cap the length limit there.
+        self.max_model_len = min(model_limit, self.kv_layout.usable_blocks * cache.block_size)
         self.caches = CacheCoordinator(KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout))
         self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
         self.runner = ModelRunner(self.model, self.kv_layout, self.state_layout, config.device)
@@ -90,6 +94,8 @@ class LLMEngine:
         retain_state: bool = False,
     ) -> Request:
         self._validate(request_id, prompt_token_ids, params)
+        if params.seed is None:
+            params = dataclasses.replace(params)  # a fresh random seed per request, not per params object
         request = Request(request_id, list(prompt_token_ids), params, head=head, retain_state=retain_state)
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
@@ -101,6 +107,8 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+            raise InvalidRequestError("token ids must be integers")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
@@ -123,22 +131,22 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
+        outputs = [self._fail(r, "the request does not fit in the KV cache") for r in step.unfittable]
         if not step.chunks:
-            return []
+            return outputs
+        sampling = [c for c in step.chunks if c.samples]
         try:
             logits = self.runner.execute(step)
+            sampled = sample(
+                logits,
+                [c.request.params for c in sampling],
+                [c.request.num_tokens for c in sampling],
+                self.banned_token_ids,
+            )
         except Exception as e:  # a failing step fails its requests; the engine keeps serving
             log.exception("model step failed")
-            return self._fail_step(step, f"model step failed: {e}")
+            return outputs + [self._fail(c.request, f"model step failed: {e}") for c in step.chunks]
         self.scheduler.advance(step)
-        sampling = [c for c in step.chunks if c.samples]
-        sampled = sample(
-            logits,
-            [c.request.params for c in sampling],
-            [c.request.num_tokens for c in sampling],
-            self.banned_token_ids,
-        )
-        outputs = []
         for chunk, token in zip(sampling, sampled):
             outputs.append(self._on_token(chunk.request, token))
         return outputs
@@ -166,20 +174,13 @@ class LLMEngine:
         for listener in self.finish_listeners:
             listener(request)
 
-    def _fail_step(self, step: SchedulerOutput, message: str) -> list[RequestOutput]:
-        outputs = []
-        for chunk in step.chunks:
-            self._finish(chunk.request, FinishReason.ERROR)
-            outputs.append(self._output(chunk.request, (), "", error=message))
-        return outputs
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        self._finish(request, FinishReason.ERROR)
+        return self._output(request, (), "", error=message)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every unfinished request with an error (the loop itself failed)."""
-        outputs = []
-        for request in list(self.scheduler.requests.values()):
-            self._finish(request, FinishReason.ERROR)
-            outputs.append(self._output(request, (), "", error=message))
-        return outputs
+        return [self._fail(r, message) for r in list(self.scheduler.requests.values())]
 
     def _output(self, request: Request, tokens, delta: str, error: str | None = None) -> RequestOutput:
         return RequestOutput(

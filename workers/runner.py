@@ -88,7 +88,7 @@ class ModelRunner:
         return batch, torch.tensor(sample_rows, device=self.device, dtype=torch.long)
 
     def _segments(self, row: int, chunk: ScheduledChunk) -> list[PrefillSegment]:
-        """One segment per chunk, or two when the Mamba state must be snapshot inside it.
+        r"""One segment per chunk, or two when the Mamba state must be snapshot inside it.
 
             chunk [start ........ a ..... end)     a = aligned snapshot position
                   \_ segment 1 _/\_ segment 2 _/  the state after segment 1 is copied

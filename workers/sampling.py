@@ -30,11 +30,25 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
-    resolved_seed: int = field(default=0, compare=False)
+    resolved_seed: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # OpenAI allows a bare string
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         problems = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        for name in ("max_tokens", "top_k", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                problems.append(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                problems.append(f"{name} must be a number, got {value!r}")
+        if problems:
+            raise InvalidRequestError("; ".join(problems))
+        if self.max_tokens < 1:
             problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             problems.append(f"temperature must be in [0, 100], got {self.temperature!r}")
@@ -46,8 +60,10 @@ class SamplingParams:
             problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             problems.append(f"seed must be in [0, 2**63), got {self.seed!r}")
-        if any(not s for s in self.stop):
-            problems.append("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append("stop strings must be non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            problems.append("stop_token_ids must be integers")
         if problems:
             raise InvalidRequestError("; ".join(problems))
         if self.seed is not None:

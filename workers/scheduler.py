@@ -43,6 +43,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     copies: PendingCopies = field(default_factory=PendingCopies)
     preempted: list[str] = field(default_factory=list)
+    unfittable: list[Request] = field(default_factory=list)  # cannot fit even alone: to be failed
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +76,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, request.num_computed_tokens + n, out):
+                if not self.running:  # it preempted everything, itself last: it can never fit
+                    self.waiting.remove(request)
+                    out.unfittable.append(request)
                 continue
             out.chunks.append(self._chunk(request, n))
             budget -= n
@@ -83,6 +87,9 @@ class Scheduler:
             start = request.head.state_len if request.head else request.num_computed_tokens
             n = min(request.num_tokens - start, budget)
             if out.preempted or not self.caches.can_admit(request, n):
+                if not self.running and not out.chunks and not out.preempted:
+                    out.unfittable.append(self.waiting.popleft())  # alone and still no room
+                    continue
                 break  # no room now; FCFS keeps the queue order
             self.waiting.popleft()
             self.caches.admit(request)

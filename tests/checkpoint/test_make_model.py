@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from workers.cli import build_parser
 from workers.checkpoint import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -19,7 +19,6 @@ from workers.checkpoint import (
     Arch,
     Preset,
     ServingMetadata,
-    add_make_model_arguments,
     make_model,
     run_make_model,
 )
@@ -103,10 +102,12 @@ def test_no_constant_vectors_left(tiny_dirs):
 
 
 def test_cli_hook(tmp_path):
-    parser = add_make_model_arguments(argparse.ArgumentParser())
-    args = parser.parse_args([str(tmp_path / "m"), "--arch", "granitemoehybrid", "--preset", "tiny", "--seed", "7"])
-    assert (args.arch, args.preset, args.seed) == (Arch.GRANITEMOEHYBRID, Preset.TINY, 7)
+    parser = build_parser()
+    args = parser.parse_args(
+        ["make-model", str(tmp_path / "m"), "--arch", "granitemoehybrid", "--preset", "tiny", "--seed", "7"]
+    )
+    assert (Arch(args.arch), Preset(args.preset), args.seed) == (Arch.GRANITEMOEHYBRID, Preset.TINY, 7)
     out = run_make_model(args)
     assert json.loads((out / "config.json").read_text())["model_type"] == "granitemoehybrid"
     with pytest.raises(SystemExit):
-        parser.parse_args([str(tmp_path), "--arch", "llama"])
+        parser.parse_args(["make-model", str(tmp_path), "--arch", "llama"])

@@ -15,7 +15,7 @@ demos, tests and CPU benchmarks.
 """
 
 from workers.checkpoint.chat_template import CHAT_TEMPLATE, GENERATION_PROMPT, Role
-from workers.checkpoint.cli import add_make_model_arguments, run_make_model
+from workers.checkpoint.cli import run_make_model
 from workers.checkpoint.configs import build_config
 from workers.checkpoint.make_model import build_random_model, make_model
 from workers.checkpoint.metadata import METADATA_FILE, ServingMetadata
@@ -47,7 +47,6 @@ __all__ = [
     "ServingMetadata",
     "SpecialToken",
     "VOCAB_SIZE",
-    "add_make_model_arguments",
     "build_config",
     "build_random_model",
     "build_tokenizer",

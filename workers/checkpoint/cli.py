@@ -1,4 +1,8 @@
-"""`hybridserve make-model OUT --arch ... --preset ... --seed N`, as a pluggable subcommand."""
+"""The body of `hybridserve make-model OUT --arch ... --preset ... --seed N`.
+
+The arguments are declared in `workers/cli.py` without importing this package, so other
+subcommands do not pay for importing transformers.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +13,8 @@ from workers.checkpoint.make_model import make_model
 from workers.checkpoint.presets import Arch, Preset
 
 
-def add_make_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("out", type=Path, help="directory to write the checkpoint into")
-    parser.add_argument("--arch", type=Arch, choices=list(Arch), default=Arch.BAMBA, metavar="{" + ",".join(a.value for a in Arch) + "}")
-    parser.add_argument("--preset", type=Preset, choices=list(Preset), default=Preset.SMALL, metavar="{" + ",".join(p.value for p in Preset) + "}")
-    parser.add_argument("--seed", type=int, default=0, help="same seed, same bytes")
-    return parser
-
-
 def run_make_model(args: argparse.Namespace) -> Path:
-    out = make_model(args.out, args.arch, args.preset, args.seed)
-    print(f"wrote {args.arch.value}/{args.preset.value} (seed {args.seed}) checkpoint to {out}")
+    arch, preset = Arch(args.arch), Preset(args.preset)
+    out = make_model(args.out, arch, preset, args.seed)
+    print(f"wrote {arch.value}/{preset.value} (seed {args.seed}) checkpoint to {out}")
     return out

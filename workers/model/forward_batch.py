@@ -1,4 +1,4 @@
-"""What one forward pass needs besides weights: the flat token batch and where its state lives.
+r"""What one forward pass needs besides weights: the flat token batch and where its state lives.
 
 The runner builds a `ForwardBatch` from the scheduler's step; the layers read it. Tokens of
 all sequences are concatenated into one flat array so the dense layers (projections, MLPs)
