@@ -9,19 +9,13 @@ re-tokenized text of the history.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def conversation_key(conversation_id: str, cache_salt: str) -> str:
-    """Salted key: the same id under another salt is another conversation, never a hit."""
-    digest = hashlib.sha256(f"{len(cache_salt)}:{cache_salt}\x00{conversation_id}".encode()).hexdigest()
-    return digest[:32]
-
-
-def tokens_digest(token_ids: list[int]) -> str:
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+# The same key and digest the cache service uses, so a head is named alike everywhere.
+# A salted key: the same id under another salt is another conversation, never a hit.
+from cache_service.hashing import tokens_sha256 as tokens_digest  # noqa: F401  (re-exported)
+from cache_service.keys import conversation_hash as conversation_key  # noqa: F401
 
 
 @dataclass
