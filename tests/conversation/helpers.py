@@ -52,6 +52,7 @@ def new_engine(
     num_state_slots: int = 0,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 64,
+    mamba_align_tokens: int = 0,
 ) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
@@ -61,6 +62,7 @@ def new_engine(
                 kv_cache_bytes=kv_cache_bytes,
                 head_cache_bytes=head_cache_bytes,
                 num_state_slots=num_state_slots,
+                mamba_align_tokens=mamba_align_tokens,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         )
