@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conversation.helpers import CACHES, ENGINES, check_cache, check_engine, new_engine
 from workers.checkpoint import Arch, Preset, make_model
@@ -15,6 +16,16 @@ from workers.engine import LLMEngine
 # Seeds whose tiny models end some replies with <|end_of_turn|> within a few tokens and not
 # others (granite's seed 0 ends every reply at once).
 SEEDS = {Arch.BAMBA: 4, Arch.GRANITEMOEHYBRID: 2, Arch.NEMOTRON_H: 0}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny models' ops take microseconds: a second thread only adds synchronisation (and
+    spinning, several times slower on a busy machine). Still a fixed count; restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
