@@ -76,10 +76,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, request.num_computed_tokens + n, out):
-                if not self.running:  # it preempted everything, itself last: it can never fit
-                    self.waiting.remove(request)
-                    out.unfittable.append(request)
-                continue
+                continue  # preempted itself; re-admission decides whether it can ever fit
             out.chunks.append(self._chunk(request, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -88,7 +85,8 @@ class Scheduler:
             n = min(request.num_tokens - start, budget)
             if out.preempted or not self.caches.can_admit(request, n):
                 if not self.running and not out.chunks and not out.preempted:
-                    out.unfittable.append(self.waiting.popleft())  # alone and still no room
+                    # Nothing runs, nothing was preempted, evictable heads are gone: it never fits.
+                    out.unfittable.append(self.waiting.popleft())
                     continue
                 break  # no room now; FCFS keeps the queue order
             self.waiting.popleft()
@@ -143,7 +141,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request in self.waiting:  # an unfittable request has already left the queue
             self.waiting.remove(request)
         completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
         if not (completed and request.retain_state):

@@ -22,11 +22,11 @@ from workers.conversation.ledger import Conversation, conversation_key, tokens_d
 from workers.conversation.prompt import build_turn_prompt
 from workers.engine import LLMEngine
 from workers.errors import ConversationBusyError, ConversationNotFoundError, InvalidRequestError
-from workers.request import FinishReason, HeadAttachment, Request
+from workers.request import FinishReason, HeadAttachment, Request, RequestStatus
 from workers.sampling import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass
 class PendingTurn:
     key: str
     base_turn: int  # the turn this one continues (0: none)
@@ -46,8 +46,12 @@ class ConversationCache:
         self.heads = HeadStore(self.kv, self.states, engine.config.cache.head_cache_bytes)
         self.conversations: dict[str, Conversation] = {}
         self.pending: dict[str, PendingTurn] = {}
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(
+            {"hits": 0, "misses": 0, "tokens_reused": 0, "published": 0, "discarded": 0, "detached": 0}
+        )
         self._head_ids = itertools.count()
+        self.heads.on_evict = self._on_evict
+        self.heads.may_take_pinned = self._only_queued_on
         engine.finish_listeners.append(self._on_finished)
 
     # -- turns ----------------------------------------------------------------------------------
@@ -110,8 +114,45 @@ class ConversationCache:
         if pending.base_head is not None or request.finish_reason is not None:
             self.heads.enforce_budget()
 
+    def _only_queued_on(self, head: CommittedHead) -> bool:
+        """Deadlock breaker: with nothing running, a head pinned only by queued turns may go."""
+        scheduler = self.engine.scheduler
+        if scheduler.running:
+            return False  # the running turns will finish and free their blocks: wait for them
+        front = scheduler.waiting[0] if scheduler.waiting else None
+        if front is not None and front.head is not None and front.head.holder == head.holder:
+            return False  # the turn being admitted needs this one; take those queued behind it
+        requests = scheduler.requests
+        return all(
+            requests[rid].status is RequestStatus.WAITING
+            for rid, pending in self.pending.items()
+            if pending.base_head is head and rid in requests
+        )
+
+    def _on_evict(self, head: CommittedHead) -> None:
+        """A head is evicted under pool pressure: turns still queued on it recompute instead."""
+        for request_id, pending in self.pending.items():
+            if pending.base_head is not head:
+                continue
+            pending.base_head = None
+            request = self.engine.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            # Its prompt holds every token: a queued (or later preempted) turn recomputes from 0.
+            # A running one already holds its own block references and state copies.
+            request.head = None
+            if request.status is RequestStatus.WAITING:
+                self.counters["hits"] -= 1
+                self.counters["misses"] += 1
+                self.counters["detached"] += 1
+        head.pins = 0
+
     def _publish(self, conv: Conversation, pending: PendingTurn, request: Request) -> None:
-        reply = {"role": "assistant", "content": self.engine.tokenizer.decode(request.output_token_ids)}
+        output = request.output_token_ids
+        if request.finish_reason is FinishReason.STOP and output and output[-1] in self.engine.eos_token_ids:
+            output = output[:-1]  # the template writes the end-of-turn token itself
+        # Special tokens inside the reply stay: the content must render back to what the model saw.
+        reply = {"role": "assistant", "content": self.engine.tokenizer.decode_exact(output)}
         if pending.start == 0 and pending.base_turn:
             for turn in conv.turns:  # template fallback: earlier turns' token ranges no longer apply
                 turn.start = turn.end = 0
@@ -134,7 +175,7 @@ class ConversationCache:
         self.counters["published"] += 1
         self.counters["tokens_reused"] += request.num_cached_tokens
         for old in self.heads.of_conversation(conv.key):
-            if old.turn <= conv.turn - self.retain_turns and old.pins == 0:
+            if old.turn <= conv.turn - self.retain_turns:
                 self.heads.drop(old)
         self.heads.add(head)
 

@@ -7,6 +7,10 @@ continues one copies what it will write (tail block, Mamba state).
 
 Eviction drops least-recently-used heads that no in-flight turn depends on (`pins == 0`);
 the ledger keeps their token ids, so the next turn recomputes them (counted as a miss).
+Only when the pools are short, nothing is running and nothing else is left does it take a
+pinned head whose turns are all still queued: they are detached and recompute (`ConversationCache._on_evict`).
+Without this, queued turns pinning heads could starve the pool for everyone (a deadlock).
+A head whose turn is running is never taken.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ class HeadStore:
         self._heads: OrderedDict[tuple[str, int], CommittedHead] = OrderedDict()  # LRU first
         self.evictions = 0
         self.on_evict: Callable[[CommittedHead], None] = lambda head: None
-        kv.reclaim = lambda n: self._evict_while(lambda: kv.pool.num_free < n)
-        states.reclaim = lambda n: self._evict_while(lambda: states.num_free < n)
+        # Whether a pinned head may still go when the pools are short (its turns only queued).
+        self.may_take_pinned: Callable[[CommittedHead], bool] = lambda head: False
+        kv.reclaim = lambda n: self._evict_while(lambda: kv.pool.num_free < n, take_pinned=True)
+        states.reclaim = lambda n: self._evict_while(lambda: states.num_free < n, take_pinned=True)
 
     def __len__(self) -> int:
         return len(self._heads)
@@ -69,7 +75,6 @@ class HeadStore:
         self.enforce_budget()
 
     def drop(self, head: CommittedHead) -> None:
-        assert head.pins == 0, f"dropping head {head.id} that an in-flight turn uses"
         del self._heads[head.id]
         self.kv.free(head.holder)
         self.states.free(head.holder)
@@ -82,11 +87,13 @@ class HeadStore:
     def enforce_budget(self) -> None:
         self._evict_while(lambda: self.bytes_used() > self.budget_bytes)
 
-    def _evict_while(self, short: Callable[[], bool]) -> None:
+    def _evict_while(self, short: Callable[[], bool], take_pinned: bool = False) -> None:
         while short():
             victim = next((h for h in self._heads.values() if h.pins == 0), None)
+            if victim is None and take_pinned:
+                victim = next((h for h in self._heads.values() if self.may_take_pinned(h)), None)
             if victim is None:
                 return
+            self.on_evict(victim)  # detaches queued turns first (pins -> 0)
             self.drop(victim)
             self.evictions += 1
-            self.on_evict(victim)

@@ -172,6 +172,25 @@ class HeadTransfer:
         )
         return conv.conversation_id
 
+    def _check_consistent(self, header: dict) -> None:
+        """Checksums prove the bytes are what the exporter wrote, not that it wrote sense."""
+        try:
+            conv, head, bs = header["conversation"], header["head"], self.layout["block_size"]
+            tokens, turns = conv["token_ids"], conv["turns"]
+            problems = [
+                (head["state_len"] != len(tokens) - 1, "state_len must be the committed length - 1"),
+                (head["turn"] != len(turns) or not turns, "head turn must be the last turn"),
+                (bool(turns) and turns[-1]["end"] != len(tokens), "the last turn must end the token ids"),
+                (len(header["blocks"]) != -(-head["state_len"] // bs), "block count does not cover state_len"),
+                (not 0 <= head["aligned_len"] <= head["state_len"], "aligned_len out of range"),
+                (header["states"]["slots"] not in (1, 2), "a head has one or two state slots"),
+            ]
+        except (KeyError, TypeError) as e:
+            raise CorruptStateError(f"malformed header: {e!r}") from e
+        bad = [why for failed, why in problems if failed]
+        if bad:
+            raise CorruptStateError("inconsistent head: " + "; ".join(bad))
+
     def _parse(self, stream: bytes) -> tuple[dict, list[bytes], bytes]:
         if len(stream) < len(MAGIC) + 4 + _DIGEST or not stream.startswith(MAGIC):
             raise CorruptStateError("not a hybridserve head stream")
@@ -191,6 +210,7 @@ class HeadTransfer:
             raise CorruptStateError("the stream was exported by another model")
         if header["layout"] != self.layout:
             raise CorruptStateError(f"cache layout differs: {header['layout']} vs {self.layout}")
+        self._check_consistent(header)
         block_size = len(self._block_bytes(0))
         blocks_data = []
         for b in header["blocks"]:
