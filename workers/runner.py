@@ -107,6 +107,10 @@ class ModelRunner:
         if not chunks:
             return None
         bs = self.block_size
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].state_slot)  # contiguous slots -> in place
+        rows, chunks = [rows[i] for i in order], [chunks[i] for i in order]
+        first = chunks[0].state_slot
+        contiguous = all(c.state_slot == first + i for i, c in enumerate(chunks))
         width = max(-(-(c.start + 1) // bs) for c in chunks)
         tables = [c.block_table[:width] + [NULL_BLOCK] * (width - len(c.block_table[:width])) for c in chunks]
         snap = [(i, c.snapshot[1]) for i, c in enumerate(chunks) if c.snapshot is not None]
@@ -115,6 +119,7 @@ class ModelRunner:
             context_lens=torch.tensor([c.start for c in chunks], device=self.device),
             block_tables=torch.tensor(tables, device=self.device),
             state_slots=torch.tensor([c.state_slot for c in chunks], device=self.device),
+            slot_run=first if contiguous else None,
             snapshot_rows=torch.tensor([i for i, _ in snap], device=self.device) if snap else None,
             snapshot_slots=torch.tensor([s for _, s in snap], device=self.device) if snap else None,
         )

@@ -234,7 +234,7 @@ def test_integrity_check_catches_leaks(bamba):
     with pytest.raises(AssertionError):
         engine.check_integrity()
     engine = LLMEngine(config)
-    engine.caches.states._free.popleft()  # a slot nobody holds and that is not free
+    engine.caches.states._free.pop()  # a slot nobody holds and that is not free
     with pytest.raises(AssertionError):
         engine.check_integrity()
 

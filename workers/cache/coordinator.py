@@ -57,7 +57,9 @@ class CacheCoordinator:
     def admit(self, request: Request) -> None:
         """Give a waiting request its state slot, continuing its head if it has one."""
         holder = Holder.request(request.request_id)
-        slots = [self.states.allocate(holder) for _ in range(2 if request.retain_state else 1)]
+        slots = [self.states.allocate(holder)]
+        if request.retain_state:
+            slots.append(self.states.allocate(holder, high=True))
         request.num_cached_tokens = 0
         request.aligned_len = 0
         if request.head is None:

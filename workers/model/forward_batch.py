@@ -35,6 +35,7 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [B] tokens cached before this one, long
     block_tables: torch.Tensor  # [B, max_blocks] padded with the null block, long
     state_slots: torch.Tensor  # [B], long
+    slot_run: int | None = None  # when state_slots == run, run+1, ..., run+B-1: updated in place
     snapshot_rows: torch.Tensor | None = None  # rows whose state is also copied, after the step,
     snapshot_slots: torch.Tensor | None = None  # into these slots
 

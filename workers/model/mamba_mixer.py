@@ -41,7 +41,8 @@ class MambaMixer(nn.Module):
                 ssm[seg.snapshot_slot] = ssm[seg.state_slot]
         group = batch.decode
         if group is not None:
-            y[group.token_index] = self._decode(xbc[group.token_index], dt[group.token_index], conv, ssm, group.state_slots)
+            rows = group.token_index
+            y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, group)
             if group.snapshot_rows is not None:
                 src = group.state_slots[group.snapshot_rows]
                 conv[group.snapshot_slots] = conv[src]
@@ -79,15 +80,19 @@ class MambaMixer(nn.Module):
         y = y[0] + x[0] * self.D[:, None]
         return y.reshape(length, s.intermediate).to(xbc.dtype)
 
-    def _decode(self, xbc, dt, conv, ssm, slots: torch.Tensor) -> torch.Tensor:
+    def _decode(self, xbc, dt, conv, ssm, group) -> torch.Tensor:
         s = self.shape
-        window = torch.cat([conv[slots], xbc[:, :, None]], dim=2)  # [B, conv_dim, d_conv]
-        conv[slots] = window[:, :, 1:]
+        batch = xbc.shape[0]
+        if group.slot_run is not None:  # views: the recurrence updates the slots in place
+            run = slice(group.slot_run, group.slot_run + batch)
+            conv_state, state = conv[run], ssm[run]
+        else:
+            conv_state, state = conv[group.state_slots], ssm[group.state_slots]
+        window = torch.cat([conv_state, xbc[:, :, None]], dim=2)  # [B, conv_dim, d_conv]
+        conv_state.copy_(window[:, :, 1:])
         xbc = F.silu((window * self.conv_weight[None]).sum(-1) + (0 if self.conv_bias is None else self.conv_bias))
         x, B, C = self._split_xbc(xbc)
-        batch = x.shape[0]
         x = x.reshape(batch, s.n_heads, s.head_dim)
-        state = ssm[slots]
         y = recurrent_step(
             state,
             x,
@@ -96,6 +101,8 @@ class MambaMixer(nn.Module):
             B.reshape(batch, s.n_groups, s.d_state),
             C.reshape(batch, s.n_groups, s.d_state),
         )
-        ssm[slots] = state
+        if group.slot_run is None:
+            conv[group.state_slots] = conv_state
+            ssm[group.state_slots] = state
         y = y + x * self.D[:, None]
         return y.reshape(batch, s.intermediate)

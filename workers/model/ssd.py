@@ -82,10 +82,17 @@ def recurrent_step(
     B: torch.Tensor,  # [b, g, n]
     C: torch.Tensor,  # [b, g, n]
 ) -> torch.Tensor:
-    """One token of the recurrence; returns y [b, h, p] (without the D skip term)."""
-    heads_per_group = x.shape[1] // B.shape[1]
+    """One token of the recurrence; returns y [b, h, p] (without the D skip term).
+
+    state <- exp(dt * A) * state + (dt * x) outer B, then y = state . C; the outer product is
+    accumulated by a batched matmul into the state, never materialised.
+    """
+    b, h, p, n = state.shape
+    heads_per_group = h // B.shape[1]
     B = B.repeat_interleave(heads_per_group, dim=1)  # [b, h, n]
     C = C.repeat_interleave(heads_per_group, dim=1)
     decay = torch.exp(dt * A[None, :])  # [b, h]
-    state.mul_(decay[:, :, None, None]).add_((dt[:, :, None] * x)[..., None] * B[:, :, None, :])
-    return torch.einsum("bhpn,bhn->bhp", state, C)
+    state.mul_(decay[:, :, None, None])
+    flat = state.view(b * h, p, n)
+    flat.baddbmm_((dt[:, :, None] * x).reshape(b * h, p, 1), B.reshape(b * h, 1, n))
+    return torch.bmm(flat, C.reshape(b * h, n, 1)).view(b, h, p)
