@@ -16,10 +16,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # One fused op in fp32, then the weight (as the reference: normalise, cast, scale).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -32,11 +30,9 @@ class GatedGroupRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         x32 = x.float() * F.silu(gate.float())
-        grouped = x32.view(*x32.shape[:-1], -1, self.group_size)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.view(x32.shape).to(dtype)
+        grouped = F.rms_norm(x32.view(*x32.shape[:-1], -1, self.group_size), (self.group_size,), eps=self.eps)
+        return self.weight * grouped.view(x32.shape).to(x.dtype)
 
 
 class MLP(nn.Module):
