@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import MambaShape
-from workers.model.forward_batch import ForwardBatch
+from workers.model.forward_batch import ForwardBatch, PrefillSegment
 from workers.model.layers import GatedGroupRMSNorm
 from workers.model.ssd import chunked_scan, recurrent_step
 
@@ -33,12 +33,8 @@ class MambaMixer(nn.Module):
         s = self.shape
         gate, xbc, dt = self.in_proj(h).split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)
         y = torch.empty(h.shape[0], s.intermediate, dtype=h.dtype, device=h.device)
-        for seg in batch.prefills:
-            rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
-            y[rows] = self._prefill(xbc[rows], dt[rows], conv, ssm, seg.state_slot)
-            if seg.snapshot_slot is not None:
-                conv[seg.snapshot_slot] = conv[seg.state_slot]
-                ssm[seg.snapshot_slot] = ssm[seg.state_slot]
+        for wave in _waves(batch.prefills):
+            self._prefill(xbc, dt, conv, ssm, wave, y)
         group = batch.decode
         if group is not None:
             rows = group.token_index
@@ -58,27 +54,45 @@ class MambaMixer(nn.Module):
         gn = s.n_groups * s.d_state
         return xbc.split([s.intermediate, gn, gn], dim=-1)
 
-    def _prefill(self, xbc, dt, conv, ssm, slot: int) -> torch.Tensor:
+    def _prefill(self, xbc, dt, conv, ssm, segs: list[PrefillSegment], y: torch.Tensor) -> None:
+        """All segments of a wave in one padded batch [k, longest, ...].
+
+            seq 0: t t t t t        padding is read by nothing valid (the conv and the scan are
+            seq 1: t t . . .        causal) and has dt = 0, so the state passes it unchanged:
+            seq 2: t t t t .        each sequence's final state is its state after its last token
+        """
         s = self.shape
-        length = xbc.shape[0]
+        k, longest = len(segs), max(seg.num_tokens for seg in segs)
+        lengths = torch.tensor([seg.num_tokens for seg in segs])
+        valid = torch.arange(longest)[None, :] < lengths[:, None]  # [k, longest]
+        rows = torch.tensor([seg.token_start for seg in segs])[:, None] + torch.arange(longest)[None, :]
+        rows = torch.where(valid, rows, 0)
+        slots = torch.tensor([seg.state_slot for seg in segs])
+
         # Causal depthwise conv over [cached d_conv-1 inputs | this run's inputs].
-        window = torch.cat([conv[slot], xbc.t()], dim=1)  # [conv_dim, d_conv - 1 + length]
-        conv[slot].copy_(window[:, -(s.d_conv - 1) :])
-        xbc = F.silu(F.conv1d(window[None], self.conv_weight[:, None, :], self.conv_bias, groups=s.conv_dim)[0].t())
-        x, B, C = self._split_xbc(xbc)
-        x = x.reshape(1, length, s.n_heads, s.head_dim)
-        y, final = chunked_scan(
+        window = torch.cat([conv[slots], xbc[rows].transpose(1, 2)], dim=2)  # [k, conv_dim, d_conv-1+longest]
+        last = lengths[:, None] + torch.arange(s.d_conv - 1)[None, :]  # the last d_conv-1 real inputs
+        conv[slots] = window.gather(2, last[:, None, :].expand(k, s.conv_dim, -1))
+        out = F.silu(F.conv1d(window, self.conv_weight[:, None, :], self.conv_bias, groups=s.conv_dim))
+        x, B, C = self._split_xbc(out.transpose(1, 2))
+        x = x.reshape(k, longest, s.n_heads, s.head_dim)
+        step = torch.where(valid[:, :, None], self._time_step(dt[rows]), 0.0)
+        scan, final = chunked_scan(
             x,
-            self._time_step(dt)[None],
+            step,
             -torch.exp(self.A_log.float()),
-            B.reshape(1, length, s.n_groups, s.d_state),
-            C.reshape(1, length, s.n_groups, s.d_state),
+            B.reshape(k, longest, s.n_groups, s.d_state),
+            C.reshape(k, longest, s.n_groups, s.d_state),
             s.chunk_size,
-            ssm[slot][None],
+            ssm[slots],
         )
-        ssm[slot].copy_(final[0])
-        y = y[0] + x[0] * self.D[:, None]
-        return y.reshape(length, s.intermediate).to(xbc.dtype)
+        ssm[slots] = final.to(ssm.dtype)
+        scan = (scan + x * self.D[:, None]).reshape(k, longest, s.intermediate)
+        y[rows[valid]] = scan[valid].to(y.dtype)
+        for seg in segs:
+            if seg.snapshot_slot is not None:
+                conv[seg.snapshot_slot] = conv[seg.state_slot]
+                ssm[seg.snapshot_slot] = ssm[seg.state_slot]
 
     def _decode(self, xbc, dt, conv, ssm, group) -> torch.Tensor:
         s = self.shape
@@ -106,3 +120,17 @@ class MambaMixer(nn.Module):
             ssm[group.state_slots] = state
         y = y + x * self.D[:, None]
         return y.reshape(batch, s.intermediate)
+
+
+def _waves(segments: tuple[PrefillSegment, ...]) -> list[list[PrefillSegment]]:
+    """Batches of segments with distinct state slots, in order: a sequence split in two
+    (at an aligned snapshot) runs its second segment in the next wave, from the first's state."""
+    waves: list[list[PrefillSegment]] = []
+    for seg in segments:
+        for wave in waves:
+            if all(other.state_slot != seg.state_slot for other in wave):
+                wave.append(seg)
+                break
+        else:
+            waves.append([seg])
+    return waves

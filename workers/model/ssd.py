@@ -9,19 +9,25 @@ Shapes: b = sequences, l = tokens, h = heads, p = head dim, g = groups, n = stat
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+
+@functools.lru_cache(maxsize=16)
+def _triangles(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    below = torch.tril(torch.ones(size, size, dtype=torch.bool, device=device), diagonal=-1)
+    on_or_below = torch.tril(torch.ones(size, size, dtype=torch.bool, device=device), diagonal=0)
+    return below, on_or_below
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
     """out[..., i, j] = sum(x[..., j+1 : i+1]) for j <= i, -inf above the diagonal."""
     size = x.size(-1)
-    x = x[..., None].expand(*x.size(), size)
-    below = torch.tril(torch.ones(size, size, dtype=torch.bool, device=x.device), diagonal=-1)
-    x = x.masked_fill(~below, 0)
-    sums = torch.cumsum(x, dim=-2)
-    on_or_below = torch.tril(torch.ones(size, size, dtype=torch.bool, device=x.device), diagonal=0)
-    return sums.masked_fill(~on_or_below, -torch.inf)
+    below, on_or_below = _triangles(size, x.device)
+    x = x[..., None].expand(*x.size(), size).masked_fill(~below, 0)
+    return torch.cumsum(x, dim=-2).masked_fill(~on_or_below, -torch.inf)
 
 
 def _to_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
