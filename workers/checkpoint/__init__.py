@@ -14,46 +14,41 @@ demos, tests and CPU benchmarks.
     cli.py             the `make-model` subcommand
 """
 
-from workers.checkpoint.chat_template import CHAT_TEMPLATE, GENERATION_PROMPT, Role
-from workers.checkpoint.cli import run_make_model
-from workers.checkpoint.configs import build_config
-from workers.checkpoint.make_model import build_random_model, make_model
-from workers.checkpoint.metadata import METADATA_FILE, ServingMetadata
-from workers.checkpoint.presets import Arch, ModelShape, PositionEmbedding, Preset, preset_shape
-from workers.checkpoint.random_config import random_tiny_config, random_tiny_shape
-from workers.checkpoint.tokenizer import build_tokenizer, write_tokenizer
-from workers.checkpoint.tokens import (
-    BOS_TOKEN_ID,
-    EOS_TOKEN_ID,
-    NEVER_SAMPLE_TOKEN_IDS,
-    PAD_TOKEN_ID,
-    VOCAB_SIZE,
-    SpecialToken,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "Arch",
-    "BOS_TOKEN_ID",
-    "CHAT_TEMPLATE",
-    "EOS_TOKEN_ID",
-    "GENERATION_PROMPT",
-    "METADATA_FILE",
-    "ModelShape",
-    "NEVER_SAMPLE_TOKEN_IDS",
-    "PAD_TOKEN_ID",
-    "PositionEmbedding",
-    "Preset",
-    "Role",
-    "ServingMetadata",
-    "SpecialToken",
-    "VOCAB_SIZE",
-    "build_config",
-    "build_random_model",
-    "build_tokenizer",
-    "make_model",
-    "preset_shape",
-    "random_tiny_config",
-    "random_tiny_shape",
-    "run_make_model",
-    "write_tokenizer",
-]
+# Names resolve lazily (PEP 562): most of them pull in transformers, which the engine's
+# serving path never needs.
+_EXPORTS = {
+    "CHAT_TEMPLATE": "chat_template",
+    "GENERATION_PROMPT": "chat_template",
+    "Role": "chat_template",
+    "run_make_model": "cli",
+    "build_config": "configs",
+    "build_random_model": "make_model",
+    "make_model": "make_model",
+    "METADATA_FILE": "metadata",
+    "ServingMetadata": "metadata",
+    "Arch": "presets",
+    "ModelShape": "presets",
+    "PositionEmbedding": "presets",
+    "Preset": "presets",
+    "preset_shape": "presets",
+    "random_tiny_config": "random_config",
+    "random_tiny_shape": "random_config",
+    "build_tokenizer": "tokenizer",
+    "write_tokenizer": "tokenizer",
+    "BOS_TOKEN_ID": "tokens",
+    "EOS_TOKEN_ID": "tokens",
+    "NEVER_SAMPLE_TOKEN_IDS": "tokens",
+    "PAD_TOKEN_ID": "tokens",
+    "VOCAB_SIZE": "tokens",
+    "SpecialToken": "tokens",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

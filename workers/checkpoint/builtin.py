@@ -7,12 +7,15 @@ weights, deterministic for the seed) and kept in a cache directory.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
-from workers.checkpoint.make_model import make_model
-from workers.checkpoint.presets import Arch, Preset
-
-BUILTIN_ARCH, BUILTIN_PRESET, BUILTIN_SEED = Arch.BAMBA, Preset.SMALL, 0
+# Plain names, not the enums: importing workers.checkpoint pulls in transformers, which
+# only writing the model (once) needs.
+BUILTIN_ARCH, BUILTIN_PRESET, BUILTIN_SEED = "bamba", "small", 0
+# Bumped whenever the presets or the weight initialisation change, so a stale cached copy
+# is never mistaken for the current built-in model.
+BUILTIN_VERSION = 1
 
 
 def model_cache_root() -> Path:
@@ -22,9 +25,15 @@ def model_cache_root() -> Path:
 
 def builtin_model_dir(root: Path | None = None) -> Path:
     """Path of the built-in model, writing it first if it is not there yet."""
-    out = (root or model_cache_root()) / f"{BUILTIN_ARCH.value}-{BUILTIN_PRESET.value}-seed{BUILTIN_SEED}"
+    name = f"{BUILTIN_ARCH}-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{BUILTIN_VERSION}"
+    out = (root or model_cache_root()) / name
     if not (out / "model.safetensors").is_file():
+        from workers.checkpoint.make_model import make_model
+
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         make_model(tmp, BUILTIN_ARCH, BUILTIN_PRESET, BUILTIN_SEED)
-        tmp.replace(out) if not out.exists() else None
+        try:
+            tmp.replace(out)  # atomic: a concurrent first run sees all of it or nothing
+        except OSError:  # another process published it first
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
