@@ -10,7 +10,7 @@ demos, tests and CPU benchmarks.
     random_config.py   varied tiny configs for tests
     weights.py         random weights that make a useful test model
     metadata.py        hybridserve.json (eos and never-sample ids)
-    make_model.py      writes a checkpoint directory
+    writer.py          writes a checkpoint directory (make_model)
     cli.py             the `make-model` subcommand
 """
 
@@ -25,8 +25,8 @@ _EXPORTS = {
     "Role": "chat_template",
     "run_make_model": "cli",
     "build_config": "configs",
-    "build_random_model": "make_model",
-    "make_model": "make_model",
+    "build_random_model": "writer",
+    "make_model": "writer",
     "METADATA_FILE": "metadata",
     "ServingMetadata": "metadata",
     "Arch": "presets",

@@ -28,7 +28,7 @@ def builtin_model_dir(root: Path | None = None) -> Path:
     name = f"{BUILTIN_ARCH}-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{BUILTIN_VERSION}"
     out = (root or model_cache_root()) / name
     if not (out / "model.safetensors").is_file():
-        from workers.checkpoint.make_model import make_model
+        from workers.checkpoint.writer import make_model
 
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         make_model(tmp, BUILTIN_ARCH, BUILTIN_PRESET, BUILTIN_SEED)

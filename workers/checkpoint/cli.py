@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from workers.checkpoint.make_model import make_model
+from workers.checkpoint.writer import make_model
 from workers.checkpoint.presets import Arch, Preset
 
 
