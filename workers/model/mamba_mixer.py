@@ -83,7 +83,7 @@ class MambaMixer(nn.Module):
             -torch.exp(self.A_log.float()),
             B.reshape(k, longest, s.n_groups, s.d_state),
             C.reshape(k, longest, s.n_groups, s.d_state),
-            s.chunk_size,
+            _scan_chunk(s.chunk_size, longest),
             ssm[slots],
         )
         ssm[slots] = final.to(ssm.dtype)
@@ -134,3 +134,10 @@ def _waves(segments: tuple[PrefillSegment, ...]) -> list[list[PrefillSegment]]:
         else:
             waves.append([seg])
     return waves
+
+
+def _scan_chunk(chunk_size: int, longest: int) -> int:
+    """The checkpoint's chunk size, or less for short runs (a cache hit's suffix, a split at a
+    snapshot): the scan is exact for any chunk size, and its intra-chunk work is quadratic in
+    it, so padding 20 tokens to a 256-token chunk would cost ~100x what it needs."""
+    return min(chunk_size, max(16, 1 << (longest - 1).bit_length()))
