@@ -66,7 +66,7 @@ class Plan:
     repeats: int
 
 
-FULL = Plan(concurrency=(1, 8, 32), prompt_len=128, new_tokens=32, repeats=1)
+FULL = Plan(concurrency=(1, 8, 32), prompt_len=128, new_tokens=64, repeats=3)
 QUICK = Plan(concurrency=(1, 8), prompt_len=128, new_tokens=16, repeats=1)
 
 
