@@ -51,10 +51,6 @@ class MambaStateManager:
         assert dst not in self.slots, f"{dst} already holds slots"
         self.slots[dst] = self.slots.pop(src, [])
 
-    def release(self, holder: Holder, slot: int) -> None:
-        self.slots[holder].remove(slot)
-        self._free.add(slot)
-
     def free(self, holder: Holder) -> None:
         self._free.update(self.slots.pop(holder, []))
 

@@ -45,6 +45,19 @@ def _no_mlp_only_layers(shape: ModelShape, arch: Arch) -> None:
         raise ValueError(f"{arch.value} layers always carry their MLP; '-' is only valid for nemotron_h")
 
 
+def _bamba_like_mamba(shape: ModelShape) -> dict[str, Any]:
+    """Bamba and Granite 4.0-H name their Mamba fields alike."""
+    return {
+        "mamba_n_heads": shape.mamba_num_heads,
+        "mamba_d_head": shape.mamba_head_dim,
+        "mamba_n_groups": shape.mamba_n_groups,
+        "mamba_d_state": shape.mamba_d_state,
+        "mamba_d_conv": shape.mamba_d_conv,
+        "mamba_expand": shape.mamba_expand,
+        "mamba_chunk_size": shape.mamba_chunk_size,
+    }
+
+
 def _bamba(shape: ModelShape, overrides: dict[str, Any]) -> BambaConfig:
     _no_mlp_only_layers(shape, Arch.BAMBA)
     return BambaConfig(
@@ -52,13 +65,7 @@ def _bamba(shape: ModelShape, overrides: dict[str, Any]) -> BambaConfig:
         num_hidden_layers=len(shape.layer_pattern),
         attn_layer_indices=shape.layer_indices(LayerKind.ATTENTION),
         intermediate_size=shape.mlp_intermediate_size,
-        mamba_n_heads=shape.mamba_num_heads,
-        mamba_d_head=shape.mamba_head_dim,
-        mamba_n_groups=shape.mamba_n_groups,
-        mamba_d_state=shape.mamba_d_state,
-        mamba_d_conv=shape.mamba_d_conv,
-        mamba_expand=shape.mamba_expand,
-        mamba_chunk_size=shape.mamba_chunk_size,
+        **_bamba_like_mamba(shape),
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
         **overrides,
     )
@@ -81,13 +88,7 @@ def _granite(shape: ModelShape, overrides: dict[str, Any]) -> GraniteMoeHybridCo
         logits_scaling=GRANITE_LOGITS_SCALING,
         position_embedding_type=shape.position_embedding.value,
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
-        mamba_n_heads=shape.mamba_num_heads,
-        mamba_d_head=shape.mamba_head_dim,
-        mamba_n_groups=shape.mamba_n_groups,
-        mamba_d_state=shape.mamba_d_state,
-        mamba_d_conv=shape.mamba_d_conv,
-        mamba_expand=shape.mamba_expand,
-        mamba_chunk_size=shape.mamba_chunk_size,
+        **_bamba_like_mamba(shape),
         **overrides,
     )
 

@@ -51,7 +51,7 @@ class Conversation:
         del self.turns[turn:]
 
     def append(self, messages: list[dict[str, Any]], token_ids: list[int], start: int) -> Turn:
-        assert start == len(self.token_ids) or start <= len(self.token_ids)
+        assert start <= len(self.token_ids), "a turn starts inside the committed tokens"
         del self.token_ids[start:]
         self.token_ids.extend(token_ids)
         turn = Turn(self.turn + 1, messages, start, len(self.token_ids))
