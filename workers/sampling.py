@@ -30,6 +30,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
+    # Bit-identical output whatever else is batched (decode-verify-rollback; see DETERMINISM).
+    deterministic: bool = False
     resolved_seed: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +48,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 problems.append(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.deterministic, bool):
+            problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
         if problems:
             raise InvalidRequestError("; ".join(problems))
         if self.max_tokens < 1:
