@@ -29,7 +29,7 @@ from proto.contract import ModelIdentity
 from workers.errors import InvalidRequestError
 from workers.identity import model_identity
 from workers.model.loader import load_model
-from workers.request import FinishReason, HeadAttachment, KeepState, Request
+from workers.request import FinishReason, HeadAttachment, KeepState, Request, RequestStatus
 from workers.runner import ModelRunner
 from workers.sampling import SampledToken, SamplingParams, sample
 from workers.scheduler import Scheduler, SchedulerOutput
@@ -207,20 +207,31 @@ class LLMEngine:
         return self._output(request, (token,), delta)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        self.scheduler.finish(request, reason)
+        """End a request; a failure while keeping its state or in its on_finished fails this
+        request alone and frees its state (never the batch, never a leak)."""
         self._detok.pop(request.request_id, None)
+        try:
+            self.scheduler.finish(request, reason)
+        except Exception as e:
+            self._failed_finish(request, e)
+            return
         if request.on_finished is None:
             return
         try:
             request.finish_record = request.on_finished(request)
-        except Exception as e:  # this request fails alone; its state must not outlive it
-            log.exception("request %s: finishing failed", request.request_id)
-            prepared = request.prepared
-            if prepared is not None and prepared.holder in self.caches.heads.prepared:
-                self.caches.heads.release(prepared)
-            request.prepared = None
-            request.finish_reason = FinishReason.ERROR
-            request.finish_error = f"finishing the request failed: {e}"
+        except Exception as e:
+            self._failed_finish(request, e)
+
+    def _failed_finish(self, request: Request, error: Exception) -> None:
+        log.exception("request %s: finishing failed", request.request_id)
+        prepared = request.prepared
+        if prepared is not None and prepared.holder in self.caches.heads.prepared:
+            self.caches.heads.release(prepared)
+        request.prepared = None
+        self.caches.discard(request)  # whatever the request still holds
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ERROR
+        request.finish_error = f"finishing the request failed: {error}"
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         self._finish(request, FinishReason.ERROR)

@@ -143,7 +143,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:  # an unfittable request has already left the queue
             self.waiting.remove(request)
-        self.caches.finish(request, completed=reason in (FinishReason.STOP, FinishReason.LENGTH))
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        self.caches.finish(request, completed=reason in (FinishReason.STOP, FinishReason.LENGTH))

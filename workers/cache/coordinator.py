@@ -131,9 +131,13 @@ class CacheCoordinator:
             prepared = self.heads.prepare(request, base, time.monotonic())
             request.prepared = prepared
             return prepared
-        self.release(request)
-        self.heads.unpin(base, request.request_id)
+        self.discard(request)
         return None
+
+    def discard(self, request: Request) -> None:
+        """Free everything a request holds and drop its pin (it ended without keeping state)."""
+        self.release(request)
+        self.heads.unpin(self.heads.head_of(request.head), request.request_id)
 
     def block_table(self, request: Request) -> list[int]:
         return self.kv.table(Holder.request(request.request_id))

@@ -163,13 +163,18 @@ class HeadManager:
 
     # -- prepared turns -------------------------------------------------------------------------
     def prepare(self, request: Request, base: CommittedHead | None, now: float) -> PreparedState:
-        """A finished request's state, kept for its verdict (no copy; KV trimmed to state_len)."""
+        """A finished request's state, kept for its verdict (no copy; KV trimmed to state_len).
+        All-or-nothing: if a move fails, the request still holds everything."""
         src = Holder.request(request.request_id)
         holder = self.new_holder(HolderKind.PREPARED)
         state_len = request.num_computed_tokens
-        self.kv.truncate(src, state_len)
+        self.kv.truncate(src, state_len)  # blocks past state_len hold nothing a head needs
         self.kv.transfer(src, holder)
-        self.states.transfer(src, holder)
+        try:
+            self.states.transfer(src, holder)
+        except BaseException:
+            self.kv.transfer(holder, src)
+            raise
         prepared = PreparedState(
             holder, request.request_id, state_len, request.aligned_len, base, now + self.prepared_timeout_s
         )
@@ -177,12 +182,16 @@ class HeadManager:
         return prepared
 
     def commit(self, prepared: PreparedState, key: str, turn: int, version: int) -> CommittedHead:
-        """The prepared state becomes the head of (key, turn) without a copy."""
-        del self.prepared[prepared.holder]
-        self.unpin(prepared.base, prepared.request_id)
+        """The prepared state becomes the head of (key, turn) without a copy (all-or-nothing)."""
         holder = self.new_holder(HolderKind.HEAD)
         self.kv.transfer(prepared.holder, holder)
-        self.states.transfer(prepared.holder, holder)
+        try:
+            self.states.transfer(prepared.holder, holder)
+        except BaseException:
+            self.kv.transfer(holder, prepared.holder)
+            raise
+        del self.prepared[prepared.holder]
+        self.unpin(prepared.base, prepared.request_id)
         head = CommittedHead(holder, key, turn, version, prepared.state_len, prepared.aligned_len)
         self.add(head)
         return head

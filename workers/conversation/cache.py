@@ -149,7 +149,12 @@ class ConversationCache:
         self._prepared[request.request_id] = _Prepared(record, request.prepared, request.num_cached_tokens)
         request.prepared.on_expire = lambda state: self._expired(record)
         if pending.mode is CommitMode.AT_ONCE:
-            self.commit(record)
+            try:
+                self.commit(record)
+            except BaseException:  # the engine frees the prepared state; the turn is discarded
+                del self._prepared[request.request_id]
+                self._end_turn(conv, "discarded")
+                raise
         return record
 
     def _record(self, conv: Conversation, pending: _PendingTurn, request: Request) -> TurnCommit:
@@ -178,13 +183,12 @@ class ConversationCache:
         entry = self._prepared.get(request_id)
         return None if entry is None else entry.record
 
-    def _claim(self, record: TurnCommit, how: str) -> _Prepared:
+    def _entry(self, record: TurnCommit, how: str) -> _Prepared:
         entry = self._prepared.get(record.request_id)
         if entry is None or entry.record != record:
             done = self._resolved.get(record.request_id)
             why = f"already {done}" if done else "not a prepared turn of this engine"
             raise TurnResolvedError(f"cannot {how} turn {record.request_id!r}: {why}")
-        del self._prepared[record.request_id]
         return entry
 
     def _remember(self, request_id: str, how: str) -> None:
@@ -194,13 +198,14 @@ class ConversationCache:
 
     def commit(self, record: TurnCommit) -> HeadInfo:
         """Make a prepared turn the conversation's head (no copy), then append it to the ledger."""
-        entry = self._claim(record, "commit")
+        entry = self._entry(record, "commit")
         conv = self.conversations[record.conversation_key]
         for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > record.base_turn]:
             self.heads.drop(stale)  # a regenerated turn replaces the old one
         turn = record.base_turn + 1
-        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1)
+        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1)  # all-or-nothing
         # The state has moved; only now does the ledger change (pure list operations).
+        del self._prepared[record.request_id]
         conv.truncate(record.base_turn)
         conv.append([dict(m) for m in record.messages], list(record.token_ids))
         conv.version = record.base_version + 1
@@ -215,7 +220,8 @@ class ConversationCache:
 
     def abandon(self, record: TurnCommit) -> None:
         """Free a prepared turn; the base head and the ledger stay exactly as they were."""
-        entry = self._claim(record, "abandon")
+        entry = self._entry(record, "abandon")
+        del self._prepared[record.request_id]
         self.heads.release(entry.state)
         self._end_turn(self.conversations[record.conversation_key], "discarded")
         self._remember(record.request_id, "abandoned")

@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# A conversation is named and its tokens digested exactly as the cache service does.
+from proto.contract import conversation_key, tokens_digest  # noqa: F401  (re-exported)
+
 
 @dataclass
 class Turn:
