@@ -213,8 +213,7 @@ class LLMEngine:
         try:
             self.scheduler.finish(request, reason)
         except Exception as e:
-            self._failed_finish(request, e)
-            return
+            self._failed_finish(request, e)  # on_finished still runs: it sees no prepared state
         if request.on_finished is None:
             return
         try:
