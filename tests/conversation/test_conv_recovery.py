@@ -101,3 +101,23 @@ def test_adopt_and_materialize_refuse_bad_input_and_busy_conversations(models):
     with pytest.raises(ConversationBusyError):
         adopt(cc, cc)
     drive(cc.engine)
+
+
+def test_a_template_that_cannot_append_is_refused_not_rewriting_history(models, tmp_path):
+    """The ledger of record is never rewritten: a chat template whose rendering of the history
+    changes with new messages (here: the message count up front) refuses the next turn."""
+    import shutil
+
+    from workers.errors import HistoryRewriteError
+
+    model = tmp_path / "counting-template"
+    shutil.copytree(models[Arch.BAMBA], model)
+    template = model / "chat_template.jinja"
+    template.write_text("{{ messages | length }}" + template.read_text())
+    cc = new_cache(new_engine(model))
+    run_turn(cc, "c", "s", user("one"), greedy(5), "t1")
+    ledger, head = cc.describe("c", "s"), head_of(cc, "c", "s")
+    with pytest.raises(HistoryRewriteError):
+        cc.begin_turn("c", "s", user("two"), greedy(5), "t2")
+    assert cc.describe("c", "s") == ledger and head_of(cc, "c", "s") is head
+    assert not cc.engine.has_unfinished() and not cc.pending
