@@ -139,3 +139,33 @@ def test_an_aborted_two_phase_turn_prepares_nothing(bamba_cc):
     assert "t2" not in finals or finals["t2"].finish_reason is FinishReason.ABORT
     assert cc.prepared("t2") is None and pools(cc.engine) == counts
     snapshot(cc.engine, base.holder).assert_equal(before)
+
+
+async def test_the_worker_flow_over_the_async_engine(models):
+    """What a worker replica does: stream a PREPARE turn, read the record from the final
+    output, commit on the engine thread; rebuild a head elsewhere with a streamed materialize."""
+    from workers.async_engine import AsyncEngine
+
+    cc = new_cache(new_engine(models[Arch.BAMBA]))
+    aengine = AsyncEngine(cc.engine)
+    other = new_cache(new_engine(models[Arch.BAMBA]))
+    aother = AsyncEngine(other.engine)
+    try:
+        for turn in (1, 2):
+            start = lambda e, t=turn: cc.begin_turn(  # noqa: E731
+                "c", "s", user(f"turn {t}"), greedy(6), f"t{t}", commit=CommitMode.PREPARE
+            )
+            outputs = [o async for o in aengine.stream(f"t{turn}", start)]
+            record = outputs[-1].turn_commit
+            assert record.base_version == turn - 1 and await aengine.call(lambda e: cc.prepared(record.request_id))
+            info = await aengine.call(lambda e, r=record: cc.commit(r))
+            assert info.version == turn
+        ledger = await aengine.call(lambda e: cc.describe("c", "s"))
+        await aother.call(lambda e: other.adopt_ledger("c", "s", version=ledger["version"], turns=ledger["ledger"]))
+        outs = [o async for o in aother.stream("rebuild", lambda e: other.materialize_head("c", "s", "rebuild"))]
+        assert outs[-1].finished and outs[-1].error is None
+        assert [o async for o in aother.stream("again", lambda e: other.materialize_head("c", "s", "again"))] == []
+        assert await aother.call(lambda e: head_of(other, "c", "s").state_len) == head_of(cc, "c", "s").state_len
+    finally:
+        aengine.shutdown()
+        aother.shutdown()
