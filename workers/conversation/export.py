@@ -77,7 +77,7 @@ class HeadSnapshot:
 
 
 def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) -> HeadSnapshot:
-    conv = cc._conversation(conversation_id, cache_salt)
+    conv = cc.conversation_of(conversation_id, cache_salt)
     head = cc.heads.find(conv.key, conv.turn)
     if head is None:
         raise ConversationNotFoundError(f"conversation {conversation_id!r} has no retained head to export")
@@ -274,7 +274,7 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
         raise CorruptStateError("the export does not match this engine's ledger of the conversation")
     existing = cc.heads.find(key, turn)
     if existing is not None:
-        return cc._info(conv, existing)
+        return cc.head_info(conv, existing)
     shared: list[int | None] = []
     for digest, data in verified.blocks:
         block = cc.caches.chunks.block_of(digest) if data is None else None
@@ -300,11 +300,8 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
     full = meta["state_len"] // cc.kv.block_size
     for (digest, _), block in list(zip(verified.blocks, cc.kv.table(head.holder)))[:full]:
         cc.caches.chunks.remember(block, pool.generation[block], digest)
-    for old in cc.heads.of_conversation(key):
-        if old.turn <= turn - cc.retain_turns:
-            cc.heads.drop(old)
-    cc.heads.enforce_budget()
-    return cc._info(conv, head)
+    cc.retire_older_heads(key, turn)
+    return cc.head_info(conv, head)
 
 
 def remember_chunks(cc: ConversationCache, snap: HeadSnapshot, exported: ExportedHead) -> None:
