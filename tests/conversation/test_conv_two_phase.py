@@ -169,3 +169,20 @@ async def test_the_worker_flow_over_the_async_engine(models):
     finally:
         aengine.shutdown()
         aother.shutdown()
+
+
+def test_pool_pressure_never_takes_the_base_of_a_prepared_turn(models):
+    """4 slots: the base head holds 2, the prepared turn 2. Another conversation's turn cannot
+    fit while the verdict is pending; it must not get them by evicting the base head."""
+    cc = new_cache(new_engine(models[Arch.BAMBA], num_state_slots=4))
+    run_turn(cc, "a", "s", user("first"), greedy(5), "a1")
+    base = head_of(cc, "a", "s")
+    before = snapshot(cc.engine, base.holder)
+    record = prepared_turn(cc, "a", "second", "a2")
+    cc.begin_turn("b", "s", user("other"), greedy(5), "b1")
+    result = drive(cc.engine)["b1"]
+    assert result.error, "it cannot fit while the prepared turn holds its slots"
+    assert head_of(cc, "a", "s") is base, "the base of a prepared turn was evicted"
+    snapshot(cc.engine, base.holder).assert_equal(before)
+    cc.abandon(record)
+    run_turn(cc, "b", "s", user("other"), greedy(5), "b1-retry")

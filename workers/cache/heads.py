@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from workers.cache.holders import Holder, HolderKind
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
-from workers.request import HeadAttachment, Request
+from workers.request import HeadAttachment, Request, RequestStatus
 
 
 @dataclass
@@ -143,7 +143,10 @@ class HeadManager:
             return self.kv.pool.num_free < blocks or self.states.num_free < slots
 
         def takeable(head: CommittedHead) -> bool:
-            return idle and not any(rid in admitted for rid in head.pinned_by)
+            # Never the base of an admitted or prepared (finished, awaiting its verdict) turn.
+            return idle and all(
+                r.status is RequestStatus.WAITING and rid not in admitted for rid, r in head.pinned_by.items()
+            )
 
         self._evict_while(short, takeable, protect)
         return not short()
