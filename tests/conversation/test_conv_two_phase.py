@@ -186,3 +186,25 @@ def test_pool_pressure_never_takes_the_base_of_a_prepared_turn(models):
     snapshot(cc.engine, base.holder).assert_equal(before)
     cc.abandon(record)
     run_turn(cc, "b", "s", user("other"), greedy(5), "b1-retry")
+
+
+async def test_the_idle_async_loop_expires_a_prepared_turn(models):
+    """Nothing else happens on the engine: the loop must still wake up for the deadline."""
+    import asyncio
+
+    from workers.async_engine import AsyncEngine
+
+    cc = new_cache(new_engine(models[Arch.BAMBA], prepared_turn_timeout_s=0.2))
+    aengine = AsyncEngine(cc.engine)
+    try:
+        start = lambda e: cc.begin_turn("c", "s", user("hi"), greedy(4), "t1", commit=CommitMode.PREPARE)  # noqa: E731
+        record = [o async for o in aengine.stream("t1", start)][-1].turn_commit
+        deadline = time.monotonic() + 30
+        while await aengine.call(lambda e: cc.prepared("t1")) is not None:  # no event to await: a deadline
+            assert time.monotonic() < deadline, "the prepared turn never expired"
+            await asyncio.sleep(0.05)
+        with pytest.raises(TurnResolvedError, match="expired"):
+            await aengine.call(lambda e: cc.commit(record))
+        assert await aengine.call(lambda e: cc.stats()["prepared_expired"]) == 1
+    finally:
+        aengine.shutdown()
