@@ -232,6 +232,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         refs = [ChunkRef(c.digest, c.size) for c in manifest.chunks]
         self.tier.check_sizes(conv, refs)
         sizes = {r.digest: r.size for r in refs}
+        to_send = sum(sizes[d] for d in self.tier.missing(conv, list(sizes)))
+        if to_send > self.staging.limit:
+            raise errors.InvalidArgument(f"this put would send {to_send} bytes, over the service's "
+                                         f"staging limit of {self.staging.limit}")
         staged: dict[bytes, bytes] = {}
         reserved = 0
         try:

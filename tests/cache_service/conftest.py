@@ -50,6 +50,7 @@ async def client(service):
 # replica registry must not see the other tests' replicas).
 STRICT_TOKEN = "strict-test-secret-0123456789"
 STRICT_STAGED_BYTES = 8 << 20
+STRICT_TIER_BUDGET = 4 << 20
 STRICT_MAX_REPLICAS = 8
 
 
@@ -57,7 +58,7 @@ STRICT_MAX_REPLICAS = 8
 def strict_service(tmp_path_factory):
     data = tmp_path_factory.mktemp("strict")
     (data / "token").write_text(STRICT_TOKEN + "\n")
-    proc = ServiceProcess(data_dir=data, redis_url=None, extra_env={
+    proc = ServiceProcess(data_dir=data, redis_url=None, tier_budget=STRICT_TIER_BUDGET, extra_env={
         "CACHE_SERVICE_AUTH_TOKEN_FILE": str(data / "token"),
         "CACHE_MAX_STAGED_BYTES": str(STRICT_STAGED_BYTES),
         "CACHE_PUT_IDLE_TIMEOUT_S": "1",
