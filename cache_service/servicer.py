@@ -228,6 +228,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             raise errors.InvalidArgument("a PutState stream must start with the manifest")
         manifest = first.manifest
         keys = validation.manifest(manifest, self.limits)
+        fence = self._fence(keys, manifest.lease_token, manifest.lease_proof) if manifest.lease_token else None
         conv = keys.conv_hash
         refs = [ChunkRef(c.digest, c.size) for c in manifest.chunks]
         self.tier.check_sizes(conv, refs)
@@ -251,7 +252,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 unsent = [d for d in sizes if d not in staged]
                 if self.tier.missing(conv, unsent):
                     raise errors.MissingChunks("the stream lacks chunks the tier does not hold; resend them")
-                head = await self.store.mark_tier(keys, manifest.version, manifest.incarnation)
+                head = await self.store.mark_tier(keys, manifest.version, manifest.incarnation, fence)
                 reused = await asyncio.to_thread(self.tier.commit, conv, manifest.incarnation,
                                                  manifest.version, refs, staged)
         finally:

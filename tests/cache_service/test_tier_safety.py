@@ -12,7 +12,7 @@ import pytest
 from conftest import STRICT_STAGED_BYTES, STRICT_TIER_BUDGET, STRICT_TOKEN
 from cs_helpers import TIER_BUDGET, History, commit_turn
 
-from cache_service.client import Conversation, InvalidArgument, NotFound, ResourceExhausted
+from cache_service.client import Conversation, InvalidArgument, LeaseLost, NotFound, ResourceExhausted
 from cache_service.keys import conversation_hash
 from cache_service.tier import SPILL_SUBDIR
 from cache_service.wire import bearer
@@ -190,3 +190,18 @@ async def test_bad_manifest_through_the_client_is_a_typed_error(client, conv):
     await commit_turn(client, conv, History(), [1], "t")
     with pytest.raises(InvalidArgument):
         await client.put_state(conv, 1, [b"x"], incarnation="not-hex")
+
+
+async def test_a_put_naming_a_lease_is_fenced_by_it(client, conv):
+    await commit_turn(client, conv, History(), [1], "t")
+    lease = await client.acquire_lease(conv, ttl_ms=10_000)
+    head = lease.head
+    reply = await client.put_state(conv, head, b"exported under the lease", lease=lease)
+    assert reply.head.tier_version == 1
+    await client.release_lease(conv, lease)
+    with pytest.raises(LeaseLost):
+        await client.put_state(conv, head, b"exported after the lease was gone", lease=lease)
+    other = await client.acquire_lease(Conversation(conv.id + "-x", conv.salt), ttl_ms=10_000)
+    with pytest.raises(LeaseLost):
+        await client.put_state(conv, head, b"under another conversation's lease", lease=other)
+    assert await client.get_state(conv) == (1, b"exported under the lease")
