@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+class EventLoop(enum.Enum):
+    """The service's event loop. uvloop halves the loop's own cost per RPC (Redis
+    socket I/O and callbacks run on it); asyncio is the fallback without it."""
+
+    UVLOOP = "uvloop"
+    ASYNCIO = "asyncio"
+
+
 class FsyncPolicy(enum.Enum):
     """Redis `appendfsync`. What each can lose is documented in README.md."""
 
