@@ -62,8 +62,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.staging = StagingBudget(puts.max_staged_bytes)
         self._fence_retention_ms = fence_retention_ms
         self.counters = RpcCounters()
-        # Serializes tier commits against deletes of the same conversation, so a put
-        # racing a delete cannot resurrect the deleted state.
+        # Serializes tier commits against deletes and rewinds of the same conversation,
+        # so a put racing them cannot resurrect state they dropped.
         self._conv_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def _lock(self, keys: ConversationKeys) -> asyncio.Lock:
