@@ -206,6 +206,11 @@ return {'OK', redis.call('HMGET', KEYS[4], 'version', 'turn', 'committed_tokens'
 # Reply: head fields, next turn (1-based, '0' = end), entries. The page is planned on
 # the marks' entry sizes, so Redis loads only the turns it returns; the first turn is
 # returned even if it alone exceeds the page size (a turn is bounded on publish).
+#
+#   turn (1-based)      1     2     3     4     5
+#   list index          0     1     2     3     4
+#   from_turn = 2  ->  first = 1;  the page fits turns 2..3  ->  count = 2
+#                      next turn = first + count + 1 = 4   ('0' once first + count = LLEN)
 READ_LEDGER = _PRELUDE + """
 local head = head_reply(KEYS[1])
 if not head[1] then return {head, '0', {}} end
