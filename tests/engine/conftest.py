@@ -47,10 +47,12 @@ def new_engine(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
+            dtype=dtype,
             max_model_len=max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             cache=CacheConfig(
