@@ -12,13 +12,25 @@ from workers.cache.coordinator import PendingCopies
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout, MambaStateLayout, allocate_caches
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.hybrid_lm import HybridLM
+from workers.model.kernels import decode_kernels
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: HybridLM, kv_layout: KVCacheLayout, state_layout: MambaStateLayout, device: str):
+    def __init__(
+        self,
+        model: HybridLM,
+        kv_layout: KVCacheLayout,
+        state_layout: MambaStateLayout,
+        device: str,
+        fast_kernels: bool = True,
+    ):
+        """`fast_kernels`: decode through the fused CPU kernels when they build here (see
+        `workers.model.kernels`); False runs the pure-torch reference path."""
         self.model = model
         self.device = device
+        self.kernels = decode_kernels() if fast_kernels and torch.device(device).type == "cpu" else None
+        model.use_kernels(self.kernels)
         self.block_size = kv_layout.block_size
         self.caches = allocate_caches(kv_layout, state_layout, device)
 

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -61,6 +63,13 @@ class HybridLM(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         attn = config.attention
         self.rotary = RotaryEmbedding(attn.rotary_dim, attn.rope_theta) if attn.rotary_dim else None
+
+    def use_kernels(self, kernels: ModuleType | None) -> None:
+        """Run decode steps through the fused kernels (`workers.model.kernels`), or, with None,
+        through the pure-torch reference path."""
+        for block in self.blocks:
+            if block.kind is not MixerKind.MLP:
+                block.mixer.kernels = kernels
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states after the final norm, one row per token of the flat batch."""

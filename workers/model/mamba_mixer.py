@@ -6,6 +6,7 @@ so a chunk of a long prompt, a cache hit and a fresh prompt all run the same cod
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -42,6 +43,7 @@ class MambaMixer(nn.Module):
         self.norm = GatedGroupRMSNorm(shape.intermediate, shape.n_groups, eps)
         self.out_proj = nn.Linear(shape.intermediate, hidden, bias=shape.proj_bias)
         self._constants: MambaConstants | None = None
+        self.kernels: ModuleType | None = None  # fused decode kernels; None runs the reference
 
     @property
     def constants(self) -> MambaConstants:
@@ -65,7 +67,8 @@ class MambaMixer(nn.Module):
         group = batch.decode
         if group is not None:
             rows = group.token_index
-            y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, group).to(y.dtype)
+            decode = self._decode_fused if self.kernels is not None else self._decode
+            y[rows] = decode(xbc[rows], dt[rows], conv, ssm, group).to(y.dtype)
             if group.snapshot_rows is not None:
                 src = group.state_slots[group.snapshot_rows]
                 conv[group.snapshot_slots] = conv[src]
@@ -121,7 +124,31 @@ class MambaMixer(nn.Module):
                 conv[seg.snapshot_slot] = conv[seg.state_slot]
                 ssm[seg.snapshot_slot] = ssm[seg.state_slot]
 
+    def _decode_fused(self, xbc, dt, conv, ssm, group) -> torch.Tensor:
+        """The same step as `_decode` in two fused kernels: conv and recurrence each make one pass
+        over their states, in place at the sequences' slots (contiguous or not)."""
+        s, c, k = self.shape, self.constants, self.kernels
+        batch = xbc.shape[0]
+        bias = c.conv_bias if c.conv_bias is not None else torch.empty(0)
+        xbc = k.conv_step(conv, group.state_slots, xbc.float().contiguous(), c.conv_weight, bias)
+        x, B, C = (t.contiguous() for t in self._split_xbc(xbc))
+        y = k.ssm_step(
+            ssm,
+            group.state_slots,
+            x.view(batch, s.n_heads, s.head_dim),
+            dt.float().contiguous(),
+            c.dt_bias,
+            c.A,
+            B.view(batch, s.n_groups, s.d_state),
+            C.view(batch, s.n_groups, s.d_state),
+            c.D,
+            s.dt_min,
+            s.dt_max,
+        )
+        return y.view(batch, s.intermediate)
+
     def _decode(self, xbc, dt, conv, ssm, group) -> torch.Tensor:
+        """Reference decode step (pure torch)."""
         s, c = self.shape, self.constants
         batch = xbc.shape[0]
         if group.slot_run is not None:  # views: the recurrence updates the slots in place
