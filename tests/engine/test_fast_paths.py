@@ -131,6 +131,7 @@ def test_engine_fused_equals_reference_with_scattered_slots(tiny, arch):
 def test_reference_path_when_kernels_cannot_build(monkeypatch):
     """No compiler on the machine: None with a reason, and the runner falls back to the reference."""
     monkeypatch.setattr(kernel_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernel_module, "_put_pip_ninja_on_path", lambda: None)
     monkeypatch.setattr(kernel_module, "_failure", None)
     assert kernel_module.decode_kernels.__wrapped__() is None
     assert "ninja" in kernel_module.build_failure()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 import shutil
 from pathlib import Path
@@ -52,6 +53,7 @@ def _build_dir() -> Path:
 def decode_kernels() -> ModuleType | None:
     """The compiled kernels, or None when they cannot be built here (logged once)."""
     global _failure
+    _put_pip_ninja_on_path()
     if shutil.which("ninja") is None or shutil.which("c++") is None:
         _failure = "no ninja or c++ on PATH"
     else:
@@ -72,6 +74,18 @@ def decode_kernels() -> ModuleType | None:
             _failure = f"{type(e).__name__}: {e}"
     log.warning("fused decode kernels unavailable (%s); using the pure-torch path", _failure)
     return None
+
+
+def _put_pip_ninja_on_path() -> None:
+    """The `ninja` wheel (a dependency) installs its binary next to the venv's interpreter, which
+    is not on PATH when the venv is not activated; torch's builder looks for it on PATH."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def build_failure() -> str | None:
