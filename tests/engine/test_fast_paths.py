@@ -97,7 +97,7 @@ def test_fused_decode_equals_reference_logits(tiny, arch):
 
 def _reference_engine(path):
     engine = new_engine(path)
-    engine.model.use_kernels(None)
+    engine.runner.set_fast_kernels(False)
     return engine
 
 
@@ -114,8 +114,8 @@ def test_engine_fused_equals_reference_with_scattered_slots(tiny, arch):
         recorders.append(LogitRecorder(engine))
         inner = engine.runner._decode_group
 
-        def decode_group(rows, chunks, inner=inner):
-            group = inner(rows, chunks)
+        def decode_group(rows, chunks, covers_batch, inner=inner):
+            group = inner(rows, chunks, covers_batch)
             if group is not None:
                 slot_runs.append(group.slot_run)
             return group

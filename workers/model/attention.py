@@ -52,15 +52,17 @@ class Attention(nn.Module):
         flat_k[batch.kv_slots] = k
         flat_v[batch.kv_slots] = v
 
+        group = batch.decode
+        fused = self.kernels is not None and q.dtype == kv_cache.dtype == torch.float32
+        decode = self._decode_paged if fused else self._decode
+        if group is not None and group.covers_batch:  # a pure decode step, rows in order
+            return self.o_proj(decode(q, kv_cache, batch).reshape(n, -1))
         out = torch.empty(n, s.n_heads, s.head_dim, dtype=h.dtype, device=h.device)
         for seg in batch.prefills:
             rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, seg)
-        if batch.decode is not None:
-            q_decode = q[batch.decode.token_index]
-            fused = self.kernels is not None and q_decode.dtype == kv_cache.dtype == torch.float32
-            decode = self._decode_paged if fused else self._decode
-            out[batch.decode.token_index] = decode(q_decode, kv_cache, batch)
+        if group is not None:
+            out[group.token_index] = decode(q[group.token_index], kv_cache, batch)
         return self.o_proj(out.reshape(n, -1))
 
     def _prefill(self, q, k, v, kv_cache, seg) -> torch.Tensor:

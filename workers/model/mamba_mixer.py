@@ -61,18 +61,21 @@ class MambaMixer(nn.Module):
     def forward(self, h: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
         s = self.shape
         gate, xbc, dt = self.in_proj(h).split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)
-        y = torch.empty(h.shape[0], s.intermediate, dtype=h.dtype, device=h.device)
-        for wave in _waves(batch.prefills):
-            self._prefill(xbc, dt, conv, ssm, wave, y)
         group = batch.decode
-        if group is not None:
-            rows = group.token_index
-            decode = self._decode_fused if self.kernels is not None else self._decode
-            y[rows] = decode(xbc[rows], dt[rows], conv, ssm, group).to(y.dtype)
-            if group.snapshot_rows is not None:
-                src = group.state_slots[group.snapshot_rows]
-                conv[group.snapshot_slots] = conv[src]
-                ssm[group.snapshot_slots] = ssm[src]
+        decode = self._decode_fused if self.kernels is not None else self._decode
+        if group is not None and group.covers_batch:  # a pure decode step, rows in order
+            y = decode(xbc, dt, conv, ssm, group).to(h.dtype)
+        else:
+            y = torch.empty(h.shape[0], s.intermediate, dtype=h.dtype, device=h.device)
+            for wave in _waves(batch.prefills):
+                self._prefill(xbc, dt, conv, ssm, wave, y)
+            if group is not None:
+                rows = group.token_index
+                y[rows] = decode(xbc[rows], dt[rows], conv, ssm, group).to(y.dtype)
+        if group is not None and group.snapshot_rows is not None:
+            src = group.state_slots[group.snapshot_rows]
+            conv[group.snapshot_slots] = conv[src]
+            ssm[group.snapshot_slots] = ssm[src]
         return self.out_proj(self.norm(y, gate))
 
     def _time_step(self, dt: torch.Tensor) -> torch.Tensor:

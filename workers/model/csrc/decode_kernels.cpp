@@ -168,7 +168,41 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// RMSNorm over the last dimension in one pass per row: weight * x / sqrt(mean(x^2) + eps).
+// With `gate`, Mamba2's gated norm: x * silu(gate) first, normalised over groups of `group` channels.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> gate, int64_t group,
+                       double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32);
+  auto xc = x.contiguous();
+  const int64_t width = xc.size(-1), rows = xc.numel() / width;
+  TORCH_CHECK(width % group == 0 && weight.numel() == width);
+  auto gc = gate.has_value() ? gate->contiguous() : torch::Tensor();
+  TORCH_CHECK(!gc.defined() || (gc.scalar_type() == torch::kFloat32 && gc.numel() == xc.numel()));
+  auto out = torch::empty_like(xc);
+  const float *x_p = xc.data_ptr<float>(), *w_p = weight.contiguous().data_ptr<float>();
+  const float* g_p = gc.defined() ? gc.data_ptr<float>() : nullptr;
+  float* o_p = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows * (width / group), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t offset = i * group;
+      float* o = o_p + offset;
+      float ss = 0.0f;
+      for (int64_t j = 0; j < group; ++j) {
+        const float v = g_p ? x_p[offset + j] * silu(g_p[offset + j]) : x_p[offset + j];
+        o[j] = v;
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(group) + e);
+      const float* w = w_p + offset % width;
+      for (int64_t j = 0; j < group; ++j) o[j] = w[j] * (o[j] * inv);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm (optionally gated, grouped) in one pass per row");
   m.def("conv_step", &conv_step, "Mamba2 decode conv step, in place by slot");
   m.def("ssm_step", &ssm_step, "Mamba2 decode recurrence step, in place by slot");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V, read in place");
