@@ -1,6 +1,6 @@
 """The fused decode kernels against the pure-torch reference path beside them.
 
-Kernel level: the Mamba conv + recurrence step and the paged decode attention on random
+Kernel level: the Mamba conv + recurrence step, the paged decode attention and the norms on random
 caches, with slots and blocks out of order, GQA/MQA, context lengths on block boundaries;
 outputs close, states updated in place at exactly the sequences' slots, other slots
 untouched. Engine level: the same requests through an engine on the fused kernels and one
@@ -27,6 +27,7 @@ from workers.model.attention import Attention
 from workers.model.config import AttentionShape, MambaShape
 from workers.model.forward_batch import DecodeGroup, ForwardBatch
 from workers.model.kernels import decode_kernels
+from workers.model.layers import GatedGroupRMSNorm, RMSNorm
 from workers.model.mamba_mixer import MambaMixer
 from workers.sampling import SamplingParams
 
@@ -135,3 +136,16 @@ def test_reference_path_when_kernels_cannot_build(monkeypatch):
     monkeypatch.setattr(kernel_module, "_failure", None)
     assert kernel_module.decode_kernels.__wrapped__() is None
     assert "ninja" in kernel_module.build_failure()
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_norm_kernels_equal_reference(groups):
+    torch.manual_seed(groups)
+    x, gate = torch.randn(5, 64) * 3, torch.randn(5, 64)
+    plain, gated = RMSNorm(64, 1e-6), GatedGroupRMSNorm(64, groups, 1e-6)
+    for norm in (plain, gated):
+        norm.weight.data = torch.randn(64)
+    refs = plain(x), gated(x, gate)
+    plain.kernels = gated.kernels = KERNELS
+    torch.testing.assert_close(plain(x), refs[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gated(x, gate), refs[1], rtol=1e-5, atol=1e-5)
