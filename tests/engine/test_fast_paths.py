@@ -29,6 +29,7 @@ from workers.model.forward_batch import DecodeGroup, ForwardBatch
 from workers.model.kernels import decode_kernels
 from workers.model.layers import GatedGroupRMSNorm, RMSNorm
 from workers.model.mamba_mixer import MambaMixer
+from workers.model.ssd import chunked_scan, chunked_scan_grouped
 from workers.sampling import SamplingParams
 
 KERNELS = decode_kernels()
@@ -149,3 +150,18 @@ def test_norm_kernels_equal_reference(groups):
     plain.kernels = gated.kernels = KERNELS
     torch.testing.assert_close(plain(x), refs[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gated(x, gate), refs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "b,length,h,p,g,n,chunk",
+    [(2, 37, 8, 4, 2, 6, 16), (1, 5, 4, 8, 4, 3, 8), (2, 70, 8, 16, 1, 16, 32), (3, 64, 6, 4, 3, 5, 64)],
+)
+def test_grouped_scan_equals_reference_scan(b, length, h, p, g, n, chunk):
+    """Padding, several chunks, one chunk, groups of 1..4 heads, a non-zero initial state."""
+    torch.manual_seed(length)
+    x, dt, A = torch.randn(b, length, h, p), torch.rand(b, length, h), -torch.rand(h) * 2
+    B, C, s0 = torch.randn(b, length, g, n), torch.randn(b, length, g, n), torch.randn(b, h, p, n)
+    y_ref, final_ref = chunked_scan(x, dt, A, B, C, chunk, s0)
+    y, final = chunked_scan_grouped(x, dt, A, B, C, chunk, s0)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=1e-5)
