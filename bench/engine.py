@@ -284,23 +284,24 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     env = environment_info()
     started = time.perf_counter()
-    families = {}
-    for arch in archs:
+    families: dict[str, dict] = {}
+    name = "engine.quick" if args.quick else "engine"
+    for arch in archs:  # results are rewritten after every family, so a long run keeps what it measured
         model_dir = checkpoint_dir(arch, Preset.BENCH, args.seed, None)
         families[arch.value] = bench_arch(arch, plan, model_dir, args.threads, args.seed, not args.no_vllm)
-    results = {
-        "benchmark": "engine",
-        "environment": env,
-        "load_average_at_end": list(os.getloadavg()),
-        "wall_seconds": time.perf_counter() - started,
-        "settings": asdict(plan) | {"threads": args.threads, "quick": args.quick, "with_vllm": not args.no_vllm},
-        "method": METHOD,
-        "targets": TARGETS,
-        "families": families,
-    }
-    name = "engine.quick" if args.quick else "engine"
-    json_path, md_path = write_results(name, results, markdown(results), args.results_dir)
-    plot(results, args.results_dir / f"{name}.png")
+        results = {
+            "benchmark": "engine",
+            "environment": env,
+            "load_average_at_end": list(os.getloadavg()),
+            "wall_seconds": time.perf_counter() - started,
+            "settings": asdict(plan) | {"threads": args.threads, "quick": args.quick, "with_vllm": not args.no_vllm},
+            "method": METHOD,
+            "targets": TARGETS,
+            "families": families,
+            "families_planned": [a.value for a in archs],
+        }
+        json_path, md_path = write_results(name, results, markdown(results), args.results_dir)
+        plot(results, args.results_dir / f"{name}.png")
     print(markdown(results))
     print(f"wrote {json_path}, {md_path}, {args.results_dir / f'{name}.png'}")
     return results
