@@ -29,6 +29,26 @@ def git_revision() -> dict:
     return {"commit": git("rev-parse", "HEAD") or None, "dirty_paths": git("status", "--porcelain", "-uno").splitlines()}
 
 
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
+
+
+def cpu_info() -> dict:
+    """CPU model and the SIMD / matrix extensions that decide kernel speed (these machines vary)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return {"model": model, "simd_flags": [f for f in SIMD_FLAGS if f in flags]}
+
+
 def environment_info() -> dict:
     """Facts that explain a number: interpreter, library versions, CPU, threads, load."""
     import torch
@@ -38,6 +58,7 @@ def environment_info() -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_info(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "load_average_1_5_15m": list(os.getloadavg()),

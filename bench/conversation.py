@@ -58,7 +58,11 @@ from pathlib import Path
 
 import torch
 
-from workers.checkpoint import make_model
+from bench.common import cpu_info
+from bench.conversation_report import ENGINE_MODES, markdown, plot, summarize
+from bench.conversation_vllm import VllmTurns, recheck_prefix_caching
+from bench.peer import vllm_runs
+from workers.checkpoint import Arch, make_model
 from workers.checkpoint.tokens import EOS_TOKEN_ID, NEVER_SAMPLE_TOKEN_IDS, PAD_TOKEN_ID
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation.cache import ConversationCache
@@ -70,16 +74,10 @@ from workers.sampling import SamplingParams
 RESULTS = Path(__file__).resolve().parent / "results"
 THREADS = 2
 PROBES = 3  # extra TTFT samples per mode and turn (TTFT = min of PROBES + 1; median kept too)
+VLLM_MAX_MODEL_LEN = 4096
+RECHECK_HISTORY = 1600  # tokens: more than two of vLLM's hybrid blocks (640 on the bench models)
 KERNEL_BLOCK = 16  # vLLM rounds the hybrid attention block size to a multiple of this
 SALT = "bench"
-ENGINE_MODES = ("a", "b", "b16", "c")
-LABELS = {
-    "a": "(a) exact conversation cache",
-    "b": "(b) block-aligned reuse (vLLM align, B={B})",
-    "b16": "(b16) block-aligned reuse, B=16",
-    "c": "(c) no reuse (full recompute)",
-    "d": "(d) transformers generate (full history)",
-}
 
 WORDS = (
     "the model cache state turn reply token layer block prefix history user system please "
@@ -287,13 +285,13 @@ class HFRunner:
 
 
 # -- the run ----------------------------------------------------------------------------------------
-def run(plan: Plan, quick: bool) -> dict:
+def run(plan: Plan, quick: bool, arch: Arch, with_vllm: bool) -> dict:
     torch.set_num_threads(THREADS)
     load_before = os.getloadavg()
     wall0 = time.perf_counter()
     scripts = make_scripts(plan)
     with tempfile.TemporaryDirectory(prefix="bench-conversation-") as tmp:
-        model_dir = make_model(Path(tmp) / "bamba-bench", "bamba", "bench", seed=0)
+        model_dir = make_model(Path(tmp) / f"{arch.value}-bench", arch, "bench", seed=0)
         engine_a = LLMEngine(engine_config(model_dir, 16))
         block = vllm_hybrid_block_size(engine_a)
         B = block["block_size"]
@@ -308,6 +306,9 @@ def run(plan: Plan, quick: bool) -> dict:
         for engine in engines.values():
             warm_up(engine)
         hf = HFRunner(model_dir) if plan.hf_turns else None
+        vllm = VllmTurns(model_dir, THREADS, max_model_len=VLLM_MAX_MODEL_LEN) if with_vllm and vllm_runs(arch) else None
+        if vllm is not None:
+            vllm.warm_up([8 + i % 90 for i in range(200)])  # ordinary ids of the built-in vocabulary
         if hf is not None:
             hf.generate(list(range(8, 72)), 2)  # warm-up
         model_params = sum(p.numel() for p in engines["a"].model.parameters())
@@ -323,16 +324,27 @@ def run(plan: Plan, quick: bool) -> dict:
             for t in range(plan.turns):
                 params = SamplingParams(temperature=0, max_tokens=script.replies[t], ignore_eos=True)
                 rec: dict = {"turn": t + 1, "max_tokens": script.replies[t]}
-                order = ENGINE_MODES[t % 4 :] + ENGINE_MODES[: t % 4]
+                modes = ENGINE_MODES + (("v",) if vllm is not None else ())
+                order = modes[t % len(modes) :] + modes[: t % len(modes)]
                 rec["order"] = list(order)
                 # (c)'s prompt: what begin_turn will build for (a) (checked against it below).
                 prompt_c = turn_prompt(caches["a"], cid, suffix_of(script, t))
                 prompts: dict[str, list[int]] = {}
-                samples: dict[str, list[float]] = {m: [] for m in ENGINE_MODES}
+                samples: dict[str, list[float]] = {m: [] for m in modes}
                 # Extra TTFT samples (contention on a shared 2-core machine is noisy): all modes
                 # in the rotated order, PROBES times, then the real turn of each mode.
                 for rep in range(PROBES + 1):
                     for mode in order:
+                        if mode == "v":  # vLLM-CPU: the same full prompt ids as (c), no reuse
+                            if rep < PROBES:
+                                samples["v"].append(vllm.probe_ttft(prompt_c))
+                            else:
+                                rec["v"] = vllm.turn(prompt_c, script.replies[t])
+                                samples["v"].append(rec["v"]["ttft_s"])
+                                rec["v"] |= {"ttft_first_run_s": rec["v"]["ttft_s"], "ttft_s": min(samples["v"]),
+                                             "ttft_median_s": statistics.median(samples["v"]),
+                                             "ttft_samples_s": list(samples["v"])}  # fmt: skip
+                            continue
                         rid = f"{mode}-{ci}-{t + 1}" + ("" if rep == PROBES else f"-probe{rep}")
                         engine = engines[mode]
                         if mode == "c":
@@ -356,6 +368,8 @@ def run(plan: Plan, quick: bool) -> dict:
                 rec["b_equals_a"] = out_a == rec["b"]["output_token_ids"]
                 rec["b16_equals_a"] = out_a == rec["b16"]["output_token_ids"]
                 rec["prompts_equal"] = all(prompts[m] == prompts["a"] for m in prompts)
+                if "v" in rec:
+                    rec["v_equals_a"] = rec["v"]["output_token_ids"] == out_a
                 if prompts["c"] != prompts["a"]:
                     mismatches.append(f"conversation {ci} turn {t + 1}: (c) prompt != (a) prompt")
                 if not rec["a_equals_c"]:
@@ -372,7 +386,7 @@ def run(plan: Plan, quick: bool) -> dict:
                     rec["d_equals_a"] = out_d == out_a
                     rec["d_first_equals_a"] = first_d[:1] == out_a[:1]
                 conv_records.append(rec)
-                line = "  ".join(f"{m}={rec[m]['ttft_s'] * 1e3:8.1f}ms" for m in (*ENGINE_MODES, "d") if m in rec)
+                line = "  ".join(f"{m}={rec[m]['ttft_s'] * 1e3:8.1f}ms" for m in (*ENGINE_MODES, "d", "v") if m in rec)
                 print(
                     f"conv {ci} turn {t + 1:2d} history {rec['history_tokens']:5d}  TTFT {line}  "
                     f"a==c {rec['a_equals_c']}",
@@ -380,6 +394,15 @@ def run(plan: Plan, quick: bool) -> dict:
                 )
             records.append(conv_records)
         cache_stats = {m: c.stats() for m, c in caches.items()}
+        vllm_info = None
+        if vllm is not None:
+            vllm_info = vllm.info | {"settings_note": "prefix caching off: see prefix_caching_recheck"}
+            vllm.close()
+            # The last turn's prompt, repeated past vLLM's hybrid block size (the crash needs that).
+            history = (prompts["a"] * (1 + RECHECK_HISTORY // len(prompts["a"])))[:RECHECK_HISTORY]
+            vllm_info["prefix_caching_recheck"] = recheck_prefix_caching(
+                model_dir, THREADS, history, [20 + i % 70 for i in range(plan.user_tokens[0])]
+            )
         for engine in engines.values():
             engine.check_integrity()
 
@@ -390,218 +413,30 @@ def run(plan: Plan, quick: bool) -> dict:
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "platform": platform.platform(),
+        "cpu": cpu_info(),
+        "vllm": vllm_info,
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg(),
         "setup_s": setup_s,
         "wall_s": time.perf_counter() - wall0,
     }, {
-        "arch": "bamba",
+        "arch": arch.value,
         "preset": "bench",
         "parameters": model_params,
         "kv_layouts": kv_layouts,
         "state_layout": state_layout,
         "state_bytes_per_sequence": engines["a"].state_layout.slot_bytes,
-    })
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def summarize(plan, quick, records, mismatches, block, cache_stats, env, model) -> dict:
-    turns = plan.turns
-    per_turn: dict[str, dict[str, list]] = {}
-    for mode in ENGINE_MODES:
-        per_turn[mode] = {
-            "ttft_s": [_median([conv[t][mode]["ttft_s"] for conv in records]) for t in range(turns)],
-            "total_s": [_median([conv[t][mode]["total_s"] for conv in records]) for t in range(turns)],
-            "ttft_median_s": [_median([conv[t][mode]["ttft_median_s"] for conv in records]) for t in range(turns)],
-            "ttft_cpu_s": [_median([conv[t][mode]["ttft_cpu_s"] for conv in records]) for t in range(turns)],
-            "computed_prompt_tokens": [records[0][t][mode]["computed_prompt_tokens"] for t in range(turns)],
-            "reused_tokens": [records[0][t][mode]["reused_tokens"] for t in range(turns)],
-        }
-    per_turn["d"] = {
-        "turns": [t + 1 for t in range(turns) if "d" in records[0][t]],
-        "ttft_s": [records[0][t]["d"]["ttft_s"] if "d" in records[0][t] else None for t in range(turns)],
-        "total_s": [records[0][t]["d"]["total_s"] if "d" in records[0][t] else None for t in range(turns)],
-    }
-    history = [records[0][t]["history_tokens"] for t in range(turns)]
-    a, b, c = per_turn["a"]["ttft_s"], per_turn["b"]["ttft_s"], per_turn["c"]["ttft_s"]
-    ratio_last = c[-1] / a[-1]
-    # Turn 1 has no history: every mode computes the same prompt from scratch.
-    a_below_b = [a[t] < b[t] for t in range(1, turns)]
-    all_a_eq_c = all(r["a_equals_c"] for conv in records for r in conv)
-    return {
-        "mode": "quick" if quick else "full",
-        "plan": asdict(plan),
-        "labels": {k: v.format(B=block["block_size"]) for k, v in LABELS.items()},
-        "block_sizes": {"a": 16, "b": block["block_size"], "b16": 16, "c": 16, "vllm_hybrid": block},
-        "history_tokens": history,
-        "ttft_ratio_recompute_over_cached": ratio_last,
-        "ttft_ratio_recompute_over_cached_median_samples": per_turn["c"]["ttft_median_s"][-1]
-        / per_turn["a"]["ttft_median_s"][-1],
-        "ttft_ratio_aligned_over_cached_last_turn": b[-1] / a[-1],
-        "ttft_ratio_b16_over_cached_last_turn": per_turn["b16"]["ttft_s"][-1] / a[-1],
-        "targets": {
-            "last_turn_ttft_20x_below_recompute": ratio_last >= 20,
-            "ttft_below_aligned_every_turn_from_2": all(a_below_b),
-            "ttft_below_aligned_per_turn_from_2": a_below_b,
-        },
-        "correctness": {
-            "a_equals_c_every_turn": all_a_eq_c,
-            "mismatches": mismatches,
-            "b_equals_a": [r["b_equals_a"] for r in records[0]],
-            "b16_equals_a": [r["b16_equals_a"] for r in records[0]],
-            "d_equals_a": {r["turn"]: r["d_equals_a"] for r in records[0] if "d" in r},
-            "d_first_token_equals_a": {r["turn"]: r["d_first_equals_a"] for r in records[0] if "d" in r},
-            "d_output_len_ok": {r["turn"]: r["d"]["output_len_ok"] for r in records[0] if "d" in r},
-        },
-        "per_turn": per_turn,
-        "cache_stats": cache_stats,
-        "env": env,
-        "model": model,
-        "method": __doc__,
-        "records": records,
-    }
-
-
-# -- outputs --------------------------------------------------------------------------------------
-def _ms(x: float | None) -> str:
-    return "—" if x is None else (f"{x * 1e3:,.0f}" if x >= 0.1 else f"{x * 1e3:.1f}")
-
-
-def _s(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}"
-
-
-def markdown(res: dict) -> str:
-    pt, hist = res["per_turn"], res["history_tokens"]
-    B = res["block_sizes"]["b"]
-    vb = res["block_sizes"]["vllm_hybrid"]
-    plan = res["plan"]
-    lines = [
-        f"# Conversation cache benchmark ({res['mode']})",
-        "",
-        f"Bamba `bench` checkpoint ({res['model']['parameters'] / 1e6:.1f}M parameters, random weights), "
-        f"{plan['conversations']} conversation(s) x {plan['turns']} turns, system prompt ~{plan['system_tokens']} "
-        f"tokens, user turns {plan['user_tokens'][0]}-{plan['user_tokens'][1]} tokens, greedy replies of "
-        f"{plan['reply_tokens'][0]}-{plan['reply_tokens'][1]} tokens (ignore_eos). CPU, {res['env']['torch_threads']} "
-        f"threads, fp32. Load average before/after: {res['env']['load_avg_before'][0]:.1f} / "
-        f"{res['env']['load_avg_after'][0]:.1f} (on {res['env']['cpus']} CPUs).",
-        "",
-        f"- (a) exact conversation cache (block 16); (b) block-aligned reuse as vLLM align mode, B = **{B}** "
-        f"(Mamba state {vb['mamba_state_bytes_per_layer']:,} B/layer, attention "
-        f"{vb['attention_bytes_per_token_per_layer']} B/token/layer); (b16) the same with B = 16; "
-        "(c) no reuse; (d) transformers generate (subset of turns).",
-        f"- TTFT recompute/cached at the last turn: **{res['ttft_ratio_recompute_over_cached']:.1f}x** "
-        f"(target >= 20x: {'met' if res['targets']['last_turn_ttft_20x_below_recompute'] else 'NOT met'}); "
-        f"(a) below (b) on every turn >= 2: "
-        f"{'yes' if res['targets']['ttft_below_aligned_every_turn_from_2'] else 'NO'}.",
-        f"- Correctness: (a) tokens == (c) tokens on every turn: "
-        f"{'yes' if res['correctness']['a_equals_c_every_turn'] else 'NO'}; "
-        f"(b) == (a): {sum(res['correctness']['b_equals_a'])}/{plan['turns']} turns; "
-        f"(b16) == (a): {sum(res['correctness']['b16_equals_a'])}/{plan['turns']}; "
-        f"(d) == (a): {res['correctness']['d_equals_a']}.",
-        "",
-        "## TTFT (ms, min of 4 samples per mode and turn)",
-        "",
-        "| turn | history tokens | recomputed a / b / b16 / c | TTFT a | TTFT b | TTFT b16 | TTFT c | TTFT d "
-        "| c/a | b/a | b16/a | d/a |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for t in range(len(hist)):
-        a, b, b16, c = (pt[m]["ttft_s"][t] for m in ("a", "b", "b16", "c"))
-        d = pt["d"]["ttft_s"][t]
-        comp = " / ".join(str(pt[m]["computed_prompt_tokens"][t]) for m in ("a", "b", "b16", "c"))
-        lines.append(
-            f"| {t + 1} | {hist[t]} | {comp} | {_ms(a)} | {_ms(b)} | {_ms(b16)} | {_ms(c)} | {_ms(d)} "
-            f"| {c / a:.1f} | {b / a:.1f} | {b16 / a:.2f} | {'—' if d is None else f'{d / a:.1f}'} |"
-        )
-    lines += [
-        "",
-        "## TTFT (ms, median of the same 4 samples)",
-        "",
-        "| turn | history tokens | a | b | b16 | c | c/a | b/a |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for t in range(len(hist)):
-        a, b, b16, c = (pt[m]["ttft_median_s"][t] for m in ("a", "b", "b16", "c"))
-        lines.append(
-            f"| {t + 1} | {hist[t]} | {_ms(a)} | {_ms(b)} | {_ms(b16)} | {_ms(c)} | {c / a:.1f} | {b / a:.1f} |"
-        )
-    lines += [
-        "",
-        "## Total time per turn (s, prefill + all reply tokens; one sample: the real turn)",
-        "",
-        "| turn | history tokens | reply tokens | a | b | b16 | c | d |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for t in range(len(hist)):
-        lines.append(
-            f"| {t + 1} | {hist[t]} | {res['records'][0][t]['max_tokens']} | "
-            + " | ".join(_s(pt[m]["total_s"][t]) for m in ("a", "b", "b16", "c", "d"))
-            + " |"
-        )
-    lines += [
-        "",
-        "## Method",
-        "",
-        "TTFT: wall time from submitting the request (begin_turn / add_request, prompt building "
-        "included) to the end of the first engine step that returns a token for it; one "
-        "conversation in flight, the engine stepped synchronously; the order of the modes rotates "
-        "per turn; TTFT is the minimum (and, second table, the median) of 4 samples "
-        "(3 probe requests aborted after their first token, then the real turn), total time is "
-        "the real turn. Replies are exactly max_tokens long (ignore_eos). (b): separate engine with CacheConfig(block_size=B, mamba_align_tokens=B) and "
-        "its own ConversationCache; after each turn the committed head is cut back to what "
-        "align mode keeps (KV up to the last full block, Mamba state at that boundary, taken by "
-        "the engine's aligned snapshot during the forward), so the next turn recomputes "
-        "[aligned_len, committed) plus the suffix. (c): plain add_request of (a)'s prompt ids "
-        "(no prompt building in the timing). (d): transformers generate on the same ids, TTFT = "
-        "a max_new_tokens=1 generate; only turns "
-        f"{pt['d']['turns']} of conversation 0. Per-turn values are medians over conversations. "
-        "CPU times and raw per-conversation records are in conversation.json.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    pt = res["per_turn"]
-    turns = list(range(1, len(res["history_tokens"]) + 1))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    style = {"a": ("o-", "C0"), "b": ("s-", "C1"), "b16": ("^--", "C2"), "c": ("x-", "C3")}
-    for mode, (fmt, color) in style.items():
-        ax.plot(turns, [v * 1e3 for v in pt[mode]["ttft_s"]], fmt, color=color, label=res["labels"][mode])
-    d_turns = pt["d"]["turns"]
-    if d_turns:
-        ax.plot(d_turns, [pt["d"]["ttft_s"][t - 1] * 1e3 for t in d_turns], "D:", color="C4", label=res["labels"]["d"])
-    ax.set_yscale("log")
-    ax.set_xlabel("turn (history tokens below)")
-    ax.set_xticks(turns)
-    ax.set_xticklabels([f"{t}\n{h}" for t, h in zip(turns, res["history_tokens"])], fontsize=7)
-    ax.set_ylabel("TTFT (ms, min of 4 samples; log scale)")
-    ax.set_title(
-        f"TTFT per turn — bamba bench, CPU {res['env']['torch_threads']} threads "
-        f"(last turn: recompute/cached = {res['ttft_ratio_recompute_over_cached']:.0f}x)"
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    }, __doc__)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (fewer turns, shorter lengths)")
+    parser.add_argument("--arch", type=Arch, choices=list(Arch), default=Arch.GRANITEMOEHYBRID)
+    parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM-CPU mode (v) out")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
-    res = run(plan, args.quick)
+    res = run(plan, args.quick, args.arch, not args.no_vllm)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "conversation.quick" if args.quick else "conversation"
     (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -615,3 +450,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

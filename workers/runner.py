@@ -12,15 +12,31 @@ from workers.cache.coordinator import PendingCopies
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout, MambaStateLayout, allocate_caches
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.hybrid_lm import HybridLM
+from workers.model.kernels import decode_kernels
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: HybridLM, kv_layout: KVCacheLayout, state_layout: MambaStateLayout, device: str):
+    def __init__(
+        self,
+        model: HybridLM,
+        kv_layout: KVCacheLayout,
+        state_layout: MambaStateLayout,
+        device: str,
+        fast_kernels: bool = True,
+    ):
+        """`fast_kernels`: decode through the fused CPU kernels when they build here (see
+        `workers.model.kernels`); False runs the pure-torch reference path."""
         self.model = model
         self.device = device
+        self.set_fast_kernels(fast_kernels)
         self.block_size = kv_layout.block_size
         self.caches = allocate_caches(kv_layout, state_layout, device)
+
+    def set_fast_kernels(self, enabled: bool) -> None:
+        """Switch between the fused CPU kernels (when they build here) and the reference path."""
+        self.kernels = decode_kernels() if enabled and torch.device(self.device).type == "cpu" else None
+        self.model.use_kernels(self.kernels)
 
     def apply_copies(self, copies: PendingCopies) -> None:
         """Copy-on-write of tail blocks, copies and zeroing of Mamba states, before the step runs."""
@@ -83,7 +99,7 @@ class ModelRunner:
             positions=torch.tensor(positions, device=self.device),
             kv_slots=torch.tensor(kv_slots, device=self.device),
             prefills=tuple(prefills),
-            decode=self._decode_group(decode_rows, decode_chunks),
+            decode=self._decode_group(decode_rows, decode_chunks, covers_batch=not prefills),
         )
         return batch, torch.tensor(sample_rows, device=self.device, dtype=torch.long)
 
@@ -103,12 +119,14 @@ class ModelRunner:
             return [first]
         return [first, PrefillSegment(row + aligned - chunk.start, end - aligned, aligned, table, chunk.state_slot)]
 
-    def _decode_group(self, rows: list[int], chunks: list[ScheduledChunk]) -> DecodeGroup | None:
+    def _decode_group(self, rows: list[int], chunks: list[ScheduledChunk], covers_batch: bool) -> DecodeGroup | None:
         if not chunks:
             return None
         bs = self.block_size
-        order = sorted(range(len(chunks)), key=lambda i: chunks[i].state_slot)  # contiguous slots -> in place
-        rows, chunks = [rows[i] for i in order], [chunks[i] for i in order]
+        if self.kernels is None:  # the reference updates contiguous slots in place: sort to find runs
+            order = sorted(range(len(chunks)), key=lambda i: chunks[i].state_slot)
+            rows, chunks = [rows[i] for i in order], [chunks[i] for i in order]
+        # The fused kernels update any slots in place, so rows stay in batch order.
         first = chunks[0].state_slot
         contiguous = all(c.state_slot == first + i for i, c in enumerate(chunks))
         width = max(-(-(c.start + 1) // bs) for c in chunks)
@@ -122,4 +140,5 @@ class ModelRunner:
             slot_run=first if contiguous else None,
             snapshot_rows=torch.tensor([i for i, _ in snap], device=self.device) if snap else None,
             snapshot_slots=torch.tensor([s for _, s in snap], device=self.device) if snap else None,
+            covers_batch=covers_batch and rows == list(range(len(rows))),
         )

@@ -47,10 +47,12 @@ def new_engine(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
+            dtype=dtype,
             max_model_len=max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             cache=CacheConfig(
@@ -162,7 +164,9 @@ def hf_greedy(ckpt: Checkpoint, prompt: list[int], n: int) -> list[int]:
 
 
 @torch.no_grad()
-def our_logits(model: HybridLM, ids: list[int], chunks: list[int] | None = None, block_size: int = 16) -> torch.Tensor:
+def our_logits(
+    model: HybridLM, ids: list[int], chunks: list[int] | None = None, block_size: int = 16, fast_kernels: bool = True
+) -> torch.Tensor:
     """Our model over `ids`, run as consecutive chunks of the given sizes through the runner
     (a chunk of 1 after the first token takes the decode path); logits of every position.
 
@@ -172,7 +176,7 @@ def our_logits(model: HybridLM, ids: list[int], chunks: list[int] | None = None,
     assert sum(chunks) == len(ids)
     n_blocks = -(-len(ids) // block_size)
     kv, state = layouts_for(model.config, n_blocks + 3, block_size, 3, torch.float32)
-    runner = ModelRunner(model, kv, state, "cpu")
+    runner = ModelRunner(model, kv, state, "cpu", fast_kernels=fast_kernels)
     table = list(range(n_blocks + 2, 2, -1))  # [n+2, n+1, ..., 3]: reversed, skipping 1 and 2
     request = Request("ref", list(ids), GREEDY)
     out, start = [], 0

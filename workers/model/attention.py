@@ -11,6 +11,8 @@ see exactly the cached history.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,7 @@ class Attention(nn.Module):
         q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
         self.qkv = nn.Linear(hidden, q_dim + 2 * kv_dim, bias=shape.bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=shape.bias)
+        self.kernels: ModuleType | None = None  # fused decode kernels; None runs the reference
 
     def forward(
         self,
@@ -49,12 +52,17 @@ class Attention(nn.Module):
         flat_k[batch.kv_slots] = k
         flat_v[batch.kv_slots] = v
 
+        group = batch.decode
+        fused = self.kernels is not None and q.dtype == kv_cache.dtype == torch.float32
+        decode = self._decode_paged if fused else self._decode
+        if group is not None and group.covers_batch:  # a pure decode step, rows in order
+            return self.o_proj(decode(q, kv_cache, batch).reshape(n, -1))
         out = torch.empty(n, s.n_heads, s.head_dim, dtype=h.dtype, device=h.device)
         for seg in batch.prefills:
             rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, seg)
-        if batch.decode is not None:
-            out[batch.decode.token_index] = self._decode(q[batch.decode.token_index], kv_cache, batch)
+        if group is not None:
+            out[group.token_index] = decode(q[group.token_index], kv_cache, batch)
         return self.o_proj(out.reshape(n, -1))
 
     def _prefill(self, q, k, v, kv_cache, seg) -> torch.Tensor:
@@ -79,7 +87,16 @@ class Attention(nn.Module):
         )
         return out[0].transpose(0, 1)
 
+    def _decode_paged(self, q, kv_cache, batch: ForwardBatch) -> torch.Tensor:
+        """`_decode` reading K/V blocks in place through the block tables (no padded copy of
+        the batch's history each step): one pass with an online softmax per sequence and head."""
+        group = batch.decode
+        return self.kernels.paged_decode_attention(
+            q.contiguous(), kv_cache[0], kv_cache[1], group.block_tables, group.context_lens + 1, self.shape.scale
+        )
+
     def _decode(self, q, kv_cache, batch: ForwardBatch) -> torch.Tensor:
+        """Reference decode attention: the batch's K/V gathered into padded tensors, masked SDPA."""
         s = self.shape
         group = batch.decode
         keys = _gather(kv_cache[0], group.block_tables)  # [B, L, kv, d]

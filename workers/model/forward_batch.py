@@ -38,6 +38,7 @@ class DecodeGroup:
     slot_run: int | None = None  # when state_slots == run, run+1, ..., run+B-1: updated in place
     snapshot_rows: torch.Tensor | None = None  # rows whose state is also copied, after the step,
     snapshot_slots: torch.Tensor | None = None  # into these slots
+    covers_batch: bool = False  # token_index == 0..B-1 and nothing else runs: no gather/scatter of rows
 
 
 @dataclass(frozen=True)

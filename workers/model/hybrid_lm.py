@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -41,9 +43,15 @@ class Block(nn.Module):
             x = self.mixer(x, batch, caches.kv[self.cache_index], rope)
         else:
             x = self.mixer(x)
-        h = h + x * self.residual_multiplier
+        h = self._residual(h, x)
         if self.ffn is not None:
-            h = h + self.ffn(self.ffn_norm(h)) * self.residual_multiplier
+            h = self._residual(h, self.ffn(self.ffn_norm(h)))
+        return h
+
+    def _residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.residual_multiplier == 1.0:
+            return h + x
+        return torch.add(h, x, alpha=self.residual_multiplier)  # h + r * x in one op
         return h
 
 
@@ -61,6 +69,13 @@ class HybridLM(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         attn = config.attention
         self.rotary = RotaryEmbedding(attn.rotary_dim, attn.rope_theta) if attn.rotary_dim else None
+
+    def use_kernels(self, kernels: ModuleType | None) -> None:
+        """Run the fused CPU kernels (`workers.model.kernels`: decode mixers, norms), or, with
+        None, the pure-torch reference path everywhere."""
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states after the final norm, one row per token of the flat batch."""

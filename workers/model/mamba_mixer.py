@@ -6,6 +6,9 @@ so a chunk of a long prompt, a cache hit and a fresh prompt all run the same cod
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,7 +16,18 @@ from torch import nn
 from workers.model.config import MambaShape
 from workers.model.forward_batch import ForwardBatch, PrefillSegment
 from workers.model.layers import GatedGroupRMSNorm
-from workers.model.ssd import chunked_scan, recurrent_step
+from workers.model.ssd import chunked_scan, chunked_scan_grouped, recurrent_step
+
+
+class MambaConstants(NamedTuple):
+    """The mixer's small parameters in fp32, made once: the conv and the scan run in fp32
+    whatever the weights' dtype, because the conv and SSM states they extend are fp32."""
+
+    A: torch.Tensor  # -exp(A_log), [h]
+    conv_weight: torch.Tensor  # [conv_dim, d_conv]
+    conv_bias: torch.Tensor | None  # [conv_dim]
+    dt_bias: torch.Tensor  # [h]
+    D: torch.Tensor  # [h]
 
 
 class MambaMixer(nn.Module):
@@ -28,25 +42,44 @@ class MambaMixer(nn.Module):
         self.D = nn.Parameter(torch.ones(shape.n_heads))
         self.norm = GatedGroupRMSNorm(shape.intermediate, shape.n_groups, eps)
         self.out_proj = nn.Linear(shape.intermediate, hidden, bias=shape.proj_bias)
+        self._constants: MambaConstants | None = None
+        self.kernels: ModuleType | None = None  # fused decode kernels; None runs the reference
+
+    @property
+    def constants(self) -> MambaConstants:
+        """Made on first use (the parameters are loaded after construction) and then kept."""
+        if self._constants is None:
+            self._constants = MambaConstants(
+                A=-torch.exp(self.A_log.detach().float()),
+                conv_weight=self.conv_weight.detach().float(),
+                conv_bias=None if self.conv_bias is None else self.conv_bias.detach().float(),
+                dt_bias=self.dt_bias.detach().float(),
+                D=self.D.detach().float(),
+            )
+        return self._constants
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
         s = self.shape
         gate, xbc, dt = self.in_proj(h).split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)
-        y = torch.empty(h.shape[0], s.intermediate, dtype=h.dtype, device=h.device)
-        for wave in _waves(batch.prefills):
-            self._prefill(xbc, dt, conv, ssm, wave, y)
         group = batch.decode
-        if group is not None:
-            rows = group.token_index
-            y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, group)
-            if group.snapshot_rows is not None:
-                src = group.state_slots[group.snapshot_rows]
-                conv[group.snapshot_slots] = conv[src]
-                ssm[group.snapshot_slots] = ssm[src]
+        decode = self._decode_fused if self.kernels is not None else self._decode
+        if group is not None and group.covers_batch:  # a pure decode step, rows in order
+            y = decode(xbc, dt, conv, ssm, group).to(h.dtype)
+        else:
+            y = torch.empty(h.shape[0], s.intermediate, dtype=h.dtype, device=h.device)
+            for wave in _waves(batch.prefills):
+                self._prefill(xbc, dt, conv, ssm, wave, y)
+            if group is not None:
+                rows = group.token_index
+                y[rows] = decode(xbc[rows], dt[rows], conv, ssm, group).to(y.dtype)
+        if group is not None and group.snapshot_rows is not None:
+            src = group.state_slots[group.snapshot_rows]
+            conv[group.snapshot_slots] = conv[src]
+            ssm[group.snapshot_slots] = ssm[src]
         return self.out_proj(self.norm(y, gate))
 
     def _time_step(self, dt: torch.Tensor) -> torch.Tensor:
-        dt = F.softplus(dt + self.dt_bias)
+        dt = F.softplus(dt.float() + self.constants.dt_bias)
         return dt.clamp(min=self.shape.dt_min, max=self.shape.dt_max)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,7 +94,7 @@ class MambaMixer(nn.Module):
             seq 1: t t . . .        causal) and has dt = 0, so the state passes it unchanged:
             seq 2: t t t t .        each sequence's final state is its state after its last token
         """
-        s = self.shape
+        s, c = self.shape, self.constants
         k, longest = len(segs), max(seg.num_tokens for seg in segs)
         lengths = torch.tensor([seg.num_tokens for seg in segs])
         valid = torch.arange(longest)[None, :] < lengths[:, None]  # [k, longest]
@@ -70,55 +103,80 @@ class MambaMixer(nn.Module):
         slots = torch.tensor([seg.state_slot for seg in segs])
 
         # Causal depthwise conv over [cached d_conv-1 inputs | this run's inputs].
-        window = torch.cat([conv[slots], xbc[rows].transpose(1, 2)], dim=2)  # [k, conv_dim, d_conv-1+longest]
+        window = torch.cat([conv[slots], xbc[rows].transpose(1, 2).float()], dim=2)  # [k, conv_dim, d_conv-1+longest]
         last = lengths[:, None] + torch.arange(s.d_conv - 1)[None, :]  # the last d_conv-1 real inputs
         conv[slots] = window.gather(2, last[:, None, :].expand(k, s.conv_dim, -1))
-        out = F.silu(F.conv1d(window, self.conv_weight[:, None, :], self.conv_bias, groups=s.conv_dim))
+        out = F.silu(F.conv1d(window, c.conv_weight[:, None, :], c.conv_bias, groups=s.conv_dim))
         x, B, C = self._split_xbc(out.transpose(1, 2))
         x = x.reshape(k, longest, s.n_heads, s.head_dim)
         step = torch.where(valid[:, :, None], self._time_step(dt[rows]), 0.0)
-        scan, final = chunked_scan(
+        scan_fn = chunked_scan_grouped if self.kernels is not None else chunked_scan  # fast path / reference
+        scan, final = scan_fn(
             x,
             step,
-            -torch.exp(self.A_log.float()),
+            c.A,
             B.reshape(k, longest, s.n_groups, s.d_state),
             C.reshape(k, longest, s.n_groups, s.d_state),
             _scan_chunk(s.chunk_size, longest),
             ssm[slots],
         )
         ssm[slots] = final.to(ssm.dtype)
-        scan = (scan + x * self.D[:, None]).reshape(k, longest, s.intermediate)
+        scan = (scan + x * c.D[:, None]).reshape(k, longest, s.intermediate)
         y[rows[valid]] = scan[valid].to(y.dtype)
         for seg in segs:
             if seg.snapshot_slot is not None:
                 conv[seg.snapshot_slot] = conv[seg.state_slot]
                 ssm[seg.snapshot_slot] = ssm[seg.state_slot]
 
+    def _decode_fused(self, xbc, dt, conv, ssm, group) -> torch.Tensor:
+        """The same step as `_decode` in two fused kernels: conv and recurrence each make one pass
+        over their states, in place at the sequences' slots (contiguous or not)."""
+        s, c, k = self.shape, self.constants, self.kernels
+        batch = xbc.shape[0]
+        bias = c.conv_bias if c.conv_bias is not None else torch.empty(0)
+        xbc = k.conv_step(conv, group.state_slots, xbc.float().contiguous(), c.conv_weight, bias)
+        x, B, C = (t.contiguous() for t in self._split_xbc(xbc))
+        y = k.ssm_step(
+            ssm,
+            group.state_slots,
+            x.view(batch, s.n_heads, s.head_dim),
+            dt.float().contiguous(),
+            c.dt_bias,
+            c.A,
+            B.view(batch, s.n_groups, s.d_state),
+            C.view(batch, s.n_groups, s.d_state),
+            c.D,
+            s.dt_min,
+            s.dt_max,
+        )
+        return y.view(batch, s.intermediate)
+
     def _decode(self, xbc, dt, conv, ssm, group) -> torch.Tensor:
-        s = self.shape
+        """Reference decode step (pure torch)."""
+        s, c = self.shape, self.constants
         batch = xbc.shape[0]
         if group.slot_run is not None:  # views: the recurrence updates the slots in place
             run = slice(group.slot_run, group.slot_run + batch)
             conv_state, state = conv[run], ssm[run]
         else:
             conv_state, state = conv[group.state_slots], ssm[group.state_slots]
-        window = torch.cat([conv_state, xbc[:, :, None]], dim=2)  # [B, conv_dim, d_conv]
+        window = torch.cat([conv_state, xbc[:, :, None].float()], dim=2)  # [B, conv_dim, d_conv]
         conv_state.copy_(window[:, :, 1:])
-        xbc = F.silu((window * self.conv_weight[None]).sum(-1) + (0 if self.conv_bias is None else self.conv_bias))
+        xbc = F.silu((window * c.conv_weight[None]).sum(-1) + (0 if c.conv_bias is None else c.conv_bias))
         x, B, C = self._split_xbc(xbc)
         x = x.reshape(batch, s.n_heads, s.head_dim)
         y = recurrent_step(
             state,
             x,
             self._time_step(dt),
-            -torch.exp(self.A_log.float()),
+            c.A,
             B.reshape(batch, s.n_groups, s.d_state),
             C.reshape(batch, s.n_groups, s.d_state),
         )
         if group.slot_run is None:
             conv[group.state_slots] = conv_state
             ssm[group.state_slots] = state
-        y = y + x * self.D[:, None]
+        y = y + x * c.D[:, None]
         return y.reshape(batch, s.intermediate)
 
 

@@ -102,3 +102,67 @@ def recurrent_step(
     flat = state.view(b * h, p, n)
     flat.baddbmm_((dt[:, :, None] * x).reshape(b * h, p, 1), B.reshape(b * h, 1, n))
     return torch.bmm(flat, C.reshape(b * h, n, 1)).view(b, h, p)
+
+
+def chunked_scan_grouped(
+    x: torch.Tensor,  # [b, l, h, p]
+    dt: torch.Tensor,  # [b, l, h]
+    A: torch.Tensor,  # [h]
+    B: torch.Tensor,  # [b, l, g, n]
+    C: torch.Tensor,  # [b, l, g, n]
+    chunk_size: int,
+    initial_state: torch.Tensor,  # [b, h, p, n]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_scan` with the same four steps, laid out for batched matmuls (the fast path).
+
+    The heads sharing a group of B/C (h = g * j) are never expanded: C.B scores are made once
+    per group, and the state-sized contractions fold (j, p) into one matmul dimension, so
+    every einsum becomes a plain batched matmul over [b, c, g] without permuted copies of B/C.
+
+        x  [b, c, l, g, j, p] ─┬─> per head   [b, c, g, j, s, p]  (diagonal blocks)
+                               └─> per group  [b, c, g, l, j*p]   (chunk states, outputs)
+    """
+    b, length, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    j = h // g
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    xdt = x.float() * dt[..., None].float()
+    a = A.float()[None, None, :] * dt.float()  # [b, L, h]
+    B, C = B.float(), C.float()
+    if pad:
+        xdt, a = F.pad(xdt, (0, 0, 0, 0, 0, pad)), F.pad(a, (0, 0, 0, pad))
+        B, C = F.pad(B, (0, 0, 0, 0, 0, pad)), F.pad(C, (0, 0, 0, 0, 0, pad))
+    c, l = (length + pad) // chunk_size, chunk_size
+
+    a = a.view(b, c, l, h).permute(0, 3, 1, 2)  # [b, h, c, l]
+    a_cumsum = torch.cumsum(a, dim=-1)
+    Cg = C.view(b, c, l, g, n).permute(0, 1, 3, 2, 4).contiguous()  # [b, c, g, l, n]
+    Bg = B.view(b, c, l, g, n).permute(0, 1, 3, 2, 4).contiguous()  # [b, c, g, s, n]
+    x6 = xdt.view(b, c, l, g, j, p)
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:
+        """[b, h, c, ...] -> [b, c, g, j, ...]"""
+        return t.view(b, g, j, c, *t.shape[3:]).movedim(3, 1)
+
+    # 1. Diagonal blocks: (C.B per group) * decay per head, times x.
+    scores = Cg @ Bg.transpose(-1, -2)  # [b, c, g, l, s]
+    weights = scores[:, :, :, None] * per_head(torch.exp(_segment_sum(a)))  # [b, c, g, j, l, s]
+    y_diag = weights @ x6.permute(0, 1, 3, 4, 2, 5)  # [b, c, g, j, l, p]
+
+    # 2. Each chunk's state, decayed to the chunk's end: [b, c, g, j*p, n].
+    decay_to_end = per_head(torch.exp(a_cumsum[..., -1:] - a_cumsum))  # [b, c, g, j, l]
+    xw = (x6.permute(0, 1, 3, 2, 4, 5) * decay_to_end.permute(0, 1, 2, 4, 3)[..., None]).reshape(b, c, g, l, j * p)
+    states = xw.transpose(-1, -2) @ Bg  # [b, c, g, j*p, n]
+
+    # 3. Carry states across chunks from the sequence's state (as the reference, [b, c+1, h, p, n]).
+    states = torch.cat([initial_state.float().reshape(b, 1, h, p, n), states.view(b, c, h, p, n)], dim=1)
+    decay_across = torch.exp(_segment_sum(F.pad(a_cumsum[:, :, :, -1], (1, 0))))  # [b, h, c+1, c+1]
+    carried = torch.einsum("bhzc,bchpn->bzhpn", decay_across, states)
+    states_in, final_state = carried[:, :-1], carried[:, -1]
+
+    # 4. Each chunk's incoming state read by C, decayed to each position.
+    y_off = Cg @ states_in.reshape(b, c, g, j * p, n).transpose(-1, -2)  # [b, c, g, l, j*p]
+    y_off = y_off.view(b, c, g, l, j, p) * per_head(torch.exp(a_cumsum)).permute(0, 1, 2, 4, 3)[..., None]
+
+    y = (y_diag.permute(0, 1, 4, 2, 3, 5) + y_off.permute(0, 1, 3, 2, 4, 5)).reshape(b, c * l, h, p)
+    return y[:, :length], final_state

@@ -1,0 +1,158 @@
+"""Markdown tables and the plot of `bench.engine` results (one section per model family)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.common import format_number, markdown_table
+
+CONTENDED_FRACTION = 0.75  # a run with less CPU/wall than this share of its threads ran on a busy machine
+METRICS = (
+    ("decode_tokens_per_s", "Decode tokens/s"),
+    ("prefill_tokens_per_s", "Prefill tokens/s (time to first token of the batch)"),
+    ("e2e_tokens_per_s", "End-to-end tokens/s (prefill + decode)"),
+)
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.0f}%"
+
+
+def _metric_table(family: dict, metric: str) -> str:
+    s, sides = family["summary"], family["sides"]
+    roof = s[f"{metric}_fraction_of_roofline"]
+    headers = ["concurrency"] + [f"{side} tok/s" for side in sides]
+    headers += [f"ours / {side}" for side in sides[1:]] + [f"{side} % roofline" for side in sides]
+    rows = []
+    for c in s[metric]["ours"]:
+        row = [c] + [format_number(s[metric][side][c]) for side in sides]
+        row += [_x(s[f"{metric}_ratio_vs_{side}"][c]) for side in sides[1:]]
+        row += [_pct(roof[side][c]) for side in sides]
+        rows.append(row)
+    return markdown_table(headers, rows)
+
+
+def _long_table(family: dict) -> str:
+    s = family["summary"]
+    long = s["long_context_decode_tokens_per_s"]
+    sides = list(long)
+    headers = ["history tokens"] + [f"{side} decode tok/s" for side in sides]
+    if "long_context_ratio_vs_vllm" in s:
+        headers.append("ours / vllm")
+    rows = []
+    for h in long["ours"]:
+        row = [h] + [format_number(long[side][h]) for side in sides]
+        if "long_context_ratio_vs_vllm" in s:
+            row.append(_x(s["long_context_ratio_vs_vllm"][h]))
+        rows.append(row)
+    return markdown_table(headers, rows)
+
+
+def _targets(family: dict) -> list[str]:
+    lines = []
+    for name, t in family["summary"]["targets"].items():
+        ratios = ", ".join(f"c={c}: {v:.2f}×" for c, v in t["ratios"].items())
+        lines.append(f"- `{name}` ≥ {t['at_least']:g}×: **{'met' if t['met'] else 'NOT met'}** ({ratios})")
+    return lines
+
+
+def _runs_table(family: dict) -> str:
+    rows = [
+        [r["side"], r["concurrency"], r.get("history", r["prompt_tokens"] // r["concurrency"]), r["repeat"],
+         f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}", f"{r['cores_used']:.2f}", r["decode_tokens"]]
+        for r in family["runs"] + family["long_context_runs"]
+    ]  # fmt: skip
+    headers = ["side", "concurrency", "prompt", "repeat", "prefill s", "decode s", "CPU/wall", "decode tokens"]
+    return markdown_table(headers, rows)
+
+
+def _family_section(name: str, family: dict, threads: int) -> list[str]:
+    m = family["model"]
+    vllm = family["vllm"]
+    peer = (
+        f"vLLM-CPU {vllm['vllm']} (prefix caching off, fp32, default compilation)."
+        if vllm
+        else "vLLM-CPU does not run this family (dropped in vLLM 0.23): ours vs transformers only."
+    )
+    contended = [r for r in family["runs"] + family["long_context_runs"] if r["cores_used"] < CONTENDED_FRACTION * threads]
+    out = [
+        f"## {name}",
+        "",
+        f"`{m['arch']}` / `{m['preset']}` preset, {m['parameters'] / 1e6:.1f}M parameters, layers `{m['layer_pattern']}`, "
+        f"fp32. {peer}",
+        "",
+    ]
+    for metric, title in METRICS:
+        out += [f"### {title}", "", _metric_table(family, metric)]
+    out += ["### Decode at long context (concurrency 8)", "", _long_table(family)]
+    out += ["### Targets", "", *_targets(family), ""]
+    agreement = family["agreement_with_ours"]
+    out += [
+        "Greedy agreement with ours (share of sequences whose N tokens are all equal): "
+        + "; ".join(f"c={c}: " + ", ".join(f"{side} {a['all_tokens']:.2f}" for side, a in by.items()) for c, by in agreement.items()),
+        "",
+        f"Runs with less than {CONTENDED_FRACTION:.0%} of {threads} cores (machine shared): {len(contended)} of "
+        f"{len(family['runs']) + len(family['long_context_runs'])} (CPU/wall below; vLLM's CPU time is its subprocess's).",
+        "",
+        "<details><summary>Runs</summary>",
+        "",
+        _runs_table(family),
+        "</details>",
+        "",
+    ]
+    return out
+
+
+def markdown(results: dict) -> str:
+    plan, env = results["settings"], results["environment"]
+    cpu = env.get("cpu", {})
+    lines = [
+        f"# Engine benchmark ({'quick' if plan['quick'] else 'full'})",
+        "",
+        f"CPU: {cpu.get('model', '?')}, {env['cpu_count']} cores, flags {', '.join(cpu.get('simd_flags', [])) or '?'}; "
+        f"{plan['threads']} threads for every side; prompts of {plan['prompt_len']} tokens, {plan['new_tokens']} new "
+        f"tokens per sequence, greedy, {plan['repeats']} repeat(s), medians; torch {env['torch']}, transformers "
+        f"{env.get('transformers', '?')}. Load average at start / end: {env['load_average_1_5_15m']} / "
+        f"{results['load_average_at_end']}.",
+        "",
+        "Roofline = this machine's fp32 matmul floor for the model's weights at the same tokens per forward "
+        "(`bench.roofline`); '% roofline' is the share of that ceiling a side reaches.",
+        "",
+    ]
+    for name, family in results["families"].items():
+        lines += _family_section(name, family, plan["threads"])
+    lines += ["Method: " + "; ".join(f"{k}: {v}" for k, v in results["method"].items()), ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = results["families"]
+    fig, axes = plt.subplots(1, len(families), figsize=(5 * len(families), 4), squeeze=False)
+    markers = {"ours": "o", "transformers": "s", "vllm": "^"}
+    for ax, (name, family) in zip(axes[0], families.items()):
+        s = family["summary"]["decode_tokens_per_s"]
+        cs = list(s["ours"])
+        for side in family["sides"]:
+            ax.plot([int(c) for c in cs], [s[side][c] or 0 for c in cs], marker=markers.get(side, "x"), label=side)
+        roof = family["roofline"]
+        ax.plot([int(c) for c in cs], [roof[c]["tokens_per_s"] for c in cs], "k--", alpha=0.5, label="fp32 matmul roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks([int(c) for c in cs], cs)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{name} ({results['settings']['threads']} threads)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
