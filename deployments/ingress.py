@@ -271,7 +271,7 @@ class ChatIngress:
         except CacheError as e:
             raise errors.overloaded(f"cache service unavailable: {e}") from e
         if not existed:
-            await cache.release_lease(conv, lease.token)
+            await cache.release_lease(conv, lease)
             raise _unknown(conversation_id)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
