@@ -92,6 +92,15 @@ def stack(tmp_path_factory):
         redis.stop()
 
 
+@pytest.fixture(scope="session")
+def notier(stack):
+    """A second app on the same cache service: state tier off, API keys on, one request at a time."""
+    args = app_args(stack.model_dir, stack.service, tier_export="off", api_keys=["k1", "k2"], max_inflight=1)
+    serve.run(build_app(args), name=NOTIER_APP, route_prefix="/notier")
+    yield "/notier"
+    serve.delete(NOTIER_APP)
+
+
 @pytest.fixture
 def conv_id() -> str:
     return f"conv-{uuid.uuid4().hex[:12]}"

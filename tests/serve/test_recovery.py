@@ -7,10 +7,8 @@ import asyncio
 import openai
 import pytest
 import ray
-from ray import serve
 
-from deployments.app import build_app
-from tests.serve.conftest import APP, NOTIER_APP, app_args
+from tests.serve.conftest import APP, NOTIER_APP
 from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, user
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,14 +45,6 @@ async def test_owner_killed_between_turns_head_imported_from_tier(stack, conv_id
         assert await metric(http, "hybridserve_tier_imports_total") == imports + 1
     reference = await stateless_reference(client, stack.model, history + [message])
     assert reply.tokens == reference.tokens
-
-
-@pytest.fixture(scope="module")
-def notier(stack):
-    serve.run(build_app(app_args(stack.model_dir, stack.service, tier_export="off", api_keys=["k1", "k2"])),
-              name=NOTIER_APP, route_prefix="/notier")
-    yield "/notier"
-    serve.delete(NOTIER_APP)
 
 
 async def test_owner_killed_with_tier_off_recomputes_from_ledger(stack, notier, conv_id):
