@@ -27,9 +27,10 @@ from workers.async_engine import AsyncEngine
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation.cache import ConversationCache
 from workers.conversation.ledger import Conversation, Turn, conversation_key, tokens_digest
+from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.transfer import HeadTransfer
 from workers.engine import LLMEngine, RequestOutput
-from workers.errors import CorruptStateError
+from workers.errors import CorruptStateError, InvalidRequestError
 from workers.sampling import SamplingParams
 
 
@@ -134,7 +135,20 @@ class EngineSession:
     def stream_turn(
         self, conversation_id: str, cache_salt: str, suffix: list[dict[str, Any]], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        start = lambda _e: self.cache.begin_turn(conversation_id, cache_salt, suffix, params, request_id)  # noqa: E731
+        key = conversation_key(conversation_id, cache_salt)
+
+        def start(e: LLMEngine):
+            conv = self.cache.conversations.get(key)
+            if conv is not None and conv.turn and conv.in_flight is None:
+                prompt = build_turn_prompt(e.tokenizer, conv.token_ids, conv.messages, suffix)
+                if not prompt.reuses_committed:
+                    # The engine would recompute from a re-rendered history; the ledger of record
+                    # only ever grows by appending, so such a turn is refused up front.
+                    raise InvalidRequestError(
+                        "the new messages cannot be appended to this conversation's committed tokens with "
+                        "the chat template (its history holds text the tokenizer does not round-trip)")
+            return self.cache.begin_turn(conversation_id, cache_salt, suffix, params, request_id)
+
         return self.aengine.stream(request_id, start)
 
     def stream_stateless(

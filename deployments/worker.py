@@ -27,6 +27,7 @@ from cache_service.client import (
     CacheError,
     Conversation,
     DataLoss,
+    InvalidArgument,
     LeaseLost,
     NotFound,
     VersionConflict,
@@ -46,7 +47,7 @@ from deployments.protocol import (
 )
 from deployments.router import StickyConversationRouter
 from deployments.settings import AppSettings, TierExport
-from workers.errors import ConversationBusyError, CorruptStateError, InvalidRequestError
+from workers.errors import ConversationBusyError, ConversationNotFoundError, CorruptStateError, InvalidRequestError
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
 
@@ -61,6 +62,7 @@ def too_long(error: InvalidRequestError) -> bool:
 
 @serve.deployment(
     name="Worker",
+    num_replicas=2,  # a conversation survives losing one; config.yaml switches on autoscaling
     max_ongoing_requests=8,
     ray_actor_options={"num_cpus": 0.5},
     graceful_shutdown_timeout_s=30,
@@ -75,11 +77,15 @@ class Worker:
         from workers.checkpoint.builtin import builtin_model_dir
 
         self.settings = settings
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.actor_name = context.replica_id.to_full_id_str()  # what the registry lists as its address
         self.session = EngineSession(settings.model or str(builtin_model_dir()), settings)
         self._cache_host = cache_host
         self._client: CacheClient | None = None
         self._tasks: set[asyncio.Task] = set()
+        # Heads committed here whose state the tier does not hold yet: exported on shutdown.
+        self._unexported: dict[tuple[str, str], HeadRef] = {}
 
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
@@ -100,7 +106,7 @@ class Worker:
             running, free = await self.session.load()
             try:
                 if epoch == 0:
-                    epoch = (await client.register_replica(self.replica_id, "", ttl_ms)).epoch
+                    epoch = (await client.register_replica(self.replica_id, self.actor_name, ttl_ms)).epoch
                 await client.heartbeat(self.replica_id, epoch, ttl_ms, running_requests=running, free_kv_blocks=free)
             except NotFound:
                 epoch = 0  # expired (e.g. the service restarted with an empty registry): register again
@@ -109,6 +115,7 @@ class Worker:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def record_routing_stats(self) -> dict[str, Any]:
+        await self._cache()  # Serve calls this every period from the start: registration begins here
         running, free = await self.session.load()
         return {"running_requests": running, "free_kv_blocks": free}
 
@@ -192,6 +199,9 @@ class Worker:
         except (VersionConflict, LeaseLost) as e:
             await self.session.abandon(prepared)
             return TurnFailed(ErrorKind.CONFLICT, f"the turn was not committed: {e}")
+        except InvalidArgument as e:  # the service refused what this worker computed: a bug here, not bad input
+            await self.session.abandon(prepared)
+            return TurnFailed(ErrorKind.INTERNAL, f"the turn was not committed: {e}")
         except CacheError as e:
             await self.session.abandon(prepared)
             return TurnFailed(ErrorKind.UNAVAILABLE, f"the turn was not committed: {e}")
@@ -200,6 +210,7 @@ class Worker:
             raise
         await self.session.commit(prepared)
         ref = HeadRef.of(head)
+        self._unexported[(job.conversation_id, job.cache_salt)] = ref
         if self.settings.tier_export is TierExport.SYNC:
             await self._export(job, ref)
         elif self.settings.tier_export is TierExport.ASYNC:
@@ -207,14 +218,20 @@ class Worker:
         return TurnDone(**{**done.__dict__, "turn": head.turn, "head_version": head.version})
 
     async def _export(self, job: TurnJob, head: HeadRef) -> None:
-        conv = Conversation(job.conversation_id, job.cache_salt)
+        await self._export_head(job.conversation_id, job.cache_salt, head)
+
+    async def _export_head(self, conversation_id: str, cache_salt: str, head: HeadRef) -> None:
+        conv = Conversation(conversation_id, cache_salt)
         try:
-            data = await self.session.export_state(job.conversation_id, job.cache_salt)
+            data = await self.session.export_state(conversation_id, cache_salt)
             await (await self._cache()).put_state(conv, head.version, data)
         except VersionConflict:
-            pass  # a newer turn was committed meanwhile; its own export supersedes this one
-        except (CacheError, ConversationBusyError) as e:
-            log.warning("export of %s v%d failed: %s", job.conversation_id, head.version, e)
+            log.debug("export of %s v%d superseded by a newer turn", conversation_id, head.version)
+        except (CacheError, ConversationBusyError, ConversationNotFoundError) as e:
+            log.warning("export of %s v%d failed: %s", conversation_id, head.version, e)
+            return
+        if self._unexported.get((conversation_id, cache_salt)) == head:
+            del self._unexported[(conversation_id, cache_salt)]
 
     def _logprobs(self, tokens, params: SamplingParams) -> tuple[TokenLogprob, ...] | None:
         if params.logprobs is None:
@@ -226,6 +243,11 @@ class Worker:
             for t in tokens)
 
     async def __del__(self) -> None:
+        """Graceful shutdown (scale-in, redeploy): hand the heads only this replica holds to the
+        tier, so the next owner imports them instead of recomputing."""
+        if self.settings.tier_export is not TierExport.OFF:
+            for (conversation_id, cache_salt), head in list(self._unexported.items()):
+                await self._export_head(conversation_id, cache_salt, head)
         for task in list(self._tasks):
             task.cancel()
         self.session.shutdown()
