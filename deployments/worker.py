@@ -33,7 +33,7 @@ from cache_service.client import (
     VersionConflict,
 )
 from deployments.cache_access import cache_client_config
-from deployments.engine_session import EngineSession, LedgerTurn
+from deployments.engine_session import EngineSession
 from deployments.protocol import (
     ErrorKind,
     HeadRef,
@@ -47,7 +47,15 @@ from deployments.protocol import (
 )
 from deployments.router import StickyConversationRouter
 from deployments.settings import AppSettings, TierExport
-from workers.errors import ConversationBusyError, ConversationNotFoundError, CorruptStateError, InvalidRequestError
+from workers.conversation.records import LedgerTurn, TurnCommit
+from workers.errors import (
+    ConversationBusyError,
+    ConversationNotFoundError,
+    CorruptStateError,
+    InvalidRequestError,
+    OutOfCacheError,
+    TurnResolvedError,
+)
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
 
@@ -150,19 +158,18 @@ class Worker:
             return Recovery.NEW
         if await self.session.holds(conv_id, salt, head):
             return Recovery.LOCAL
-        await self.session.forget(conv_id, salt)
         client, conv = await self._cache(), Conversation(conv_id, salt)
+        ledger = await client.read_ledger(conv)
+        turns = [LedgerTurn(tuple({"role": m.role, "content": m.content} for m in t.messages), tuple(t.token_ids))
+                 for t in ledger.turns]
+        await self.session.adopt_ledger(conv_id, salt, head, turns)
         if self.settings.tier_export is not TierExport.OFF and head.tier_version == head.version:
             try:
-                _, data = await client.get_state(conv, head.version)
-                await self.session.import_state(conv_id, salt, data, head)
+                _, blob = await client.get_state(conv, head.version)
+                await self.session.import_state(conv_id, salt, blob)
                 return Recovery.TIER_IMPORT
-            except (NotFound, DataLoss, CorruptStateError) as e:
+            except (NotFound, DataLoss, CorruptStateError, OutOfCacheError) as e:
                 log.warning("tier import of %s failed, recomputing from the ledger: %s", conv_id, e)
-        ledger = await client.read_ledger(conv)
-        turns = [LedgerTurn([{"role": m.role, "content": m.content} for m in t.messages], list(t.token_ids))
-                 for t in ledger.turns]
-        await self.session.adopt_ledger(conv_id, salt, turns, head)
         return Recovery.LEDGER_RECOMPUTE
 
     async def _run(self, job: TurnJob, params: SamplingParams, stream, recovery: Recovery) -> AsyncIterator[TurnEvent]:
@@ -184,31 +191,35 @@ class Worker:
         if job.conversation_id is None:
             yield done
             return
-        yield await self._commit(job, done)
+        if last.turn_commit is None:
+            yield TurnFailed(ErrorKind.INTERNAL, "the engine finished the turn without preparing it")
+            return
+        yield await self._commit(job, done, last.turn_commit)
 
-    async def _commit(self, job: TurnJob, done: TurnDone) -> TurnEvent:
-        base = job.head.turn if job.head else 0
-        prepared = await self.session.prepared(job.conversation_id, job.cache_salt, base)
+    async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:
         client, conv = await self._cache(), Conversation(job.conversation_id, job.cache_salt)
         try:
             head = await client.publish_turn(
                 conv, lease_token=job.lease, expected_version=job.head.version if job.head else 0,
-                messages=prepared.messages, token_ids=prepared.turn_token_ids,
-                committed_tokens=prepared.committed_tokens, tokens_sha256=prepared.tokens_sha256,
+                messages=prepared.messages, token_ids=prepared.token_ids,
+                committed_tokens=prepared.committed_tokens, tokens_sha256=prepared.tokens_digest,
                 owner_replica=self.replica_id, release_lease=False, publish_id=job.request_id)
         except (VersionConflict, LeaseLost) as e:
-            await self.session.abandon(prepared)
+            await self._abandon(prepared)
             return TurnFailed(ErrorKind.CONFLICT, f"the turn was not committed: {e}")
         except InvalidArgument as e:  # the service refused what this worker computed: a bug here, not bad input
-            await self.session.abandon(prepared)
+            await self._abandon(prepared)
             return TurnFailed(ErrorKind.INTERNAL, f"the turn was not committed: {e}")
         except CacheError as e:
-            await self.session.abandon(prepared)
+            await self._abandon(prepared)
             return TurnFailed(ErrorKind.UNAVAILABLE, f"the turn was not committed: {e}")
         except BaseException:  # cancelled while publishing: whether it landed is unknown, so drop the copy
             await asyncio.shield(self.session.abandon(prepared))
             raise
-        await self.session.commit(prepared)
+        try:
+            await self.session.commit(prepared)
+        except TurnResolvedError as e:  # expired meanwhile: the service has the turn, this copy is gone
+            log.warning("committed turn %s no longer prepared here: %s", job.request_id, e)
         ref = HeadRef.of(head)
         self._unexported[(job.conversation_id, job.cache_salt)] = ref
         if self.settings.tier_export is TierExport.SYNC:
@@ -217,14 +228,20 @@ class Worker:
             self._spawn(self._export(job, ref))
         return TurnDone(**{**done.__dict__, "turn": head.turn, "head_version": head.version})
 
+    async def _abandon(self, prepared: TurnCommit) -> None:
+        try:
+            await self.session.abandon(prepared)
+        except TurnResolvedError as e:  # already expired: nothing left to free
+            log.warning("abandoning %s: %s", prepared.request_id, e)
+
     async def _export(self, job: TurnJob, head: HeadRef) -> None:
         await self._export_head(job.conversation_id, job.cache_salt, head)
 
     async def _export_head(self, conversation_id: str, cache_salt: str, head: HeadRef) -> None:
         conv = Conversation(conversation_id, cache_salt)
         try:
-            data = await self.session.export_state(conversation_id, cache_salt)
-            await (await self._cache()).put_state(conv, head.version, data)
+            version, parts = await self.session.export_state(conversation_id, cache_salt)
+            await (await self._cache()).put_state(conv, version, parts)
         except VersionConflict:
             log.debug("export of %s v%d superseded by a newer turn", conversation_id, head.version)
         except (CacheError, ConversationBusyError, ConversationNotFoundError) as e:
