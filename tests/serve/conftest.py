@@ -94,8 +94,10 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def notier(stack):
-    """A second app on the same cache service: state tier off, API keys on, one request at a time."""
-    args = app_args(stack.model_dir, stack.service, tier_export="off", api_keys=["k1", "k2"], max_inflight=1)
+    """A second app on the same cache service: state tier off, API keys on, one request at a time,
+    leases of 1.5 s (a turn outlives its lease unless the ingress renews it)."""
+    args = app_args(stack.model_dir, stack.service, tier_export="off", api_keys=["k1", "k2"], max_inflight=1,
+                    lease_ttl_s=1.5)
     serve.run(build_app(args), name=NOTIER_APP, route_prefix="/notier")
     yield "/notier"
     serve.delete(NOTIER_APP)

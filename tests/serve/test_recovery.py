@@ -19,6 +19,15 @@ def kill_replica(app: str, replica: str) -> None:
     ray.kill(actor, no_restart=True)
 
 
+def restart(stack, what: str) -> None:
+    if what == "cache_service":
+        assert stack.service.terminate() == 0
+        stack.service.start()
+    else:
+        stack.redis.kill()
+        stack.redis.start()
+
+
 async def run_turns(client, model, conv_id, texts, history, **kw):
     replies = []
     for text in texts:
@@ -109,17 +118,12 @@ async def test_concurrent_turns_exactly_one_conflict(stack, conv_id):
     assert sorted(r.turn for r in waited) == [3, 4]
 
 
-@pytest.mark.parametrize("restart", ["cache_service", "redis"])
-async def test_restart_during_conversation_loses_no_turn(stack, conv_id, restart):
+@pytest.mark.parametrize("what", ["cache_service", "redis"])
+async def test_restart_between_turns_loses_no_turn(stack, conv_id, what):
     client = stack.client()
     history: list[dict] = []
     await run_turns(client, stack.model, conv_id, ["one", "two"], history)
-    if restart == "cache_service":
-        assert stack.service.terminate() == 0
-        stack.service.start()
-    else:
-        stack.redis.kill()
-        stack.redis.start()
+    restart(stack, what)
     message = user("three")
     reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r")
     assert reply.turn == 3
@@ -128,3 +132,36 @@ async def test_restart_during_conversation_loses_no_turn(stack, conv_id, restart
     async with stack.http() as http:
         ledger = await conversation(http, conv_id, "r")
         assert [t["messages"][0]["content"] for t in ledger["turns"]] == ["one", "two", "three"]
+
+
+async def test_lease_is_renewed_while_a_long_turn_streams(stack, notier, conv_id):
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key="k1", max_retries=0, timeout=120)
+    started = asyncio.get_running_loop().time()
+    reply = await chat_turn(client, stack.model, [user("take your time")], conversation_id=conv_id, cache_salt="r",
+                            max_tokens=1500, stream=True)
+    assert asyncio.get_running_loop().time() - started > 3 * 1.5  # the turn outlived its lease TTL twice over
+    assert reply.turn == 1 and len(reply.tokens) == 1500
+
+
+@pytest.mark.parametrize("what", ["cache_service", "redis"])
+async def test_restart_while_a_turn_streams_commits_it(stack, conv_id, what):
+    client = stack.client()
+    history: list[dict] = []
+    await run_turns(client, stack.model, conv_id, ["one"], history)
+    message = user("two, at length")
+    stream = await client.chat.completions.create(
+        model=stack.model, messages=[message], max_tokens=600, temperature=0, stream=True, logprobs=True,
+        top_logprobs=0, extra_body={"conversation_id": conv_id, "cache_salt": "r"})
+    tokens, turn = [], None
+    async for chunk in stream:
+        if not tokens:
+            await asyncio.to_thread(restart, stack, what)  # the turn keeps running meanwhile
+        for choice in chunk.choices:
+            tokens += [t.token for t in (choice.logprobs.content if choice.logprobs else None) or []]
+        turn = (chunk.model_extra or {}).get("turn", turn)
+    assert turn == 2
+    reference = await stateless_reference(client, stack.model, history + [message], max_tokens=600)
+    assert tokens == reference.tokens
+    async with stack.http() as http:
+        ledger = await conversation(http, conv_id, "r")
+        assert [t["messages"][0]["content"] for t in ledger["turns"]] == ["one", "two, at length"]
