@@ -83,7 +83,7 @@ def stack(tmp_path_factory):
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args(str(model_dir), service, tier_export="sync")), name=APP, route_prefix="/")
+        serve.run(build_app(app_args(str(model_dir), service, tier_export="async")), name=APP, route_prefix="/")
         yield ServeStack(f"http://127.0.0.1:{port}", model_dir.name, str(model_dir), redis, service)
     finally:
         serve.shutdown()

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from tests.serve.conftest import APP, NOTIER_APP
-from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, user
+from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, tier_copy, user
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,8 +42,7 @@ async def test_owner_killed_between_turns_head_imported_from_tier(stack, conv_id
     history: list[dict] = []
     await run_turns(client, stack.model, conv_id, ["first question", "second question"], history)
     async with stack.http() as http:
-        before = await conversation(http, conv_id, "r")
-        assert before["head"]["tier_version"] == before["head"]["version"]  # tier_export=sync
+        before = await tier_copy(http, conv_id, "r")  # tier_export=async: the copy lands after the answer
         imports = await metric(http, "hybridserve_tier_imports_total")
         kill_replica(APP, before["head"]["owner"])
         message = user("third question")
@@ -165,3 +164,22 @@ async def test_restart_while_a_turn_streams_commits_it(stack, conv_id, what):
     async with stack.http() as http:
         ledger = await conversation(http, conv_id, "r")
         assert [t["messages"][0]["content"] for t in ledger["turns"]] == ["one", "two, at length"]
+
+
+async def test_client_disconnect_aborts_and_discards_the_turn(stack, conv_id):
+    client = stack.client()
+    history: list[dict] = []
+    await run_turns(client, stack.model, conv_id, ["before"], history)
+    stream = await client.chat.completions.create(
+        model=stack.model, messages=[user("never mind")], max_tokens=3000, temperature=0, stream=True,
+        extra_body={"conversation_id": conv_id, "cache_salt": "r"})
+    async for _chunk in stream:
+        break  # tokens are flowing: hang up
+    await stream.close()
+    # Had the turn run on, it would have committed as turn 2 (~10 s later) and this one would be turn 3.
+    message = user("after")
+    reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r",
+                            wait_if_busy=True)
+    assert reply.turn == 2
+    reference = await stateless_reference(client, stack.model, history + [message])
+    assert reply.tokens == reference.tokens
