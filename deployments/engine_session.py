@@ -96,7 +96,7 @@ class EngineSession:
             return list(conv.token_ids) if self.cache.heads.find(key, conv.turn) is not None else None
 
         tokens = await self.aengine.call(local)
-        return tokens is not None and len(tokens) == head.committed_tokens and tokens_digest(tokens) == head.tokens_sha256
+        return tokens is not None and _is_head(tokens, head)
 
     async def forget(self, conversation_id: str, cache_salt: str) -> None:
         key = conversation_key(conversation_id, cache_salt)
@@ -111,7 +111,7 @@ class EngineSession:
                            turns: list[LedgerTurn]) -> None:
         """Take the service's ledger at `head` as this engine's (the next turn recomputes from it)."""
         tokens = [t for turn in turns for t in turn.token_ids]
-        if len(turns) != head.turn or len(tokens) != head.committed_tokens or tokens_digest(tokens) != head.tokens_sha256:
+        if len(turns) != head.turn or not _is_head(tokens, head):
             raise CorruptStateError("the ledger does not add up to the conversation's head")
         await self.aengine.call(
             lambda _e: self.cache.adopt_ledger(conversation_id, cache_salt, version=head.version, turns=turns))
@@ -144,7 +144,12 @@ class EngineSession:
 
     # -- turns ------------------------------------------------------------------------------
     def stream_turn(
-        self, conversation_id: str, cache_salt: str, suffix: list[dict[str, Any]], params: SamplingParams, request_id: str
+        self,
+        conversation_id: str,
+        cache_salt: str,
+        suffix: list[dict[str, Any]],
+        params: SamplingParams,
+        request_id: str,
     ) -> AsyncIterator[RequestOutput]:
         """The final output's `turn_commit` is the prepared turn (None if it was discarded)."""
         start = lambda _e: self.cache.begin_turn(  # noqa: E731
@@ -168,3 +173,7 @@ class EngineSession:
 
     def token_text(self, token_id: int) -> str:
         return self.cache.engine.tokenizer.decode_exact([token_id])
+
+
+def _is_head(tokens: list[int], head: HeadRef) -> bool:
+    return len(tokens) == head.committed_tokens and tokens_digest(tokens) == head.tokens_sha256

@@ -34,7 +34,8 @@ async def test_invalid_fields_are_400(stack, patch):
 
 async def test_malformed_json_and_unknown_routes(stack):
     async with stack.http() as http:
-        bad = await http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        bad = await http.post("/v1/chat/completions", content=b"{not json",
+                              headers={"content-type": "application/json"})
         assert_error(bad, 400)
         assert_error(await http.get("/v1/nothing-here"), 404)
         assert_error(await http.get("/v1/conversations/abc"), 400)  # cache_salt is required
