@@ -84,6 +84,8 @@ async def test_api_keys_authenticate_and_scope_state(stack, notier, conv_id):
 
     with pytest.raises(openai.AuthenticationError):
         await client("wrong").models.list()
+    async with stack.http() as http:  # no key and a bad body: the key is checked first
+        assert_error(await http.post(f"{notier}/v1/chat/completions", json={"messages": []}), 401, "invalid_api_key")
     first = await chat_turn(client("k1"), stack.model, [user("mine")], conversation_id=conv_id, cache_salt="s")
     other = await chat_turn(client("k2"), stack.model, [user("yours")], conversation_id=conv_id, cache_salt="s")
     assert first.turn == 1 and other.turn == 1  # same id and salt, another key: another conversation
