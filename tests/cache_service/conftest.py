@@ -61,7 +61,7 @@ def strict_service(tmp_path_factory):
     proc = ServiceProcess(data_dir=data, redis_url=None, tier_budget=STRICT_TIER_BUDGET, extra_env={
         "CACHE_SERVICE_AUTH_TOKEN_FILE": str(data / "token"),
         "CACHE_MAX_STAGED_BYTES": str(STRICT_STAGED_BYTES),
-        "CACHE_PUT_IDLE_TIMEOUT_S": "1",
+        "CACHE_PUT_IDLE_TIMEOUT_S": "3",  # long enough for a loaded machine to fill the staging
         "CACHE_MAX_REPLICAS": str(STRICT_MAX_REPLICAS),
     })
     proc.start()

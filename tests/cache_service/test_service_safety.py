@@ -94,13 +94,14 @@ async def test_the_replica_registry_is_capped(strict_client):
     ids = [f"flood-{i}" for i in range(STRICT_MAX_REPLICAS)]
     short = ids[-2:]  # registered last, so they are still live when the cap is tested
     for rid in ids:
-        await strict_client.register_replica(rid, "10.0.0.9:1", ttl_ms=300 if rid in short else 60_000)
+        await strict_client.register_replica(rid, "10.0.0.9:1", ttl_ms=1500 if rid in short else 60_000)
     with pytest.raises(ResourceExhausted):
         await strict_client.register_replica("one-too-many", "10.0.0.9:1", ttl_ms=60_000)
     # Re-registering a live id (a restarted replica) is not a new slot.
     await strict_client.register_replica(ids[0], "10.0.0.9:2", ttl_ms=60_000)
-    # Expired registrations free their slots (liveness is the TTL; nothing to await).
-    await asyncio.sleep(0.35)
+    # Expired registrations free their slots.
+    while short[0] in {r.replica_id for r in await strict_client.list_replicas()}:
+        await asyncio.sleep(0.05)  # liveness is a TTL: there is no event to await
     await strict_client.register_replica("one-too-many", "10.0.0.9:1", ttl_ms=60_000)
     stats = await strict_client.stats()
     assert stats.live_replicas == STRICT_MAX_REPLICAS - 1
