@@ -81,7 +81,8 @@ class AsyncEngine:
 
     async def stream(self, request_id: str, start: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
         """Run start(engine) on the engine thread (it adds request_id, e.g. a conversation
-        turn) and stream that request's outputs; leaving early aborts it.
+        turn) and stream that request's outputs; leaving early aborts it. If start returns
+        None it started nothing (e.g. a head that is already held) and the stream is empty.
 
         Raises RequestIdInUseError if request_id is already streaming (that stream is untouched)."""
         if request_id in self._streams:
@@ -89,7 +90,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            await self.call(start)
+            started = await self.call(start)
         except asyncio.CancelledError:
             # start may still be running on the engine thread: abort whatever it adds. Commands
             # run in order, so this runs after it (not awaited: this caller is being cancelled).
@@ -99,6 +100,9 @@ class AsyncEngine:
         except BaseException:
             self._forget(request_id, stream)
             raise
+        if started is None:
+            self._forget(request_id, stream)
+            return
         finished = False
         try:
             while not finished:

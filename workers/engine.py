@@ -32,7 +32,7 @@ from workers.model.loader import load_model
 from workers.request import FinishReason, HeadAttachment, KeepState, Request, RequestStatus
 from workers.runner import ModelRunner
 from workers.sampling import SampledToken, SamplingParams, sample
-from workers.scheduler import Scheduler, SchedulerOutput
+from workers.scheduler import Scheduler
 from workers.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)

@@ -227,3 +227,32 @@ def test_busy_and_unknown_conversations(models, reference_engines):
     a_cc.rewind("c1", "s", 1)  # turn 1's head is not retained
     with pytest.raises(ConversationNotFoundError):
         a_cc.snapshot_head("c1", "s")
+
+
+def test_an_import_that_resends_a_block_never_frees_the_ones_it_shares(models, reference_engines):
+    """The importer's pool is full (conversation c1 at turn 1, then x). Turn 2 of c1 arrives
+    with its block 0 resent and its other full blocks shared: making room for block 0 evicts
+    c1's turn-1 head (the LRU), which owns the blocks about to be shared. They must survive."""
+    arch = Arch.BAMBA
+    a_cc = new_cache(new_engine(models[arch]), retain_turns=2)
+    run_turn(a_cc, "c1", "s", user("say 1 and more"), greedy(9), "t1")
+    run_turn(a_cc, "x", "s", user("other"), greedy(9), "x1")
+    first, other = export_from(a_cc), export_from(a_cc, "x")
+    n1 = -(-json.loads(first.header[:-32])["state_len"] // BLOCK)
+    nx = -(-json.loads(other.header[:-32])["state_len"] // BLOCK)
+    run_turn(a_cc, "c1", "s", user("more"), greedy(7), "t2")
+    second = export_from(a_cc)
+    block_bytes, _ = sizes(models[arch])
+    b_cc = new_cache(new_engine(models[arch], kv_cache_bytes=(n1 + nx) * block_bytes))
+    b_cc.adopt_ledger("c1", "s", version=1, turns=a_cc.describe("c1", "s")["ledger"][:1])
+    import_into(b_cc, first)
+    adopt_from(a_cc, b_cc, "x")
+    import_into(b_cc, other, cid="x")
+    adopt_from(a_cc, b_cc)
+    held = b_cc.held_chunk_digests()
+    resend = {d: data for i, (d, data) in enumerate(second.chunks) if i == 0 or d not in held}
+    assert len(resend) < len(second.chunks), "some blocks are shared"
+    evictions = b_cc.stats()["evictions"]
+    import_into(b_cc, second, chunks=resend)
+    assert b_cc.stats()["evictions"] > evictions, "the pool was full: room came from evicting a head"
+    assert_same_head_state(a_cc, b_cc)

@@ -139,3 +139,72 @@ def test_an_aborted_two_phase_turn_prepares_nothing(bamba_cc):
     assert "t2" not in finals or finals["t2"].finish_reason is FinishReason.ABORT
     assert cc.prepared("t2") is None and pools(cc.engine) == counts
     snapshot(cc.engine, base.holder).assert_equal(before)
+
+
+async def test_the_worker_flow_over_the_async_engine(models):
+    """What a worker replica does: stream a PREPARE turn, read the record from the final
+    output, commit on the engine thread; rebuild a head elsewhere with a streamed materialize."""
+    from workers.async_engine import AsyncEngine
+
+    cc = new_cache(new_engine(models[Arch.BAMBA]))
+    aengine = AsyncEngine(cc.engine)
+    other = new_cache(new_engine(models[Arch.BAMBA]))
+    aother = AsyncEngine(other.engine)
+    try:
+        for turn in (1, 2):
+            start = lambda e, t=turn: cc.begin_turn(  # noqa: E731
+                "c", "s", user(f"turn {t}"), greedy(6), f"t{t}", commit=CommitMode.PREPARE
+            )
+            outputs = [o async for o in aengine.stream(f"t{turn}", start)]
+            record = outputs[-1].turn_commit
+            assert record.base_version == turn - 1 and await aengine.call(lambda e: cc.prepared(record.request_id))
+            info = await aengine.call(lambda e, r=record: cc.commit(r))
+            assert info.version == turn
+        ledger = await aengine.call(lambda e: cc.describe("c", "s"))
+        await aother.call(lambda e: other.adopt_ledger("c", "s", version=ledger["version"], turns=ledger["ledger"]))
+        outs = [o async for o in aother.stream("rebuild", lambda e: other.materialize_head("c", "s", "rebuild"))]
+        assert outs[-1].finished and outs[-1].error is None
+        assert [o async for o in aother.stream("again", lambda e: other.materialize_head("c", "s", "again"))] == []
+        assert await aother.call(lambda e: head_of(other, "c", "s").state_len) == head_of(cc, "c", "s").state_len
+    finally:
+        aengine.shutdown()
+        aother.shutdown()
+
+
+def test_pool_pressure_never_takes_the_base_of_a_prepared_turn(models):
+    """4 slots: the base head holds 2, the prepared turn 2. Another conversation's turn cannot
+    fit while the verdict is pending; it must not get them by evicting the base head."""
+    cc = new_cache(new_engine(models[Arch.BAMBA], num_state_slots=4))
+    run_turn(cc, "a", "s", user("first"), greedy(5), "a1")
+    base = head_of(cc, "a", "s")
+    before = snapshot(cc.engine, base.holder)
+    record = prepared_turn(cc, "a", "second", "a2")
+    cc.begin_turn("b", "s", user("other"), greedy(5), "b1")
+    result = drive(cc.engine)["b1"]
+    assert result.error, "it cannot fit while the prepared turn holds its slots"
+    assert head_of(cc, "a", "s") is base, "the base of a prepared turn was evicted"
+    snapshot(cc.engine, base.holder).assert_equal(before)
+    cc.abandon(record)
+    run_turn(cc, "b", "s", user("other"), greedy(5), "b1-retry")
+
+
+async def test_the_idle_async_loop_expires_a_prepared_turn(models):
+    """Nothing else happens on the engine: the loop must still wake up for the deadline."""
+    import asyncio
+
+    from workers.async_engine import AsyncEngine
+
+    cc = new_cache(new_engine(models[Arch.BAMBA], prepared_turn_timeout_s=0.2))
+    aengine = AsyncEngine(cc.engine)
+    try:
+        start = lambda e: cc.begin_turn("c", "s", user("hi"), greedy(4), "t1", commit=CommitMode.PREPARE)  # noqa: E731
+        record = [o async for o in aengine.stream("t1", start)][-1].turn_commit
+        deadline = time.monotonic() + 30
+        while await aengine.call(lambda e: cc.prepared("t1")) is not None:  # no event to await: a deadline
+            assert time.monotonic() < deadline, "the prepared turn never expired"
+            await asyncio.sleep(0.05)
+        with pytest.raises(TurnResolvedError, match="expired"):
+            await aengine.call(lambda e: cc.commit(record))
+        assert await aengine.call(lambda e: cc.stats()["prepared_expired"]) == 1
+    finally:
+        aengine.shutdown()

@@ -106,3 +106,9 @@ def test_shutdown_fails_pending_streams_and_calls(tiny):
     asyncio.run(run())
     assert not aengine.engine.has_unfinished()
     aengine.engine.check_integrity()
+
+
+async def test_a_start_that_adds_nothing_gives_an_empty_stream(aengine):
+    assert await asyncio.wait_for(_collect(aengine.stream("nothing", lambda e: None)), BOUND) == []
+    outs = await asyncio.wait_for(_collect(aengine.generate(prompt_of(5, seed=7), LONG, request_id="nothing")), BOUND)
+    assert outs[-1].finished

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from workers.cache.holders import Holder, HolderKind
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
-from workers.request import HeadAttachment, Request
+from workers.request import HeadAttachment, Request, RequestStatus
 
 
 @dataclass
@@ -70,6 +70,7 @@ class HeadManager:
         self.budget_bytes = budget_bytes
         self.prepared_timeout_s = prepared_timeout_s
         self.heads: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
+        self._by_turn: dict[tuple[str, int], CommittedHead] = {}
         self.prepared: dict[Holder, PreparedState] = {}
         self._serials = itertools.count(1)
         self.counters = {"evictions": 0, "detached": 0, "prepared_expired": 0}
@@ -82,7 +83,7 @@ class HeadManager:
         return list(self.heads.values())
 
     def find(self, key: str, turn: int, touch: bool = True) -> CommittedHead | None:
-        head = next((h for h in self.heads.values() if h.conversation_key == key and h.turn == turn), None)
+        head = self._by_turn.get((key, turn))
         if head is not None and touch:
             head.last_used = time.monotonic()
             self.heads.move_to_end(head.holder)
@@ -107,13 +108,15 @@ class HeadManager:
 
     # -- heads --------------------------------------------------------------------------------
     def add(self, head: CommittedHead) -> None:
-        assert head.holder not in self.heads and self.find(head.conversation_key, head.turn, False) is None
+        assert head.holder not in self.heads and (head.conversation_key, head.turn) not in self._by_turn
         self.heads[head.holder] = head
+        self._by_turn[head.conversation_key, head.turn] = head
 
     def drop(self, head: CommittedHead) -> None:
         """Release a head (rewind, delete, replaced). Turns pinning it keep their own copies."""
         self._detach(head)
         del self.heads[head.holder]
+        del self._by_turn[head.conversation_key, head.turn]
         self.kv.free(head.holder)
         self.states.free(head.holder)
 
@@ -143,7 +146,10 @@ class HeadManager:
             return self.kv.pool.num_free < blocks or self.states.num_free < slots
 
         def takeable(head: CommittedHead) -> bool:
-            return idle and not any(rid in admitted for rid in head.pinned_by)
+            # Never the base of an admitted or prepared (finished, awaiting its verdict) turn.
+            return idle and all(
+                r.status is RequestStatus.WAITING and rid not in admitted for rid, r in head.pinned_by.items()
+            )
 
         self._evict_while(short, takeable, protect)
         return not short()
@@ -224,6 +230,7 @@ class HeadManager:
                 assert not stray, f"{what} held by unknown {kind.value} holders (a leak): {stray}"
             for holder in known:
                 assert holder in self.states.slots, f"{holder} holds no state slot"
+        assert {(h.conversation_key, h.turn): h for h in self.heads.values()} == self._by_turn, "head index"
         bs = self.kv.block_size
         for head in self.heads.values():
             assert len(self.kv.table(head.holder)) == -(-head.state_len // bs), f"head table vs state_len: {head}"

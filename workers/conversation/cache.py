@@ -126,7 +126,7 @@ class ConversationCache:
         commit: CommitMode = CommitMode.AT_ONCE,
     ) -> Request:
         """Re-run the last turn from the previous head, replacing it on commit."""
-        conv = self._conversation(conversation_id, cache_salt)
+        conv = self.conversation_of(conversation_id, cache_salt)
         if conv.turn == 0:
             raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn to regenerate")
         suffix = conv.turns[-1].messages[:-1]  # the turn's messages without its reply
@@ -212,11 +212,15 @@ class ConversationCache:
         self._end_turn(conv, "published")
         self._remember(record.request_id, "committed")
         self.counters["tokens_reused"] += entry.tokens_reused
-        for old in self.heads.of_conversation(conv.key):
+        self.retire_older_heads(conv.key, turn)
+        return self.head_info(conv, head)
+
+    def retire_older_heads(self, key: str, turn: int) -> None:
+        """A new head of `turn` exists: keep only the last `retain_turns` heads, within budget."""
+        for old in self.heads.of_conversation(key):
             if old.turn <= turn - self.retain_turns:
                 self.heads.drop(old)
         self.heads.enforce_budget()
-        return self._info(conv, head)
 
     def abandon(self, record: TurnCommit) -> None:
         """Free a prepared turn; the base head and the ledger stay exactly as they were."""
@@ -238,7 +242,7 @@ class ConversationCache:
         if conv.turn == 0 and not self.heads.of_conversation(conv.key):
             self.conversations.pop(conv.key, None)  # a first turn that never committed leaves nothing
 
-    def _info(self, conv: Conversation, head: CommittedHead) -> HeadInfo:
+    def head_info(self, conv: Conversation, head: CommittedHead) -> HeadInfo:
         return HeadInfo(
             conv.key,
             head.turn,
@@ -273,7 +277,7 @@ class ConversationCache:
         export.remember_chunks(self, snapshot, exported)
 
     # -- history operations -------------------------------------------------------------------------
-    def _conversation(self, conversation_id: str, cache_salt: str) -> Conversation:
+    def conversation_of(self, conversation_id: str, cache_salt: str) -> Conversation:
         conv = self.conversations.get(conversation_key(conversation_id, cache_salt))
         if conv is None:
             raise ConversationNotFoundError(f"no conversation {conversation_id!r} under this cache_salt")
@@ -281,7 +285,7 @@ class ConversationCache:
 
     def rewind(self, conversation_id: str, cache_salt: str, turn: int) -> None:
         """Forget turns after `turn`; the head of `turn` is used if it is still retained."""
-        conv = self._conversation(conversation_id, cache_salt)
+        conv = self.conversation_of(conversation_id, cache_salt)
         self._check_idle_turn(conv, turn)
         for head in [h for h in self.heads.of_conversation(conv.key) if h.turn > turn]:
             self.heads.drop(head)
@@ -293,7 +297,7 @@ class ConversationCache:
         """A new conversation whose history is turns 1..turn; KV blocks are shared by reference.
 
         All-or-nothing: OutOfCacheError (no room for the head's state copies) changes nothing."""
-        conv = self._conversation(conversation_id, cache_salt)
+        conv = self.conversation_of(conversation_id, cache_salt)
         self._check_idle_turn(conv, turn)
         new_key = conversation_key(new_conversation_id, cache_salt)
         if new_key in self.conversations:
@@ -307,7 +311,7 @@ class ConversationCache:
         self.conversations[new_key] = fork
 
     def delete(self, conversation_id: str, cache_salt: str) -> None:
-        conv = self._conversation(conversation_id, cache_salt)
+        conv = self.conversation_of(conversation_id, cache_salt)
         if conv.in_flight is not None:
             raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
         for head in self.heads.of_conversation(conv.key):
@@ -321,7 +325,7 @@ class ConversationCache:
             raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn!r}")
 
     def describe(self, conversation_id: str, cache_salt: str) -> dict[str, Any]:
-        conv = self._conversation(conversation_id, cache_salt)
+        conv = self.conversation_of(conversation_id, cache_salt)
         return {
             "conversation_id": conv.conversation_id,
             "turn": conv.turn,

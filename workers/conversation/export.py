@@ -67,7 +67,9 @@ def messages_digest(messages: list[dict[str, Any]]) -> str:
 class HeadSnapshot:
     identity: ModelIdentity
     layout: dict[str, Any]
-    meta: dict[str, Any]  # key, turn, version, state_len, aligned_len, committed tokens, digests
+    meta: dict[str, Any]  # key, turn, version, state_len, aligned_len
+    token_ids: tuple[int, ...]  # committed ids and messages: only their digests leave (hashed off-thread)
+    messages: tuple[dict[str, Any], ...]
     kv: torch.Tensor  # [layers, 2, blocks, block_size, heads, dim], a copy
     blocks: tuple[tuple[int, int], ...]  # (block, generation) of each position, to remember digests
     known: tuple[str | None, ...]  # digests already computed for those blocks
@@ -77,7 +79,7 @@ class HeadSnapshot:
 
 
 def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) -> HeadSnapshot:
-    conv = cc._conversation(conversation_id, cache_salt)
+    conv = cc.conversation_of(conversation_id, cache_salt)
     head = cc.heads.find(conv.key, conv.turn)
     if head is None:
         raise ConversationNotFoundError(f"conversation {conversation_id!r} has no retained head to export")
@@ -89,21 +91,19 @@ def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) 
         kv[:, :, -1, head.state_len % bs :] = 0
     slots = cc.states.slots[head.holder].roles
     conv_state, ssm_state = state_io.read_slots(caches, list(slots.values()))
-    committed = conv.tokens_until(head.turn)
     meta = {
         "conversation": conv.key,
         "turn": head.turn,
         "version": head.version,
         "state_len": head.state_len,
         "aligned_len": head.aligned_len,
-        "committed_tokens": len(committed),
-        "tokens_digest": tokens_digest(committed),
-        "messages_digest": messages_digest([m for t in conv.turns[: head.turn] for m in t.messages]),
     }
     return HeadSnapshot(
         identity=cc.engine.identity,
         layout=engine_layout(cc.engine),
         meta=meta,
+        token_ids=tuple(conv.tokens_until(head.turn)),
+        messages=tuple(m for t in conv.turns[: head.turn] for m in t.messages),
         kv=kv,
         blocks=tuple((b, pool.generation[b]) for b in table),
         known=tuple(cc.caches.chunks.digest_of(b) for b in table),
@@ -148,6 +148,9 @@ def build_export(snap: HeadSnapshot) -> ExportedHead:
         "identity": snap.identity.to_dict(),
         "layout": snap.layout,
         **snap.meta,
+        "committed_tokens": len(snap.token_ids),
+        "tokens_digest": tokens_digest(snap.token_ids),
+        "messages_digest": messages_digest(list(snap.messages)),
         "chunks": listed,
     }
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
@@ -274,7 +277,7 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
         raise CorruptStateError("the export does not match this engine's ledger of the conversation")
     existing = cc.heads.find(key, turn)
     if existing is not None:
-        return cc._info(conv, existing)
+        return cc.head_info(conv, existing)
     shared: list[int | None] = []
     for digest, data in verified.blocks:
         block = cc.caches.chunks.block_of(digest) if data is None else None
@@ -300,11 +303,8 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
     full = meta["state_len"] // cc.kv.block_size
     for (digest, _), block in list(zip(verified.blocks, cc.kv.table(head.holder)))[:full]:
         cc.caches.chunks.remember(block, pool.generation[block], digest)
-    for old in cc.heads.of_conversation(key):
-        if old.turn <= turn - cc.retain_turns:
-            cc.heads.drop(old)
-    cc.heads.enforce_budget()
-    return cc._info(conv, head)
+    cc.retire_older_heads(key, turn)
+    return cc.head_info(conv, head)
 
 
 def remember_chunks(cc: ConversationCache, snap: HeadSnapshot, exported: ExportedHead) -> None:

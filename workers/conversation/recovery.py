@@ -68,7 +68,7 @@ def adopt_ledger(
 
 def materialize_head(cc: ConversationCache, conversation_id: str, cache_salt: str, request_id: str) -> Request | None:
     """Start a prefill-only request building the latest turn's head; None if it is held already."""
-    conv = cc._conversation(conversation_id, cache_salt)
+    conv = cc.conversation_of(conversation_id, cache_salt)
     if conv.in_flight is not None:
         raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
     if conv.turn == 0:
@@ -98,8 +98,5 @@ def _materialized(cc: ConversationCache, request: Request) -> None:
     if request.prepared is None:
         return  # aborted or failed: nothing was kept
     cc.heads.commit(request.prepared, key, turn, version)
-    for old in cc.heads.of_conversation(key):
-        if old.turn <= turn - cc.retain_turns:
-            cc.heads.drop(old)
     cc.counters["materialized"] += 1
-    cc.heads.enforce_budget()
+    cc.retire_older_heads(key, turn)
