@@ -38,6 +38,7 @@ from workers.conversation.ledger import conversation_key, tokens_digest
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
+from workers.request import Request
 from workers.sampling import SamplingParams
 
 _INDEX_LEN = struct.Struct("<I")
@@ -159,9 +160,9 @@ class EngineSession:
     def stream_stateless(
         self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        def start(e: LLMEngine) -> None:
+        def start(e: LLMEngine) -> Request:  # the stream follows the request start returns
             prompt = e.tokenizer.encode(e.tokenizer.render_chat(messages, add_generation_prompt=True))
-            e.add_request(request_id, prompt, params)
+            return e.add_request(request_id, prompt, params)
 
         return self.aengine.stream(request_id, start)
 

@@ -182,7 +182,9 @@ class Worker:
             completion += len(out.new_tokens)
             if out.new_tokens or out.text_delta:
                 yield TurnDelta(out.text_delta, tuple(out.new_token_ids), self._logprobs(out.new_tokens, params))
-        assert last is not None and last.finished
+        if last is None or not last.finished:
+            yield TurnFailed(ErrorKind.INTERNAL, "the engine ended the stream before the request finished")
+            return
         if last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
             yield TurnFailed(ErrorKind.INTERNAL, f"the turn ended with {last.finish_reason}")
             return
