@@ -116,4 +116,7 @@ async def test_history_the_template_cannot_extend_is_400_and_keeps_the_head(stac
         body = {"model": stack.model, "messages": [user("next")], "max_tokens": 2, "conversation_id": conv_id,
                 "cache_salt": "u"}
         assert_error(await http.post("/v1/chat/completions", json=body), 400, "invalid_request")
-        assert await conversation(http, conv_id, "u") == before
+        after = await conversation(http, conv_id, "u")
+        # tier_version may move meanwhile: the turn-1 export is asynchronous
+        assert {**after["head"], "tier_version": 0} == {**before["head"], "tier_version": 0}
+        assert after["turns"] == before["turns"]
