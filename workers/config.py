@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.deterministic.config import DeterministicConfig
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -45,3 +47,4 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    deterministic: DeterministicConfig = field(default_factory=DeterministicConfig)

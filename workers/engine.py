@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.layout import layouts_for
 from workers.cache.mamba_slots import MambaStateManager
 from workers.config import EngineConfig
+from workers.deterministic.seed import derived_seed
+from workers.deterministic.verifier import Verifier
 from workers.detokenizer import Detokenizer
 from workers.errors import InvalidRequestError
 from workers.model.loader import load_model
@@ -78,6 +81,9 @@ class LLMEngine:
         self.caches = CacheCoordinator(KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout))
         self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
         self.runner = ModelRunner(self.model, self.kv_layout, self.state_layout, config.device)
+        self.verifier = Verifier(
+            config.deterministic, self.model, self.runner.caches, self.caches, self.banned_token_ids
+        )
         self._detok: dict[str, Detokenizer] = {}
         # Called with every request that finishes, however it ends (the conversation cache
         # publishes or discards the turn there, while the request's state is still held).
@@ -94,7 +100,9 @@ class LLMEngine:
         retain_state: bool = False,
     ) -> Request:
         self._validate(request_id, prompt_token_ids, params)
-        if params.seed is None:
+        if params.seed is None and params.deterministic:
+            params = dataclasses.replace(params, seed=derived_seed(prompt_token_ids))  # same on every replica
+        elif params.seed is None:
             params = dataclasses.replace(params)  # a fresh random seed per request, not per params object
         request = Request(request_id, list(prompt_token_ids), params, head=head, retain_state=retain_state)
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
@@ -130,6 +138,13 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs = self._fast_step()
+        outputs += self._verify_step()
+        self.verifier.metrics.step_seconds += time.perf_counter() - started
+        return outputs
+
+    def _fast_step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         outputs = [self._fail(r, "the request does not fit in the KV cache") for r in step.unfittable]
         if not step.chunks:
@@ -148,25 +163,73 @@ class LLMEngine:
             return outputs + [self._fail(c.request, f"model step failed: {e}") for c in step.chunks]
         self.scheduler.advance(step)
         for chunk, token in zip(sampling, sampled):
-            outputs.append(self._on_token(chunk.request, token))
+            if chunk.request.deterministic:  # a candidate: nothing reaches the client unverified
+                self.verifier.on_candidate(chunk.request, token, self._ends)
+            else:
+                outputs.append(self._on_token(chunk.request, token))
+        return outputs
+
+    def _verify_step(self) -> list[RequestOutput]:
+        """Verify passes (G requests each) for every deterministic request waiting for one;
+        only what they accept goes through the stop checks to the detokenizer and the stream."""
+        due = [r for r in self.scheduler.running if r.verify_due]
+        outputs: list[RequestOutput] = []
+        for i in range(0, len(due), self.config.deterministic.rows):
+            group = due[i : i + self.config.deterministic.rows]
+            try:
+                verdicts = self.verifier.verify(group)
+            except Exception as e:  # as a failing model step: its requests fail, the engine goes on
+                log.exception("verify pass failed")
+                outputs += [self._fail(r, f"verify pass failed: {e}") for r in group]
+                continue
+            applied = []
+            for verdict in verdicts:
+                request = verdict.request
+                del request.token_ids[verdict.first :]  # candidates out; verified tokens back in
+                taken, delta, reason = [], "", None
+                for token in verdict.tokens:
+                    request.append(token)
+                    taken.append(token)
+                    text, reason = self._text_and_reason(request, token)
+                    delta += text
+                    if reason is not None:
+                        break
+                applied.append((request, taken, delta, reason))
+            self.verifier.commit(verdicts, [len(taken) for _, taken, _, _ in applied])
+            for request, taken, delta, reason in applied:
+                if reason is not None:
+                    delta += self._detok[request.request_id].flush()
+                    self._finish(request, reason)
+                if taken:
+                    outputs.append(self._output(request, taken, delta))
         return outputs
 
     def _on_token(self, request: Request, token: SampledToken) -> RequestOutput:
         request.append(token)
-        params = request.params
-        detok = self._detok[request.request_id]
-        delta, stopped = detok.update(request.output_token_ids)
-        reason = None
-        if stopped or token.token_id in params.stop_token_ids:
-            reason = FinishReason.STOP
-        elif token.token_id in self.eos_token_ids and not params.ignore_eos:
-            reason = FinishReason.STOP
-        elif len(request.output) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
+        delta, reason = self._text_and_reason(request, token)
         if reason is not None:
-            delta += detok.flush()
+            delta += self._detok[request.request_id].flush()
             self._finish(request, reason)
         return self._output(request, (token,), delta)
+
+    def _text_and_reason(self, request: Request, token: SampledToken) -> tuple[str, FinishReason | None]:
+        """The text the new last token adds, and why the request ends there (if it does)."""
+        delta, stopped = self._detok[request.request_id].update(request.output_token_ids)
+        if stopped:
+            return delta, FinishReason.STOP
+        return delta, self._finish_reason(request, token.token_id)
+
+    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        """For the last token of request.token_ids (verified or a candidate)."""
+        params = request.params
+        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+            return FinishReason.STOP
+        if request.num_tokens - request.num_prompt_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _ends(self, request: Request, token_id: int) -> bool:
+        return self._finish_reason(request, token_id) is not None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)

@@ -46,7 +46,7 @@ class CacheCoordinator:
         self.counters = {"cow_block_copies": 0, "state_copies": 0}
 
     def can_admit(self, request: Request, num_new_tokens: int) -> bool:
-        slots = 2 if request.retain_state else 1
+        slots = 2 if request.needs_aligned_slot else 1
         if request.head is None:
             blocks = self.kv.blocks_needed(Holder.request(request.request_id), request.num_computed_tokens + num_new_tokens)
         else:  # the head's full blocks are shared, not allocated
@@ -58,7 +58,7 @@ class CacheCoordinator:
         """Give a waiting request its state slot, continuing its head if it has one."""
         holder = Holder.request(request.request_id)
         slots = [self.states.allocate(holder)]
-        if request.retain_state:
+        if request.needs_aligned_slot:
             slots.append(self.states.allocate(holder, high=True))
         request.num_cached_tokens = 0
         request.aligned_len = 0
