@@ -148,6 +148,9 @@ class LLMEngine:
         step = self.scheduler.schedule()
         outputs = [self._fail(r, "the request does not fit in the KV cache") for r in step.unfittable]
         if not step.chunks:
+            # Admitted deterministic prefills run no chunk, but their slots must be zeroed
+            # (or copied from a head) before their first verify pass reads them.
+            self.runner.apply_copies(step.copies)
             return outputs
         sampling = [c for c in step.chunks if c.samples]
         try:

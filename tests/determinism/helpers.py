@@ -1,0 +1,151 @@
+"""Engines, loads and state captures shared by the deterministic-mode tests."""
+
+from __future__ import annotations
+
+import random
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.cache.holders import Holder
+from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+from workers.deterministic.config import DeterministicConfig
+from workers.engine import LLMEngine
+from workers.request import Request
+from workers.sampling import SamplingParams
+
+ENGINES: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+WINDOW = 16  # tile length of the tests: prompts and replies span several tiles
+BLOCK = 4
+
+
+def new_engine(model_dir: Path | str, *, mismatch_rate: float = 0.0, rows: int = 4, kv_mib: int = 4, **det) -> LLMEngine:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
+            cache=CacheConfig(block_size=BLOCK, kv_cache_bytes=kv_mib << 20),
+            deterministic=DeterministicConfig(
+                window=det.pop("window", WINDOW), rows=rows, ssd_chunk=8, mismatch_rate=mismatch_rate, **det
+            ),
+        )
+    )
+    ENGINES.add(engine)
+    return engine
+
+
+def det_params(**kw) -> SamplingParams:
+    base = dict(max_tokens=40, temperature=0.8, top_p=0.95, logprobs=2, ignore_eos=True, deterministic=True)
+    return SamplingParams(**{**base, **kw})
+
+
+# Deterministic requests of the tests: prompts shorter than a tile, spanning tiles, and
+# ending exactly on a tile boundary (32 = 2T).
+DET_PROMPTS = {
+    "d-short": [(7 * i) % 90 + 6 for i in range(5)],
+    "d-long": [(11 * i) % 90 + 6 for i in range(37)],
+    "d-aligned": [(13 * i) % 90 + 6 for i in range(32)],
+}
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+def background_load(seed: int, max_requests: int = 31) -> list[Arrival]:
+    """0..max_requests ordinary requests of varied lengths, arriving at different steps."""
+    rng = random.Random(seed)
+    load = []
+    for i in range(rng.randint(0, max_requests)):
+        prompt = [rng.randrange(6, 100) for _ in range(rng.randint(1, 48))]
+        params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=0.0, ignore_eos=True)
+        load.append(Arrival(rng.randint(0, 12), f"bg{i}", prompt, params))
+    return load
+
+
+@dataclass
+class Outcome:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[str]] = field(default_factory=dict)  # float.hex: bits, not values
+    top: dict[str, list[tuple]] = field(default_factory=dict)
+    text: dict[str, str] = field(default_factory=dict)
+    unverified_streamed: list[str] = field(default_factory=list)
+
+    def of(self, ids) -> tuple:
+        return tuple((self.tokens[r], self.logprobs[r], self.top[r], self.text[r]) for r in ids)
+
+
+def drive(engine: LLMEngine, arrivals: list[Arrival], max_steps: int = 5000) -> Outcome:
+    """Add each request at its step, step until idle; record what was streamed."""
+    out = Outcome()
+    pending = sorted(arrivals, key=lambda a: a.step)
+    step = 0
+    requests: dict[str, Request] = {}
+    while pending or engine.has_unfinished():
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            requests[a.request_id] = engine.add_request(a.request_id, a.prompt, a.params)
+            for d in (out.tokens, out.logprobs, out.top):
+                d[a.request_id] = []
+            out.text[a.request_id] = ""
+        for o in engine.step():
+            assert o.error is None, o.error
+            r = requests[o.request_id]
+            streamed = out.tokens[o.request_id] + [t.token_id for t in o.new_tokens]
+            verified = r.token_ids[r.num_prompt_tokens : r.num_verified]
+            if r.deterministic and streamed != verified[: len(streamed)]:
+                out.unverified_streamed.append(o.request_id)
+            out.tokens[o.request_id] += [t.token_id for t in o.new_tokens]
+            out.logprobs[o.request_id] += [t.logprob.hex() if t.logprob is not None else None for t in o.new_tokens]
+            out.top[o.request_id] += [tuple((i, v.hex()) for i, v in t.top_logprobs or ()) for t in o.new_tokens]
+            out.text[o.request_id] += o.text_delta
+        step += 1
+        assert step <= max_steps, "engine still busy"
+    return out
+
+
+def det_arrivals(params: SamplingParams | None = None, step: int = 0) -> list[Arrival]:
+    return [Arrival(step, rid, p, params or det_params()) for rid, p in DET_PROMPTS.items()]
+
+
+@dataclass
+class StateCapture:
+    """Bytes of a finished request's committed state: KV of its computed positions, both Mamba slots."""
+
+    kv: dict[str, bytes] = field(default_factory=dict)
+    slots: dict[str, bytes] = field(default_factory=dict)
+    lengths: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def capture_states(engine: LLMEngine) -> StateCapture:
+    """Requests added with retain_state=True: on finish, read their state, then free it."""
+    capture = StateCapture()
+    caches, bs = engine.runner.caches, engine.kv_layout.block_size
+
+    def listener(request: Request) -> None:
+        if not request.retain_state:
+            return
+        holder = Holder.request(request.request_id)
+        if holder in engine.caches.states.slots:
+            table = engine.caches.kv.table(holder)
+            n = request.num_computed_tokens
+            pos = torch.arange(n)
+            flat = torch.tensor(table)[pos // bs] * bs + pos % bs
+            kv = b"".join(c.flatten(1, 2)[:, flat].contiguous().numpy().tobytes() for c in caches.kv)
+            slots = engine.caches.states.slots[holder]
+            mamba = b"".join(
+                t[s].contiguous().numpy().tobytes() for s in slots for t in caches.conv + caches.ssm
+            )
+            capture.kv[request.request_id] = kv
+            capture.slots[request.request_id] = mamba
+            capture.lengths[request.request_id] = (n, request.aligned_len)
+        engine.caches.free(request)
+
+    engine.finish_listeners.append(listener)
+    return capture
