@@ -56,6 +56,7 @@ class Arrival:
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    retain: bool = False  # keep the state after finishing (capture_states reads and frees it)
 
 
 def background_load(seed: int, max_requests: int = 31) -> list[Arrival]:
@@ -90,7 +91,7 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], max_steps: int = 5000) -> 
     while pending or engine.has_unfinished():
         while pending and pending[0].step <= step:
             a = pending.pop(0)
-            requests[a.request_id] = engine.add_request(a.request_id, a.prompt, a.params)
+            requests[a.request_id] = engine.add_request(a.request_id, a.prompt, a.params, retain_state=a.retain)
             for d in (out.tokens, out.logprobs, out.top):
                 d[a.request_id] = []
             out.text[a.request_id] = ""
@@ -110,8 +111,8 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], max_steps: int = 5000) -> 
     return out
 
 
-def det_arrivals(params: SamplingParams | None = None, step: int = 0) -> list[Arrival]:
-    return [Arrival(step, rid, p, params or det_params()) for rid, p in DET_PROMPTS.items()]
+def det_arrivals(params: SamplingParams | None = None, step: int = 0, retain: bool = False) -> list[Arrival]:
+    return [Arrival(step, rid, p, params or det_params(), retain) for rid, p in DET_PROMPTS.items()]
 
 
 @dataclass
