@@ -21,12 +21,14 @@ WINDOW = 16  # tile length of the tests: prompts and replies span several tiles
 BLOCK = 4
 
 
-def new_engine(model_dir: Path | str, *, mismatch_rate: float = 0.0, rows: int = 4, kv_mib: int = 4, **det) -> LLMEngine:
+def new_engine(
+    model_dir: Path | str, *, mismatch_rate: float = 0.0, rows: int = 4, kv_bytes: int = 4 << 20, block: int = BLOCK, **det
+) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
-            cache=CacheConfig(block_size=BLOCK, kv_cache_bytes=kv_mib << 20),
+            cache=CacheConfig(block_size=block, kv_cache_bytes=kv_bytes),
             deterministic=DeterministicConfig(
                 window=det.pop("window", WINDOW), rows=rows, ssd_chunk=8, mismatch_rate=mismatch_rate, **det
             ),
