@@ -30,7 +30,7 @@ def new_engine(
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
             cache=CacheConfig(block_size=block, kv_cache_bytes=kv_bytes),
             deterministic=DeterministicConfig(
-                window=det.pop("window", WINDOW), rows=rows, ssd_chunk=8, mismatch_rate=mismatch_rate, **det
+                window=det.pop("window", WINDOW), rows=rows, ssd_chunk=8, num_threads=1, mismatch_rate=mismatch_rate, **det
             ),
         )
     )

@@ -16,14 +16,18 @@ class DeterministicConfig:
     num_threads:   torch threads while a verify pass runs (restored afterwards)
     mismatch_rate: probability that a decoded candidate is replaced by another token before
                    it is fed back (tests and benchmarks exercise rollback with it)
+    fast_decode:   decode on the fast path and verify (the point of this mode); False makes
+                   every token of a deterministic request come from a tile pass of its own
+                   (the "everything through the fixed-shape path" baseline of the benchmark)
     """
 
     window: int = 32
     rows: int = 4
     ssd_chunk: int = 16
-    num_threads: int = 1
+    num_threads: int = 2
     mismatch_rate: float = 0.0
     mismatch_seed: int = 0
+    fast_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.rows < 1 or self.num_threads < 1:
