@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 
-from workers.cache.holders import Holder
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.deterministic.config import DeterministicConfig
 from workers.engine import LLMEngine
-from workers.request import Request
+from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
 
 ENGINES: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
@@ -58,7 +57,7 @@ class Arrival:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    retain: bool = False  # keep the state after finishing (capture_states reads and frees it)
+    retain: bool = False  # keep the state after finishing (a capture_states engine reads and frees it)
 
 
 def background_load(seed: int, max_requests: int = 31) -> list[Arrival]:
@@ -93,7 +92,11 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], max_steps: int = 5000) -> 
     while pending or engine.has_unfinished():
         while pending and pending[0].step <= step:
             a = pending.pop(0)
-            requests[a.request_id] = engine.add_request(a.request_id, a.prompt, a.params, retain_state=a.retain)
+            keep = KeepState.PREPARE if a.retain else KeepState.FREE
+            on_finished = getattr(engine, "capture_listener", None) if a.retain else None
+            requests[a.request_id] = engine.add_request(
+                a.request_id, a.prompt, a.params, keep=keep, on_finished=on_finished
+            )
             for d in (out.tokens, out.logprobs, out.top):
                 d[a.request_id] = []
             out.text[a.request_id] = ""
@@ -127,28 +130,25 @@ class StateCapture:
 
 
 def capture_states(engine: LLMEngine) -> StateCapture:
-    """Requests added with retain_state=True: on finish, read their state, then free it."""
+    """Requests kept as prepared states (Arrival.retain): on finish, read the prepared
+    state's bytes, then abandon it."""
     capture = StateCapture()
     caches, bs = engine.runner.caches, engine.kv_layout.block_size
 
     def listener(request: Request) -> None:
-        if not request.retain_state:
+        prepared = request.prepared
+        if prepared is None:
             return
-        holder = Holder.request(request.request_id)
-        if holder in engine.caches.states.slots:
-            table = engine.caches.kv.table(holder)
-            n = request.num_computed_tokens
-            pos = torch.arange(n)
-            flat = torch.tensor(table)[pos // bs] * bs + pos % bs
-            kv = b"".join(c.flatten(1, 2)[:, flat].contiguous().numpy().tobytes() for c in caches.kv)
-            slots = engine.caches.states.slots[holder]
-            mamba = b"".join(
-                t[s].contiguous().numpy().tobytes() for s in slots for t in caches.conv + caches.ssm
-            )
-            capture.kv[request.request_id] = kv
-            capture.slots[request.request_id] = mamba
-            capture.lengths[request.request_id] = (n, request.aligned_len)
-        engine.caches.free(request)
+        table = engine.caches.kv.table(prepared.holder)
+        pos = torch.arange(prepared.state_len)
+        flat = torch.tensor(table)[pos // bs] * bs + pos % bs
+        capture.kv[request.request_id] = b"".join(c.flatten(1, 2)[:, flat].contiguous().numpy().tobytes() for c in caches.kv)
+        slots = engine.caches.states.slots[prepared.holder]
+        capture.slots[request.request_id] = b"".join(
+            t[s].contiguous().numpy().tobytes() for s in slots for t in caches.conv + caches.ssm
+        )
+        capture.lengths[request.request_id] = (prepared.state_len, prepared.aligned_len)
+        engine.caches.heads.release(prepared)
 
-    engine.finish_listeners.append(listener)
+    engine.capture_listener = listener
     return capture
