@@ -113,6 +113,8 @@ class LLMEngine:
         """Queue a request. `keep` says what happens to its state when it completes;
         `on_finished` runs on this thread when it ends, however it ends (see Request)."""
         self._validate(request_id, prompt_token_ids, params)
+        if params.deterministic and head is not None and head.canonical_window != self.config.deterministic.window:
+            head = None  # the fast path made that state: recompute the whole prompt in tiles (a miss)
         if params.seed is None and params.deterministic:
             params = dataclasses.replace(params, seed=derived_seed(prompt_token_ids))  # same on every replica
         elif params.seed is None:

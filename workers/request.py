@@ -51,6 +51,9 @@ class HeadAttachment:
     holder: Holder
     state_len: int  # tokens covered by the head's KV and terminal Mamba state
     aligned_len: int = 0  # position of the head's aligned Mamba state
+    # The tile length W its KV and aligned state were made with by deterministic tiles
+    # (0: the fast path made them, so a deterministic turn cannot restart from them).
+    canonical_window: int = 0
 
 
 @dataclass(eq=False)
@@ -81,6 +84,7 @@ class Request:
     # candidates decoded on the fast path; verify_due parks the request for a verify pass.
     num_verified: int = field(init=False)
     verify_due: bool = False
+    tile_window: int = 0  # set by the verifier: the state it committed is canonical for tiles of W
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -32,5 +32,5 @@ def _integrity():
     for engine in list(ENGINES):
         engine.check_integrity()
         if not engine.has_unfinished():
-            kv, slots = engine.caches.kv.usage(), engine.caches.states.usage()
-            assert kv.in_use == 0 and kv.cached == 0 and slots.in_use == 0 and slots.cached == 0, (kv, slots)
+            kv, slots = engine.caches.kv.usage(), engine.caches.states.usage()  # heads may stay cached
+            assert kv.in_use == 0 and slots.in_use == 0, (kv, slots)

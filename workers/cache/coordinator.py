@@ -106,6 +106,10 @@ class CacheCoordinator:
         request.num_computed_tokens = length
         request.aligned_len = head.aligned_len if held.aligned is not None else 0
         request.num_cached_tokens = length
+        if request.deterministic:
+            # Tiles restart at the head's canonical aligned state: [aligned_len, L) is recomputed
+            # in the tile a miss would use (never written into the blocks shared with the head).
+            request.num_computed_tokens = request.num_cached_tokens = head.aligned_len
         return True
 
     def can_grow(self, request: Request, num_tokens: int) -> bool:
@@ -161,7 +165,9 @@ class CacheCoordinator:
         held = self.states.allocate(holder, aligned=src_slots.aligned is not None)
         self.kv.share(holder, self.kv.table(source.holder))
         self._copy_slots_now(list(zip(src_slots, held)))
-        head = CommittedHead(holder, key, turn, version, source.state_len, source.aligned_len)
+        head = CommittedHead(
+            holder, key, turn, version, source.state_len, source.aligned_len, source.canonical_window
+        )
         self.heads.add(head)
         return head
 
@@ -175,6 +181,7 @@ class CacheCoordinator:
         blocks: list[int | None],
         aligned: bool,
         write: Callable[[list[int], HolderSlots], None],
+        canonical_window: int = 0,
     ) -> CommittedHead:
         """A head from an import. `blocks`: per position of the table, a local block to share
         (the receiver already held that chunk) or None (a new block `write` fills).
@@ -197,7 +204,7 @@ class CacheCoordinator:
             self.kv.free(holder)
             self.states.free(holder)
             raise
-        head = CommittedHead(holder, key, turn, version, state_len, aligned_len)
+        head = CommittedHead(holder, key, turn, version, state_len, aligned_len, canonical_window)
         self.heads.add(head)
         return head
 

@@ -41,6 +41,7 @@ class CommittedHead:
     version: int  # the ledger version this head's state belongs to
     state_len: int
     aligned_len: int
+    canonical_window: int = 0  # see HeadAttachment
     pinned_by: dict[str, Request] = field(default_factory=dict)  # request id -> the turn continuing it
     last_used: float = field(default_factory=time.monotonic)
 
@@ -49,7 +50,7 @@ class CommittedHead:
         return len(self.pinned_by)
 
     def attachment(self) -> HeadAttachment:
-        return HeadAttachment(self.holder, self.state_len, self.aligned_len)
+        return HeadAttachment(self.holder, self.state_len, self.aligned_len, self.canonical_window)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class PreparedState:
     base: CommittedHead | None  # stays pinned until the turn is resolved
     deadline: float
     on_expire: Callable[[PreparedState], None] | None = None
+    canonical_window: int = 0  # see HeadAttachment
 
 
 class HeadManager:
@@ -176,7 +178,8 @@ class HeadManager:
             self.kv.transfer(holder, src)
             raise
         prepared = PreparedState(
-            holder, request.request_id, state_len, request.aligned_len, base, now + self.prepared_timeout_s
+            holder, request.request_id, state_len, request.aligned_len, base, now + self.prepared_timeout_s,
+            canonical_window=request.tile_window if request.deterministic else 0,
         )
         self.prepared[holder] = prepared
         return prepared
@@ -192,7 +195,9 @@ class HeadManager:
             raise
         del self.prepared[prepared.holder]
         self.unpin(prepared.base, prepared.request_id)
-        head = CommittedHead(holder, key, turn, version, prepared.state_len, prepared.aligned_len)
+        head = CommittedHead(
+            holder, key, turn, version, prepared.state_len, prepared.aligned_len, prepared.canonical_window
+        )
         self.add(head)
         return head
 

@@ -96,6 +96,7 @@ def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) 
         "version": head.version,
         "state_len": head.state_len,
         "aligned_len": head.aligned_len,
+        "canonical_window": head.canonical_window,
         "committed_tokens": len(committed),
         "tokens_digest": tokens_digest(committed),
         "messages_digest": messages_digest([m for t in conv.turns[: head.turn] for m in t.messages]),
@@ -250,6 +251,7 @@ def verify_export(
             raise CorruptStateError(f"chunk {digest[:16]} does not fit the layout: {e}") from e
     meta = {k: h[k] for k in ("conversation", "turn", "version", "state_len", "aligned_len",
                               "committed_tokens", "tokens_digest", "messages_digest")}
+    meta["canonical_window"] = h.get("canonical_window", 0)  # deterministic tiles made it (0: no)
     return VerifiedHead(meta, tuple(blocks), states)
 
 
@@ -294,7 +296,7 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
 
     head = cc.caches.install_head(
         key, turn, meta["version"], meta["state_len"], meta["aligned_len"], shared,
-        aligned=SlotRole.ALIGNED in verified.states, write=write,
+        aligned=SlotRole.ALIGNED in verified.states, write=write, canonical_window=meta["canonical_window"],
     )
     pool = cc.kv.pool
     full = meta["state_len"] // cc.kv.block_size

@@ -182,6 +182,7 @@ class Verifier:
             self._write_kv(request, result, verdict.row, start, done)
             request.num_computed_tokens = done
             request.num_verified = request.num_tokens
+            request.tile_window = self.config.window
             # Still due: a prompt spanning further tiles (or no fast decode at all).
             request.verify_due = request.num_tokens - 1 > done or not self.config.fast_decode
         with _threads(self.config.num_threads):
