@@ -300,7 +300,7 @@ def markdown(results: dict) -> str:
                         "det p50 s", "det p99 s",
                         "ord p50 s", "ord p99 s", "ahead of (a),(b)"], frac_rows),
         f"All-ordinary: {s['all_ordinary_tokens_per_s']:.1f} tok/s, {s['all_ordinary_tokens_per_cpu_s']:.1f} tok per "
-        f"CPU-second (mean of a run before and after the others). Targets (judged on CPU time, the work itself; "
+        f"CPU-second. Targets (judged on CPU time, the work itself; "
         f"wall time on a shared machine also measures the neighbours): {targets}.",
         "",
         "## Baselines (every request deterministic)",
