@@ -3,7 +3,8 @@
 - unseeded requests drew their seed from Python's global `random`: a `random.seed()` anywhere
   made them repeat; the seed must come from the OS and be reported in the output;
 - the detokenizer dropped a trailing incomplete character when the request finished;
-- a request that keeps its state with nobody to resolve it leaked it forever.
+- a request that keeps its state with nobody to resolve it leaked it forever;
+- a dtype the model cannot run (anything but fp32) was accepted and failed every step.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+import torch
+
 from tests.engine.conftest import assert_all_free, new_engine, prompt_of
 from workers.checkpoint import Arch
+from workers.config import EngineConfig
 from workers.detokenizer import Detokenizer
 from workers.request import KeepState
 from workers.sampling import SamplingParams
@@ -77,3 +82,12 @@ def test_kept_state_nobody_resolves_is_released_after_the_timeout(tiny):
     assert engine.caches.heads.expire(time.monotonic() + timeout + 1) == [request.prepared]
     assert engine.caches.heads.counters["prepared_expired"] == 1
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, "bfloat16"])
+def test_a_dtype_the_model_cannot_run_is_refused_at_start_up(dtype):
+    """Every dtype but fp32 used to be accepted and then fail the first model step (fp32 Mamba
+    states against half-precision weights): the config refuses it, naming the field."""
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(model="unused", dtype=dtype)
+    assert EngineConfig(model="unused").dtype is torch.float32
