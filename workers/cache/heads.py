@@ -218,6 +218,9 @@ class HeadManager:
                 prepared.on_expire(prepared)
         return expired
 
+    def prepared_of(self, request_id: str) -> PreparedState | None:
+        return next((p for p in self.prepared.values() if p.request_id == request_id), None)
+
     def next_deadline(self) -> float | None:
         return min((p.deadline for p in self.prepared.values()), default=None)
 
