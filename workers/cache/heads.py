@@ -234,6 +234,14 @@ class HeadManager:
             for holder in known:
                 assert holder in self.states.slots, f"{holder} holds no state slot"
         assert {(h.conversation_key, h.turn): h for h in self.heads.values()} == self._by_turn, "head index"
+        # A pin that outlives its request keeps the head from eviction forever (a leak).
+        awaiting = {(p.base.holder, p.request_id) for p in self.prepared.values() if p.base is not None}
+        for head in self.heads.values():
+            stale = [
+                rid for rid, r in head.pinned_by.items()
+                if r.status is RequestStatus.FINISHED and (head.holder, rid) not in awaiting
+            ]
+            assert not stale, f"{head.holder} pinned by requests that ended: {stale}"
         bs = self.kv.block_size
         for head in self.heads.values():
             assert len(self.kv.table(head.holder)) == -(-head.state_len // bs), f"head table vs state_len: {head}"
