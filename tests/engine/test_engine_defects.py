@@ -91,3 +91,27 @@ def test_a_dtype_the_model_cannot_run_is_refused_at_start_up(dtype):
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(model="unused", dtype=dtype)
     assert EngineConfig(model="unused").dtype is torch.float32
+
+
+def test_a_raising_expiry_callback_affects_only_its_own_turn(tiny):
+    """An owner's on_expire that raises used to escape expire_prepared: the async loop calls it
+    outside any handler (the engine thread died) and the other expired states stayed held."""
+    engine = new_engine(tiny[Arch.BAMBA].path)
+
+    def boom(state):
+        raise RuntimeError("owner callback failed")
+
+    kept = [
+        engine.add_request(rid, prompt_of(9, seed=3), SamplingParams(max_tokens=2), keep=KeepState.PREPARE)
+        for rid in ("first", "second")
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    seen = []
+    kept[0].prepared.on_expire = boom
+    kept[1].prepared.on_expire = seen.append
+    for state in engine.caches.heads.prepared.values():
+        state.deadline = 0.0  # due now
+    assert engine.expire_prepared() == 2
+    assert seen == [kept[1].prepared] and engine.caches.heads.counters["prepared_expired"] == 2
+    assert_all_free(engine)

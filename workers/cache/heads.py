@@ -22,6 +22,7 @@ A head pinned by an admitted or prepared turn, or by the request being admitted,
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from workers.cache.holders import Holder, HolderKind
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
 from workers.request import HeadAttachment, Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -214,8 +217,12 @@ class HeadManager:
         for prepared in expired:
             self.release(prepared)
             self.counters["prepared_expired"] += 1
-            if prepared.on_expire is not None:
+            if prepared.on_expire is None:
+                continue
+            try:
                 prepared.on_expire(prepared)
+            except Exception:  # the owner's failure: the state is released, the engine goes on
+                log.exception("on_expire of prepared turn %s failed", prepared.request_id)
         return expired
 
     def prepared_of(self, request_id: str) -> PreparedState | None:
