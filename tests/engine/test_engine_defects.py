@@ -115,3 +115,24 @@ def test_a_raising_expiry_callback_affects_only_its_own_turn(tiny):
     assert engine.expire_prepared() == 2
     assert seen == [kept[1].prepared] and engine.caches.heads.counters["prepared_expired"] == 2
     assert_all_free(engine)
+
+
+def test_a_commit_onto_a_taken_turn_moves_nothing(tiny):
+    """HeadManager.commit used to move the state to a new head holder before finding that
+    (conversation, turn) already had a head: the refusal left blocks and slots nobody knew."""
+    engine = new_engine(tiny[Arch.BAMBA].path)
+    kept = [
+        engine.add_request(rid, prompt_of(9, seed=4), SamplingParams(max_tokens=2), keep=KeepState.PREPARE)
+        for rid in ("one", "two")
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    heads = engine.caches.heads
+    heads.commit(kept[0].prepared, "k", 1, 1)
+    with pytest.raises(ValueError, match="already has a head"):
+        heads.commit(kept[1].prepared, "k", 1, 1)
+    assert kept[1].prepared.holder in heads.prepared, "the refused state is still the prepared turn's"
+    engine.check_integrity()
+    heads.release(kept[1].prepared)
+    heads.drop(heads.find("k", 1))
+    assert_all_free(engine)

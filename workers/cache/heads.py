@@ -192,6 +192,8 @@ class HeadManager:
 
     def commit(self, prepared: PreparedState, key: str, turn: int, version: int) -> CommittedHead:
         """The prepared state becomes the head of (key, turn) without a copy (all-or-nothing)."""
+        if (key, turn) in self._by_turn:  # checked before anything moves
+            raise ValueError(f"turn {turn} of conversation {key} already has a head")
         holder = self.new_holder(HolderKind.HEAD)
         self.kv.transfer(prepared.holder, holder)
         try:
