@@ -53,3 +53,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     deterministic: DeterministicConfig = field(default_factory=DeterministicConfig)
+
+    # The Mamba kernels keep fp32 states and mix them with the weights' dtype: any other dtype
+    # fails the first model step. Refused here, at start-up, rather than per request.
+    SUPPORTED_DTYPES = (torch.float32,)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in self.SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {self.SUPPORTED_DTYPES}")

@@ -28,13 +28,13 @@ from workers.deterministic.seed import derived_seed
 from workers.deterministic.verifier import Verifier
 from workers.detokenizer import Detokenizer
 from proto.contract import ModelIdentity
-from workers.errors import InvalidRequestError
+from workers.errors import InvalidRequestError, RequestIdInUseError
 from workers.identity import model_identity
 from workers.model.loader import load_model
 from workers.request import FinishReason, HeadAttachment, KeepState, Request, RequestStatus
 from workers.runner import ModelRunner
 from workers.sampling import SampledToken, SamplingParams, sample
-from workers.scheduler import Scheduler, SchedulerOutput
+from workers.scheduler import Scheduler
 from workers.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,9 @@ class LLMEngine:
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already running")
+            raise RequestIdInUseError(f"request id {request_id!r} is already running")
+        if self.caches.heads.prepared_of(request_id) is not None:  # its id names it until resolved
+            raise RequestIdInUseError(f"request id {request_id!r} names a prepared turn awaiting commit or abandon")
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size

@@ -53,6 +53,7 @@ def new_engine(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 64,
     mamba_align_tokens: int = 0,
+    prepared_turn_timeout_s: float = 60.0,
 ) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
@@ -63,6 +64,7 @@ def new_engine(
                 head_cache_bytes=head_cache_bytes,
                 num_state_slots=num_state_slots,
                 mamba_align_tokens=mamba_align_tokens,
+                prepared_turn_timeout_s=prepared_turn_timeout_s,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         )

@@ -227,3 +227,55 @@ def test_busy_and_unknown_conversations(models, reference_engines):
     a_cc.rewind("c1", "s", 1)  # turn 1's head is not retained
     with pytest.raises(ConversationNotFoundError):
         a_cc.snapshot_head("c1", "s")
+
+
+def test_an_import_that_resends_a_block_never_frees_the_ones_it_shares(models, reference_engines):
+    """The importer's pool is full (conversation c1 at turn 1, then x). Turn 2 of c1 arrives
+    with its block 0 resent and its other full blocks shared: making room for block 0 evicts
+    c1's turn-1 head (the LRU), which owns the blocks about to be shared. They must survive."""
+    arch = Arch.BAMBA
+    a_cc = new_cache(new_engine(models[arch]), retain_turns=2)
+    run_turn(a_cc, "c1", "s", user("say 1 and more"), greedy(9), "t1")
+    run_turn(a_cc, "x", "s", user("other"), greedy(9), "x1")
+    first, other = export_from(a_cc), export_from(a_cc, "x")
+    n1 = -(-json.loads(first.header[:-32])["state_len"] // BLOCK)
+    nx = -(-json.loads(other.header[:-32])["state_len"] // BLOCK)
+    run_turn(a_cc, "c1", "s", user("more"), greedy(7), "t2")
+    second = export_from(a_cc)
+    block_bytes, _ = sizes(models[arch])
+    b_cc = new_cache(new_engine(models[arch], kv_cache_bytes=(n1 + nx) * block_bytes))
+    b_cc.adopt_ledger("c1", "s", version=1, turns=a_cc.describe("c1", "s")["ledger"][:1])
+    import_into(b_cc, first)
+    adopt_from(a_cc, b_cc, "x")
+    import_into(b_cc, other, cid="x")
+    adopt_from(a_cc, b_cc)
+    held = b_cc.held_chunk_digests()
+    resend = {d: data for i, (d, data) in enumerate(second.chunks) if i == 0 or d not in held}
+    assert len(resend) < len(second.chunks), "some blocks are shared"
+    evictions = b_cc.stats()["evictions"]
+    import_into(b_cc, second, chunks=resend)
+    assert b_cc.stats()["evictions"] > evictions, "the pool was full: room came from evicting a head"
+    assert_same_head_state(a_cc, b_cc)
+
+
+def test_a_header_whose_length_disagrees_with_the_ledger_is_refused(models, reference_engines):
+    """A sealed, self-consistent header whose committed length is not the ledger's: its
+    tokens_digest matches the ledger, so only comparing the lengths catches it (it used to
+    install a head whose state_len the next turn would trust)."""
+    arch = Arch.BAMBA
+    a_cc = conversation(models, reference_engines, arch)
+    exported = export_from(a_cc)
+    b_cc = new_cache(new_engine(models[arch]))
+    adopt_from(a_cc, b_cc)
+    header = json.loads(exported.header[:-32])
+    n = header["state_len"]
+    # A shift that keeps the chunk list consistent (same full blocks, a tail either way).
+    shift = next(d for d in (1, -1) if (n + d) // BLOCK == n // BLOCK and (n + d) % BLOCK and n % BLOCK)
+    header["state_len"] += shift
+    header["committed_tokens"] += shift
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    with pytest.raises(CorruptStateError, match="ledger"):
+        import_into(b_cc, ExportedHead(raw + hashlib.sha256(raw).digest(), exported.chunks))
+    assert_nothing_installed(b_cc)
+    import_into(b_cc, exported)
+    assert_same_head_state(a_cc, b_cc)

@@ -23,7 +23,7 @@ from tests.conversation.helpers import (
 )
 from workers.checkpoint import Arch
 from workers.conversation.records import CommitMode, TurnCommit
-from workers.errors import ConversationBusyError, TurnResolvedError
+from workers.errors import ConversationBusyError, RequestIdInUseError, TurnResolvedError
 from workers.request import FinishReason
 
 
@@ -169,3 +169,57 @@ async def test_the_worker_flow_over_the_async_engine(models):
     finally:
         aengine.shutdown()
         aother.shutdown()
+
+
+def test_pool_pressure_never_takes_the_base_of_a_prepared_turn(models):
+    """4 slots: the base head holds 2, the prepared turn 2. Another conversation's turn cannot
+    fit while the verdict is pending; it must not get them by evicting the base head."""
+    cc = new_cache(new_engine(models[Arch.BAMBA], num_state_slots=4))
+    run_turn(cc, "a", "s", user("first"), greedy(5), "a1")
+    base = head_of(cc, "a", "s")
+    before = snapshot(cc.engine, base.holder)
+    record = prepared_turn(cc, "a", "second", "a2")
+    cc.begin_turn("b", "s", user("other"), greedy(5), "b1")
+    result = drive(cc.engine)["b1"]
+    assert result.error, "it cannot fit while the prepared turn holds its slots"
+    assert head_of(cc, "a", "s") is base, "the base of a prepared turn was evicted"
+    snapshot(cc.engine, base.holder).assert_equal(before)
+    cc.abandon(record)
+    run_turn(cc, "b", "s", user("other"), greedy(5), "b1-retry")
+
+
+async def test_the_idle_async_loop_expires_a_prepared_turn(models):
+    """Nothing else happens on the engine: the loop must still wake up for the deadline."""
+    import asyncio
+
+    from workers.async_engine import AsyncEngine
+
+    cc = new_cache(new_engine(models[Arch.BAMBA], prepared_turn_timeout_s=0.2))
+    aengine = AsyncEngine(cc.engine)
+    try:
+        start = lambda e: cc.begin_turn("c", "s", user("hi"), greedy(4), "t1", commit=CommitMode.PREPARE)  # noqa: E731
+        record = [o async for o in aengine.stream("t1", start)][-1].turn_commit
+        deadline = time.monotonic() + 30
+        while await aengine.call(lambda e: cc.prepared("t1")) is not None:  # no event to await: a deadline
+            assert time.monotonic() < deadline, "the prepared turn never expired"
+            await asyncio.sleep(0.05)
+        with pytest.raises(TurnResolvedError, match="expired"):
+            await aengine.call(lambda e: cc.commit(record))
+        assert await aengine.call(lambda e: cc.stats()["prepared_expired"]) == 1
+    finally:
+        aengine.shutdown()
+
+
+def test_a_request_id_awaiting_its_verdict_cannot_be_reused(bamba_cc):
+    """The id of a prepared turn names it until it is resolved: another turn (of another
+    conversation) under that id used to replace it, so the first could never be committed."""
+    cc = bamba_cc
+    record = prepared_turn(cc, "a", "first", "t")
+    with pytest.raises(RequestIdInUseError):
+        cc.begin_turn("b", "s", user("other"), greedy(5), "t", commit=CommitMode.PREPARE)
+    with pytest.raises(RequestIdInUseError):
+        cc.engine.add_request("t", [1, 2, 3], greedy(2))
+    assert cc.describe("a", "s")["turn"] == 0 and cc.conversations.keys() == {record.conversation_key}
+    info = cc.commit(record)
+    assert info.turn == 1 and cc.describe("a", "s")["token_ids"] == list(record.token_ids)
+    run_turn(cc, "b", "s", user("other"), greedy(5), "t")  # free again once resolved

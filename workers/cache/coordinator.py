@@ -212,5 +212,6 @@ class CacheCoordinator:
         self.kv.usage().check("KV blocks")
         self.states.usage().check("Mamba state slots")
         self.heads.check()
-        stray = {h.id for h in self.kv.tables if h.kind is HolderKind.REQUEST} - self.admitted
-        assert not stray, f"KV blocks held by requests that are not admitted: {stray}"
+        for what, holders in (("KV blocks", self.kv.tables), ("Mamba slots", self.states.slots)):
+            stray = {h.id for h in holders if h.kind is HolderKind.REQUEST} - self.admitted
+            assert not stray, f"{what} held by requests that are not admitted: {stray}"

@@ -22,6 +22,7 @@ A head pinned by an admitted or prepared turn, or by the request being admitted,
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,7 +31,9 @@ from dataclasses import dataclass, field
 from workers.cache.holders import Holder, HolderKind
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
-from workers.request import HeadAttachment, Request
+from workers.request import HeadAttachment, Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,6 +75,7 @@ class HeadManager:
         self.budget_bytes = budget_bytes
         self.prepared_timeout_s = prepared_timeout_s
         self.heads: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
+        self._by_turn: dict[tuple[str, int], CommittedHead] = {}
         self.prepared: dict[Holder, PreparedState] = {}
         self._serials = itertools.count(1)
         self.counters = {"evictions": 0, "detached": 0, "prepared_expired": 0}
@@ -84,7 +88,7 @@ class HeadManager:
         return list(self.heads.values())
 
     def find(self, key: str, turn: int, touch: bool = True) -> CommittedHead | None:
-        head = next((h for h in self.heads.values() if h.conversation_key == key and h.turn == turn), None)
+        head = self._by_turn.get((key, turn))
         if head is not None and touch:
             head.last_used = time.monotonic()
             self.heads.move_to_end(head.holder)
@@ -109,13 +113,15 @@ class HeadManager:
 
     # -- heads --------------------------------------------------------------------------------
     def add(self, head: CommittedHead) -> None:
-        assert head.holder not in self.heads and self.find(head.conversation_key, head.turn, False) is None
+        assert head.holder not in self.heads and (head.conversation_key, head.turn) not in self._by_turn
         self.heads[head.holder] = head
+        self._by_turn[head.conversation_key, head.turn] = head
 
     def drop(self, head: CommittedHead) -> None:
         """Release a head (rewind, delete, replaced). Turns pinning it keep their own copies."""
         self._detach(head)
         del self.heads[head.holder]
+        del self._by_turn[head.conversation_key, head.turn]
         self.kv.free(head.holder)
         self.states.free(head.holder)
 
@@ -145,7 +151,10 @@ class HeadManager:
             return self.kv.pool.num_free < blocks or self.states.num_free < slots
 
         def takeable(head: CommittedHead) -> bool:
-            return idle and not any(rid in admitted for rid in head.pinned_by)
+            # Never the base of an admitted or prepared (finished, awaiting its verdict) turn.
+            return idle and all(
+                r.status is RequestStatus.WAITING and rid not in admitted for rid, r in head.pinned_by.items()
+            )
 
         self._evict_while(short, takeable, protect)
         return not short()
@@ -186,6 +195,8 @@ class HeadManager:
 
     def commit(self, prepared: PreparedState, key: str, turn: int, version: int) -> CommittedHead:
         """The prepared state becomes the head of (key, turn) without a copy (all-or-nothing)."""
+        if (key, turn) in self._by_turn:  # checked before anything moves
+            raise ValueError(f"turn {turn} of conversation {key} already has a head")
         holder = self.new_holder(HolderKind.HEAD)
         self.kv.transfer(prepared.holder, holder)
         try:
@@ -213,9 +224,16 @@ class HeadManager:
         for prepared in expired:
             self.release(prepared)
             self.counters["prepared_expired"] += 1
-            if prepared.on_expire is not None:
+            if prepared.on_expire is None:
+                continue
+            try:
                 prepared.on_expire(prepared)
+            except Exception:  # the owner's failure: the state is released, the engine goes on
+                log.exception("on_expire of prepared turn %s failed", prepared.request_id)
         return expired
+
+    def prepared_of(self, request_id: str) -> PreparedState | None:
+        return next((p for p in self.prepared.values() if p.request_id == request_id), None)
 
     def next_deadline(self) -> float | None:
         return min((p.deadline for p in self.prepared.values()), default=None)
@@ -229,6 +247,15 @@ class HeadManager:
                 assert not stray, f"{what} held by unknown {kind.value} holders (a leak): {stray}"
             for holder in known:
                 assert holder in self.states.slots, f"{holder} holds no state slot"
+        assert {(h.conversation_key, h.turn): h for h in self.heads.values()} == self._by_turn, "head index"
+        # A pin that outlives its request keeps the head from eviction forever (a leak).
+        awaiting = {(p.base.holder, p.request_id) for p in self.prepared.values() if p.base is not None}
+        for head in self.heads.values():
+            stale = [
+                rid for rid, r in head.pinned_by.items()
+                if r.status is RequestStatus.FINISHED and (head.holder, rid) not in awaiting
+            ]
+            assert not stale, f"{head.holder} pinned by requests that ended: {stale}"
         bs = self.kv.block_size
         for head in self.heads.values():
             assert len(self.kv.table(head.holder)) == -(-head.state_len // bs), f"head table vs state_len: {head}"

@@ -67,7 +67,9 @@ def messages_digest(messages: list[dict[str, Any]]) -> str:
 class HeadSnapshot:
     identity: ModelIdentity
     layout: dict[str, Any]
-    meta: dict[str, Any]  # key, turn, version, state_len, aligned_len, committed tokens, digests
+    meta: dict[str, Any]  # key, turn, version, state_len, aligned_len
+    token_ids: tuple[int, ...]  # committed ids and messages: only their digests leave (hashed off-thread)
+    messages: tuple[dict[str, Any], ...]
     kv: torch.Tensor  # [layers, 2, blocks, block_size, heads, dim], a copy
     blocks: tuple[tuple[int, int], ...]  # (block, generation) of each position, to remember digests
     known: tuple[str | None, ...]  # digests already computed for those blocks
@@ -89,7 +91,6 @@ def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) 
         kv[:, :, -1, head.state_len % bs :] = 0
     slots = cc.states.slots[head.holder].roles
     conv_state, ssm_state = state_io.read_slots(caches, list(slots.values()))
-    committed = conv.tokens_until(head.turn)
     meta = {
         "conversation": conv.key,
         "turn": head.turn,
@@ -97,14 +98,13 @@ def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) 
         "state_len": head.state_len,
         "aligned_len": head.aligned_len,
         "canonical_window": head.canonical_window,
-        "committed_tokens": len(committed),
-        "tokens_digest": tokens_digest(committed),
-        "messages_digest": messages_digest([m for t in conv.turns[: head.turn] for m in t.messages]),
     }
     return HeadSnapshot(
         identity=cc.engine.identity,
         layout=engine_layout(cc.engine),
         meta=meta,
+        token_ids=tuple(conv.tokens_until(head.turn)),
+        messages=tuple(m for t in conv.turns[: head.turn] for m in t.messages),
         kv=kv,
         blocks=tuple((b, pool.generation[b]) for b in table),
         known=tuple(cc.caches.chunks.digest_of(b) for b in table),
@@ -149,6 +149,9 @@ def build_export(snap: HeadSnapshot) -> ExportedHead:
         "identity": snap.identity.to_dict(),
         "layout": snap.layout,
         **snap.meta,
+        "committed_tokens": len(snap.token_ids),
+        "tokens_digest": tokens_digest(snap.token_ids),
+        "messages_digest": messages_digest(list(snap.messages)),
         "chunks": listed,
     }
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
@@ -272,7 +275,12 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
         raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
     turn = meta["turn"]
     committed = conv.tokens_until(turn) if turn <= conv.turn else None
-    if committed is None or tokens_digest(committed) != meta["tokens_digest"]:
+    # The digest proves which tokens; the length is checked too, since state_len is trusted from it.
+    if (
+        committed is None
+        or meta["committed_tokens"] != len(committed)
+        or tokens_digest(committed) != meta["tokens_digest"]
+    ):
         raise CorruptStateError("the export does not match this engine's ledger of the conversation")
     existing = cc.heads.find(key, turn)
     if existing is not None:
