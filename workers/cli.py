@@ -22,6 +22,12 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--logprobs", type=int, default=None, help="report the top K logprobs per token")
     parser.add_argument("--json", action="store_true", help="print token ids and logprobs as JSON")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-identical output whatever else runs (decode, verify in fixed-shape tiles, roll back); "
+        "without --seed the seed is derived from the prompt",
+    )
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -43,6 +49,7 @@ def run_generate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         seed=args.seed,
         logprobs=args.logprobs,
+        deterministic=args.deterministic,
     )
     from workers.checkpoint.builtin import builtin_model_dir
 

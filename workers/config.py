@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.deterministic.config import DeterministicConfig
+
 
 # Weight/activation dtypes the model runs in (Mamba states stay fp32 in all of them).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,6 +56,7 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    deterministic: DeterministicConfig = field(default_factory=DeterministicConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -24,9 +24,11 @@ from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.layout import layouts_for
 from workers.cache.mamba_slots import MambaStateManager
 from workers.config import EngineConfig
+from workers.deterministic.seed import derived_seed
+from workers.deterministic.verifier import Verifier
 from workers.detokenizer import Detokenizer
 from proto.contract import ModelIdentity
-from workers.errors import InvalidRequestError
+from workers.errors import InvalidRequestError, RequestIdInUseError
 from workers.identity import model_identity
 from workers.model.loader import load_model
 from workers.request import FinishReason, HeadAttachment, KeepState, Request, RequestStatus
@@ -91,6 +93,9 @@ class LLMEngine:
         heads = HeadManager(kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s)
         self.caches = CacheCoordinator(kv, states, heads, self.runner.copy_slots)
         self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
+        self.verifier = Verifier(
+            config.deterministic, self.model, self.runner.caches, self.caches, self.banned_token_ids
+        )
         self._detok: dict[str, Detokenizer] = {}
 
     # -- admission ---------------------------------------------------------------------------
@@ -108,7 +113,11 @@ class LLMEngine:
         """Queue a request. `keep` says what happens to its state when it completes;
         `on_finished` runs on this thread when it ends, however it ends (see Request)."""
         self._validate(request_id, prompt_token_ids, params)
-        if params.seed is None:
+        if params.deterministic and head is not None and head.canonical_window != self.config.deterministic.window:
+            head = None  # the fast path made that state: recompute the whole prompt in tiles (a miss)
+        if params.seed is None and params.deterministic:
+            params = dataclasses.replace(params, seed=derived_seed(prompt_token_ids))  # same on every replica
+        elif params.seed is None:
             params = dataclasses.replace(params)  # a fresh random seed per request, not per params object
         request = Request(
             request_id,
@@ -125,7 +134,9 @@ class LLMEngine:
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already running")
+            raise RequestIdInUseError(f"request id {request_id!r} is already running")
+        if self.caches.heads.prepared_of(request_id) is not None:  # its id names it until resolved
+            raise RequestIdInUseError(f"request id {request_id!r} names a prepared turn awaiting commit or abandon")
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -152,10 +163,20 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         self.expire_prepared()
+        outputs = self._fast_step()
+        outputs += self._verify_step()
+        self.verifier.metrics.step_seconds += time.perf_counter() - started
+        return outputs
+
+    def _fast_step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         outputs = [self._fail(r, "the request does not fit in the KV cache") for r in step.unfittable]
         if not step.chunks:
+            # Admitted deterministic prefills run no chunk, but their slots must be zeroed
+            # (or copied from a head) before their first verify pass reads them.
+            self.runner.apply_copies(step.copies)
             return outputs
         ending = [c for c in step.chunks if c.samples]
         rows = [i for i, c in enumerate(ending) if not c.request.prefill_only]
@@ -173,11 +194,49 @@ class LLMEngine:
             return outputs + [self._fail(c.request, f"model step failed: {e}") for c in step.chunks]
         self.scheduler.advance(step)
         for chunk, token in zip(sampling, sampled):
-            outputs.append(self._on_token(chunk.request, token))
+            if chunk.request.deterministic:  # a candidate: nothing reaches the client unverified
+                self.verifier.on_candidate(chunk.request, token, self._ends)
+            else:
+                outputs.append(self._on_token(chunk.request, token))
         for chunk in ending:
             if chunk.request.prefill_only:  # its state now covers the whole prompt: done
                 self._finish(chunk.request, FinishReason.STOP)
                 outputs.append(self._output(chunk.request, (), ""))
+        return outputs
+
+    def _verify_step(self) -> list[RequestOutput]:
+        """Verify passes (G requests each) for every deterministic request waiting for one;
+        only what they accept goes through the stop checks to the detokenizer and the stream."""
+        due = [r for r in self.scheduler.running if r.verify_due]
+        outputs: list[RequestOutput] = []
+        for i in range(0, len(due), self.config.deterministic.rows):
+            group = due[i : i + self.config.deterministic.rows]
+            try:
+                verdicts = self.verifier.verify(group)
+            except Exception as e:  # as a failing model step: its requests fail, the engine goes on
+                log.exception("verify pass failed")
+                outputs += [self._fail(r, f"verify pass failed: {e}") for r in group]
+                continue
+            applied = []
+            for verdict in verdicts:
+                request = verdict.request
+                del request.token_ids[verdict.first :]  # candidates out; verified tokens back in
+                taken, delta, reason = [], "", None
+                for token in verdict.tokens:
+                    request.append(token)
+                    taken.append(token)
+                    text, reason = self._text_and_reason(request, token)
+                    delta += text
+                    if reason is not None:
+                        break
+                applied.append((request, taken, delta, reason))
+            self.verifier.commit(verdicts, [len(taken) for _, taken, _, _ in applied])
+            for request, taken, delta, reason in applied:
+                if reason is not None:
+                    delta += self._detok[request.request_id].flush()
+                    self._finish(request, reason)
+                if taken:
+                    outputs.append(self._output(request, taken, delta))
         return outputs
 
     def expire_prepared(self) -> int:
@@ -191,20 +250,30 @@ class LLMEngine:
 
     def _on_token(self, request: Request, token: SampledToken) -> RequestOutput:
         request.append(token)
-        params = request.params
-        detok = self._detok[request.request_id]
-        delta, stopped = detok.update(request.output_token_ids)
-        reason = None
-        if stopped or token.token_id in params.stop_token_ids:
-            reason = FinishReason.STOP
-        elif token.token_id in self.eos_token_ids and not params.ignore_eos:
-            reason = FinishReason.STOP
-        elif len(request.output) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
+        delta, reason = self._text_and_reason(request, token)
         if reason is not None:
-            delta += detok.flush()
+            delta += self._detok[request.request_id].flush()
             self._finish(request, reason)
         return self._output(request, (token,), delta)
+
+    def _text_and_reason(self, request: Request, token: SampledToken) -> tuple[str, FinishReason | None]:
+        """The text the new last token adds, and why the request ends there (if it does)."""
+        delta, stopped = self._detok[request.request_id].update(request.output_token_ids)
+        if stopped:
+            return delta, FinishReason.STOP
+        return delta, self._finish_reason(request, token.token_id)
+
+    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        """For the last token of request.token_ids (verified or a candidate)."""
+        params = request.params
+        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+            return FinishReason.STOP
+        if request.num_tokens - request.num_prompt_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _ends(self, request: Request, token_id: int) -> bool:
+        return self._finish_reason(request, token_id) is not None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """End a request; a failure while keeping its state or in its on_finished fails this

@@ -51,6 +51,9 @@ class HeadAttachment:
     holder: Holder
     state_len: int  # tokens covered by the head's KV and terminal Mamba state
     aligned_len: int = 0  # position of the head's aligned Mamba state
+    # The tile length W its KV and aligned state were made with by deterministic tiles
+    # (0: the fast path made them, so a deterministic turn cannot restart from them).
+    canonical_window: int = 0
 
 
 @dataclass(eq=False)
@@ -77,9 +80,30 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # Deterministic requests (workers/deterministic): token_ids past num_verified are
+    # candidates decoded on the fast path; verify_due parks the request for a verify pass.
+    num_verified: int = field(init=False)
+    verify_due: bool = False
+    tile_window: int = 0  # set by the verifier: the state it committed is canonical for tiles of W
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.num_verified = len(self.token_ids)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.params.deterministic
+
+    @property
+    def needs_aligned_slot(self) -> bool:
+        """A second Mamba slot: the aligned state a published head keeps, or the state at the
+        tile start a deterministic request restarts every verify pass from."""
+        return self.keep is KeepState.PREPARE or self.deterministic
+
+    def drop_unverified(self) -> None:
+        """Forget the candidates (the request's state is being thrown away: preemption)."""
+        del self.token_ids[self.num_verified :]
+        self.verify_due = False
 
     @property
     def num_tokens(self) -> int:
@@ -98,5 +122,7 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append(self, sampled: SampledToken) -> None:
+        """A token the client sees (a deterministic request's candidates are not appended here)."""
         self.token_ids.append(sampled.token_id)
         self.output.append(sampled)
+        self.num_verified = len(self.token_ids)

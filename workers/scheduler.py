@@ -73,8 +73,8 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING or request.verify_due:
+                continue  # preempted earlier in this loop, or parked for a verify pass
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, request.num_computed_tokens + n, out):
                 continue  # preempted itself; re-admission decides whether it can ever fit
@@ -83,7 +83,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             start = request.head.state_len if request.head else request.num_computed_tokens
-            n = min(request.num_tokens - start, budget)
+            n = request.num_tokens - start if request.deterministic else min(request.num_tokens - start, budget)
             idle = not self.running and not out.chunks and not out.preempted
             if out.preempted or not self.caches.try_admit(request, n, idle):
                 if idle:
@@ -94,6 +94,9 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.deterministic:  # its prefill runs in verify tiles, outside the token budget
+                request.verify_due = True
+                continue
             out.chunks.append(self._chunk(request, n))
             budget -= n
         out.copies = self.caches.pending.take()
@@ -102,7 +105,8 @@ class Scheduler:
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         snapshot = None
-        aligned_slot = self.caches.aligned_slot(request)
+        # A deterministic request's aligned slot is the verifier's (canonical states only).
+        aligned_slot = None if request.deterministic else self.caches.aligned_slot(request)
         if aligned_slot is not None:
             aligned = (start + n) // self.align_tokens * self.align_tokens
             if aligned > start:
@@ -125,6 +129,7 @@ class Scheduler:
         self.caches.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.drop_unverified()
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 

@@ -126,3 +126,24 @@ def test_the_slot_pool_holds_max_num_seqs_publishing_turns(models):
     engine.step()
     assert len(engine.scheduler.running) == seqs, "publishing turns were kept waiting for state slots"
     drive(engine)
+
+
+def test_integrity_check_catches_a_stale_pin_and_unadmitted_request_slots(models):
+    """A pin whose request is neither live nor a prepared turn keeps its head from eviction
+    forever; slots held for a request that is not admitted are never freed. Both are leaks
+    the integrity check must name."""
+    cc = new_cache(new_engine(models[Arch.BAMBA]))
+    run_turn(cc, "c", "s", user("hello"), greedy(4), "t1")
+    head = head_of(cc, "c", "s")
+    finished = cc.engine.add_request("gone", [1, 2, 3], greedy(2))
+    drive(cc.engine)
+    head.pinned_by["gone"] = finished  # a request that ended without unpinning
+    with pytest.raises(AssertionError, match="pin"):
+        cc.engine.check_integrity()
+    del head.pinned_by["gone"]
+    cc.engine.check_integrity()
+    stray = Holder.request("nobody")
+    cc.engine.caches.states.allocate(stray, aligned=False)
+    with pytest.raises(AssertionError, match="not admitted"):
+        cc.engine.check_integrity()
+    cc.engine.caches.states.free(stray)

@@ -256,3 +256,26 @@ def test_an_import_that_resends_a_block_never_frees_the_ones_it_shares(models, r
     import_into(b_cc, second, chunks=resend)
     assert b_cc.stats()["evictions"] > evictions, "the pool was full: room came from evicting a head"
     assert_same_head_state(a_cc, b_cc)
+
+
+def test_a_header_whose_length_disagrees_with_the_ledger_is_refused(models, reference_engines):
+    """A sealed, self-consistent header whose committed length is not the ledger's: its
+    tokens_digest matches the ledger, so only comparing the lengths catches it (it used to
+    install a head whose state_len the next turn would trust)."""
+    arch = Arch.BAMBA
+    a_cc = conversation(models, reference_engines, arch)
+    exported = export_from(a_cc)
+    b_cc = new_cache(new_engine(models[arch]))
+    adopt_from(a_cc, b_cc)
+    header = json.loads(exported.header[:-32])
+    n = header["state_len"]
+    # A shift that keeps the chunk list consistent (same full blocks, a tail either way).
+    shift = next(d for d in (1, -1) if (n + d) // BLOCK == n // BLOCK and (n + d) % BLOCK and n % BLOCK)
+    header["state_len"] += shift
+    header["committed_tokens"] += shift
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    with pytest.raises(CorruptStateError, match="ledger"):
+        import_into(b_cc, ExportedHead(raw + hashlib.sha256(raw).digest(), exported.chunks))
+    assert_nothing_installed(b_cc)
+    import_into(b_cc, exported)
+    assert_same_head_state(a_cc, b_cc)

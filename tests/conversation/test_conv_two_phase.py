@@ -23,7 +23,7 @@ from tests.conversation.helpers import (
 )
 from workers.checkpoint import Arch
 from workers.conversation.records import CommitMode, TurnCommit
-from workers.errors import ConversationBusyError, TurnResolvedError
+from workers.errors import ConversationBusyError, RequestIdInUseError, TurnResolvedError
 from workers.request import FinishReason
 
 
@@ -208,3 +208,18 @@ async def test_the_idle_async_loop_expires_a_prepared_turn(models):
         assert await aengine.call(lambda e: cc.stats()["prepared_expired"]) == 1
     finally:
         aengine.shutdown()
+
+
+def test_a_request_id_awaiting_its_verdict_cannot_be_reused(bamba_cc):
+    """The id of a prepared turn names it until it is resolved: another turn (of another
+    conversation) under that id used to replace it, so the first could never be committed."""
+    cc = bamba_cc
+    record = prepared_turn(cc, "a", "first", "t")
+    with pytest.raises(RequestIdInUseError):
+        cc.begin_turn("b", "s", user("other"), greedy(5), "t", commit=CommitMode.PREPARE)
+    with pytest.raises(RequestIdInUseError):
+        cc.engine.add_request("t", [1, 2, 3], greedy(2))
+    assert cc.describe("a", "s")["turn"] == 0 and cc.conversations.keys() == {record.conversation_key}
+    info = cc.commit(record)
+    assert info.turn == 1 and cc.describe("a", "s")["token_ids"] == list(record.token_ids)
+    run_turn(cc, "b", "s", user("other"), greedy(5), "t")  # free again once resolved

@@ -4,12 +4,15 @@
   made them repeat; the seed must come from the OS and be reported in the output;
 - the detokenizer dropped a trailing incomplete character when the request finished;
 - a request that keeps its state with nobody to resolve it leaked it forever.
+(Dtypes: `test_dtypes.py`.)
 """
 
 from __future__ import annotations
 
 import random
 import time
+
+import pytest
 
 from tests.engine.conftest import assert_all_free, new_engine, prompt_of
 from workers.checkpoint import Arch
@@ -76,4 +79,49 @@ def test_kept_state_nobody_resolves_is_released_after_the_timeout(tiny):
     timeout = engine.config.cache.prepared_turn_timeout_s
     assert engine.caches.heads.expire(time.monotonic() + timeout + 1) == [request.prepared]
     assert engine.caches.heads.counters["prepared_expired"] == 1
+    assert_all_free(engine)
+
+
+def test_a_raising_expiry_callback_affects_only_its_own_turn(tiny):
+    """An owner's on_expire that raises used to escape expire_prepared: the async loop calls it
+    outside any handler (the engine thread died) and the other expired states stayed held."""
+    engine = new_engine(tiny[Arch.BAMBA].path)
+
+    def boom(state):
+        raise RuntimeError("owner callback failed")
+
+    kept = [
+        engine.add_request(rid, prompt_of(9, seed=3), SamplingParams(max_tokens=2), keep=KeepState.PREPARE)
+        for rid in ("first", "second")
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    seen = []
+    kept[0].prepared.on_expire = boom
+    kept[1].prepared.on_expire = seen.append
+    for state in engine.caches.heads.prepared.values():
+        state.deadline = 0.0  # due now
+    assert engine.expire_prepared() == 2
+    assert seen == [kept[1].prepared] and engine.caches.heads.counters["prepared_expired"] == 2
+    assert_all_free(engine)
+
+
+def test_a_commit_onto_a_taken_turn_moves_nothing(tiny):
+    """HeadManager.commit used to move the state to a new head holder before finding that
+    (conversation, turn) already had a head: the refusal left blocks and slots nobody knew."""
+    engine = new_engine(tiny[Arch.BAMBA].path)
+    kept = [
+        engine.add_request(rid, prompt_of(9, seed=4), SamplingParams(max_tokens=2), keep=KeepState.PREPARE)
+        for rid in ("one", "two")
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    heads = engine.caches.heads
+    heads.commit(kept[0].prepared, "k", 1, 1)
+    with pytest.raises(ValueError, match="already has a head"):
+        heads.commit(kept[1].prepared, "k", 1, 1)
+    assert kept[1].prepared.holder in heads.prepared, "the refused state is still the prepared turn's"
+    engine.check_integrity()
+    heads.release(kept[1].prepared)
+    heads.drop(heads.find("k", 1))
     assert_all_free(engine)

@@ -74,7 +74,7 @@ class CacheCoordinator:
         continuing its head if it still has one; False (nothing changed) if it cannot fit."""
         head = self.heads.head_of(request.head)
         bs = self.kv.block_size
-        slots = 2 if request.keep is KeepState.PREPARE else 1
+        slots = 2 if request.needs_aligned_slot else 1
         if head is None:
             request.head = None
             blocks = blocks_for(request.num_computed_tokens + num_new_tokens, bs)
@@ -84,7 +84,7 @@ class CacheCoordinator:
         if not self.heads.make_room(blocks, slots, protect, idle, self.admitted):
             return False
         holder = Holder.request(request.request_id)
-        held = self.states.allocate(holder, aligned=request.keep is KeepState.PREPARE)
+        held = self.states.allocate(holder, aligned=request.needs_aligned_slot)
         self.admitted.add(request.request_id)
         request.num_cached_tokens = 0
         request.aligned_len = 0
@@ -106,6 +106,10 @@ class CacheCoordinator:
         request.num_computed_tokens = length
         request.aligned_len = head.aligned_len if held.aligned is not None else 0
         request.num_cached_tokens = length
+        if request.deterministic:
+            # Tiles restart at the head's canonical aligned state: [aligned_len, L) is recomputed
+            # in the tile a miss would use (never written into the blocks shared with the head).
+            request.num_computed_tokens = request.num_cached_tokens = head.aligned_len
         return True
 
     def can_grow(self, request: Request, num_tokens: int) -> bool:
@@ -161,7 +165,9 @@ class CacheCoordinator:
         held = self.states.allocate(holder, aligned=src_slots.aligned is not None)
         self.kv.share(holder, self.kv.table(source.holder))
         self._copy_slots_now(list(zip(src_slots, held)))
-        head = CommittedHead(holder, key, turn, version, source.state_len, source.aligned_len)
+        head = CommittedHead(
+            holder, key, turn, version, source.state_len, source.aligned_len, source.canonical_window
+        )
         self.heads.add(head)
         return head
 
@@ -175,6 +181,7 @@ class CacheCoordinator:
         blocks: list[int | None],
         aligned: bool,
         write: Callable[[list[int], HolderSlots], None],
+        canonical_window: int = 0,
     ) -> CommittedHead:
         """A head from an import. `blocks`: per position of the table, a local block to share
         (the receiver already held that chunk) or None (a new block `write` fills).
@@ -197,7 +204,7 @@ class CacheCoordinator:
             self.kv.free(holder)
             self.states.free(holder)
             raise
-        head = CommittedHead(holder, key, turn, version, state_len, aligned_len)
+        head = CommittedHead(holder, key, turn, version, state_len, aligned_len, canonical_window)
         self.heads.add(head)
         return head
 
@@ -205,5 +212,6 @@ class CacheCoordinator:
         self.kv.usage().check("KV blocks")
         self.states.usage().check("Mamba state slots")
         self.heads.check()
-        stray = {h.id for h in self.kv.tables if h.kind is HolderKind.REQUEST} - self.admitted
-        assert not stray, f"KV blocks held by requests that are not admitted: {stray}"
+        for what, holders in (("KV blocks", self.kv.tables), ("Mamba slots", self.states.slots)):
+            stray = {h.id for h in holders if h.kind is HolderKind.REQUEST} - self.admitted
+            assert not stray, f"{what} held by requests that are not admitted: {stray}"

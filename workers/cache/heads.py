@@ -22,6 +22,7 @@ A head pinned by an admitted or prepared turn, or by the request being admitted,
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
 from workers.request import HeadAttachment, Request, RequestStatus
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class CommittedHead:
@@ -41,6 +44,7 @@ class CommittedHead:
     version: int  # the ledger version this head's state belongs to
     state_len: int
     aligned_len: int
+    canonical_window: int = 0  # see HeadAttachment
     pinned_by: dict[str, Request] = field(default_factory=dict)  # request id -> the turn continuing it
     last_used: float = field(default_factory=time.monotonic)
 
@@ -49,7 +53,7 @@ class CommittedHead:
         return len(self.pinned_by)
 
     def attachment(self) -> HeadAttachment:
-        return HeadAttachment(self.holder, self.state_len, self.aligned_len)
+        return HeadAttachment(self.holder, self.state_len, self.aligned_len, self.canonical_window)
 
 
 @dataclass
@@ -61,6 +65,7 @@ class PreparedState:
     base: CommittedHead | None  # stays pinned until the turn is resolved
     deadline: float
     on_expire: Callable[[PreparedState], None] | None = None
+    canonical_window: int = 0  # see HeadAttachment
 
 
 class HeadManager:
@@ -182,13 +187,16 @@ class HeadManager:
             self.kv.transfer(holder, src)
             raise
         prepared = PreparedState(
-            holder, request.request_id, state_len, request.aligned_len, base, now + self.prepared_timeout_s
+            holder, request.request_id, state_len, request.aligned_len, base, now + self.prepared_timeout_s,
+            canonical_window=request.tile_window if request.deterministic else 0,
         )
         self.prepared[holder] = prepared
         return prepared
 
     def commit(self, prepared: PreparedState, key: str, turn: int, version: int) -> CommittedHead:
         """The prepared state becomes the head of (key, turn) without a copy (all-or-nothing)."""
+        if (key, turn) in self._by_turn:  # checked before anything moves
+            raise ValueError(f"turn {turn} of conversation {key} already has a head")
         holder = self.new_holder(HolderKind.HEAD)
         self.kv.transfer(prepared.holder, holder)
         try:
@@ -198,7 +206,9 @@ class HeadManager:
             raise
         del self.prepared[prepared.holder]
         self.unpin(prepared.base, prepared.request_id)
-        head = CommittedHead(holder, key, turn, version, prepared.state_len, prepared.aligned_len)
+        head = CommittedHead(
+            holder, key, turn, version, prepared.state_len, prepared.aligned_len, prepared.canonical_window
+        )
         self.add(head)
         return head
 
@@ -214,9 +224,16 @@ class HeadManager:
         for prepared in expired:
             self.release(prepared)
             self.counters["prepared_expired"] += 1
-            if prepared.on_expire is not None:
+            if prepared.on_expire is None:
+                continue
+            try:
                 prepared.on_expire(prepared)
+            except Exception:  # the owner's failure: the state is released, the engine goes on
+                log.exception("on_expire of prepared turn %s failed", prepared.request_id)
         return expired
+
+    def prepared_of(self, request_id: str) -> PreparedState | None:
+        return next((p for p in self.prepared.values() if p.request_id == request_id), None)
 
     def next_deadline(self) -> float | None:
         return min((p.deadline for p in self.prepared.values()), default=None)
@@ -231,6 +248,14 @@ class HeadManager:
             for holder in known:
                 assert holder in self.states.slots, f"{holder} holds no state slot"
         assert {(h.conversation_key, h.turn): h for h in self.heads.values()} == self._by_turn, "head index"
+        # A pin that outlives its request keeps the head from eviction forever (a leak).
+        awaiting = {(p.base.holder, p.request_id) for p in self.prepared.values() if p.base is not None}
+        for head in self.heads.values():
+            stale = [
+                rid for rid, r in head.pinned_by.items()
+                if r.status is RequestStatus.FINISHED and (head.holder, rid) not in awaiting
+            ]
+            assert not stale, f"{head.holder} pinned by requests that ended: {stale}"
         bs = self.kv.block_size
         for head in self.heads.values():
             assert len(self.kv.table(head.holder)) == -(-head.state_len // bs), f"head table vs state_len: {head}"

@@ -109,8 +109,8 @@ class ConversationCache:
             keep=KeepState.PREPARE,
             on_finished=self._on_finished,
         )
-        if base:
-            self.counters["hits" if head else "misses"] += 1
+        if base:  # a deterministic turn cannot use a head the fast path made: the engine drops it
+            self.counters["hits" if request.head else "misses"] += 1
         self.conversations[key] = conv
         conv.in_flight = request_id
         self.pending[request_id] = _PendingTurn(key, base, conv.version, tuple(suffix), len(committed), commit)

@@ -97,6 +97,7 @@ def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) 
         "version": head.version,
         "state_len": head.state_len,
         "aligned_len": head.aligned_len,
+        "canonical_window": head.canonical_window,
     }
     return HeadSnapshot(
         identity=cc.engine.identity,
@@ -253,6 +254,7 @@ def verify_export(
             raise CorruptStateError(f"chunk {digest[:16]} does not fit the layout: {e}") from e
     meta = {k: h[k] for k in ("conversation", "turn", "version", "state_len", "aligned_len",
                               "committed_tokens", "tokens_digest", "messages_digest")}
+    meta["canonical_window"] = h.get("canonical_window", 0)  # deterministic tiles made it (0: no)
     return VerifiedHead(meta, tuple(blocks), states)
 
 
@@ -273,7 +275,12 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
         raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
     turn = meta["turn"]
     committed = conv.tokens_until(turn) if turn <= conv.turn else None
-    if committed is None or tokens_digest(committed) != meta["tokens_digest"]:
+    # The digest proves which tokens; the length is checked too, since state_len is trusted from it.
+    if (
+        committed is None
+        or meta["committed_tokens"] != len(committed)
+        or tokens_digest(committed) != meta["tokens_digest"]
+    ):
         raise CorruptStateError("the export does not match this engine's ledger of the conversation")
     existing = cc.heads.find(key, turn)
     if existing is not None:
@@ -297,7 +304,7 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
 
     head = cc.caches.install_head(
         key, turn, meta["version"], meta["state_len"], meta["aligned_len"], shared,
-        aligned=SlotRole.ALIGNED in verified.states, write=write,
+        aligned=SlotRole.ALIGNED in verified.states, write=write, canonical_window=meta["canonical_window"],
     )
     pool = cc.kv.pool
     full = meta["state_len"] // cc.kv.block_size

@@ -1,0 +1,119 @@
+"""A deterministic conversation turn gives the same bits on a cache hit, a forced miss and
+after export -> import into another engine; tiles restarting below the committed length
+never write into blocks shared with the head; heads the fast path made are not reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.determinism.helpers import det_params, new_engine
+from workers.checkpoint import Arch
+from workers.conversation.cache import ConversationCache
+from workers.conversation.export import build_export, verify_export
+from proto.contract import conversation_key
+from workers.sampling import SamplingParams
+
+TURN1 = [{"role": "user", "content": "tell me, how are the tiles doing?"}]
+TURN2 = [{"role": "user", "content": "and once more"}]
+W = 16
+
+
+def _turn(cc: ConversationCache, suffix, params, rid: str):
+    request = cc.begin_turn("c1", "s", suffix, params, rid)
+    tokens = []
+    while cc.engine.has_unfinished():
+        for out in cc.engine.step():
+            assert out.error is None, out.error
+            tokens += [(t.token_id, None if t.logprob is None else t.logprob.hex()) for t in out.new_tokens]
+    return request, tokens
+
+
+def _head(cc: ConversationCache, turn: int):
+    return cc.heads.find(conversation_key("c1", "s"), turn, touch=False)
+
+
+def _state_bytes(cc: ConversationCache, head) -> tuple:
+    engine, bs = cc.engine, cc.engine.kv_layout.block_size
+    pos = torch.arange(head.state_len)
+    flat = torch.tensor(engine.caches.kv.table(head.holder))[pos // bs] * bs + pos % bs
+    kv = tuple(c.flatten(1, 2)[:, flat].contiguous().numpy().tobytes() for c in engine.runner.caches.kv)
+    slots = engine.caches.states.slots[head.holder]
+    mamba = tuple(t[s].contiguous().numpy().tobytes() for s in slots for t in engine.runner.caches.conv + engine.runner.caches.ssm)
+    return head.state_len, head.aligned_len, head.canonical_window, kv, mamba
+
+
+def _cache(model_dir, **kw) -> ConversationCache:
+    return ConversationCache(new_engine(model_dir, **kw), retain_turns=1)
+
+
+@pytest.fixture(scope="module")
+def model(det_models):
+    return det_models[Arch.BAMBA]
+
+
+def test_hit_miss_and_import_give_the_same_bits(model):
+    params = det_params(max_tokens=14)
+    hit = _cache(model)
+    _turn(hit, TURN1, params, "t1")
+    head1 = _head(hit, 1)
+    assert head1.canonical_window == W and head1.aligned_len >= W and head1.aligned_len % W == 0
+    exported = build_export(hit.snapshot_head("c1", "s"))
+    ledger = hit.describe("c1", "s")
+
+    request, hit_tokens = _turn(hit, TURN2, params, "t2")
+    assert request.num_cached_tokens == head1.aligned_len > 0  # restarted at the canonical state
+
+    miss = _cache(model)
+    _turn(miss, TURN1, params, "t1")
+    miss.heads.drop(_head(miss, 1))  # forced miss: the whole prompt is recomputed
+    request, miss_tokens = _turn(miss, TURN2, params, "t2")
+    assert request.num_cached_tokens == 0
+
+    imported = _cache(model)
+    imported.adopt_ledger("c1", "s", version=ledger["version"], turns=ledger["ledger"])
+    identity, layout = imported.export_identity()
+    imported.install_head("c1", "s", verify_export(exported.header, dict(exported.chunks), identity, layout, set()))
+    assert _head(imported, 1).canonical_window == W
+    request, imported_tokens = _turn(imported, TURN2, params, "t2")
+    assert request.num_cached_tokens == head1.aligned_len
+
+    assert len(hit_tokens) == 14 and hit_tokens == miss_tokens == imported_tokens
+    assert _state_bytes(hit, _head(hit, 2)) == _state_bytes(miss, _head(miss, 2)) == _state_bytes(imported, _head(imported, 2))
+
+
+def test_a_tile_restart_never_writes_into_blocks_shared_with_the_head(model):
+    bs = 4
+    for max_tokens in range(8, 8 + W):  # a committed length with full blocks past the aligned state
+        cc = _cache(model)
+        _turn(cc, TURN1, det_params(max_tokens=max_tokens), "t1")
+        head = _head(cc, 1)
+        shared = range(head.aligned_len // bs, head.state_len // bs)  # full blocks the restart recomputes
+        if len(shared) >= 2:
+            break
+    assert len(shared) >= 2
+    block = cc.engine.caches.kv.table(head.holder)[shared[0]]
+    kv = cc.engine.runner.caches.kv[0]
+    kv[0, block] += 1.0  # marks the head's copy: a write from the tile would erase the mark
+    marked = kv[0, block].clone()
+    request, _ = _turn(cc, TURN2, det_params(max_tokens=6), "t2")
+    assert request.num_cached_tokens == head.aligned_len
+    assert block in cc.engine.caches.kv.table(_head(cc, 2).holder)  # still shared, by the new head
+    assert kv[0, block].equal(marked)
+
+
+def test_a_head_made_by_the_fast_path_is_recomputed_not_reused(model):
+    ordinary = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    outcomes = []
+    for force_miss in (False, True):
+        cc = _cache(model)
+        _turn(cc, TURN1, ordinary, "t1")
+        assert _head(cc, 1).canonical_window == 0
+        if force_miss:
+            cc.heads.drop(_head(cc, 1))
+        request, tokens = _turn(cc, TURN2, det_params(max_tokens=10), "t2")
+        assert request.num_cached_tokens == 0 and request.head is None
+        outcomes.append((tokens, _state_bytes(cc, _head(cc, 2))))
+        assert cc.stats()["misses"] == 1
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][1][2] == W  # the new head is canonical
