@@ -1,0 +1,12 @@
+"""How the app's processes talk to the cache service: one client configuration for all."""
+
+from __future__ import annotations
+
+from cache_service.client import ClientConfig, RetryPolicy
+
+# Enough retries to ride out a cache-service or Redis restart without failing the turn.
+CLIENT_RETRY = RetryPolicy(attempts=60, initial_backoff_s=0.02, max_backoff_s=0.5)
+
+
+def cache_client_config(holder_prefix: str) -> ClientConfig:
+    return ClientConfig(timeout_s=10.0, holder_prefix=holder_prefix, retry=CLIENT_RETRY)

@@ -1,0 +1,291 @@
+"""The OpenAI-compatible HTTP front (FastAPI through `@serve.ingress`).
+
+    POST   /v1/chat/completions        stateless, or a conversation turn (see turns.py)
+    GET    /v1/models
+    GET    /v1/conversations/{id}      ledger and head (cache_salt query parameter required)
+    DELETE /v1/conversations/{id}      drops the head, the ledger and the tier copy
+    GET    /health, /metrics
+
+With API keys configured every /v1 route wants `Authorization: Bearer KEY`, and the key's
+scope is prefixed to the cache salt: another key never sees a conversation's state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, NotFound
+from deployments import errors
+from deployments.api_models import ChatCompletionRequest
+from deployments.cache_access import cache_client_config
+from deployments.errors import APIError
+from deployments.metrics import ServeMetrics
+from deployments.protocol import TurnDelta, TurnDone, TurnFailed
+from deployments.settings import AppSettings
+from deployments.turns import TurnRun, first_error
+
+DEFAULT_MAX_TOKENS = 256
+api = FastAPI(title="hybridserve", version="0.1.0",
+              description="OpenAI-compatible chat completions with conversation state kept between turns")
+errors.install(api)
+
+
+def _model_name(settings: AppSettings) -> str:
+    return Path(settings.model).name if settings.model else "hybridserve-builtin"
+
+
+@serve.deployment(name="ChatIngress", num_replicas=1, max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
+@serve.ingress(api)
+class ChatIngress:
+    def __init__(self, settings: AppSettings, workers: DeploymentHandle, cache_host: DeploymentHandle | None):
+        self.settings = settings
+        self.workers = workers
+        self.cache_host = cache_host
+        self.model = _model_name(settings)
+        self.metrics = ServeMetrics()
+        self._client: CacheClient | None = None
+        self._inflight = 0
+
+    async def _cache(self) -> CacheClient:
+        if self._client is None:
+            address = self.settings.cache_service or await self.cache_host.address.remote()
+            self._client = CacheClient(address, cache_client_config("ingress"))
+        return self._client
+
+    def _salt(self, request: Request, cache_salt: str) -> str:
+        """The caller's salt, scoped to its API key when authentication is on."""
+        if not self.settings.auth_enabled:
+            return cache_salt
+        header = request.headers.get("authorization", "")
+        key = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+        if key not in self.settings.api_keys:
+            raise APIError(401, "invalid or missing API key", "invalid_api_key")
+        return f"{AppSettings.key_scope(key)}:{cache_salt}"
+
+    # -- chat ------------------------------------------------------------------------------
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrived = time.monotonic()
+        size = request.headers.get("content-length", "0")
+        if size.isdigit() and int(size) > self.settings.max_body_bytes:
+            raise APIError(413, f"request body over {self.settings.max_body_bytes} bytes", "request_too_large")
+        salt = self._salt(request, body.cache_salt)
+        if body.model != self.model:
+            raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model!r}",
+                           "model_not_found", param="model")
+        if self._inflight >= self.settings.max_inflight:
+            raise errors.overloaded("too many requests in flight")
+        self._inflight += 1
+        self.metrics.queue_depth.inc()
+        try:
+            run = await TurnRun.start(
+                self.settings, self.workers, await self._cache(),
+                messages=[m.as_engine_message() for m in body.messages],
+                sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation_id=body.conversation_id,
+                cache_salt=salt, wait_if_busy=body.wait_if_busy)
+        except APIError as e:
+            self._finished(e.status)
+            if e.code == "conversation_busy":
+                self.metrics.lease_conflicts.inc()
+            raise
+        events = run.events()
+        try:
+            first = await anext(events)
+        except BaseException as e:
+            await run.close()
+            self._finished(e.status if isinstance(e, APIError) else 500)
+            raise
+        error = first_error(first)
+        if error is not None:
+            await run.close()
+            self._finished(error.status)
+            raise error
+        if body.stream:
+            return StreamingResponse(self._sse(body, run, first, events, arrived), media_type="text/event-stream")
+        return await self._complete(body, run, first, events, arrived)
+
+    def _finished(self, status: int) -> None:
+        self._inflight -= 1
+        self.metrics.queue_depth.dec()
+        self.metrics.requests.labels(str(status)).inc()
+
+    def _observe(self, event, arrived: float, last: list[float]) -> None:
+        now = time.monotonic()
+        if isinstance(event, TurnDelta) and event.token_ids:
+            if not last:
+                self.metrics.ttft.observe(now - arrived)
+            else:
+                self.metrics.itl.observe(now - last[0])
+            last[:] = [now]
+            self.metrics.output_tokens.inc(len(event.token_ids))
+        elif isinstance(event, TurnDone):
+            self.metrics.prompt_tokens.inc(event.prompt_tokens)
+
+    def _done(self, run: TurnRun, done: TurnDone) -> None:
+        head = run.job.head
+        self.metrics.turn_done(continued=head is not None, cached_tokens=done.cached_tokens,
+                               recovery=done.recovery, moved=head is not None and head.owner != done.replica)
+
+    async def _complete(self, body: ChatCompletionRequest, run: TurnRun, first, events, arrived: float) -> Response:
+        text, logprobs, status, last = [], [], 500, []
+        try:
+            event = first
+            while True:
+                self._observe(event, arrived, last)
+                if isinstance(event, TurnFailed):
+                    error = first_error(event)
+                    status = error.status
+                    raise error
+                if isinstance(event, TurnDone):
+                    break
+                text.append(event.text)
+                logprobs.extend(event.logprobs or ())
+                event = await anext(events)
+            status = 200
+        finally:
+            await run.close()
+            self._finished(status)
+        done: TurnDone = event
+        self._done(run, done)
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                  "finish_reason": done.finish_reason,
+                  "logprobs": _logprobs(logprobs) if body.logprobs else None}
+        return JSONResponse(self._envelope(run, "chat.completion", [choice], usage=_usage(done), done=done))
+
+    async def _sse(self, body: ChatCompletionRequest, run: TurnRun, first, events, arrived: float) -> AsyncIterator[str]:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        status, last = 499, []  # 499: the client went away before the end
+        try:
+            yield _data(self._envelope(run, "chat.completion.chunk",
+                                       [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None, "logprobs": None}]))
+            event = first
+            while True:
+                self._observe(event, arrived, last)
+                if isinstance(event, TurnFailed):
+                    error = first_error(event)
+                    status = error.status
+                    yield _data(error.body())
+                    return
+                if isinstance(event, TurnDone):
+                    break
+                delta = {"index": 0, "delta": {"content": event.text}, "finish_reason": None,
+                         "logprobs": _logprobs(event.logprobs) if body.logprobs else None}
+                yield _data(self._envelope(run, "chat.completion.chunk", [delta]))
+                event = await anext(events)
+            done: TurnDone = event
+            self._done(run, done)
+            final = {"index": 0, "delta": {}, "finish_reason": done.finish_reason, "logprobs": None}
+            yield _data(self._envelope(run, "chat.completion.chunk", [final], done=done))
+            if include_usage:
+                yield _data(self._envelope(run, "chat.completion.chunk", [], usage=_usage(done), done=done))
+            yield "data: [DONE]\n\n"
+            status = 200
+        finally:
+            await run.close()
+            self._finished(status)
+
+    def _envelope(self, run: TurnRun, kind: str, choices: list, *, usage: dict | None = None,
+                  done: TurnDone | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": run.job.request_id, "object": kind, "created": int(time.time()),
+                                "model": self.model, "choices": choices}
+        if kind == "chat.completion" or usage is not None:
+            body["usage"] = usage
+        if run.job.conversation_id is not None:
+            body["conversation_id"] = run.job.conversation_id
+            if done is not None:
+                body["turn"] = done.turn
+        return body
+
+    # -- models, conversations, health, metrics ------------------------------------------------
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._salt(request, "")
+        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                            "owned_by": "hybridserve"}]}
+
+    @api.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(self, conversation_id: str, request: Request,
+                               cache_salt: str = Query(..., max_length=256)) -> dict:
+        conv = Conversation(conversation_id, self._salt(request, cache_salt))
+        _check_id(conversation_id)
+        try:
+            ledger = await (await self._cache()).read_ledger(conv)
+        except NotFound:
+            raise _unknown(conversation_id) from None
+        except CacheError as e:
+            raise errors.overloaded(f"cache service unavailable: {e}") from e
+        head = ledger.head
+        return {
+            "id": conversation_id, "object": "conversation", "turn": head.turn,
+            "head": {"version": head.version, "turn": head.turn, "committed_tokens": head.committed_tokens,
+                     "tokens_sha256": head.tokens_sha256, "owner": head.owner, "tier_version": head.tier_version},
+            "turns": [{"turn": i, "messages": [{"role": m.role, "content": m.content} for m in t.messages],
+                       "token_ids": list(t.token_ids)} for i, t in enumerate(ledger.turns, start=1)],
+        }
+
+    @api.delete("/v1/conversations/{conversation_id}")
+    async def delete_conversation(self, conversation_id: str, request: Request,
+                                  cache_salt: str = Query(..., max_length=256)) -> dict:
+        conv = Conversation(conversation_id, self._salt(request, cache_salt))
+        _check_id(conversation_id)
+        cache = await self._cache()
+        try:
+            lease = await cache.acquire_lease(conv, int(self.settings.lease_ttl_s * 1000))
+            # Deleting drops the lease too; a turn started after this point begins a new conversation.
+            existed = await cache.delete_conversation(conv)
+        except LeaseHeld:
+            raise errors.busy(conversation_id) from None
+        except CacheError as e:
+            raise errors.overloaded(f"cache service unavailable: {e}") from e
+        if not existed:
+            await cache.release_lease(conv, lease.token)
+            raise _unknown(conversation_id)
+        return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        try:
+            await (await self._cache()).wait_ready(timeout_s=2.0)
+        except (TimeoutError, CacheError) as e:
+            return JSONResponse({"status": "unavailable", "reason": f"cache service: {e!r}"}, status_code=503,
+                                headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _check_id(conversation_id: str) -> None:
+    if not 0 < len(conversation_id.encode()) <= 256:
+        raise APIError(400, "conversation_id must be 1..256 bytes", "invalid_request", param="conversation_id")
+
+
+def _unknown(conversation_id: str) -> APIError:
+    return APIError(404, f"no conversation {conversation_id!r} under this cache_salt", "conversation_not_found")
+
+
+def _data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _usage(done: TurnDone) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def _logprobs(entries) -> dict:
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
+                        for e in entries or ()]}

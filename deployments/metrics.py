@@ -1,0 +1,44 @@
+"""Prometheus metrics of the ingress (`GET /metrics`), in a registry of their own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from deployments.protocol import Recovery
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("hybridserve_time_to_first_token_seconds", "request arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("hybridserve_inter_token_latency_seconds", "between streamed token deltas",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.output_tokens = Counter("hybridserve_output_tokens", "generated tokens (rate() = tokens/s)", registry=r)
+        self.prompt_tokens = Counter("hybridserve_prompt_tokens", "prompt tokens", registry=r)
+        self.cache_hits = Counter("hybridserve_cache_hits", "continued turns that reused a committed head", registry=r)
+        self.cache_misses = Counter("hybridserve_cache_misses", "continued turns that recomputed", registry=r)
+        self.tokens_reused = Counter("hybridserve_cached_tokens", "prompt tokens reused from heads", registry=r)
+        self.migrations = Counter("hybridserve_migrations", "turns served away from the head's owner", registry=r)
+        self.tier_imports = Counter("hybridserve_tier_imports", "heads imported from the state tier", registry=r)
+        self.ledger_recomputes = Counter("hybridserve_ledger_recomputes", "heads rebuilt from the ledger", registry=r)
+        self.lease_conflicts = Counter("hybridserve_lease_conflicts", "turns refused: conversation busy", registry=r)
+        self.requests = Counter("hybridserve_requests", "chat completion requests by status", ["status"], registry=r)
+        self.queue_depth = Gauge("hybridserve_inflight_requests", "chat completions in flight at the ingress",
+                                 registry=r)
+
+    def turn_done(self, *, continued: bool, cached_tokens: int, recovery: Recovery, moved: bool) -> None:
+        if continued:
+            (self.cache_hits if cached_tokens > 0 else self.cache_misses).inc()
+        self.tokens_reused.inc(cached_tokens)
+        if recovery is Recovery.TIER_IMPORT:
+            self.tier_imports.inc()
+        elif recovery is Recovery.LEDGER_RECOMPUTE:
+            self.ledger_recomputes.inc()
+        if moved:
+            self.migrations.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""What travels between the ingress and a worker replica (pickled by Ray), stated once.
+
+    ingress ── TurnJob ──> router (reads `owner`) ──> Worker.run_turn
+    ingress <── TurnDelta* then TurnDone | TurnFailed ──┘
+
+Plain dataclasses and enums only: the ingress never imports torch or the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HeadRef:
+    """The conversation's committed head as the cache service knows it, under the turn's lease."""
+
+    version: int
+    turn: int
+    committed_tokens: int
+    tokens_sha256: str
+    owner: str  # Serve replica id (unique part) of the worker holding the state; "" if none
+    tier_version: int  # head version whose state the tier holds (0: none)
+
+
+@dataclass(frozen=True)
+class TurnJob:
+    request_id: str
+    messages: list[dict[str, Any]]  # the new suffix (conversation) or the full history (stateless)
+    sampling: dict[str, Any]  # SamplingParams fields; the worker validates them
+    conversation_id: str | None = None  # None: a stateless request
+    cache_salt: str = ""  # already scoped to the API key when auth is on
+    lease_token: int = 0
+    head: HeadRef | None = None  # None: the conversation's first turn
+
+    @property
+    def owner(self) -> str:
+        """The replica the sticky router prefers ("" = least loaded)."""
+        return self.head.owner if self.head is not None else ""
+
+
+class Recovery(enum.Enum):
+    """How a worker got the committed state the turn continues from."""
+
+    NEW = "new"  # first turn, or a stateless request
+    LOCAL = "local"  # the head was on this replica
+    TIER_IMPORT = "tier_import"  # imported from the state tier (a migration)
+    LEDGER_RECOMPUTE = "ledger_recompute"  # rebuilt from the ledger's token ids (a miss)
+
+
+class ErrorKind(enum.Enum):
+    INVALID = "invalid_request"  # 400
+    TOO_LONG = "context_length_exceeded"  # 413
+    CONFLICT = "conversation_conflict"  # 409: the head moved or the lease was lost meanwhile
+    UNAVAILABLE = "unavailable"  # 503: a dependency is down, retry later
+    INTERNAL = "internal_error"  # 500: a bug or a failed model step, never bad input
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TurnDelta:
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TurnDone:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    recovery: Recovery
+    replica: str
+    turn: int = 0  # the committed turn (0: stateless)
+    head_version: int = 0
+
+
+@dataclass(frozen=True)
+class TurnFailed:
+    kind: ErrorKind
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+TurnEvent = TurnDelta | TurnDone | TurnFailed

@@ -1,0 +1,58 @@
+"""The application's arguments (`serve run deployments.app:build_app key=value ...` or the
+`args:` block of config.yaml), validated once at build time and frozen.
+
+Every deployment receives the same `AppSettings`; nothing below reads the environment.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class TierExport(str, enum.Enum):
+    """When a worker copies a freshly committed head to the cache service's state tier."""
+
+    ASYNC = "async"  # after the turn is answered (default): no latency, a small window without a copy
+    SYNC = "sync"  # before the turn is answered: a killed owner never loses the head's state
+    OFF = "off"  # never: a lost owner is recovered by recomputing from the ledger
+
+
+class AppSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    model: str = Field("", description="checkpoint directory; empty: the built-in model, made on first run")
+    cache_service: str = Field("", description="host:port of the cache service; empty: start one for the app")
+    redis_url: str = Field("", description="Redis of the started cache service; empty: its embedded redis-server")
+    data_dir: str = Field("data/serve", description="where a started cache service keeps Redis AOF and the tier")
+    tier_export: TierExport = TierExport.ASYNC
+    api_keys: tuple[str, ...] = Field((), description="bearer tokens; empty: no authentication")
+    lease_ttl_s: float = Field(30.0, gt=0.05, le=3600)
+    busy_wait_s: float = Field(30.0, ge=0, description="longest wait of a turn that asked to wait for its conversation")
+    max_inflight: int = Field(64, ge=1, description="turns in flight at the ingress beyond which it answers 503")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies beyond this get 413")
+    kv_cache_mb: int = Field(256, ge=1)
+    head_cache_mb: int = Field(128, ge=1)
+    max_model_len: int = Field(0, ge=0, description="0: the model's own limit")
+    max_num_seqs: int = Field(16, ge=1)
+    torch_threads: int = Field(1, ge=1, description="torch threads per worker replica")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):  # `serve run ... api_keys=k1,k2`
+            return tuple(k for k in value.split(",") if k)
+        return value
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    @staticmethod
+    def key_scope(api_key: str | None) -> str:
+        """A short, stable name of an API key, prefixed to cache salts when auth is on."""
+        if not api_key:
+            return ""
+        return hashlib.sha256(api_key.encode()).hexdigest()[:16]

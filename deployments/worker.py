@@ -1,0 +1,233 @@
+"""A worker replica: one engine, the turn's two-phase commit, the recovery ladder, exports.
+
+    run_turn(job)
+      state:    head is None            -> a new conversation (drop any stale local copy)
+                local state == head      -> LOCAL (a hit)
+                tier holds head.version  -> TIER_IMPORT (the head migrates here)
+                else                     -> LEDGER_RECOMPUTE (token ids from the service's ledger)
+      stream:   TurnDelta ... (leaving early = client gone = abort = discard)
+      commit:   prepared -> PublishTurn (CAS on head.version, fenced by the ingress's lease)
+                ok -> commit locally, TurnDone;  conflict / lease lost -> abandon, TurnFailed
+      export:   the new head to the state tier: after answering (async), before (sync), or never
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from cache_service.client import (
+    CacheClient,
+    CacheError,
+    Conversation,
+    DataLoss,
+    LeaseLost,
+    NotFound,
+    VersionConflict,
+)
+from deployments.cache_access import cache_client_config
+from deployments.engine_session import EngineSession, LedgerTurn
+from deployments.protocol import (
+    ErrorKind,
+    HeadRef,
+    Recovery,
+    TokenLogprob,
+    TurnDelta,
+    TurnDone,
+    TurnEvent,
+    TurnFailed,
+    TurnJob,
+)
+from deployments.router import StickyConversationRouter
+from deployments.settings import AppSettings, TierExport
+from workers.errors import ConversationBusyError, CorruptStateError, InvalidRequestError
+from workers.request import FinishReason
+from workers.sampling import SamplingParams
+
+log = logging.getLogger("hybridserve.worker")
+
+HEARTBEAT_S = 3.0
+def too_long(error: InvalidRequestError) -> bool:
+    # The engine words its length refusals "prompt has N tokens; ... limit" / "prompt of N tokens cannot fit".
+    text = str(error)
+    return text.startswith(("prompt has", "prompt of"))
+
+
+@serve.deployment(
+    name="Worker",
+    max_ongoing_requests=8,
+    ray_actor_options={"num_cpus": 0.5},
+    graceful_shutdown_timeout_s=30,
+    request_router_config=RequestRouterConfig(
+        request_router_class=StickyConversationRouter,
+        request_routing_stats_period_s=1.0,
+        request_routing_stats_timeout_s=5.0,
+    ),
+)
+class Worker:
+    def __init__(self, settings: AppSettings, cache_host: DeploymentHandle | None):
+        from workers.checkpoint.builtin import builtin_model_dir
+
+        self.settings = settings
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.session = EngineSession(settings.model or str(builtin_model_dir()), settings)
+        self._cache_host = cache_host
+        self._client: CacheClient | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- cache service ------------------------------------------------------------------------
+    async def _cache(self) -> CacheClient:
+        if self._client is None:
+            address = self.settings.cache_service or await self._cache_host.address.remote()
+            self._client = CacheClient(address, cache_client_config(f"worker:{self.replica_id}"))
+            self._spawn(self._heartbeats())
+        return self._client
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _heartbeats(self) -> None:
+        client, ttl_ms, epoch = self._client, int(HEARTBEAT_S * 3000), 0
+        while True:
+            running, free = await self.session.load()
+            try:
+                if epoch == 0:
+                    epoch = (await client.register_replica(self.replica_id, "", ttl_ms)).epoch
+                await client.heartbeat(self.replica_id, epoch, ttl_ms, running_requests=running, free_kv_blocks=free)
+            except NotFound:
+                epoch = 0  # expired (e.g. the service restarted with an empty registry): register again
+            except CacheError as e:
+                log.warning("heartbeat failed: %s", e)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        running, free = await self.session.load()
+        return {"running_requests": running, "free_kv_blocks": free}
+
+    # -- a turn -----------------------------------------------------------------------------
+    async def run_turn(self, job: TurnJob) -> AsyncIterator[TurnEvent]:
+        try:
+            params = SamplingParams(**job.sampling)
+        except (InvalidRequestError, TypeError) as e:
+            yield TurnFailed(ErrorKind.INVALID, str(e))
+            return
+        try:
+            if job.conversation_id is None:
+                stream, recovery = self.session.stream_stateless(job.messages, params, job.request_id), Recovery.NEW
+            else:
+                recovery = await self._attach(job)
+                stream = self.session.stream_turn(
+                    job.conversation_id, job.cache_salt, job.messages, params, job.request_id)
+            async for event in self._run(job, params, stream, recovery):
+                yield event
+        except InvalidRequestError as e:
+            yield TurnFailed(ErrorKind.TOO_LONG if too_long(e) else ErrorKind.INVALID, str(e))
+        except ConversationBusyError as e:
+            yield TurnFailed(ErrorKind.CONFLICT, str(e))
+        except CacheError as e:
+            yield TurnFailed(ErrorKind.UNAVAILABLE, f"cache service: {e}")
+
+    async def _attach(self, job: TurnJob) -> Recovery:
+        """Make this engine hold the conversation's committed head, by the recovery ladder."""
+        conv_id, salt, head = job.conversation_id, job.cache_salt, job.head
+        if head is None:
+            await self.session.forget(conv_id, salt)  # a deleted and re-created conversation
+            return Recovery.NEW
+        if await self.session.holds(conv_id, salt, head):
+            return Recovery.LOCAL
+        await self.session.forget(conv_id, salt)
+        client, conv = await self._cache(), Conversation(conv_id, salt)
+        if self.settings.tier_export is not TierExport.OFF and head.tier_version == head.version:
+            try:
+                _, data = await client.get_state(conv, head.version)
+                await self.session.import_state(conv_id, salt, data, head)
+                return Recovery.TIER_IMPORT
+            except (NotFound, DataLoss, CorruptStateError) as e:
+                log.warning("tier import of %s failed, recomputing from the ledger: %s", conv_id, e)
+        ledger = await client.read_ledger(conv)
+        turns = [LedgerTurn([{"role": m.role, "content": m.content} for m in t.messages], list(t.token_ids))
+                 for t in ledger.turns]
+        await self.session.adopt_ledger(conv_id, salt, turns, head)
+        return Recovery.LEDGER_RECOMPUTE
+
+    async def _run(self, job: TurnJob, params: SamplingParams, stream, recovery: Recovery) -> AsyncIterator[TurnEvent]:
+        completion, last = 0, None
+        async for out in stream:
+            last = out
+            if out.error:
+                yield TurnFailed(ErrorKind.INTERNAL, out.error)
+                return
+            completion += len(out.new_tokens)
+            if out.new_tokens or out.text_delta:
+                yield TurnDelta(out.text_delta, tuple(out.new_token_ids), self._logprobs(out.new_tokens, params))
+        assert last is not None and last.finished
+        if last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            yield TurnFailed(ErrorKind.INTERNAL, f"the turn ended with {last.finish_reason}")
+            return
+        done = TurnDone(last.finish_reason.value, last.num_prompt_tokens, completion, last.num_cached_tokens,
+                        recovery, self.replica_id)
+        if job.conversation_id is None:
+            yield done
+            return
+        yield await self._commit(job, done)
+
+    async def _commit(self, job: TurnJob, done: TurnDone) -> TurnEvent:
+        base = job.head.turn if job.head else 0
+        prepared = await self.session.prepared(job.conversation_id, job.cache_salt, base)
+        client, conv = await self._cache(), Conversation(job.conversation_id, job.cache_salt)
+        try:
+            head = await client.publish_turn(
+                conv, lease_token=job.lease_token, expected_version=job.head.version if job.head else 0,
+                messages=prepared.messages, token_ids=prepared.turn_token_ids,
+                committed_tokens=prepared.committed_tokens, tokens_sha256=prepared.tokens_sha256,
+                owner_replica=self.replica_id, release_lease=False, publish_id=job.request_id)
+        except (VersionConflict, LeaseLost) as e:
+            await self.session.abandon(prepared)
+            return TurnFailed(ErrorKind.CONFLICT, f"the turn was not committed: {e}")
+        except CacheError as e:
+            await self.session.abandon(prepared)
+            return TurnFailed(ErrorKind.UNAVAILABLE, f"the turn was not committed: {e}")
+        except BaseException:  # cancelled while publishing: whether it landed is unknown, so drop the copy
+            await asyncio.shield(self.session.abandon(prepared))
+            raise
+        await self.session.commit(prepared)
+        ref = HeadRef(head.version, head.turn, head.committed_tokens, head.tokens_sha256, head.owner, head.tier_version)
+        if self.settings.tier_export is TierExport.SYNC:
+            await self._export(job, ref)
+        elif self.settings.tier_export is TierExport.ASYNC:
+            self._spawn(self._export(job, ref))
+        return TurnDone(**{**done.__dict__, "turn": head.turn, "head_version": head.version})
+
+    async def _export(self, job: TurnJob, head: HeadRef) -> None:
+        conv = Conversation(job.conversation_id, job.cache_salt)
+        try:
+            data = await self.session.export_state(job.conversation_id, job.cache_salt)
+            await (await self._cache()).put_state(conv, head.version, data)
+        except VersionConflict:
+            pass  # a newer turn was committed meanwhile; its own export supersedes this one
+        except (CacheError, ConversationBusyError) as e:
+            log.warning("export of %s v%d failed: %s", job.conversation_id, head.version, e)
+
+    def _logprobs(self, tokens, params: SamplingParams) -> tuple[TokenLogprob, ...] | None:
+        if params.logprobs is None:
+            return None
+        text = self.session.token_text
+        return tuple(
+            TokenLogprob(text(t.token_id), t.token_id, float(t.logprob),
+                         tuple((text(i), float(lp)) for i, lp in (t.top_logprobs or ())))
+            for t in tokens)
+
+    async def __del__(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        self.session.shutdown()
+        if self._client is not None:
+            await self._client.close()

@@ -1,0 +1,84 @@
+"""One real Ray Serve application for the whole session.
+
+    Redis (EmbeddedRedis, AOF) <── python -m cache_service <── ChatIngress / 2 Worker replicas
+                                                               ^ official `openai` client over HTTP
+
+Ray starts once per session. Redis and the cache service are processes of the test (not of
+the app) so tests can kill and restart them; the app is given the service's address. The
+model is a tiny random Bamba checkpoint made once per session.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from cache_service.config import FsyncPolicy
+from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+from deployments.app import build_app
+from tests.cache_service.cs_helpers import ServiceProcess
+from workers.checkpoint import Arch, Preset, make_model
+
+APP = "hybridserve"
+NOTIER_APP = "hybridserve-notier"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServeStack:
+    base_url: str
+    model: str
+    model_dir: str
+    redis: EmbeddedRedis
+    service: ServiceProcess
+
+    def client(self, prefix: str = "") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}{prefix}/v1", api_key="unused", max_retries=0,
+                                  timeout=120)
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, timeout=120)
+
+
+def app_args(stack_model: str, service: ServiceProcess, **extra) -> dict:
+    return {"model": stack_model, "cache_service": service.target, "kv_cache_mb": 16, "head_cache_mb": 8,
+            "max_num_seqs": 8, "lease_ttl_s": 10, "busy_wait_s": 20, **extra}
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = make_model(root / "model", Arch.BAMBA, Preset.TINY, seed=4)
+    redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=root / "redis", fsync=FsyncPolicy.ALWAYS))
+    redis.start()
+    service = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
+    service.start()
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(app_args(str(model_dir), service, tier_export="sync")), name=APP, route_prefix="/")
+        yield ServeStack(f"http://127.0.0.1:{port}", model_dir.name, str(model_dir), redis, service)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        service.close()
+        redis.stop()
+
+
+@pytest.fixture
+def conv_id() -> str:
+    return f"conv-{uuid.uuid4().hex[:12]}"
