@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from cache_service import logs
-from cache_service.config import FsyncPolicy, ServerConfig, TierConfig
+from cache_service.config import FsyncPolicy, Limits, PutLimits, ServerConfig, TierConfig
 from cache_service.server import serve
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -47,15 +47,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-s", type=float, default=float(env("CACHE_SERVICE_GRACE_S", "5")),
                    help="shutdown grace period [CACHE_SERVICE_GRACE_S]")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="[LOG_LEVEL]")
+    limits, puts = Limits(), PutLimits()
+    p.add_argument("--auth-token-file", type=Path, default=env("CACHE_SERVICE_AUTH_TOKEN_FILE"),
+                   help="file holding the shared secret every call must carry "
+                        "[CACHE_SERVICE_AUTH_TOKEN_FILE]; unset: no authentication")
+    p.add_argument("--max-staged-bytes", type=parse_bytes,
+                   default=parse_bytes(env("CACHE_MAX_STAGED_BYTES", str(puts.max_staged_bytes))),
+                   help="bytes all unfinished state puts may hold [CACHE_MAX_STAGED_BYTES]")
+    p.add_argument("--put-idle-timeout-s", type=float,
+                   default=float(env("CACHE_PUT_IDLE_TIMEOUT_S", str(puts.idle_timeout_s))),
+                   help="cut a state put silent this long [CACHE_PUT_IDLE_TIMEOUT_S]")
+    p.add_argument("--max-lease-ttl-ms", type=int,
+                   default=int(env("CACHE_MAX_LEASE_TTL_MS", str(limits.max_lease_ttl_ms))),
+                   help="longest lease TTL granted [CACHE_MAX_LEASE_TTL_MS]")
+    p.add_argument("--max-replicas", type=int,
+                   default=int(env("CACHE_MAX_REPLICAS", str(limits.max_replicas))),
+                   help="live replica registrations [CACHE_MAX_REPLICAS]")
+    p.add_argument("--ledger-page-bytes", type=parse_bytes,
+                   default=parse_bytes(env("CACHE_LEDGER_PAGE_BYTES", str(limits.ledger_page_bytes))),
+                   help="ReadLedger page size [CACHE_LEDGER_PAGE_BYTES]")
+    p.add_argument("--health-interval-s", type=float, default=float(env("CACHE_HEALTH_INTERVAL_S", "0.5")),
+                   help="Redis probe period [CACHE_HEALTH_INTERVAL_S]")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     tier_dir = args.tier_dir or args.data_dir / "tier"
+    auth = args.auth_token_file.read_text().strip() if args.auth_token_file else None
     return ServerConfig(
         tier=TierConfig(directory=Path(tier_dir), memory_budget_bytes=args.tier_budget),
         redis_url=args.redis_url or None, data_dir=args.data_dir, host=args.host,
-        port=args.port, fsync=FsyncPolicy(args.appendfsync), grace_s=args.grace_s)
+        port=args.port, fsync=FsyncPolicy(args.appendfsync), grace_s=args.grace_s,
+        limits=Limits(max_lease_ttl_ms=args.max_lease_ttl_ms, max_replicas=args.max_replicas,
+                      ledger_page_bytes=args.ledger_page_bytes),
+        puts=PutLimits(max_staged_bytes=args.max_staged_bytes, idle_timeout_s=args.put_idle_timeout_s),
+        auth_token=auth or None, health_interval_s=args.health_interval_s)
 
 
 def main() -> None:

@@ -3,14 +3,21 @@
     async with CacheClient("127.0.0.1:50051") as cache:
         conv = Conversation("c-42", salt="user-7")
         lease = await cache.acquire_lease(conv, ttl_ms=30_000, wait_s=2.0)
-        head = await cache.get_head_or_none(conv)
+        head = lease.head                      # version 0: a new conversation
         ...
-        await cache.publish_turn(conv, lease_token=lease.token, expected_version=v, ...)
+        await cache.publish_turn(conv, lease_token=lease, expected_version=head.version, ...)
 
 Every call has a deadline and retries UNAVAILABLE with jittered exponential backoff.
 Retrying is safe because every mutation is idempotent on the server: an acquire is
-keyed by its holder (fixed for all attempts of one call), a publish by its publish_id.
+keyed by its holder and a random attempt key (fixed for all attempts of one call), a
+publish by its publish_id (plus its content and lease).
 Failures surface as the typed exceptions of cache_service.errors (re-exported here).
+
+Lease proofs: a lease is its token plus an opaque proof (see leases.py). Fenced calls
+take `lease_token=` either the Lease returned by acquire_lease (it carries the proof)
+or the bare token number, in which case this client supplies the proof it remembers
+from its own acquire_lease; a different client instance must be given the Lease (or
+`lease_proof=`).
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import secrets
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +37,7 @@ import grpc
 
 from cache_service import hashing
 from cache_service.errors import (  # noqa: F401
+    AlreadyExists,
     CacheError,
     DataLoss,
     DeadlineExceeded,
@@ -36,11 +46,14 @@ from cache_service.errors import (  # noqa: F401
     LeaseLost,
     MissingChunks,
     NotFound,
+    ResourceExhausted,
     StaleFence,
+    Unauthenticated,
     Unavailable,
     VersionConflict,
     from_status,
 )
+from cache_service.wire import bearer
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 
@@ -78,6 +91,13 @@ class ClientConfig:
     holder_prefix: str = "client"
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     max_message_bytes: int = 64 << 20
+    # The service's shared secret, when it requires one (ServerConfig.auth_token).
+    auth_token: str | None = field(default=None, repr=False)
+    max_remembered_leases: int = 4096  # proofs kept for callers that pass bare tokens
+    max_ledger_page_restarts: int = 5  # a ledger rewritten mid-read is read again
+
+
+LeaseArg = int | pb.Lease
 
 
 def _messages(messages: Sequence[pb.Message | Mapping[str, Any]]) -> list[pb.Message]:
@@ -107,6 +127,8 @@ class CacheClient:
             ("grpc.max_reconnect_backoff_ms", 1000),
         ])
         self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
+        self._metadata = bearer(self.config.auth_token) if self.config.auth_token else None
+        self._proofs: OrderedDict[tuple[Conversation, int], bytes] = OrderedDict()
 
     async def close(self) -> None:
         await self._channel.close()
@@ -122,13 +144,17 @@ class CacheClient:
 
     # -- the retry loop -------------------------------------------------------------
 
-    async def _retrying(self, attempt_fn: Callable[[], Any]) -> Any:
+    async def _retrying(self, attempt_fn: Callable[[], Any], *, stream: bool = False) -> Any:
+        """Retry UNAVAILABLE. For the (idempotent) state streams also INTERNAL without
+        an hs-reason: what a stream cut by a service crash looks like."""
         policy = self.config.retry
         for attempt in range(policy.attempts):
             try:
                 return await attempt_fn()
             except grpc.aio.AioRpcError as exc:
                 error = from_status(exc.code(), exc.details() or "", exc.trailing_metadata())
+                if error is None and stream and exc.code() == grpc.StatusCode.INTERNAL:
+                    error = Unavailable(f"state stream cut: {exc.details()}")
                 if error is None:
                     raise
                 if not isinstance(error, Unavailable) or attempt == policy.attempts - 1:
@@ -138,7 +164,25 @@ class CacheClient:
 
     async def _unary(self, method: str, request) -> Any:
         rpc = getattr(self._stub, method)
-        return await self._retrying(lambda: rpc(request, timeout=self.config.timeout_s))
+        return await self._retrying(lambda: rpc(request, timeout=self.config.timeout_s,
+                                                metadata=self._metadata))
+
+    # -- lease proofs -----------------------------------------------------------------
+
+    def _remember(self, conv: Conversation, lease: pb.Lease) -> None:
+        # Kept after release too (bounded, least recent out): a late call with the bare
+        # token must still present its proof to learn it is stale, not merely invalid.
+        self._proofs[(conv, lease.token)] = lease.proof
+        self._proofs.move_to_end((conv, lease.token))
+        while len(self._proofs) > self.config.max_remembered_leases:
+            self._proofs.popitem(last=False)
+
+    def _fence(self, conv: Conversation, lease: LeaseArg, proof: bytes | None) -> tuple[int, bytes]:
+        """(token, proof) for a fenced call; an unknown bare token goes without a proof
+        (the service then answers LeaseLost)."""
+        if isinstance(lease, pb.Lease):
+            return lease.token, proof or lease.proof
+        return lease, proof or self._proofs.get((conv, lease), b"")
 
     # -- replicas ---------------------------------------------------------------------
 
@@ -162,26 +206,38 @@ class CacheClient:
 
     async def acquire_lease(self, conv: Conversation, ttl_ms: int, *, holder: str | None = None,
                             wait_s: float = 0.0) -> pb.Lease:
-        """Take the conversation's lease; LeaseHeld if busy for longer than wait_s."""
+        """Take the conversation's lease; LeaseHeld if busy for longer than wait_s.
+
+        The Lease carries `token`, `proof` (pass the Lease itself to fenced calls) and
+        `head`, the conversation's current head (version 0 if it has none yet), so no
+        separate get_head is needed before a turn."""
         request = pb.AcquireLeaseRequest(
             key=conv.pb(), ttl_ms=ttl_ms,
-            holder=holder or f"{self.config.holder_prefix}:{uuid.uuid4().hex}")
+            holder=holder or f"{self.config.holder_prefix}:{uuid.uuid4().hex}",
+            attempt_key=secrets.token_bytes(16))  # one per call: its retries get the same lease
         give_up = time.monotonic() + wait_s
         attempt = 0
         while True:
             try:
-                return await self._unary("AcquireLease", request)
+                lease = await self._unary("AcquireLease", request)
+                self._remember(conv, lease)
+                return lease
             except LeaseHeld:
                 if time.monotonic() >= give_up:
                     raise
             await asyncio.sleep(min(self.config.retry.backoff(attempt), max(give_up - time.monotonic(), 0)))
             attempt += 1
 
-    async def renew_lease(self, conv: Conversation, token: int, ttl_ms: int) -> pb.Lease:
-        return await self._unary("RenewLease", pb.RenewLeaseRequest(key=conv.pb(), token=token, ttl_ms=ttl_ms))
+    async def renew_lease(self, conv: Conversation, token: LeaseArg, ttl_ms: int, *,
+                          lease_proof: bytes | None = None) -> pb.Lease:
+        token, proof = self._fence(conv, token, lease_proof)
+        return await self._unary("RenewLease", pb.RenewLeaseRequest(
+            key=conv.pb(), token=token, ttl_ms=ttl_ms, lease_proof=proof))
 
-    async def release_lease(self, conv: Conversation, token: int) -> None:
-        await self._unary("ReleaseLease", pb.ReleaseLeaseRequest(key=conv.pb(), token=token))
+    async def release_lease(self, conv: Conversation, token: LeaseArg, *,
+                            lease_proof: bytes | None = None) -> None:
+        token, proof = self._fence(conv, token, lease_proof)
+        await self._unary("ReleaseLease", pb.ReleaseLeaseRequest(key=conv.pb(), token=token, lease_proof=proof))
 
     # -- heads and ledger -------------------------------------------------------------
 
@@ -195,46 +251,96 @@ class CacheClient:
         except NotFound:
             return None
 
-    async def publish_turn(self, conv: Conversation, *, lease_token: int, expected_version: int,
+    async def publish_turn(self, conv: Conversation, *, lease_token: LeaseArg, expected_version: int,
                            messages: Sequence[pb.Message | Mapping[str, Any]],
                            token_ids: Sequence[int], committed_tokens: int, tokens_sha256: str,
                            owner_replica: str = "", release_lease: bool = True,
-                           publish_id: str | None = None) -> pb.Head:
-        """Commit a turn: CAS on expected_version, fenced by lease_token.
+                           publish_id: str | None = None, lease_proof: bytes | None = None) -> pb.Head:
+        """Commit a turn: CAS on expected_version, fenced by the lease.
 
         token_ids are this turn's new tokens (suffix prompt + generated); the server
         checks committed_tokens == previous committed_tokens + len(token_ids).
         """
+        token, proof = self._fence(conv, lease_token, lease_proof)
         request = pb.PublishTurnRequest(
-            key=conv.pb(), lease_token=lease_token, expected_version=expected_version,
+            key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=expected_version,
             turn=pb.LedgerTurn(messages=_messages(messages), token_ids=token_ids),
             committed_tokens=committed_tokens, tokens_sha256=tokens_sha256,
             owner_replica=owner_replica, release_lease=release_lease,
             publish_id=publish_id or uuid.uuid4().hex)
         return await self._unary("PublishTurn", request)
 
-    async def discard(self, conv: Conversation, lease_token: int) -> pb.Head:
+    async def discard(self, conv: Conversation, lease_token: LeaseArg, *,
+                      lease_proof: bytes | None = None) -> pb.Head:
         """Give up a turn: release the lease, keep the head. A lease already lost is
         not an error here (the head is unchanged either way); returns the head
         (version 0 if the conversation has none)."""
+        token, proof = self._fence(conv, lease_token, lease_proof)
         try:
-            return await self._unary("Discard", pb.DiscardRequest(key=conv.pb(), lease_token=lease_token))
+            head = await self._unary("Discard", pb.DiscardRequest(key=conv.pb(), lease_token=token,
+                                                                   lease_proof=proof))
         except LeaseLost:
-            return await self.get_head_or_none(conv) or pb.Head()
+            head = await self.get_head_or_none(conv) or pb.Head()
+        return head
+
+    async def rewind_conversation(self, conv: Conversation, *, lease_token: LeaseArg,
+                                  expected_version: int, turn: int, owner_replica: str = "",
+                                  lease_proof: bytes | None = None) -> pb.Head:
+        """Keep turns 1..turn as a new head version (turn 0: an empty history); the lease
+        stays held. Regenerating the last turn = rewind to turn - 1, then publish."""
+        token, proof = self._fence(conv, lease_token, lease_proof)
+        return await self._unary("RewindConversation", pb.RewindConversationRequest(
+            key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=expected_version,
+            turn=turn, owner_replica=owner_replica))
+
+    async def fork_conversation(self, conv: Conversation, new_conversation_id: str, *, turn: int,
+                                expected_version: int = 0) -> pb.Head:
+        """Copy turns 1..turn into Conversation(new_conversation_id, conv.salt) and
+        return its head (version 1); AlreadyExists if it has one."""
+        return await self._unary("ForkConversation", pb.ForkConversationRequest(
+            key=conv.pb(), new_conversation_id=new_conversation_id, turn=turn,
+            expected_version=expected_version))
+
+    async def ledger_pages(self, conv: Conversation, *, from_turn: int = 1
+                           ) -> AsyncIterator[pb.ReadLedgerResponse]:
+        """The ledger page by page, as the service cuts it (by turns and by bytes)."""
+        nxt = max(from_turn, 1)
+        while nxt:
+            page = await self._unary("ReadLedger", pb.ReadLedgerRequest(key=conv.pb(), from_turn=nxt))
+            yield page
+            nxt = page.next_turn
 
     async def read_ledger(self, conv: Conversation, *, from_turn: int = 1,
                           max_turns: int = 0) -> pb.ReadLedgerResponse:
-        return await self._unary("ReadLedger", pb.ReadLedgerRequest(
-            key=conv.pb(), from_turn=from_turn, max_turns=max_turns))
+        """Turns from `from_turn` on (all of them, or at most max_turns), gathered over
+        as many pages as needed, all from one head version: if the head moves between
+        pages (a publish, a rewind), the read starts over. `next_turn` is where a
+        max_turns-limited read stopped (0 = the end)."""
+        for _ in range(self.config.max_ledger_page_restarts):
+            out = pb.ReadLedgerResponse(next_turn=max(from_turn, 1))
+            while out.next_turn and not (max_turns and len(out.turns) >= max_turns):
+                page = await self._unary("ReadLedger", pb.ReadLedgerRequest(
+                    key=conv.pb(), from_turn=out.next_turn,
+                    max_turns=max_turns - len(out.turns) if max_turns else 0))
+                if out.HasField("head") and page.head.version != out.head.version:
+                    break  # the head moved between pages: start over
+                out.head.CopyFrom(page.head)
+                out.turns.extend(page.turns)
+                out.next_turn = page.next_turn
+            else:
+                return out
+        raise VersionConflict("the ledger kept changing while it was read", current_version=out.head.version)
 
     async def delete_conversation(self, conv: Conversation) -> bool:
         reply = await self._unary("DeleteConversation", pb.DeleteConversationRequest(key=conv.pb()))
         return reply.existed
 
-    async def transfer_ownership(self, conv: Conversation, *, lease_token: int,
-                                 expected_version: int, new_owner: str) -> pb.Head:
+    async def transfer_ownership(self, conv: Conversation, *, lease_token: LeaseArg,
+                                 expected_version: int, new_owner: str,
+                                 lease_proof: bytes | None = None) -> pb.Head:
+        token, proof = self._fence(conv, lease_token, lease_proof)
         return await self._unary("TransferOwnership", pb.TransferOwnershipRequest(
-            key=conv.pb(), lease_token=lease_token, expected_version=expected_version,
+            key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=expected_version,
             new_owner=new_owner))
 
     async def stats(self) -> pb.Stats:
@@ -242,18 +348,32 @@ class CacheClient:
 
     # -- state tier -------------------------------------------------------------------
 
-    async def put_state(self, conv: Conversation, version: int,
-                        data: bytes | Sequence[bytes]) -> pb.PutStateResponse:
-        """Export the state of head `version`. Only chunks the tier lacks travel.
+    async def put_state(self, conv: Conversation, version: int | pb.Head,
+                        data: bytes | Sequence[bytes], *, incarnation: str | None = None
+                        ) -> pb.PutStateResponse:
+        """Export the state of a head. Only chunks the tier lacks travel.
+
+        Pass the exported Head as `version` (or its version and `incarnation=`): the
+        put is then refused if the conversation was deleted and re-created meanwhile.
+        With a bare version number the client looks the incarnation up first, which
+        cannot tell a re-created conversation at the same version from the old one.
 
         Pass a sequence of chunks to choose the boundaries (e.g. one per KV block
         group, so unchanged blocks hash the same from one export to the next); a
         single bytes object is cut into config.chunk_bytes pieces.
         """
+        if isinstance(version, pb.Head):
+            version, incarnation = version.version, version.incarnation
+        if incarnation is None:
+            head = await self.get_head(conv)
+            if head.version != version:
+                raise VersionConflict(f"put_state: head version is {head.version}",
+                                      current_version=head.version)
+            incarnation = head.incarnation
         chunks = hashing.split(data, self.config.chunk_bytes) if isinstance(data, (bytes, bytearray, memoryview)) \
             else list(data)
         digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
-        manifest = pb.StateManifest(key=conv.pb(), version=version, chunks=[
+        manifest = pb.StateManifest(key=conv.pb(), version=version, incarnation=incarnation, chunks=[
             pb.ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks, strict=True)])
         missing = await self._unary("MissingChunks", pb.MissingChunksRequest(
             key=conv.pb(), digests=list(dict.fromkeys(digests))))
@@ -274,13 +394,14 @@ class CacheClient:
                     yield pb.PutStateRequest(chunk=pb.Chunk(digest=digest, data=bytes(chunk)))
 
         return await self._retrying(
-            lambda: self._stub.PutState(requests(), timeout=self.config.stream_timeout_s))
+            lambda: self._stub.PutState(requests(), timeout=self.config.stream_timeout_s,
+                                        metadata=self._metadata), stream=True)
 
     async def get_state(self, conv: Conversation, version: int = 0) -> tuple[int, bytes]:
         """Import a head's state: (version, bytes), every chunk verified end to end."""
         async def attempt() -> tuple[int, bytes]:
             call = self._stub.GetState(pb.GetStateRequest(key=conv.pb(), version=version),
-                                       timeout=self.config.stream_timeout_s)
+                                       timeout=self.config.stream_timeout_s, metadata=self._metadata)
             manifest, parts = None, []
             async for reply in call:
                 if reply.HasField("manifest"):
@@ -295,4 +416,4 @@ class CacheClient:
                 raise DataLoss("state stream ended early")
             return manifest.version, b"".join(parts)
 
-        return await self._retrying(attempt)
+        return await self._retrying(attempt, stream=True)

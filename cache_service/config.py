@@ -24,23 +24,34 @@ class Limits:
     max_turn_content_bytes: int = 4 << 20
     max_token_ids_per_turn: int = 1 << 20
     min_ttl_ms: int = 10
-    max_ttl_ms: int = 3_600_000
+    max_ttl_ms: int = 3_600_000        # replica registrations
+    max_lease_ttl_ms: int = 300_000    # a lease lives at most this long without a renewal
     max_chunk_bytes: int = 4 << 20
     max_chunks_per_state: int = 1 << 16
+    max_state_bytes: int = 4 << 30     # one exported head (sum of its manifest's chunk sizes)
     max_ledger_turns_per_read: int = 4096
+    ledger_page_bytes: int = 4 << 20   # one ReadLedger page (a single larger turn still fits)
+    max_replicas: int = 1024           # live replica registrations
 
     def __post_init__(self) -> None:
-        if not 0 < self.min_ttl_ms <= self.max_ttl_ms:
-            raise ValueError("need 0 < min_ttl_ms <= max_ttl_ms")
-        if min(self.max_id_bytes, self.max_chunk_bytes, self.max_chunks_per_state) <= 0:
+        if not 0 < self.min_ttl_ms <= min(self.max_ttl_ms, self.max_lease_ttl_ms):
+            raise ValueError("need 0 < min_ttl_ms <= max_ttl_ms, max_lease_ttl_ms")
+        if min(self.max_id_bytes, self.max_chunk_bytes, self.max_chunks_per_state,
+               self.max_state_bytes, self.ledger_page_bytes, self.max_replicas) <= 0:
             raise ValueError("limits must be positive")
 
     @property
+    def max_turn_bytes(self) -> int:
+        """Bound on one serialized ledger turn: content + up to 5 varint bytes per token
+        id + per-message framing. Checked on the serialized turn, so nothing stored can
+        be larger than a reply may carry."""
+        return self.max_turn_content_bytes + 5 * self.max_token_ids_per_turn + 16 * self.max_messages_per_turn
+
+    @property
     def max_grpc_message_bytes(self) -> int:
-        # A turn: content + up to 5 varint bytes per token id; a chunk: its data.
-        # Plus slack for framing, so the typed limits above trip before gRPC's own.
-        turn = self.max_turn_content_bytes + 5 * self.max_token_ids_per_turn
-        return max(turn, self.max_chunk_bytes) + (1 << 20)
+        # The largest of a turn, a ledger page and a chunk, plus slack for framing, so
+        # the typed limits above trip before gRPC's own.
+        return max(self.max_turn_bytes, self.ledger_page_bytes, self.max_chunk_bytes) + (1 << 20)
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,18 @@ class TierConfig:
 
 
 @dataclass(frozen=True)
+class PutLimits:
+    """Bounds on PutState streams, which hold their chunks in memory until committed."""
+
+    max_staged_bytes: int = 256 << 20  # all streams together; beyond: RESOURCE_EXHAUSTED
+    idle_timeout_s: float = 30.0       # a stream silent this long is cut (DEADLINE_EXCEEDED)
+
+    def __post_init__(self) -> None:
+        if self.max_staged_bytes <= 0 or self.idle_timeout_s <= 0:
+            raise ValueError("put limits must be positive")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     tier: TierConfig
     redis_url: str | None = None       # None: start an embedded redis-server
@@ -64,9 +87,22 @@ class ServerConfig:
     redis_timeout_s: float = 5.0
     grace_s: float = 5.0
     limits: Limits = field(default_factory=Limits)
+    puts: PutLimits = field(default_factory=PutLimits)
+    # Shared secret every call must carry as "authorization: Bearer <secret>" metadata
+    # (the health service excepted). None: no authentication (the embedded local setup).
+    auth_token: str | None = field(default=None, repr=False)
+    # A conversation's fence (lease incarnation and token counter) outlives its last
+    # lease by this long, so a holder that lost its lease learns it was stale_fence;
+    # after that the fence key expires (no key per conversation is kept forever).
+    fence_retention_ms: int = 3_600_000
+    health_interval_s: float = 0.5     # Redis liveness probe (and embedded restart) period
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"bad port {self.port}")
-        if self.redis_timeout_s <= 0 or self.grace_s < 0:
+        if self.redis_timeout_s <= 0 or self.grace_s < 0 or self.health_interval_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.fence_retention_ms < self.limits.max_lease_ttl_ms:
+            raise ValueError("fence_retention_ms must be at least limits.max_lease_ttl_ms")
+        if self.auth_token is not None and len(self.auth_token) < 16:
+            raise ValueError("auth_token must be at least 16 characters")

@@ -14,6 +14,7 @@ is replayed and clients that reconnect to the same URL find their data.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import os
@@ -93,6 +94,11 @@ class EmbeddedRedis:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def running(self) -> bool:
+        """False once started and then exited (killed, crashed) or stopped."""
+        return self._proc is not None and self._proc.poll() is None
+
     def _argv(self) -> list[str]:
         return [
             str(self.binary),
@@ -123,7 +129,17 @@ class EmbeddedRedis:
                 self.port = free_port()
         self._may_move_port = False
 
+    async def restart(self) -> None:
+        """Start again after the server died (same port, AOF replayed), from an event
+        loop: the child is forked from the calling (main) thread, which its parent-death
+        signal is tied to, and only the wait for readiness runs in a worker thread."""
+        launch = self._spawn()
+        await asyncio.to_thread(self._await_ready, *launch)
+
     def _launch(self) -> None:
+        self._await_ready(*self._spawn())
+
+    def _spawn(self) -> tuple[subprocess.Popen, threading.Event, list[str]]:
         # The parent-death signal belongs to the forking *thread*: start from a thread
         # that lives as long as the process (the main thread), not from a pool worker.
         proc = subprocess.Popen(_die_with_parent_prefix() + self._argv(), stdout=subprocess.PIPE,
@@ -142,6 +158,9 @@ class EmbeddedRedis:
 
         self._drain = threading.Thread(target=read_log, name="embedded-redis-log", daemon=True)
         self._drain.start()
+        return proc, ready, lines
+
+    def _await_ready(self, proc: subprocess.Popen, ready: threading.Event, lines: list[str]) -> None:
         if not ready.wait(self.config.start_timeout_s) or proc.poll() is not None:
             proc.kill()
             proc.wait()

@@ -26,6 +26,9 @@ class Reason(enum.Enum):
     DATA_LOSS = "data_loss"
     UNAVAILABLE = "unavailable"
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    ALREADY_EXISTS = "already_exists"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAUTHENTICATED = "unauthenticated"
 
 
 class CacheError(Exception):
@@ -56,13 +59,14 @@ class InvalidArgument(CacheError):
 
 
 class LeaseHeld(CacheError):
-    """Another holder has the conversation; details: holder, expires_in_ms."""
+    """Another holder has the conversation; details: expires_in_ms (never who holds it)."""
 
     reason, code = Reason.LEASE_HELD, grpc.StatusCode.FAILED_PRECONDITION
 
 
 class LeaseLost(CacheError):
-    """The caller's lease expired or was released: it must not publish anything."""
+    """The caller's lease expired or was released, or the token and proof presented are
+    not a lease of this conversation: it must not publish anything."""
 
     reason, code = Reason.LEASE_LOST, grpc.StatusCode.FAILED_PRECONDITION
 
@@ -97,6 +101,25 @@ class Unavailable(CacheError):
     reason, code = Reason.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE
 
 
+class AlreadyExists(CacheError):
+    """ForkConversation: the target conversation already has a head."""
+
+    reason, code = Reason.ALREADY_EXISTS, grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(CacheError):
+    """A configured bound is reached (staged put bytes, live replicas, tier disk).
+    Nothing was written; retry later or with less."""
+
+    reason, code = Reason.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unauthenticated(CacheError):
+    """The service requires its shared secret and the call did not carry the right one."""
+
+    reason, code = Reason.UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED
+
+
 class DeadlineExceeded(CacheError):
     """The call's deadline passed. Not retried: the mutation may or may not have
     happened (retry it yourself with the same holder / publish_id to find out)."""
@@ -107,7 +130,8 @@ class DeadlineExceeded(CacheError):
 _BY_REASON: dict[Reason, type[CacheError]] = {
     cls.reason: cls
     for cls in (NotFound, InvalidArgument, LeaseHeld, LeaseLost, StaleFence,
-                VersionConflict, MissingChunks, DataLoss, Unavailable, DeadlineExceeded)
+                VersionConflict, MissingChunks, DataLoss, Unavailable, DeadlineExceeded,
+                AlreadyExists, ResourceExhausted, Unauthenticated)
 }
 _BY_CODE: dict[grpc.StatusCode, type[CacheError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -116,7 +140,11 @@ _BY_CODE: dict[grpc.StatusCode, type[CacheError]] = {
     grpc.StatusCode.DATA_LOSS: DataLoss,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    # gRPC itself refuses messages above the size limit with RESOURCE_EXHAUSTED.
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    # gRPC itself refuses messages above the size limit with RESOURCE_EXHAUSTED and no
+    # hs-reason: that is the caller's oversized input. The service's own bounds carry
+    # hs-reason = resource_exhausted and map to ResourceExhausted above.
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
 }
 

@@ -2,8 +2,10 @@
 
 A handler raises CacheError subclasses (or lets a Redis connection error escape);
 the decorator aborts the RPC with the error's code and "hs-reason" trailing metadata,
-counts the call and logs one structured line. Works for unary handlers and for
-server-streaming handlers (async generators).
+counts the call and logs one structured line. Works for unary handlers, for
+server-streaming handlers (async generators) and for client-streaming ones (the
+request is an async iterator). A request that did not parse (wire.Malformed) is
+refused here as INVALID_ARGUMENT, in a stream as soon as the bad message arrives.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cache_service import errors
 from cache_service.logs import fields, monotonic_ms
+from cache_service.wire import Malformed
 
 log = logging.getLogger("cache_service.rpc")
 
@@ -48,6 +51,25 @@ async def _abort(context: grpc.aio.ServicerContext, name: str, exc: errors.Cache
     await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata())
 
 
+def _malformed(value: Malformed) -> errors.InvalidArgument:
+    return errors.InvalidArgument(f"malformed protobuf message: {value.error}")
+
+
+def _checked(request):
+    if isinstance(request, Malformed):
+        raise _malformed(request)
+    if hasattr(request, "__aiter__"):
+        return _checked_stream(request)
+    return request
+
+
+async def _checked_stream(requests):
+    async for message in requests:
+        if isinstance(message, Malformed):
+            raise _malformed(message)
+        yield message
+
+
 def rpc(handler):
     """Decorate a servicer method `(self, request, context)`; self must have `counters`."""
     name = handler.__name__
@@ -58,7 +80,7 @@ def rpc(handler):
             started = monotonic_ms()
             self.counters.calls[name] += 1
             try:
-                async for item in handler(self, request, context):
+                async for item in handler(self, _checked(request), context):
                     yield item
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
@@ -74,7 +96,7 @@ def rpc(handler):
         started = monotonic_ms()
         self.counters.calls[name] += 1
         try:
-            reply = await handler(self, request, context)
+            reply = await handler(self, _checked(request), context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001 - mapped or re-raised just below

@@ -4,140 +4,264 @@ Each script returns a table whose first element is a status word ("OK" or the na
 of an error); store.py maps status words to typed errors. Token and version numbers
 travel as strings because Lua numbers are doubles.
 
-Fencing: a lease check passes only if the lease key still holds the caller's token.
-A missing lease is LEASE_LOST (expired or released); a lease holding a larger token is
-STALE_FENCE (someone acquired it after the caller's lease expired). Tokens come from
-a per-conversation counter that is never deleted, so they only ever grow.
+Every script on the turn path is O(1) in the size of the conversation and of the
+registry (ledger appends are RPUSH; rewind and fork, which copy or trim turns, are
+not on the turn path). Registry scripts are O(live replicas), which is capped.
+
+Fencing: the caller's (token, incarnation) has already passed its proof check
+(leases.py). A lease check passes only if the lease key holds exactly that token and
+incarnation. A missing lease or another incarnation is LEASE_LOST; a larger token of
+the same incarnation is STALE_FENCE (someone acquired it after the caller's lease
+expired). Tokens come from the conversation's fence hash (incarnation + counter); it
+outlives every lease by the fence retention and is deleted with the conversation, so
+it is bounded, and a new incarnation makes every older proof worthless.
 """
 
 from __future__ import annotations
 
 HEAD_FIELDS = ("version", "turn", "committed_tokens", "tokens_sha256", "owner",
-               "tier_version", "updated_at_ms")
+               "tier_version", "updated_at_ms", "incarnation")
 
-# Appended to every script that needs it (Lua has no imports in EVAL).
+# sha256 of no tokens: the head of a conversation rewound to turn 0.
+EMPTY_TOKENS_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+# Prepended to every script that needs it (Lua has no imports in EVAL).
 _PRELUDE = """
 local function head_reply(key)
   return redis.call('HMGET', key, 'version', 'turn', 'committed_tokens', 'tokens_sha256',
-                    'owner', 'tier_version', 'updated_at_ms')
+                    'owner', 'tier_version', 'updated_at_ms', 'incarnation')
 end
-local function lease_check(lease_key, token)
-  local cur = redis.call('HGET', lease_key, 'token')
-  if not cur then return 'LEASE_LOST' end
-  if cur == token then return nil end
-  if tonumber(cur) > tonumber(token) then return 'STALE_FENCE' end
+local function lease_check(lease_key, token, incarnation)
+  local cur = redis.call('HMGET', lease_key, 'token', 'incarnation')
+  if not cur[1] or cur[2] ~= incarnation then return 'LEASE_LOST' end
+  if cur[1] == token then return nil end
+  if tonumber(cur[1]) > tonumber(token) then return 'STALE_FENCE' end
   return 'LEASE_LOST'
 end
 """
 
-# KEYS: lease, fence   ARGV: holder, ttl_ms
-ACQUIRE = """
-local cur = redis.call('HMGET', KEYS[1], 'holder', 'token')
+# KEYS: lease, fence, head
+# ARGV: holder, ttl_ms, attempt (sha256 hex of the attempt key, '' = none),
+#       new incarnation (used if the fence has none), fence ttl_ms
+# Reply: OK, token, incarnation, ttl_ms, head fields | LEASE_HELD, pttl
+ACQUIRE = _PRELUDE + """
+local cur = redis.call('HMGET', KEYS[1], 'holder', 'token', 'attempt', 'incarnation')
 if cur[1] then
-  if cur[1] == ARGV[1] then
-    -- the same holder retrying (its first reply was lost): same lease, fresh TTL
+  if ARGV[3] ~= '' and cur[3] == ARGV[3] and cur[1] == ARGV[1] then
+    -- the same attempt retrying (its first reply was lost): same lease, fresh TTL
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return {'OK', cur[2], ARGV[2]}
+    redis.call('PEXPIRE', KEYS[2], ARGV[5])
+    return {'OK', cur[2], cur[4], ARGV[2], head_reply(KEYS[3])}
   end
-  return {'LEASE_HELD', cur[1], tostring(redis.call('PTTL', KEYS[1]))}
+  return {'LEASE_HELD', tostring(redis.call('PTTL', KEYS[1]))}
 end
-local token = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token)
+local incarnation = redis.call('HGET', KEYS[2], 'incarnation')
+if not incarnation then
+  incarnation = ARGV[4]
+  redis.call('HSET', KEYS[2], 'incarnation', incarnation)
+end
+local token = redis.call('HINCRBY', KEYS[2], 'next', 1)
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token, 'attempt', ARGV[3],
+           'incarnation', incarnation)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {'OK', tostring(token), ARGV[2]}
+return {'OK', tostring(token), incarnation, ARGV[2], head_reply(KEYS[3])}
 """
 
-# KEYS: lease   ARGV: token, ttl_ms
+# KEYS: lease, fence   ARGV: token, incarnation, ttl_ms, fence ttl_ms
 RENEW = _PRELUDE + """
-local err = lease_check(KEYS[1], ARGV[1])
+local err = lease_check(KEYS[1], ARGV[1], ARGV[2])
 if err then return {err} end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
 return {'OK', redis.call('HGET', KEYS[1], 'holder')}
 """
 
-# KEYS: lease   ARGV: token
+# KEYS: lease   ARGV: token, incarnation
 # Releasing a lease that is already gone succeeds: a retried release must not fail.
 RELEASE = _PRELUDE + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'OK'} end
-local err = lease_check(KEYS[1], ARGV[1])
+local err = lease_check(KEYS[1], ARGV[1], ARGV[2])
 if err then return {err} end
 redis.call('DEL', KEYS[1])
 return {'OK'}
 """
 
-# KEYS: head, lease, ledger
-# ARGV: token, expected_version, ledger_entry, committed_tokens, tokens_sha256, owner,
-#       now_ms, release(0/1), publish_id, new_token_count
+# KEYS: head, lease, ledger, marks
+# ARGV: token, incarnation, expected_version, ledger_entry, committed_tokens, tokens_sha256,
+#       owner, now_ms, release(0/1), publish_id, new_token_count, request digest,
+#       new head incarnation (used on the first publish)
+# marks: one "committed_tokens tokens_sha256 entry_bytes" per turn: a rewind or fork learns
+# the head at turn k from it, a ledger read plans its page by bytes without loading turns.
 PUBLISH = _PRELUDE + """
-local head = redis.call('HMGET', KEYS[1], 'version', 'committed_tokens', 'publish_id')
+local head = redis.call('HMGET', KEYS[1], 'version', 'committed_tokens', 'publish_id',
+                        'publish_digest', 'publish_fence')
 local version = tonumber(head[1] or '0')
-if head[3] == ARGV[9] and version == tonumber(ARGV[2]) + 1 then
-  -- a retried publish whose first reply was lost: answer it, do not redo it
-  return {'OK', head_reply(KEYS[1])}
+local fence = ARGV[2] .. ':' .. ARGV[1]
+if head[3] == ARGV[10] and version == tonumber(ARGV[3]) + 1 then
+  -- a retry whose first reply was lost: answered only if it is the same request from
+  -- the same lease; anything else reusing the publish_id is a conflict
+  if head[4] == ARGV[12] and head[5] == fence then return {'OK', head_reply(KEYS[1])} end
+  return {'VERSION_CONFLICT', tostring(version)}
 end
-local err = lease_check(KEYS[2], ARGV[1])
+local err = lease_check(KEYS[2], ARGV[1], ARGV[2])
 if err then return {err} end
-if version ~= tonumber(ARGV[2]) then return {'VERSION_CONFLICT', tostring(version)} end
+if version ~= tonumber(ARGV[3]) then return {'VERSION_CONFLICT', tostring(version)} end
 local committed = tonumber(head[2] or '0')
-if committed + tonumber(ARGV[10]) ~= tonumber(ARGV[4]) then
+if committed + tonumber(ARGV[11]) ~= tonumber(ARGV[5]) then
   return {'BAD_TOKEN_COUNT', tostring(committed)}
 end
-local turn = redis.call('RPUSH', KEYS[3], ARGV[3])
+local turn = redis.call('RPUSH', KEYS[3], ARGV[4])
+redis.call('RPUSH', KEYS[4], ARGV[5] .. ' ' .. ARGV[6] .. ' ' .. #ARGV[4])
 redis.call('HSET', KEYS[1], 'version', version + 1, 'turn', turn,
-           'committed_tokens', ARGV[4], 'tokens_sha256', ARGV[5], 'owner', ARGV[6],
-           'updated_at_ms', ARGV[7], 'publish_id', ARGV[9])
-if redis.call('HEXISTS', KEYS[1], 'tier_version') == 0 then
-  redis.call('HSET', KEYS[1], 'tier_version', 0)
-end
-if ARGV[8] == '1' then redis.call('DEL', KEYS[2]) end
+           'committed_tokens', ARGV[5], 'tokens_sha256', ARGV[6], 'owner', ARGV[7],
+           'updated_at_ms', ARGV[8], 'publish_id', ARGV[10], 'publish_digest', ARGV[12],
+           'publish_fence', fence)
+redis.call('HSETNX', KEYS[1], 'tier_version', 0)
+redis.call('HSETNX', KEYS[1], 'incarnation', ARGV[13])
+if ARGV[9] == '1' then redis.call('DEL', KEYS[2]) end
 return {'OK', head_reply(KEYS[1])}
 """
 
-# KEYS: head, lease   ARGV: token
+# KEYS: head, lease   ARGV: token, incarnation
 DISCARD = _PRELUDE + """
-local err = lease_check(KEYS[2], ARGV[1])
+local err = lease_check(KEYS[2], ARGV[1], ARGV[2])
 if err then return {err} end
 redis.call('DEL', KEYS[2])
 return {'OK', head_reply(KEYS[1])}
 """
 
-# KEYS: head, lease   ARGV: token, expected_version, new_owner, now_ms
+# KEYS: head, lease   ARGV: token, incarnation, expected_version, new_owner, now_ms
 TRANSFER = _PRELUDE + """
-local err = lease_check(KEYS[2], ARGV[1])
+local err = lease_check(KEYS[2], ARGV[1], ARGV[2])
 if err then return {err} end
 local version = redis.call('HGET', KEYS[1], 'version')
 if not version then return {'NOT_FOUND'} end
-if version ~= ARGV[2] then return {'VERSION_CONFLICT', version} end
-redis.call('HSET', KEYS[1], 'owner', ARGV[3], 'updated_at_ms', ARGV[4])
+if version ~= ARGV[3] then return {'VERSION_CONFLICT', version} end
+redis.call('HSET', KEYS[1], 'owner', ARGV[4], 'updated_at_ms', ARGV[5])
 return {'OK', head_reply(KEYS[1])}
 """
 
-# KEYS: head   ARGV: version, now_ms
-# The tier only accepts the state of the current head version; tier_version never
-# moves backwards (an old put arriving late must not hide a newer entry).
-MARK_TIER = _PRELUDE + """
+# KEYS: head, lease, ledger, marks
+# ARGV: token, incarnation, expected_version, turn, owner, now_ms, empty tokens sha256
+# The head keeps its incarnation and its version moves forward: a worker holding the
+# old version's state sees a new version and cannot mistake it for its own.
+REWIND = _PRELUDE + """
+local err = lease_check(KEYS[2], ARGV[1], ARGV[2])
+if err then return {err} end
 local version = redis.call('HGET', KEYS[1], 'version')
 if not version then return {'NOT_FOUND'} end
-if version ~= ARGV[1] then return {'VERSION_CONFLICT', version} end
+if version ~= ARGV[3] then return {'VERSION_CONFLICT', version} end
+local turns = redis.call('LLEN', KEYS[3])
+local k = tonumber(ARGV[4])
+if k > turns then return {'BAD_TURN', tostring(turns)} end
+local committed, sha = '0', ARGV[7]
+if k == 0 then
+  redis.call('DEL', KEYS[3], KEYS[4])
+else
+  redis.call('LTRIM', KEYS[3], 0, k - 1)
+  redis.call('LTRIM', KEYS[4], 0, k - 1)
+  local mark = redis.call('LINDEX', KEYS[4], k - 1)
+  committed, sha = string.match(mark, '^(%d+) (%x+)')
+end
+redis.call('HSET', KEYS[1], 'version', tonumber(version) + 1, 'turn', k,
+           'committed_tokens', committed, 'tokens_sha256', sha, 'owner', ARGV[5],
+           'tier_version', 0, 'updated_at_ms', ARGV[6], 'publish_id', '',
+           'publish_digest', '', 'publish_fence', '')
+return {'OK', head_reply(KEYS[1])}
+"""
+
+# KEYS: source head, source ledger, source marks, target head, target ledger, target marks
+# ARGV: turn, expected source version ('0' = any), now_ms, new incarnation, empty sha256
+# Touches two conversations, so on a Redis Cluster both must live on one node (see
+# README.md); copies in batches so Lua never holds the whole ledger at once.
+FORK = """
+local version = redis.call('HGET', KEYS[1], 'version')
+if not version then return {'NOT_FOUND'} end
+if ARGV[2] ~= '0' and version ~= ARGV[2] then return {'VERSION_CONFLICT', version} end
+if redis.call('EXISTS', KEYS[4]) == 1 then return {'ALREADY_EXISTS'} end
+local k = tonumber(ARGV[1])
+local turns = redis.call('LLEN', KEYS[2])
+if k > turns then return {'BAD_TURN', tostring(turns)} end
+redis.call('DEL', KEYS[5], KEYS[6])
+local batch = 64
+for first = 0, k - 1, batch do
+  local last = math.min(first + batch, k) - 1
+  redis.call('RPUSH', KEYS[5], unpack(redis.call('LRANGE', KEYS[2], first, last)))
+  redis.call('RPUSH', KEYS[6], unpack(redis.call('LRANGE', KEYS[3], first, last)))
+end
+local committed, sha = '0', ARGV[5]
+if k > 0 then
+  local mark = redis.call('LINDEX', KEYS[3], k - 1)
+  committed, sha = string.match(mark, '^(%d+) (%x+)')
+end
+redis.call('HSET', KEYS[4], 'version', 1, 'turn', k, 'committed_tokens', committed,
+           'tokens_sha256', sha, 'owner', '', 'tier_version', 0, 'updated_at_ms', ARGV[3],
+           'incarnation', ARGV[4])
+return {'OK', redis.call('HMGET', KEYS[4], 'version', 'turn', 'committed_tokens',
+                         'tokens_sha256', 'owner', 'tier_version', 'updated_at_ms', 'incarnation')}
+"""
+
+# KEYS: head, ledger, marks   ARGV: first turn (0-based), max turns, page bytes
+# Reply: head fields, next turn (1-based, '0' = end), entries. The page is planned on
+# the marks' entry sizes, so Redis loads only the turns it returns; the first turn is
+# returned even if it alone exceeds the page size (a turn is bounded on publish).
+READ_LEDGER = _PRELUDE + """
+local head = head_reply(KEYS[1])
+if not head[1] then return {head, '0', {}} end
+local first, page = tonumber(ARGV[1]), tonumber(ARGV[3])
+local size, count = 0, 0
+for _, mark in ipairs(redis.call('LRANGE', KEYS[3], first, first + tonumber(ARGV[2]) - 1)) do
+  local bytes = tonumber(string.match(mark, '(%d+)$'))
+  if count > 0 and size + bytes > page then break end
+  size, count = size + bytes, count + 1
+end
+local entries = {}
+if count > 0 then entries = redis.call('LRANGE', KEYS[2], first, first + count - 1) end
+local nxt = '0'
+if first + count < redis.call('LLEN', KEYS[2]) then nxt = tostring(first + count + 1) end
+return {head, nxt, entries}
+"""
+
+# KEYS: head   ARGV: version, incarnation, now_ms
+# The tier only accepts the state of the current head version of the same incarnation
+# (a put for a deleted and re-created conversation names the old one); tier_version
+# never moves backwards (an old put arriving late must not hide a newer entry).
+MARK_TIER = _PRELUDE + """
+local head = redis.call('HMGET', KEYS[1], 'version', 'incarnation')
+if not head[1] then return {'NOT_FOUND'} end
+if head[1] ~= ARGV[1] or head[2] ~= ARGV[2] then return {'VERSION_CONFLICT', head[1]} end
 if tonumber(redis.call('HGET', KEYS[1], 'tier_version') or '0') < tonumber(ARGV[1]) then
-  redis.call('HSET', KEYS[1], 'tier_version', ARGV[1], 'updated_at_ms', ARGV[2])
+  redis.call('HSET', KEYS[1], 'tier_version', ARGV[1], 'updated_at_ms', ARGV[3])
 end
 return {'OK', head_reply(KEYS[1])}
 """
 
-# KEYS: replica, epoch counter, replica set
-# ARGV: replica_id, address, ttl_ms, now_ms
+# KEYS: fence, head, lease, ledger, marks   (delete: everything, the fence included)
+DELETE = """
+return redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[1])
+"""
+
+# Registry: `live` is a sorted set id -> expiry (Unix ms). Expired ids are trimmed by
+# score (O(log n + removed)), so no script walks every id ever registered, and the
+# number of live ids is capped.
+
+# KEYS: replica, epoch counter, live   ARGV: replica_id, address, ttl_ms, now_ms, cap
 REGISTER = """
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[4])
+if not redis.call('ZSCORE', KEYS[3], ARGV[1]) and redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[5]) then
+  return {'FULL'}
+end
 local epoch = redis.call('INCR', KEYS[2])
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'replica_id', ARGV[1], 'address', ARGV[2], 'epoch', epoch,
            'running_requests', 0, 'free_kv_blocks', 0, 'last_seen_ms', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[3], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[1])
 return {'OK', tostring(epoch)}
 """
 
-# KEYS: replica   ARGV: epoch, ttl_ms, now_ms, running_requests, free_kv_blocks
+# KEYS: replica, live   ARGV: epoch, ttl_ms, now_ms, running_requests, free_kv_blocks, replica_id
 HEARTBEAT = """
 local epoch = redis.call('HGET', KEYS[1], 'epoch')
 if not epoch then return {'NOT_FOUND'} end
@@ -145,22 +269,19 @@ if epoch ~= ARGV[1] then return {'NOT_FOUND', epoch} end
 redis.call('HSET', KEYS[1], 'running_requests', ARGV[4], 'free_kv_blocks', ARGV[5],
            'last_seen_ms', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[6])
 return {'OK', redis.call('HMGET', KEYS[1], 'replica_id', 'address', 'epoch',
                          'running_requests', 'free_kv_blocks', 'last_seen_ms')}
 """
 
-# KEYS: replica set   ARGV: replica key prefix
-# Liveness is the replica key's TTL; ids whose key expired are pruned from the set.
+# KEYS: live   ARGV: replica key prefix, now_ms
 LIST_REPLICAS = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
 local out = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local fields = redis.call('HMGET', ARGV[1] .. id, 'replica_id', 'address', 'epoch',
                             'running_requests', 'free_kv_blocks', 'last_seen_ms')
-  if fields[1] then
-    table.insert(out, fields)
-  else
-    redis.call('SREM', KEYS[1], id)
-  end
+  if fields[1] then table.insert(out, fields) end
 end
 return out
 """

@@ -1,22 +1,32 @@
-"""Process wiring: Redis (given or embedded), the tier, the gRPC server, health, shutdown."""
+"""Process wiring: Redis (given or embedded), the tier, the gRPC server, health, shutdown.
+
+Supervision: a probe pings Redis every `health_interval_s`. While Redis does not
+answer, gRPC health reports NOT_SERVING (the Redis-backed calls answer UNAVAILABLE
+meanwhile, and clients retry); once it answers again, SERVING. An embedded
+redis-server that exited is restarted on the same port from its AOF.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from redis.exceptions import RedisError
 
+from cache_service import wire
 from cache_service.config import ServerConfig
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+from cache_service.leases import LeaseSigner
 from cache_service.logs import fields
 from cache_service.servicer import CacheServicer
 from cache_service.store import MetadataStore
 from cache_service.tier import StateTier
-from proto import cache_pb2, cache_pb2_grpc
+from proto import cache_pb2
 
 log = logging.getLogger("cache_service.server")
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["CacheService"].full_name
@@ -32,6 +42,8 @@ class CacheServer:
         self._server: grpc.aio.Server | None = None
         self._store: MetadataStore | None = None
         self._health = health.aio.HealthServicer()
+        self._serving = False
+        self._supervisor: asyncio.Task | None = None
 
     async def start(self) -> int:
         cfg = self.config
@@ -45,33 +57,72 @@ class CacheServer:
             url = self.embedded.url
         self._store = MetadataStore(url, cfg.redis_timeout_s)
         await self._store.ping()  # fail at start, not at the first request
+        signer = LeaseSigner(await self._store.lease_key())
         tier = StateTier(cfg.tier)
         size = cfg.limits.max_grpc_message_bytes
-        self._server = grpc.aio.server(options=[
+        interceptors = [wire.SharedSecretInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", size),
             ("grpc.max_send_message_length", size),
             # A second server on the same port must fail loudly, not share it.
             ("grpc.so_reuseport", 0),
         ])
-        cache_pb2_grpc.add_CacheServiceServicer_to_server(
-            CacheServicer(self._store, tier, cfg.limits), self._server)
+        wire.add_servicer(CacheServicer(self._store, tier, signer, limits=cfg.limits, puts=cfg.puts,
+                                        fence_retention_ms=cfg.fence_retention_ms), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
             raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
         await self._server.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_serving(True)
+        self._supervisor = asyncio.create_task(self._supervise(), name="redis-supervisor")
         log.info("serving", extra=fields(host=cfg.host, port=self.port, redis=_redact(url),
                                          embedded_redis=self.embedded is not None,
                                          tier_dir=str(cfg.tier.directory),
-                                         tier_budget_bytes=cfg.tier.memory_budget_bytes))
+                                         tier_budget_bytes=cfg.tier.memory_budget_bytes,
+                                         auth=cfg.auth_token is not None))
         return self.port
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+        if serving != self._serving:
+            log.log(logging.INFO if serving else logging.WARNING, "health",
+                    extra=fields(serving=serving))
+        self._serving = serving
+
+    async def _redis_answers(self) -> bool:
+        try:
+            await asyncio.wait_for(self._store.ping(), max(4 * self.config.health_interval_s, 1.0))
+            return True
+        except (OSError, asyncio.TimeoutError, RedisError):
+            return False
+
+    async def _supervise(self) -> None:
+        """Probe Redis periodically: health follows it, a dead embedded Redis is restarted."""
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            if self.embedded is not None and not self.embedded.running:
+                await self._set_serving(False)
+                log.warning("embedded_redis_died", extra=fields(port=self.embedded.port))
+                try:
+                    await self.embedded.restart()
+                except RuntimeError as exc:
+                    log.error("embedded_redis_restart_failed", extra=fields(error=str(exc)))
+                    continue
+            answers = await self._redis_answers()
+            if answers != self._serving:
+                await self._set_serving(answers)
 
     async def stop(self) -> None:
         """Drain: report NOT_SERVING, let in-flight RPCs finish within the grace period."""
         log.info("stopping", extra=fields(grace_s=self.config.grace_s))
         await self._health.enter_graceful_shutdown()
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
         if self._server is not None:
             await self._server.stop(self.config.grace_s)
         if self._store is not None:

@@ -7,12 +7,14 @@ only truth after a service restart (the tier's index lives in this process).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import weakref
 
 from cache_service import errors, validation
-from cache_service.config import Limits
+from cache_service.config import Limits, PutLimits
 from cache_service.hashing import sha256
 from cache_service.keys import ConversationKeys
+from cache_service.leases import Fence, LeaseSigner
 from cache_service.rpc import RpcCounters, rpc
 from cache_service.store import MetadataStore
 from cache_service.tier import ChunkRef, StateTier
@@ -20,11 +22,45 @@ from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 
 
+class StagingBudget:
+    """Bytes held by PutState streams before their commit, across all streams.
+
+    Used from the event loop only (reserve/release never await), so no lock."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+    def reserve(self, size: int) -> None:
+        if self.used + size > self.limit:
+            raise errors.ResourceExhausted(
+                f"state puts in flight already hold {self.used} of {self.limit} staging bytes; "
+                "retry later")
+        self.used += size
+
+    def release(self, size: int) -> None:
+        self.used -= size
+        assert self.used >= 0, "staging accounting went negative"
+
+
+def publish_digest(request: pb.PublishTurnRequest) -> str:
+    """What a retried publish must repeat exactly: everything but the lease proof."""
+    clone = pb.PublishTurnRequest()
+    clone.CopyFrom(request)
+    clone.lease_token, clone.lease_proof = 0, b""
+    return hashlib.sha256(clone.SerializeToString(deterministic=True)).hexdigest()
+
+
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
-    def __init__(self, store: MetadataStore, tier: StateTier, limits: Limits):
+    def __init__(self, store: MetadataStore, tier: StateTier, signer: LeaseSigner, *,
+                 limits: Limits, puts: PutLimits, fence_retention_ms: int):
         self.store = store
         self.tier = tier
+        self.signer = signer
         self.limits = limits
+        self.puts = puts
+        self.staging = StagingBudget(puts.max_staged_bytes)
+        self._fence_retention_ms = fence_retention_ms
         self.counters = RpcCounters()
         # Serializes tier commits against deletes of the same conversation, so a put
         # racing a delete cannot resurrect the deleted state.
@@ -43,6 +79,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def _key(self, key: pb.ConversationKey) -> ConversationKeys:
         return validation.conversation(key, self.limits)
 
+    def _fence(self, keys: ConversationKeys, token: int, proof: bytes, field: str = "lease_token") -> Fence:
+        return self.signer.verify(keys.conv_hash, validation.token(token, field), proof)
+
     # -- replicas -----------------------------------------------------------------
 
     @rpc
@@ -50,7 +89,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         validation.identifier(request.replica_id, "replica_id", self.limits)
         validation.identifier(request.address, "address", self.limits)
         validation.ttl(request.ttl_ms, self.limits)
-        replica = await self.store.register_replica(request.replica_id, request.address, request.ttl_ms)
+        replica = await self.store.register_replica(request.replica_id, request.address, request.ttl_ms,
+                                                    self.limits.max_replicas)
         return pb.RegisterReplicaResponse(replica=replica)
 
     @rpc
@@ -65,23 +105,35 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     # -- leases -------------------------------------------------------------------
 
+    def _fence_ttl_ms(self, ttl_ms: int) -> int:
+        return ttl_ms + self._fence_retention_ms
+
     @rpc
     async def AcquireLease(self, request, context):
         keys = self._key(request.key)
         validation.identifier(request.holder, "holder", self.limits)
-        validation.ttl(request.ttl_ms, self.limits)
-        return await self.store.acquire(keys, request.holder, request.ttl_ms)
+        validation.lease_ttl(request.ttl_ms, self.limits)
+        attempt = validation.attempt_key(request.attempt_key)
+        token, incarnation, expires_at_ms, head = await self.store.acquire(
+            keys, request.holder, request.ttl_ms, hashlib.sha256(attempt).hexdigest() if attempt else "",
+            self._fence_ttl_ms(request.ttl_ms))
+        return pb.Lease(holder=request.holder, token=token, expires_at_ms=expires_at_ms,
+                        proof=self.signer.proof(keys.conv_hash, incarnation, token),
+                        head=self._with_tier(keys, head) if head is not None else pb.Head())
 
     @rpc
     async def RenewLease(self, request, context):
         keys = self._key(request.key)
-        validation.ttl(request.ttl_ms, self.limits)
-        return await self.store.renew(keys, validation.token(request.token, "token"), request.ttl_ms)
+        validation.lease_ttl(request.ttl_ms, self.limits)
+        fence = self._fence(keys, request.token, request.lease_proof, "token")
+        lease = await self.store.renew(keys, fence, request.ttl_ms, self._fence_ttl_ms(request.ttl_ms))
+        lease.proof = request.lease_proof
+        return lease
 
     @rpc
     async def ReleaseLease(self, request, context):
         keys = self._key(request.key)
-        await self.store.release(keys, validation.token(request.token, "token"))
+        await self.store.release(keys, self._fence(keys, request.token, request.lease_proof, "token"))
         return pb.ReleaseLeaseResponse()
 
     # -- heads and ledger ---------------------------------------------------------
@@ -94,12 +146,14 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @rpc
     async def PublishTurn(self, request, context):
         keys = validation.publish(request, self.limits)
-        return self._with_tier(keys, await self.store.publish(keys, request))
+        fence = self._fence(keys, request.lease_token, request.lease_proof)
+        head = await self.store.publish(keys, request, fence, publish_digest(request))
+        return self._with_tier(keys, head)
 
     @rpc
     async def Discard(self, request, context):
         keys = self._key(request.key)
-        head = await self.store.discard(keys, validation.token(request.lease_token))
+        head = await self.store.discard(keys, self._fence(keys, request.lease_token, request.lease_proof))
         return self._with_tier(keys, head) if head is not None else pb.Head()
 
     @rpc
@@ -108,8 +162,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         cap = self.limits.max_ledger_turns_per_read
         if request.max_turns > cap:
             raise errors.InvalidArgument(f"max_turns must be <= {cap}")
-        head, turns = await self.store.read_ledger(keys, request.from_turn, request.max_turns or cap)
-        return pb.ReadLedgerResponse(head=self._with_tier(keys, head), turns=turns)
+        head, turns, next_turn = await self.store.read_ledger(
+            keys, request.from_turn, request.max_turns or cap, self.limits.ledger_page_bytes)
+        return pb.ReadLedgerResponse(head=self._with_tier(keys, head), turns=turns, next_turn=next_turn)
 
     @rpc
     async def DeleteConversation(self, request, context):
@@ -123,9 +178,31 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     async def TransferOwnership(self, request, context):
         keys = self._key(request.key)
         validation.identifier(request.new_owner, "new_owner", self.limits)
-        head = await self.store.transfer(keys, validation.token(request.lease_token),
-                                         request.expected_version, request.new_owner)
+        fence = self._fence(keys, request.lease_token, request.lease_proof)
+        head = await self.store.transfer(keys, fence, request.expected_version, request.new_owner)
         return self._with_tier(keys, head)
+
+    @rpc
+    async def RewindConversation(self, request, context):
+        keys = self._key(request.key)
+        validation.identifier(request.owner_replica, "owner_replica", self.limits, required=False)
+        fence = self._fence(keys, request.lease_token, request.lease_proof)
+        async with self._lock(keys):
+            head = await self.store.rewind(keys, fence, request.expected_version, request.turn,
+                                           request.owner_replica)
+            # The tier's entry is the state of a later turn: unreachable from now on.
+            self.tier.drop(keys.conv_hash)
+        return self._with_tier(keys, head)
+
+    @rpc
+    async def ForkConversation(self, request, context):
+        source = self._key(request.key)
+        target = self._key(pb.ConversationKey(conversation_id=request.new_conversation_id,
+                                              cache_salt=request.key.cache_salt))
+        if target == source:
+            raise errors.InvalidArgument("new_conversation_id must differ from the source's")
+        head = await self.store.fork(source, target, request.turn, request.expected_version)
+        return self._with_tier(target, head)
 
     # -- state tier ---------------------------------------------------------------
 
@@ -135,37 +212,59 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         digests = validation.digests(request.digests, "digests", self.limits)
         return pb.MissingChunksResponse(digests=self.tier.missing(keys.conv_hash, digests))
 
+    async def _next(self, requests) -> pb.PutStateRequest | None:
+        """The stream's next message, or None at its end; an idle stream is cut."""
+        try:
+            return await asyncio.wait_for(anext(requests, None), self.puts.idle_timeout_s)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(
+                f"PutState stream sent nothing for {self.puts.idle_timeout_s} s; cut") from None
+
     @rpc
     async def PutState(self, request_iterator, context):
-        first = await anext(aiter(request_iterator), None)
+        requests = aiter(request_iterator)
+        first = await self._next(requests)
         if first is None or not first.HasField("manifest"):
             raise errors.InvalidArgument("a PutState stream must start with the manifest")
         manifest = first.manifest
         keys = validation.manifest(manifest, self.limits)
+        conv = keys.conv_hash
         refs = [ChunkRef(c.digest, c.size) for c in manifest.chunks]
+        self.tier.check_sizes(conv, refs)
         sizes = {r.digest: r.size for r in refs}
         staged: dict[bytes, bytes] = {}
-        async for message in request_iterator:
-            staged_chunk = await self._verified_chunk(message, sizes, len(staged))
-            staged[staged_chunk.digest] = staged_chunk.data
-        conv = keys.conv_hash
-        async with self._lock(keys):
-            # Refuse before marking Redis if something is missing (cheap, common case).
-            unsent = [d for d in sizes if d not in staged]
-            if self.tier.missing(conv, unsent):
-                raise errors.MissingChunks("the stream lacks chunks the tier does not hold; resend them")
-            head = await self.store.mark_tier(keys, manifest.version)
-            reused = await asyncio.to_thread(self.tier.commit, conv, manifest.version, refs, staged)
+        reserved = 0
+        try:
+            while (message := await self._next(requests)) is not None:
+                size = len(message.chunk.data)
+                # Counted before hashing: the bytes are held from now on.
+                self.staging.reserve(size)
+                reserved += size
+                chunk = await self._verified_chunk(message, sizes, staged)
+                staged[chunk.digest] = chunk.data
+            async with self._lock(keys):
+                # Refuse before marking Redis if something is missing (cheap, common case).
+                unsent = [d for d in sizes if d not in staged]
+                if self.tier.missing(conv, unsent):
+                    raise errors.MissingChunks("the stream lacks chunks the tier does not hold; resend them")
+                head = await self.store.mark_tier(keys, manifest.version, manifest.incarnation)
+                reused = await asyncio.to_thread(self.tier.commit, conv, manifest.incarnation,
+                                                 manifest.version, refs, staged)
+        finally:
+            self.staging.release(reserved)
         return pb.PutStateResponse(total_bytes=sum(r.size for r in refs), chunks_sent=len(staged),
                                    chunks_reused=reused, head=self._with_tier(keys, head))
 
     async def _verified_chunk(self, message: pb.PutStateRequest, sizes: dict[bytes, int],
-                              index: int) -> pb.Chunk:
+                              staged: dict[bytes, bytes]) -> pb.Chunk:
+        index = len(staged)
         if not message.HasField("chunk"):
             raise errors.InvalidArgument("only chunks may follow the manifest")
         chunk = message.chunk
         if chunk.digest not in sizes:
             raise errors.InvalidArgument(f"chunk #{index} has a digest that is not in the manifest")
+        if chunk.digest in staged:
+            raise errors.InvalidArgument(f"chunk #{index} was already sent in this stream")
         if len(chunk.data) != sizes[chunk.digest]:
             raise errors.InvalidArgument(f"chunk #{index} is {len(chunk.data)} bytes, the manifest "
                                          f"says {sizes[chunk.digest]}")
@@ -180,7 +279,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         conv = keys.conv_hash
         entry = self.tier.entry(conv, request.version)
         yield pb.GetStateResponse(manifest=pb.StateManifest(
-            key=request.key, version=entry.version,
+            key=request.key, version=entry.version, incarnation=entry.incarnation,
             chunks=[pb.ChunkRef(digest=r.digest, size=r.size) for r in entry.chunks]))
         for ref in entry.chunks:
             data = await asyncio.to_thread(self.tier.read_chunk, conv, entry, ref)
@@ -189,10 +288,10 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @rpc
     async def GetStats(self, request, context):
         t = self.tier.stats()
-        replicas = await self.store.list_replicas()
         return pb.Stats(
             tier_memory_bytes=t.memory_bytes, tier_disk_bytes=t.disk_bytes,
             tier_budget_bytes=self.tier.budget_bytes, tier_entries=t.entries,
             tier_chunks=t.chunks, tier_spills=t.spills, tier_disk_reads=t.disk_reads,
-            tier_checksum_failures=t.checksum_failures, live_replicas=len(replicas),
-            rpc_counts=dict(self.counters.calls), rpc_errors=dict(self.counters.errors))
+            tier_checksum_failures=t.checksum_failures, live_replicas=await self.store.count_replicas(),
+            rpc_counts=dict(self.counters.calls), rpc_errors=dict(self.counters.errors),
+            tier_staged_bytes=self.staging.used)

@@ -7,6 +7,7 @@ status words to typed errors. Input is assumed validated (validation.py).
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import redis.asyncio as aioredis
@@ -15,8 +16,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from cache_service import errors, scripts
-from cache_service.keys import REPLICA_EPOCH, REPLICA_SET, ConversationKeys, replica_key
+from cache_service import errors, leases, scripts
+from cache_service.keys import LEASE_KEY, REPLICA_EPOCH, REPLICA_LIVE, ConversationKeys, replica_key
+from cache_service.leases import Fence
 from proto import cache_pb2 as pb
 
 _LEASE_ERRORS = {
@@ -38,12 +40,12 @@ def _i(value: bytes | int | None) -> int:
 
 
 def head_from_fields(fields: list) -> pb.Head:
-    version, turn, tokens, sha, owner, tier, updated = fields
+    version, turn, tokens, sha, owner, tier, updated, incarnation = fields
     if not version:
         raise errors.NotFound("no such conversation (or wrong cache_salt)")
     return pb.Head(version=_i(version), turn=_i(turn), committed_tokens=_i(tokens),
                    tokens_sha256=_s(sha), owner_replica=_s(owner), tier_version=_i(tier),
-                   updated_at_ms=_i(updated))
+                   updated_at_ms=_i(updated), incarnation=_s(incarnation))
 
 
 def _raise_status(reply: list, what: str) -> None:
@@ -51,12 +53,16 @@ def _raise_status(reply: list, what: str) -> None:
     if status == b"OK":
         return
     if status in _LEASE_ERRORS:
-        raise _LEASE_ERRORS[status](f"{what}: the lease token is not the current lease")
+        raise _LEASE_ERRORS[status](f"{what}: the lease is not the current lease of this conversation")
     if status == b"VERSION_CONFLICT":
         raise errors.VersionConflict(f"{what}: head version is {_i(reply[1])}",
                                      current_version=_i(reply[1]))
     if status == b"NOT_FOUND":
         raise errors.NotFound(f"{what}: not found")
+    if status == b"ALREADY_EXISTS":
+        raise errors.AlreadyExists(f"{what}: the target conversation already exists")
+    if status == b"BAD_TURN":
+        raise errors.InvalidArgument(f"{what}: turn is past the ledger's {_i(reply[1])} turns")
     if status == b"BAD_TOKEN_COUNT":
         raise errors.InvalidArgument(
             f"{what}: committed_tokens must be {_i(reply[1])} + len(turn.token_ids)")
@@ -79,7 +85,11 @@ class MetadataStore:
         self._publish = r.register_script(scripts.PUBLISH)
         self._discard = r.register_script(scripts.DISCARD)
         self._transfer = r.register_script(scripts.TRANSFER)
+        self._rewind = r.register_script(scripts.REWIND)
+        self._fork = r.register_script(scripts.FORK)
+        self._read_ledger = r.register_script(scripts.READ_LEDGER)
         self._mark_tier = r.register_script(scripts.MARK_TIER)
+        self._delete = r.register_script(scripts.DELETE)
         self._register = r.register_script(scripts.REGISTER)
         self._heartbeat = r.register_script(scripts.HEARTBEAT)
         self._list_replicas = r.register_script(scripts.LIST_REPLICAS)
@@ -90,104 +100,142 @@ class MetadataStore:
     async def close(self) -> None:
         await self._redis.aclose()
 
+    async def lease_key(self) -> bytes:
+        """The lease-proof key: created by the first service on this Redis, then kept."""
+        await self._redis.set(LEASE_KEY, secrets.token_bytes(leases.KEY_BYTES), nx=True)
+        return await self._redis.get(LEASE_KEY)
+
     # -- leases -------------------------------------------------------------------
 
-    async def acquire(self, keys: ConversationKeys, holder: str, ttl_ms: int) -> pb.Lease:
+    async def acquire(self, keys: ConversationKeys, holder: str, ttl_ms: int, attempt: str,
+                      fence_ttl_ms: int) -> tuple[int, str, int, pb.Head | None]:
+        """(token, incarnation, expires_at_ms, head or None); LeaseHeld if busy."""
         start = now_ms()
-        reply = await self._acquire(keys=[keys.lease, keys.fence], args=[holder, ttl_ms])
+        reply = await self._acquire(keys=[keys.lease, keys.fence, keys.head],
+                                    args=[holder, ttl_ms, attempt, leases.new_incarnation(),
+                                          fence_ttl_ms])
         if reply[0] == b"LEASE_HELD":
             raise errors.LeaseHeld("conversation is busy: another turn holds its lease",
-                                   holder=_s(reply[1]), expires_in_ms=_i(reply[2]))
+                                   expires_in_ms=_i(reply[1]))
         _raise_status(reply, "acquire")
-        return pb.Lease(holder=holder, token=_i(reply[1]), expires_at_ms=start + _i(reply[2]))
+        head = head_from_fields(reply[4]) if reply[4][0] else None
+        return _i(reply[1]), _s(reply[2]), start + _i(reply[3]), head
 
-    async def renew(self, keys: ConversationKeys, token: int, ttl_ms: int) -> pb.Lease:
+    async def renew(self, keys: ConversationKeys, fence: Fence, ttl_ms: int,
+                    fence_ttl_ms: int) -> pb.Lease:
         start = now_ms()
-        reply = await self._renew(keys=[keys.lease], args=[token, ttl_ms])
+        reply = await self._renew(keys=[keys.lease, keys.fence],
+                                  args=[fence.token, fence.incarnation, ttl_ms, fence_ttl_ms])
         _raise_status(reply, "renew")
-        return pb.Lease(holder=_s(reply[1]), token=token, expires_at_ms=start + ttl_ms)
+        return pb.Lease(holder=_s(reply[1]), token=fence.token, expires_at_ms=start + ttl_ms)
 
-    async def release(self, keys: ConversationKeys, token: int) -> None:
-        _raise_status(await self._release(keys=[keys.lease], args=[token]), "release")
+    async def release(self, keys: ConversationKeys, fence: Fence) -> None:
+        reply = await self._release(keys=[keys.lease], args=[fence.token, fence.incarnation])
+        _raise_status(reply, "release")
 
     # -- heads and ledger ---------------------------------------------------------
 
     async def get_head(self, keys: ConversationKeys) -> pb.Head:
         return head_from_fields(await self._redis.hmget(keys.head, scripts.HEAD_FIELDS))
 
-    async def publish(self, keys: ConversationKeys, req: pb.PublishTurnRequest) -> pb.Head:
+    async def publish(self, keys: ConversationKeys, req: pb.PublishTurnRequest, fence: Fence,
+                      digest: str) -> pb.Head:
         # The turn number is the entry's position in the ledger list, so it is not
         # stored; read_ledger fills it in.
         entry = pb.LedgerTurn(messages=req.turn.messages, token_ids=req.turn.token_ids,
                               publish_id=req.publish_id, committed_at_ms=now_ms())
         reply = await self._publish(
-            keys=[keys.head, keys.lease, keys.ledger],
-            args=[req.lease_token, req.expected_version, entry.SerializeToString(),
+            keys=[keys.head, keys.lease, keys.ledger, keys.marks],
+            args=[fence.token, fence.incarnation, req.expected_version, entry.SerializeToString(),
                   req.committed_tokens, req.tokens_sha256, req.owner_replica,
                   entry.committed_at_ms, int(req.release_lease), req.publish_id,
-                  len(req.turn.token_ids)])
+                  len(req.turn.token_ids), digest, leases.new_incarnation()])
         _raise_status(reply, "publish")
         return head_from_fields(reply[1])
 
-    async def discard(self, keys: ConversationKeys, token: int) -> pb.Head | None:
-        reply = await self._discard(keys=[keys.head, keys.lease], args=[token])
+    async def discard(self, keys: ConversationKeys, fence: Fence) -> pb.Head | None:
+        reply = await self._discard(keys=[keys.head, keys.lease], args=[fence.token, fence.incarnation])
         _raise_status(reply, "discard")
         return head_from_fields(reply[1]) if reply[1][0] else None
 
-    async def transfer(self, keys: ConversationKeys, token: int, expected_version: int,
+    async def transfer(self, keys: ConversationKeys, fence: Fence, expected_version: int,
                        new_owner: str) -> pb.Head:
         reply = await self._transfer(keys=[keys.head, keys.lease],
-                                     args=[token, expected_version, new_owner, now_ms()])
+                                     args=[fence.token, fence.incarnation, expected_version,
+                                           new_owner, now_ms()])
         _raise_status(reply, "transfer")
         return head_from_fields(reply[1])
 
-    async def mark_tier(self, keys: ConversationKeys, version: int) -> pb.Head:
-        reply = await self._mark_tier(keys=[keys.head], args=[version, now_ms()])
+    async def rewind(self, keys: ConversationKeys, fence: Fence, expected_version: int,
+                     turn: int, owner: str) -> pb.Head:
+        reply = await self._rewind(keys=[keys.head, keys.lease, keys.ledger, keys.marks],
+                                   args=[fence.token, fence.incarnation, expected_version, turn,
+                                         owner, now_ms(), scripts.EMPTY_TOKENS_SHA256])
+        _raise_status(reply, "rewind")
+        return head_from_fields(reply[1])
+
+    async def fork(self, source: ConversationKeys, target: ConversationKeys, turn: int,
+                   expected_version: int) -> pb.Head:
+        reply = await self._fork(
+            keys=[source.head, source.ledger, source.marks, target.head, target.ledger, target.marks],
+            args=[turn, expected_version, now_ms(), leases.new_incarnation(), scripts.EMPTY_TOKENS_SHA256])
+        _raise_status(reply, "fork")
+        return head_from_fields(reply[1])
+
+    async def mark_tier(self, keys: ConversationKeys, version: int, incarnation: str) -> pb.Head:
+        reply = await self._mark_tier(keys=[keys.head], args=[version, incarnation, now_ms()])
         _raise_status(reply, "put state")
         return head_from_fields(reply[1])
 
-    async def read_ledger(self, keys: ConversationKeys, from_turn: int,
-                          max_turns: int) -> tuple[pb.Head, list[pb.LedgerTurn]]:
+    async def read_ledger(self, keys: ConversationKeys, from_turn: int, max_turns: int,
+                          page_bytes: int) -> tuple[pb.Head, list[pb.LedgerTurn], int]:
+        """(head, turns, next turn or 0): one page, bounded by turns and by bytes."""
         first = max(from_turn, 1)
-        last = -1 if max_turns == 0 else first + max_turns - 2
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hmget(keys.head, scripts.HEAD_FIELDS)
-            pipe.lrange(keys.ledger, first - 1, last)
-            fields, entries = await pipe.execute()
+        fields, nxt, entries = await self._read_ledger(
+            keys=[keys.head, keys.ledger, keys.marks], args=[first - 1, max_turns, page_bytes])
         head = head_from_fields(fields)
         turns = []
         for offset, raw in enumerate(entries):
             turn = pb.LedgerTurn.FromString(raw)
             turn.turn = first + offset
             turns.append(turn)
-        return head, turns
+        return head, turns, _i(nxt)
 
     async def delete(self, keys: ConversationKeys) -> bool:
-        # The fence counter stays: a re-created conversation must never hand out a
-        # token an old, stale holder still carries.
-        return await self._redis.delete(keys.head, keys.ledger, keys.lease) > 0
+        # The fence goes too: a re-created conversation starts a new incarnation, so
+        # no proof of an old holder matches any later lease.
+        return await self._delete(keys=[keys.fence, keys.head, keys.lease, keys.ledger, keys.marks]) > 0
 
     # -- replicas -----------------------------------------------------------------
 
-    async def register_replica(self, replica_id: str, address: str, ttl_ms: int) -> pb.Replica:
+    async def register_replica(self, replica_id: str, address: str, ttl_ms: int,
+                               max_replicas: int) -> pb.Replica:
         now = now_ms()
-        reply = await self._register(keys=[replica_key(replica_id), REPLICA_EPOCH, REPLICA_SET],
-                                     args=[replica_id, address, ttl_ms, now])
+        reply = await self._register(keys=[replica_key(replica_id), REPLICA_EPOCH, REPLICA_LIVE],
+                                     args=[replica_id, address, ttl_ms, now, max_replicas])
+        if reply[0] == b"FULL":
+            raise errors.ResourceExhausted(f"the registry holds its maximum of {max_replicas} "
+                                           "live replicas")
         return pb.Replica(replica_id=replica_id, address=address, epoch=_i(reply[1]),
                           last_seen_ms=now)
 
     async def heartbeat(self, req: pb.HeartbeatRequest) -> pb.Replica:
         reply = await self._heartbeat(
-            keys=[replica_key(req.replica_id)],
-            args=[req.epoch, req.ttl_ms, now_ms(), req.running_requests, req.free_kv_blocks])
+            keys=[replica_key(req.replica_id), REPLICA_LIVE],
+            args=[req.epoch, req.ttl_ms, now_ms(), req.running_requests, req.free_kv_blocks,
+                  req.replica_id])
         if reply[0] == b"NOT_FOUND":
             raise errors.NotFound(f"replica {req.replica_id!r} epoch {req.epoch} is not "
                                   "registered (expired or superseded): register again")
         return _replica(reply[1])
 
     async def list_replicas(self) -> list[pb.Replica]:
-        rows = await self._list_replicas(keys=[REPLICA_SET], args=[replica_key("")])
+        rows = await self._list_replicas(keys=[REPLICA_LIVE], args=[replica_key(""), now_ms()])
         return sorted((_replica(row) for row in rows), key=lambda r: r.replica_id)
+
+    async def count_replicas(self) -> int:
+        """Live registrations, O(log n): what GetStats reports without listing them."""
+        return await self._redis.zcount(REPLICA_LIVE, f"({now_ms()}", "+inf")
 
 
 def _replica(fields: list) -> pb.Replica:

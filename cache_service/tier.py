@@ -11,7 +11,12 @@ tier never interprets those bytes.
 - Chunks are scoped per conversation: dedup never crosses conversations, so asking
   "which digests are missing?" reveals nothing about anyone else's state.
 - One entry per conversation: committing version V replaces the older entry and drops
-  its chunks that V does not reuse ("superseded"). Since full KV blocks never change,
+  its chunks that V does not reuse ("superseded"). An entry names the conversation's
+  incarnation (Head.incarnation); a newer incarnation replaces it whatever the version.
+- A commit is all-or-nothing: chunks are installed, spilled if over budget, and only
+  then is the entry switched; if the disk refuses a spill (full, file too large), the
+  new chunks are removed again, the failing chunk stays in memory, the old entry stays,
+  and the caller gets ResourceExhausted. Since full KV blocks never change,
   an export at V usually reuses most chunks of V-1 and only the new ones travel.
 - When memory exceeds the budget, least-recently-used chunks move to disk. Reads from
   disk do not promote back: imports are one-shot (a migration), promoting would only
@@ -51,6 +56,7 @@ class ChunkRef:
 
 @dataclass(frozen=True)
 class Entry:
+    incarnation: str
     version: int
     chunks: tuple[ChunkRef, ...]
 
@@ -107,6 +113,11 @@ class StateTier:
             raise errors.NotFound(f"state tier has no version {version} of this conversation ({held})")
         return entry
 
+    def check_sizes(self, conv: str, chunks: list[ChunkRef]) -> None:
+        """InvalidArgument if a chunk the tier holds is declared with another size."""
+        with self._lock:
+            self._check_sizes(conv, chunks)
+
     def read_chunk(self, conv: str, entry: Entry, ref: ChunkRef) -> bytes:
         """The chunk's bytes, checksum verified."""
         key = (conv, ref.digest)
@@ -149,36 +160,44 @@ class StateTier:
 
     # -- mutations ----------------------------------------------------------------
 
-    def commit(self, conv: str, version: int, chunks: list[ChunkRef],
+    def commit(self, conv: str, incarnation: str, version: int, chunks: list[ChunkRef],
                staged: Mapping[bytes, bytes]) -> int:
         """Install `version` from staged chunks plus chunks already held; returns reused count.
 
         Staged chunks must already be verified against their digests (the servicer
-        does it as they arrive). Raises MissingChunks if a digest is nowhere.
+        does it as they arrive). Raises MissingChunks if a digest is nowhere,
+        InvalidArgument if a held chunk is declared with another size, ResourceExhausted
+        if the disk refused a spill; in every case nothing changed.
         """
         with self._lock:
             old = self._entries.get(conv)
-            if old is not None and old.version > version:
+            if old is not None and old.incarnation == incarnation and old.version > version:
                 raise errors.VersionConflict(
                     f"state tier already holds newer version {old.version}", current_version=old.version)
+            self._check_sizes(conv, chunks)
             wanted = dict.fromkeys(c.digest for c in chunks)
             absent = [d for d in wanted if d not in staged and not self._has(conv, d)]
             if absent:
                 raise errors.MissingChunks(
                     f"{len(absent)} chunk(s) are neither in the stream nor in the tier; "
                     "resend them", missing=len(absent))
-            reused = 0
-            for digest in wanted:
-                if self._has(conv, digest):
-                    reused += 1
-                else:
-                    self._store.memory[(conv, digest)] = staged[digest]
-                    self._stats.memory_bytes += len(staged[digest])
-            self._entries[conv] = Entry(version, tuple(chunks))
-            if old is not None:
-                self._drop_chunks(conv, [c.digest for c in old.chunks if c.digest not in wanted])
-            self._spill_over_budget()
-            return reused
+            added = [d for d in wanted if not self._has(conv, d)]
+            for digest in added:
+                self._store.memory[(conv, digest)] = staged[digest]
+                self._stats.memory_bytes += len(staged[digest])
+            superseded = [c.digest for c in old.chunks if c.digest not in wanted] if old else []
+            # Superseded chunks still in memory leave with the switch below: do not
+            # spill chunks for their sake.
+            leaving = sum(len(self._store.memory.get((conv, d), b"")) for d in dict.fromkeys(superseded))
+            try:
+                self._spill_over_budget(allowance=leaving)
+            except OSError as exc:
+                self._drop_chunks(conv, added)
+                raise errors.ResourceExhausted(
+                    f"state tier cannot spill to disk ({exc.strerror or exc}); nothing stored") from None
+            self._entries[conv] = Entry(incarnation, version, tuple(chunks))
+            self._drop_chunks(conv, superseded)
+            return len(wanted) - len(added)
 
     def drop(self, conv: str) -> bool:
         """Forget the conversation's entry and chunks (conversation deleted)."""
@@ -190,6 +209,16 @@ class StateTier:
 
     # -- internals (lock held) ----------------------------------------------------
 
+    def _check_sizes(self, conv: str, chunks: list[ChunkRef]) -> None:
+        for i, ref in enumerate(chunks):
+            key = (conv, ref.digest)
+            data = self._store.memory.get(key)
+            held = len(data) if data is not None else self._store.disk.get(key)
+            if held is not None and held != ref.size:
+                raise errors.InvalidArgument(
+                    f"manifest.chunks[{i}] declares {ref.size} bytes for a chunk the tier holds "
+                    f"with {held} bytes")
+
     def _has(self, conv: str, digest: bytes) -> bool:
         key = (conv, digest)
         return key in self._store.memory or key in self._store.disk
@@ -199,6 +228,7 @@ class StateTier:
         return self._dir / conv / digest.hex()
 
     def _drop_chunks(self, conv: str, digests: list[bytes]) -> None:
+        unlinked = False
         for digest in dict.fromkeys(digests):
             key = (conv, digest)
             data = self._store.memory.pop(key, None)
@@ -208,6 +238,15 @@ class StateTier:
             if size is not None:
                 self._stats.disk_bytes -= size
                 self._chunk_path(key).unlink(missing_ok=True)
+                unlinked = True
+        if unlinked:
+            self._remove_dir_if_empty(conv)
+
+    def _remove_dir_if_empty(self, conv: str) -> None:
+        try:
+            (self._dir / conv).rmdir()
+        except OSError:
+            pass  # not empty (other chunks of this conversation are on disk) or never made
 
     def _drop_corrupt(self, conv: str, entry: Entry) -> None:
         with self._lock:
@@ -216,14 +255,24 @@ class StateTier:
                 del self._entries[conv]
                 self._drop_chunks(conv, [c.digest for c in entry.chunks])
 
-    def _spill_over_budget(self) -> None:
-        while self._stats.memory_bytes > self._budget and self._store.memory:
+    def _spill_over_budget(self, allowance: int = 0) -> None:
+        """Move least-recently-used chunks to disk until memory fits the budget (plus
+        `allowance`). On a disk error the chunk being written stays in memory, its
+        temporary file is removed, and the OSError propagates."""
+        while self._stats.memory_bytes > self._budget + allowance and self._store.memory:
             key, data = self._store.memory.popitem(last=False)
             path = self._chunk_path(key)
-            path.parent.mkdir(exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)  # a crash mid-write never leaves a half chunk under its name
+            try:
+                path.parent.mkdir(exist_ok=True)
+                tmp.write_bytes(data)
+                os.replace(tmp, path)  # a crash mid-write never leaves a half chunk under its name
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                self._store.memory[key] = data
+                self._store.memory.move_to_end(key, last=False)
+                self._remove_dir_if_empty(key[0])
+                raise
             self._store.disk[key] = len(data)
             self._stats.memory_bytes -= len(data)
             self._stats.disk_bytes += len(data)

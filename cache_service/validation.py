@@ -14,7 +14,9 @@ from cache_service.keys import ConversationKeys
 from proto import cache_pb2 as pb
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_INCARNATION_HEX = re.compile(r"[0-9a-f]{16}")
 DIGEST_BYTES = 32
+ATTEMPT_KEY_BYTES = (16, 64)
 
 
 def identifier(value: str, field: str, limits: Limits, *, required: bool = True) -> str:
@@ -35,6 +37,20 @@ def conversation(key: pb.ConversationKey, limits: Limits) -> ConversationKeys:
 def ttl(value: int, limits: Limits) -> int:
     if not limits.min_ttl_ms <= value <= limits.max_ttl_ms:
         raise InvalidArgument(f"ttl_ms must be in [{limits.min_ttl_ms}, {limits.max_ttl_ms}], got {value}")
+    return value
+
+
+def lease_ttl(value: int, limits: Limits) -> int:
+    if not limits.min_ttl_ms <= value <= limits.max_lease_ttl_ms:
+        raise InvalidArgument(f"ttl_ms must be in [{limits.min_ttl_ms}, {limits.max_lease_ttl_ms}] "
+                              f"(renew a longer lease), got {value}")
+    return value
+
+
+def attempt_key(value: bytes) -> bytes:
+    low, high = ATTEMPT_KEY_BYTES
+    if value and not low <= len(value) <= high:
+        raise InvalidArgument(f"attempt_key must be {low}..{high} random bytes (or empty)")
     return value
 
 
@@ -68,6 +84,11 @@ def publish(req: pb.PublishTurnRequest, limits: Limits) -> ConversationKeys:
     if content > limits.max_turn_content_bytes:
         raise InvalidArgument(f"turn messages hold {content} bytes, over the limit of "
                               f"{limits.max_turn_content_bytes}")
+    # The stored entry must always fit a ReadLedger reply: bound what is serialized,
+    # not only what the known fields declare (unknown fields are dropped on parse).
+    if turn.ByteSize() > limits.max_turn_bytes:
+        raise InvalidArgument(f"turn serializes to {turn.ByteSize()} bytes, over the limit of "
+                              f"{limits.max_turn_bytes}")
     if req.committed_tokens < len(turn.token_ids):
         raise InvalidArgument("committed_tokens must count the committed history including this turn")
     return keys
@@ -90,8 +111,19 @@ def manifest(m: pb.StateManifest, limits: Limits) -> ConversationKeys:
         raise InvalidArgument("manifest.version must be the committed head version (> 0)")
     if not m.chunks:
         raise InvalidArgument("manifest.chunks must not be empty")
+    if not _INCARNATION_HEX.fullmatch(m.incarnation):
+        raise InvalidArgument("manifest.incarnation must be the exported head's incarnation "
+                              "(Head.incarnation, 16 hex digits)")
     digests((c.digest for c in m.chunks), "manifest.chunks", limits)
+    sizes: dict[bytes, int] = {}
+    total = 0
     for i, chunk in enumerate(m.chunks):
         if not 0 < chunk.size <= limits.max_chunk_bytes:
             raise InvalidArgument(f"manifest.chunks[{i}].size must be in [1, {limits.max_chunk_bytes}]")
+        if sizes.setdefault(chunk.digest, chunk.size) != chunk.size:
+            raise InvalidArgument(f"manifest.chunks[{i}] repeats a digest with another size "
+                                  f"({chunk.size} vs {sizes[chunk.digest]})")
+        total += chunk.size
+    if total > limits.max_state_bytes:
+        raise InvalidArgument(f"manifest describes {total} bytes, over the limit of {limits.max_state_bytes}")
     return keys

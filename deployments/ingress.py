@@ -10,8 +10,6 @@ With API keys configured every /v1 route wants `Authorization: Bearer KEY`, and 
 scope is prefixed to the cache salt: another key never sees a conversation's state.
 """
 
-from __future__ import annotations
-
 import json
 import time
 from collections.abc import AsyncIterator
@@ -41,6 +39,31 @@ errors.install(api)
 
 def _model_name(settings: AppSettings) -> str:
     return Path(settings.model).name if settings.model else "hybridserve-builtin"
+
+
+def _check_id(conversation_id: str) -> None:
+    if not 0 < len(conversation_id.encode()) <= 256:
+        raise APIError(400, "conversation_id must be 1..256 bytes", "invalid_request", param="conversation_id")
+
+
+def _unknown(conversation_id: str) -> APIError:
+    return APIError(404, f"no conversation {conversation_id!r} under this cache_salt", "conversation_not_found")
+
+
+def _data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _usage(done: TurnDone) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def _logprobs(entries) -> dict:
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
+                        for e in entries or ()]}
 
 
 @serve.deployment(name="ChatIngress", num_replicas=1, max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
@@ -228,7 +251,7 @@ class ChatIngress:
         return {
             "id": conversation_id, "object": "conversation", "turn": head.turn,
             "head": {"version": head.version, "turn": head.turn, "committed_tokens": head.committed_tokens,
-                     "tokens_sha256": head.tokens_sha256, "owner": head.owner, "tier_version": head.tier_version},
+                     "tokens_sha256": head.tokens_sha256, "owner": head.owner_replica, "tier_version": head.tier_version},
             "turns": [{"turn": i, "messages": [{"role": m.role, "content": m.content} for m in t.messages],
                        "token_ids": list(t.token_ids)} for i, t in enumerate(ledger.turns, start=1)],
         }
@@ -264,28 +287,3 @@ class ChatIngress:
     @api.get("/metrics")
     async def metrics(self) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
-
-
-def _check_id(conversation_id: str) -> None:
-    if not 0 < len(conversation_id.encode()) <= 256:
-        raise APIError(400, "conversation_id must be 1..256 bytes", "invalid_request", param="conversation_id")
-
-
-def _unknown(conversation_id: str) -> APIError:
-    return APIError(404, f"no conversation {conversation_id!r} under this cache_salt", "conversation_not_found")
-
-
-def _data(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def _usage(done: TurnDone) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-
-
-def _logprobs(entries) -> dict:
-    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
-                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
-                        for e in entries or ()]}

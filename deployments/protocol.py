@@ -24,6 +24,12 @@ class HeadRef:
     owner: str  # Serve replica id (unique part) of the worker holding the state; "" if none
     tier_version: int  # head version whose state the tier holds (0: none)
 
+    @classmethod
+    def of(cls, head: Any) -> "HeadRef":
+        """From the cache service's `Head` message."""
+        return cls(head.version, head.turn, head.committed_tokens, head.tokens_sha256, head.owner_replica,
+                   head.tier_version)
+
 
 @dataclass(frozen=True)
 class TurnJob:

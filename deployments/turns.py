@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ray.exceptions import RayError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -71,8 +71,7 @@ class TurnRun:
         except CacheError as e:
             await _settle(cache, lease, committed=False)
             raise errors.overloaded(f"cache service unavailable: {e}") from e
-        ref = None if head is None else HeadRef(head.version, head.turn, head.committed_tokens,
-                                                head.tokens_sha256, head.owner, head.tier_version)
+        ref = None if head is None else HeadRef.of(head)
         job = TurnJob(request_id, messages, sampling, conversation_id, cache_salt, granted.token, ref)
         run = cls(settings, workers, cache, job, lease)
         run._renewer = asyncio.create_task(run._renew(ttl_ms))
@@ -103,7 +102,11 @@ class TurnRun:
                 return
             except BackPressureError as e:
                 raise errors.overloaded(f"every worker is at capacity: {e}") from e
-            except RayError as e:
+            except RayTaskError as e:  # a bug in the worker: never retried, never a bad request
+                log.error("worker failed: %s", e)
+                yield TurnFailed(ErrorKind.INTERNAL, f"the worker failed: {type(e.cause).__name__}: {e.cause}")
+                return
+            except (RayActorError, ActorUnavailableError) as e:
                 if started or attempt == RETRIES_BEFORE_FIRST_EVENT:
                     yield TurnFailed(ErrorKind.UNAVAILABLE, f"the worker replica was lost: {type(e).__name__}")
                     return

@@ -199,7 +199,7 @@ class Worker:
             await asyncio.shield(self.session.abandon(prepared))
             raise
         await self.session.commit(prepared)
-        ref = HeadRef(head.version, head.turn, head.committed_tokens, head.tokens_sha256, head.owner, head.tier_version)
+        ref = HeadRef.of(head)
         if self.settings.tier_export is TierExport.SYNC:
             await self._export(job, ref)
         elif self.settings.tier_export is TierExport.ASYNC:

@@ -77,42 +77,52 @@ class ListReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
 
 class AcquireLeaseRequest(_message.Message):
-    __slots__ = ("key", "holder", "ttl_ms")
+    __slots__ = ("key", "holder", "ttl_ms", "attempt_key")
     KEY_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_KEY_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     holder: str
     ttl_ms: int
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., holder: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    attempt_key: bytes
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., holder: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., attempt_key: _Optional[bytes] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("holder", "token", "expires_at_ms")
+    __slots__ = ("holder", "token", "expires_at_ms", "proof", "head")
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     holder: str
     token: int
     expires_at_ms: int
-    def __init__(self, holder: _Optional[str] = ..., token: _Optional[int] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+    proof: bytes
+    head: Head
+    def __init__(self, holder: _Optional[str] = ..., token: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., proof: _Optional[bytes] = ..., head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
-    __slots__ = ("key", "token", "ttl_ms")
+    __slots__ = ("key", "token", "ttl_ms", "lease_proof")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PROOF_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     token: int
     ttl_ms: int
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., token: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    lease_proof: bytes
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., token: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., lease_proof: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("key", "token")
+    __slots__ = ("key", "token", "lease_proof")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PROOF_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     token: int
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., token: _Optional[int] = ...) -> None: ...
+    lease_proof: bytes
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., token: _Optional[int] = ..., lease_proof: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ()
@@ -125,7 +135,7 @@ class GetHeadRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ...) -> None: ...
 
 class Head(_message.Message):
-    __slots__ = ("version", "turn", "committed_tokens", "tokens_sha256", "owner_replica", "tier_version", "updated_at_ms")
+    __slots__ = ("version", "turn", "committed_tokens", "tokens_sha256", "owner_replica", "tier_version", "updated_at_ms", "incarnation")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TURN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +143,7 @@ class Head(_message.Message):
     OWNER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     TIER_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     turn: int
     committed_tokens: int
@@ -140,7 +151,8 @@ class Head(_message.Message):
     owner_replica: str
     tier_version: int
     updated_at_ms: int
-    def __init__(self, version: _Optional[int] = ..., turn: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., tokens_sha256: _Optional[str] = ..., owner_replica: _Optional[str] = ..., tier_version: _Optional[int] = ..., updated_at_ms: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, version: _Optional[int] = ..., turn: _Optional[int] = ..., committed_tokens: _Optional[int] = ..., tokens_sha256: _Optional[str] = ..., owner_replica: _Optional[str] = ..., tier_version: _Optional[int] = ..., updated_at_ms: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class Message(_message.Message):
     __slots__ = ("role", "content")
@@ -165,7 +177,7 @@ class LedgerTurn(_message.Message):
     def __init__(self, turn: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., publish_id: _Optional[str] = ..., committed_at_ms: _Optional[int] = ...) -> None: ...
 
 class PublishTurnRequest(_message.Message):
-    __slots__ = ("key", "lease_token", "expected_version", "turn", "committed_tokens", "tokens_sha256", "owner_replica", "release_lease", "publish_id")
+    __slots__ = ("key", "lease_token", "expected_version", "turn", "committed_tokens", "tokens_sha256", "owner_replica", "release_lease", "publish_id", "lease_proof")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +187,7 @@ class PublishTurnRequest(_message.Message):
     OWNER_REPLICA_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PROOF_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     lease_token: int
     expected_version: int
@@ -184,15 +197,18 @@ class PublishTurnRequest(_message.Message):
     owner_replica: str
     release_lease: bool
     publish_id: str
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ..., expected_version: _Optional[int] = ..., turn: _Optional[_Union[LedgerTurn, _Mapping]] = ..., committed_tokens: _Optional[int] = ..., tokens_sha256: _Optional[str] = ..., owner_replica: _Optional[str] = ..., release_lease: _Optional[bool] = ..., publish_id: _Optional[str] = ...) -> None: ...
+    lease_proof: bytes
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ..., expected_version: _Optional[int] = ..., turn: _Optional[_Union[LedgerTurn, _Mapping]] = ..., committed_tokens: _Optional[int] = ..., tokens_sha256: _Optional[str] = ..., owner_replica: _Optional[str] = ..., release_lease: _Optional[bool] = ..., publish_id: _Optional[str] = ..., lease_proof: _Optional[bytes] = ...) -> None: ...
 
 class DiscardRequest(_message.Message):
-    __slots__ = ("key", "lease_token")
+    __slots__ = ("key", "lease_token", "lease_proof")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PROOF_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     lease_token: int
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ...) -> None: ...
+    lease_proof: bytes
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ..., lease_proof: _Optional[bytes] = ...) -> None: ...
 
 class ReadLedgerRequest(_message.Message):
     __slots__ = ("key", "from_turn", "max_turns")
@@ -205,12 +221,14 @@ class ReadLedgerRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., from_turn: _Optional[int] = ..., max_turns: _Optional[int] = ...) -> None: ...
 
 class ReadLedgerResponse(_message.Message):
-    __slots__ = ("head", "turns")
+    __slots__ = ("head", "turns", "next_turn")
     HEAD_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TURN_FIELD_NUMBER: _ClassVar[int]
     head: Head
     turns: _containers.RepeatedCompositeFieldContainer[LedgerTurn]
-    def __init__(self, head: _Optional[_Union[Head, _Mapping]] = ..., turns: _Optional[_Iterable[_Union[LedgerTurn, _Mapping]]] = ...) -> None: ...
+    next_turn: int
+    def __init__(self, head: _Optional[_Union[Head, _Mapping]] = ..., turns: _Optional[_Iterable[_Union[LedgerTurn, _Mapping]]] = ..., next_turn: _Optional[int] = ...) -> None: ...
 
 class DeleteConversationRequest(_message.Message):
     __slots__ = ("key",)
@@ -225,16 +243,46 @@ class DeleteConversationResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class TransferOwnershipRequest(_message.Message):
-    __slots__ = ("key", "lease_token", "expected_version", "new_owner")
+    __slots__ = ("key", "lease_token", "expected_version", "new_owner", "lease_proof")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     NEW_OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PROOF_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     lease_token: int
     expected_version: int
     new_owner: str
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ..., expected_version: _Optional[int] = ..., new_owner: _Optional[str] = ...) -> None: ...
+    lease_proof: bytes
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ..., expected_version: _Optional[int] = ..., new_owner: _Optional[str] = ..., lease_proof: _Optional[bytes] = ...) -> None: ...
+
+class RewindConversationRequest(_message.Message):
+    __slots__ = ("key", "lease_token", "lease_proof", "expected_version", "turn", "owner_replica")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PROOF_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    OWNER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    lease_token: int
+    lease_proof: bytes
+    expected_version: int
+    turn: int
+    owner_replica: str
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., lease_token: _Optional[int] = ..., lease_proof: _Optional[bytes] = ..., expected_version: _Optional[int] = ..., turn: _Optional[int] = ..., owner_replica: _Optional[str] = ...) -> None: ...
+
+class ForkConversationRequest(_message.Message):
+    __slots__ = ("key", "new_conversation_id", "turn", "expected_version")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NEW_CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    key: ConversationKey
+    new_conversation_id: str
+    turn: int
+    expected_version: int
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., new_conversation_id: _Optional[str] = ..., turn: _Optional[int] = ..., expected_version: _Optional[int] = ...) -> None: ...
 
 class ChunkRef(_message.Message):
     __slots__ = ("digest", "size")
@@ -259,14 +307,16 @@ class MissingChunksResponse(_message.Message):
     def __init__(self, digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StateManifest(_message.Message):
-    __slots__ = ("key", "version", "chunks")
+    __slots__ = ("key", "version", "chunks", "incarnation")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     version: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkRef]
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("digest", "data")
@@ -317,7 +367,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("tier_memory_bytes", "tier_disk_bytes", "tier_budget_bytes", "tier_entries", "tier_chunks", "tier_spills", "tier_disk_reads", "tier_checksum_failures", "live_replicas", "rpc_counts", "rpc_errors")
+    __slots__ = ("tier_memory_bytes", "tier_disk_bytes", "tier_budget_bytes", "tier_entries", "tier_chunks", "tier_spills", "tier_disk_reads", "tier_checksum_failures", "live_replicas", "rpc_counts", "rpc_errors", "tier_staged_bytes")
     class RpcCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +393,7 @@ class Stats(_message.Message):
     LIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     RPC_COUNTS_FIELD_NUMBER: _ClassVar[int]
     RPC_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TIER_STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tier_memory_bytes: int
     tier_disk_bytes: int
     tier_budget_bytes: int
@@ -354,4 +405,5 @@ class Stats(_message.Message):
     live_replicas: int
     rpc_counts: _containers.ScalarMap[str, int]
     rpc_errors: _containers.ScalarMap[str, int]
-    def __init__(self, tier_memory_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_budget_bytes: _Optional[int] = ..., tier_entries: _Optional[int] = ..., tier_chunks: _Optional[int] = ..., tier_spills: _Optional[int] = ..., tier_disk_reads: _Optional[int] = ..., tier_checksum_failures: _Optional[int] = ..., live_replicas: _Optional[int] = ..., rpc_counts: _Optional[_Mapping[str, int]] = ..., rpc_errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    tier_staged_bytes: int
+    def __init__(self, tier_memory_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_budget_bytes: _Optional[int] = ..., tier_entries: _Optional[int] = ..., tier_chunks: _Optional[int] = ..., tier_spills: _Optional[int] = ..., tier_disk_reads: _Optional[int] = ..., tier_checksum_failures: _Optional[int] = ..., live_replicas: _Optional[int] = ..., rpc_counts: _Optional[_Mapping[str, int]] = ..., rpc_errors: _Optional[_Mapping[str, int]] = ..., tier_staged_bytes: _Optional[int] = ...) -> None: ...

@@ -94,6 +94,16 @@ class CacheServiceStub:
                 request_serializer=proto_dot_cache__pb2.TransferOwnershipRequest.SerializeToString,
                 response_deserializer=proto_dot_cache__pb2.Head.FromString,
                 _registered_method=True)
+        self.RewindConversation = channel.unary_unary(
+                '/hybridserve.cache.v1.CacheService/RewindConversation',
+                request_serializer=proto_dot_cache__pb2.RewindConversationRequest.SerializeToString,
+                response_deserializer=proto_dot_cache__pb2.Head.FromString,
+                _registered_method=True)
+        self.ForkConversation = channel.unary_unary(
+                '/hybridserve.cache.v1.CacheService/ForkConversation',
+                request_serializer=proto_dot_cache__pb2.ForkConversationRequest.SerializeToString,
+                response_deserializer=proto_dot_cache__pb2.Head.FromString,
+                _registered_method=True)
         self.MissingChunks = channel.unary_unary(
                 '/hybridserve.cache.v1.CacheService/MissingChunks',
                 request_serializer=proto_dot_cache__pb2.MissingChunksRequest.SerializeToString,
@@ -198,6 +208,22 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RewindConversation(self, request, context):
+        """Fenced by the lease: truncate the ledger to `turn` as a new head version (the
+        version still moves forward); tier state of the later turns becomes unreachable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkConversation(self, request, context):
+        """Copy turns 1..`turn` of a conversation into a new one with the same cache_salt;
+        ALREADY_EXISTS if the target has a head.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def MissingChunks(self, request, context):
         """State tier. A put first asks which chunk digests the tier lacks, then streams a
         manifest plus only those chunks.
@@ -285,6 +311,16 @@ def add_CacheServiceServicer_to_server(servicer, server):
             'TransferOwnership': grpc.unary_unary_rpc_method_handler(
                     servicer.TransferOwnership,
                     request_deserializer=proto_dot_cache__pb2.TransferOwnershipRequest.FromString,
+                    response_serializer=proto_dot_cache__pb2.Head.SerializeToString,
+            ),
+            'RewindConversation': grpc.unary_unary_rpc_method_handler(
+                    servicer.RewindConversation,
+                    request_deserializer=proto_dot_cache__pb2.RewindConversationRequest.FromString,
+                    response_serializer=proto_dot_cache__pb2.Head.SerializeToString,
+            ),
+            'ForkConversation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkConversation,
+                    request_deserializer=proto_dot_cache__pb2.ForkConversationRequest.FromString,
                     response_serializer=proto_dot_cache__pb2.Head.SerializeToString,
             ),
             'MissingChunks': grpc.unary_unary_rpc_method_handler(
@@ -631,6 +667,60 @@ class CacheService:
             target,
             '/hybridserve.cache.v1.CacheService/TransferOwnership',
             proto_dot_cache__pb2.TransferOwnershipRequest.SerializeToString,
+            proto_dot_cache__pb2.Head.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RewindConversation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridserve.cache.v1.CacheService/RewindConversation',
+            proto_dot_cache__pb2.RewindConversationRequest.SerializeToString,
+            proto_dot_cache__pb2.Head.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkConversation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridserve.cache.v1.CacheService/ForkConversation',
+            proto_dot_cache__pb2.ForkConversationRequest.SerializeToString,
             proto_dot_cache__pb2.Head.FromString,
             options,
             channel_credentials,

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import uuid
 
+import grpc
 import pytest
 from cs_helpers import ServiceProcess, fast_client
 
 from cache_service.client import Conversation
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+from proto import cache_pb2_grpc
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +49,12 @@ async def client(service):
 @pytest.fixture
 def conv() -> Conversation:
     return Conversation(f"conv-{uuid.uuid4().hex}", salt=f"salt-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="session")
+async def stub(service):
+    """The raw generated stub: for tests that check wire-level status codes."""
+    channel = grpc.aio.insecure_channel(service.target, options=[
+        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+    yield cache_pb2_grpc.CacheServiceStub(channel)
+    await channel.close()

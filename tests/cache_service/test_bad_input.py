@@ -12,17 +12,8 @@ from cs_helpers import History, commit_turn
 
 from cache_service.client import NotFound, tokens_sha256
 from proto import cache_pb2 as pb
-from proto import cache_pb2_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-@pytest.fixture(scope="module")
-async def stub(service):
-    channel = grpc.aio.insecure_channel(service.target, options=[
-        ("grpc.max_send_message_length", 64 << 20)])
-    yield cache_pb2_grpc.CacheServiceStub(channel)
-    await channel.close()
 
 
 async def expect(code, call):
@@ -37,8 +28,9 @@ def key(conv, **override):
     return pb.ConversationKey(**{"conversation_id": conv.id, "cache_salt": conv.salt, **override})
 
 
-def publish_request(conv, token=1, **override):
-    fields = dict(key=key(conv), lease_token=token, expected_version=0,
+def publish_request(conv, lease=None, **override):
+    fields = dict(key=key(conv), lease_token=lease.token if lease else 1,
+                  lease_proof=lease.proof if lease else b"", expected_version=0,
                   turn=pb.LedgerTurn(messages=[pb.Message(role="user", content="hi")], token_ids=[1, 2]),
                   committed_tokens=2, tokens_sha256=tokens_sha256([1, 2]), publish_id="p")
     fields.update(override)
@@ -96,7 +88,7 @@ async def test_bad_lease_requests(stub, conv):
 ])
 async def test_bad_publish_writes_nothing(stub, client, conv, override, fragment):
     lease = await client.acquire_lease(conv, ttl_ms=10_000)
-    request = publish_request(conv, token=lease.token)
+    request = publish_request(conv, lease)
     for name, value in override.items():
         if name == "turn":
             request.turn.CopyFrom(value)
@@ -106,13 +98,13 @@ async def test_bad_publish_writes_nothing(stub, client, conv, override, fragment
     assert fragment in error.details()
     await assert_nothing_written(client, conv)
     # The lease survived the refused publish: the holder can still commit properly.
-    head = await stub.PublishTurn(publish_request(conv, token=lease.token))
+    head = await stub.PublishTurn(publish_request(conv, lease))
     assert head.version == 1
 
 
 async def test_oversized_message_over_the_transport_limit(stub, client, conv):
     lease = await client.acquire_lease(conv, ttl_ms=10_000)
-    huge = publish_request(conv, token=lease.token,
+    huge = publish_request(conv, lease,
                            turn=pb.LedgerTurn(messages=[pb.Message(role="user", content="x" * (40 << 20))],
                                               token_ids=[1, 2]))
     await expect(grpc.StatusCode.RESOURCE_EXHAUSTED, stub.PublishTurn(huge))
@@ -129,9 +121,11 @@ async def test_unknown_conversation(stub, conv):
     assert dict(error.trailing_metadata())["hs-reason"] == "lease_lost"
 
 
-def manifest_request(conv, chunks, version=1, **size_override):
-    return pb.PutStateRequest(manifest=pb.StateManifest(key=key(conv), version=version, chunks=[
-        pb.ChunkRef(digest=hashlib.sha256(c).digest(), size=size_override.get("size", len(c))) for c in chunks]))
+def manifest_request(conv, chunks, version=1, incarnation="0" * 16, **size_override):
+    return pb.PutStateRequest(manifest=pb.StateManifest(
+        key=key(conv), version=version, incarnation=incarnation, chunks=[
+            pb.ChunkRef(digest=hashlib.sha256(c).digest(), size=size_override.get("size", len(c)))
+            for c in chunks]))
 
 
 def chunk_request(data, digest=None):
@@ -145,22 +139,26 @@ async def stream(*messages):
 
 @pytest.mark.parametrize("case", ["no_manifest", "digest_mismatch", "unknown_digest", "short_digest",
                                   "size_mismatch", "oversized_chunk", "empty_manifest", "version_zero",
-                                  "second_manifest"])
+                                  "second_manifest", "no_incarnation"])
 async def test_malformed_state_streams_store_nothing(stub, client, conv, case):
     await commit_turn(client, conv, History(), [1], "t")
+    inc = (await client.get_head(conv)).incarnation
     good = b"state bytes" * 100
-    m = manifest_request(conv, [good])
+    m = manifest_request(conv, [good], incarnation=inc)
     streams = {
         "no_manifest": [chunk_request(good)],
         "digest_mismatch": [m, chunk_request(good[:-1] + b"!", digest=hashlib.sha256(good).digest())],
         "unknown_digest": [m, chunk_request(b"other")],
         "short_digest": [pb.PutStateRequest(manifest=pb.StateManifest(
-            key=key(conv), version=1, chunks=[pb.ChunkRef(digest=b"\1" * 31, size=3)]))],
-        "size_mismatch": [manifest_request(conv, [good], size=len(good) + 1), chunk_request(good)],
-        "oversized_chunk": [manifest_request(conv, [good], size=(4 << 20) + 1)],
-        "empty_manifest": [pb.PutStateRequest(manifest=pb.StateManifest(key=key(conv), version=1))],
-        "version_zero": [manifest_request(conv, [good], version=0), chunk_request(good)],
+            key=key(conv), version=1, incarnation=inc, chunks=[pb.ChunkRef(digest=b"\1" * 31, size=3)]))],
+        "size_mismatch": [manifest_request(conv, [good], size=len(good) + 1, incarnation=inc),
+                          chunk_request(good)],
+        "oversized_chunk": [manifest_request(conv, [good], size=(4 << 20) + 1, incarnation=inc)],
+        "empty_manifest": [pb.PutStateRequest(manifest=pb.StateManifest(key=key(conv), version=1,
+                                                                        incarnation=inc))],
+        "version_zero": [manifest_request(conv, [good], version=0, incarnation=inc), chunk_request(good)],
         "second_manifest": [m, m],
+        "no_incarnation": [manifest_request(conv, [good], incarnation=""), chunk_request(good)],
     }
     await expect(INVALID, stub.PutState(stream(*streams[case])))
     await expect(grpc.StatusCode.NOT_FOUND, stub.GetState(pb.GetStateRequest(key=key(conv))).read())
@@ -169,8 +167,9 @@ async def test_malformed_state_streams_store_nothing(stub, client, conv, case):
 
 async def test_put_referencing_chunks_nobody_sent(stub, client, conv):
     await commit_turn(client, conv, History(), [1], "t")
+    inc = (await client.get_head(conv)).incarnation
     error = await expect(grpc.StatusCode.FAILED_PRECONDITION,
-                         stub.PutState(stream(manifest_request(conv, [b"never sent"]))))
+                         stub.PutState(stream(manifest_request(conv, [b"never sent"], incarnation=inc))))
     assert dict(error.trailing_metadata())["hs-reason"] == "missing_chunks"
     assert (await client.get_head(conv)).tier_version == 0
 

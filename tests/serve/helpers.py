@@ -1,0 +1,54 @@
+"""Helpers of the serving tests: one chat turn through the official client, and its reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import openai
+
+MAX_TOKENS = 8
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+@dataclass
+class Reply:
+    text: str
+    tokens: list[str]  # token strings from logprobs: the exact sampled tokens
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    turn: int | None
+
+
+async def chat_turn(client: openai.AsyncOpenAI, model: str, messages: list[dict], *, conversation_id: str | None,
+                    cache_salt: str = "", stream: bool = False, max_tokens: int = MAX_TOKENS, **extra) -> Reply:
+    body = {"cache_salt": cache_salt, **extra}
+    if conversation_id is not None:
+        body["conversation_id"] = conversation_id
+    kwargs = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True,
+                  top_logprobs=0, extra_body=body)
+    if not stream:
+        r = await client.chat.completions.create(**kwargs)
+        details = r.usage.prompt_tokens_details
+        return Reply(r.choices[0].message.content, [t.token for t in r.choices[0].logprobs.content],
+                     r.choices[0].finish_reason, r.usage.prompt_tokens, details.cached_tokens if details else 0,
+                     r.model_extra.get("turn"))
+    chunks = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    text, tokens, finish, usage, turn = [], [], None, None, None
+    async for chunk in chunks:
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            if choice.logprobs and choice.logprobs.content:
+                tokens += [t.token for t in choice.logprobs.content]
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+        turn = (chunk.model_extra or {}).get("turn", turn)
+    details = usage.prompt_tokens_details
+    return Reply("".join(text), tokens, finish, usage.prompt_tokens, details.cached_tokens if details else 0, turn)
+
+
+async def stateless_reference(client: openai.AsyncOpenAI, model: str, history: list[dict]) -> Reply:
+    return await chat_turn(client, model, history, conversation_id=None)

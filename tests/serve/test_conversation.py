@@ -1,0 +1,58 @@
+"""Multi-turn conversations over HTTP with the official client: reuse, exactness, isolation."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.serve.helpers import chat_turn, stateless_reference, user
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_five_turns_reuse_the_head_and_match_stateless(stack, conv_id, stream):
+    client = stack.client()
+    history: list[dict] = []
+    for turn in range(1, 6):
+        message = user(f"turn {turn}: tell me about the number {turn * 7}")
+        reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="s1",
+                                stream=stream)
+        reference = await stateless_reference(client, stack.model, history + [message])
+        assert reply.turn == turn
+        assert reply.tokens == reference.tokens and reply.text == reference.text
+        assert reply.prompt_tokens == reference.prompt_tokens
+        if turn > 1:
+            assert reply.cached_tokens > 0, f"turn {turn} reused nothing"
+        else:
+            assert reply.cached_tokens == 0
+        history += [message, {"role": "assistant", "content": reply.text}]
+
+
+async def test_another_salt_never_sees_the_state(stack, conv_id):
+    client = stack.client()
+    first = await chat_turn(client, stack.model, [user("a secret: 4711")], conversation_id=conv_id, cache_salt="a")
+    other = await chat_turn(client, stack.model, [user("what was the secret?")], conversation_id=conv_id,
+                            cache_salt="b")
+    assert first.turn == 1 and other.turn == 1  # under salt b this is a new conversation
+    assert other.cached_tokens == 0
+    alone = await stateless_reference(client, stack.model, [user("what was the secret?")])
+    assert other.tokens == alone.tokens
+    async with stack.http() as http:
+        seen_b = (await http.get(f"/v1/conversations/{conv_id}", params={"cache_salt": "b"})).json()
+        assert [m["content"] for m in seen_b["turns"][0]["messages"]][0] == "what was the secret?"
+        missing = await http.get(f"/v1/conversations/{conv_id}", params={"cache_salt": "c"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "conversation_not_found"
+
+
+async def test_stateless_request_and_models(stack):
+    client = stack.client()
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [stack.model]
+    reply = await client.chat.completions.create(model=stack.model, messages=[user("hello")], max_tokens=5,
+                                                 temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 5 and reply.usage.prompt_tokens > 0
+    assert reply.model_extra.get("conversation_id") is None
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="no-such-model", messages=[user("hello")], max_tokens=2)
