@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
 import pytest
@@ -198,10 +199,19 @@ def test_cache_service_settings_are_flags_of_python_m_cache_service():
     (c,) = one("Deployment", "hybridserve-cache")["spec"]["template"]["spec"]["containers"]
     given = set(one("ConfigMap", "hybridserve-config")["data"]) | {v["name"] for v in c["env"]}
     given -= {"REDIS_PASSWORD"}  # only an input of REDIS_URL's expansion
-    missing = given - known
-    if missing == {"CACHE_SERVICE_AUTH_SECRET"}:
-        pytest.xfail("the cache service's shared-secret option is not on this branch yet")
-    assert not missing
+    assert given <= known, given - known
+
+
+def test_cache_service_requires_the_shared_secret_from_the_mounted_secret():
+    spec = one("Deployment", "hybridserve-cache")["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    env = {v["name"]: v.get("value") for v in c["env"]}
+    path = PurePosixPath(env["CACHE_SERVICE_AUTH_TOKEN_FILE"])
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+    secret = mounts[str(path.parent)]["secret"]
+    assert secret["secretName"] == SECRET_NAME
+    assert {"key": "cache-service-secret", "path": path.name} in secret["items"]
 
 
 def test_the_worker_group_asks_for_gpus_and_the_head_for_none():

@@ -15,7 +15,7 @@ from k8s_helpers import REPO, SECRET_NAME, one, pod_specs, serve_config
 # from a file mounted from the Secret instead of plain text in the RayService.
 LOCAL_ONLY_ARGS = {"redis_url", "data_dir", "api_keys"}
 # Arguments only the cluster passes.
-CLUSTER_ONLY_ARGS = {"device", "api_keys_file", "cache_service_secret_file"}
+CLUSTER_ONLY_ARGS = {"device", "api_keys_file", "cache_service_token_file"}
 # The deployment build_app adds only when no cache_service address is given.
 LOCAL_ONLY_DEPLOYMENTS = {"CacheService"}
 
@@ -145,7 +145,7 @@ def test_file_arguments_are_mounted_in_every_ray_pod(k8s):
         volumes = {v["name"]: v for v in spec["volumes"]}
         (container,) = spec["containers"]
         mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
-        for name in ("api_keys_file", "cache_service_secret_file"):
+        for name in ("api_keys_file", "cache_service_token_file"):
             path = PurePosixPath(args[name])
             secret = mounts[str(path.parent)]["secret"]
             assert secret["secretName"] == SECRET_NAME and path.name in {i["path"] for i in secret["items"]}, (where, name)
