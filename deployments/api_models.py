@@ -13,14 +13,14 @@ MAX_OUTPUT_TOKENS = 4096
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str = Field(max_length=1 << 20)
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = Field(None, max_length=1 << 20)
+    content: str | list[TextPart] | None = None  # bounded by the body size limit (413)
     name: str | None = Field(None, max_length=MAX_ID)
 
     def as_engine_message(self) -> dict[str, str]:

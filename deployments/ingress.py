@@ -37,6 +37,16 @@ api = FastAPI(title="hybridserve", version="0.1.0",
 errors.install(api)
 
 
+@api.middleware("http")
+async def _limit_body(request: Request, call_next):
+    """413 before the body is read and parsed; the limit is the deployment's (set in __init__)."""
+    limit = getattr(request.app.state, "max_body_bytes", None)
+    size = request.headers.get("content-length", "")
+    if limit is not None and size.isdigit() and int(size) > limit:
+        return APIError(413, f"request body over {limit} bytes", "request_too_large").response()
+    return await call_next(request)
+
+
 def _model_name(settings: AppSettings) -> str:
     return Path(settings.model).name if settings.model else "hybridserve-builtin"
 
@@ -77,6 +87,7 @@ class ChatIngress:
         self.metrics = ServeMetrics()
         self._client: CacheClient | None = None
         self._inflight = 0
+        api.state.max_body_bytes = settings.max_body_bytes
 
     async def _cache(self) -> CacheClient:
         if self._client is None:
@@ -98,9 +109,6 @@ class ChatIngress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrived = time.monotonic()
-        size = request.headers.get("content-length", "0")
-        if size.isdigit() and int(size) > self.settings.max_body_bytes:
-            raise APIError(413, f"request body over {self.settings.max_body_bytes} bytes", "request_too_large")
         salt = self._salt(request, body.cache_salt)
         if body.model != self.model:
             raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model!r}",
@@ -264,15 +272,15 @@ class ChatIngress:
         cache = await self._cache()
         try:
             lease = await cache.acquire_lease(conv, int(self.settings.lease_ttl_s * 1000))
+            if lease.head.version == 0:
+                await cache.release_lease(conv, lease)
+                raise _unknown(conversation_id)
             # Deleting drops the lease too; a turn started after this point begins a new conversation.
-            existed = await cache.delete_conversation(conv)
+            await cache.delete_conversation(conv)
         except LeaseHeld:
             raise errors.busy(conversation_id) from None
         except CacheError as e:
             raise errors.overloaded(f"cache service unavailable: {e}") from e
-        if not existed:
-            await cache.release_lease(conv, lease.token)
-            raise _unknown(conversation_id)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
     @api.get("/health")

@@ -38,7 +38,7 @@ class TurnJob:
     sampling: dict[str, Any]  # SamplingParams fields; the worker validates them
     conversation_id: str | None = None  # None: a stateless request
     cache_salt: str = ""  # already scoped to the API key when auth is on
-    lease_token: int = 0
+    lease: Any = None  # the cache client's Lease (token + proof of holding), passed back as given
     head: HeadRef | None = None  # None: the conversation's first turn
 
     @property

@@ -18,6 +18,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
@@ -36,7 +37,7 @@ RETRIES_BEFORE_FIRST_EVENT = 2
 @dataclass
 class Lease:
     conv: Conversation
-    token: int
+    granted: Any  # the client's Lease: fenced calls get it back as it came
 
 
 class TurnRun:
@@ -65,14 +66,10 @@ class TurnRun:
             raise errors.busy(conversation_id) from None
         except CacheError as e:
             raise errors.overloaded(f"cache service unavailable: {e}") from e
-        lease = Lease(conv, granted.token)
-        try:
-            head = await cache.get_head_or_none(conv)
-        except CacheError as e:
-            await _settle(cache, lease, committed=False)
-            raise errors.overloaded(f"cache service unavailable: {e}") from e
-        ref = None if head is None else HeadRef.of(head)
-        job = TurnJob(request_id, messages, sampling, conversation_id, cache_salt, granted.token, ref)
+        lease = Lease(conv, granted)
+        head = granted.head  # the head at the time of the acquire; version 0: a new conversation
+        ref = HeadRef.of(head) if head.version else None
+        job = TurnJob(request_id, messages, sampling, conversation_id, cache_salt, granted, ref)
         run = cls(settings, workers, cache, job, lease)
         run._renewer = asyncio.create_task(run._renew(ttl_ms))
         return run
@@ -81,7 +78,7 @@ class TurnRun:
         while True:
             await asyncio.sleep(ttl_ms / 3000)
             try:
-                await self.cache.renew_lease(self.lease.conv, self.lease.token, ttl_ms)
+                await self.cache.renew_lease(self.lease.conv, self.lease.granted, ttl_ms)
             except LeaseLost:
                 log.warning("lease of %s lost mid-turn; the worker's publish will be refused", self.job.conversation_id)
                 return
@@ -124,9 +121,9 @@ class TurnRun:
 async def _settle(cache: CacheClient, lease: Lease, *, committed: bool) -> None:
     try:
         if committed:
-            await cache.release_lease(lease.conv, lease.token)
+            await cache.release_lease(lease.conv, lease.granted)
         else:
-            await cache.discard(lease.conv, lease.token)
+            await cache.discard(lease.conv, lease.granted)
     except CacheError as e:  # the lease expires by itself; nothing committed depends on this
         log.warning("could not settle the lease of %s: %s", lease.conv.id, e)
 

@@ -185,7 +185,7 @@ class Worker:
         client, conv = await self._cache(), Conversation(job.conversation_id, job.cache_salt)
         try:
             head = await client.publish_turn(
-                conv, lease_token=job.lease_token, expected_version=job.head.version if job.head else 0,
+                conv, lease_token=job.lease, expected_version=job.head.version if job.head else 0,
                 messages=prepared.messages, token_ids=prepared.turn_token_ids,
                 committed_tokens=prepared.committed_tokens, tokens_sha256=prepared.tokens_sha256,
                 owner_replica=self.replica_id, release_lease=False, publish_id=job.request_id)

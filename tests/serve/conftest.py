@@ -10,8 +10,10 @@ model is a tiny random Bamba checkpoint made once per session.
 
 from __future__ import annotations
 
+import json
 import socket
 import uuid
+from pathlib import Path
 from dataclasses import dataclass
 
 import httpx
@@ -34,6 +36,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def never_ending(model_dir: Path) -> Path:
+    """Ban the end-of-turn token: every reply runs to max_tokens, so a stream lasts as long as
+    a test needs (a replica can be killed mid-stream) and reply lengths are fixed."""
+    meta_file = model_dir / "hybridserve.json"
+    meta = json.loads(meta_file.read_text())
+    meta["never_sample_token_ids"] = sorted(set(meta["never_sample_token_ids"]) | set(meta["eos_token_ids"]))
+    meta_file.write_text(json.dumps(meta))
+    return model_dir
 
 
 @dataclass
@@ -60,13 +72,14 @@ def app_args(stack_model: str, service: ServiceProcess, **extra) -> dict:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    model_dir = make_model(root / "model", Arch.BAMBA, Preset.TINY, seed=4)
+    model_dir = never_ending(make_model(root / "model", Arch.BAMBA, Preset.TINY, seed=4))
     redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=root / "redis", fsync=FsyncPolicy.ALWAYS))
     redis.start()
     service = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
     service.start()
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # Logical CPUs: a second app (tier off) and replacement replicas must fit beside the first.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -77,6 +90,15 @@ def stack(tmp_path_factory):
         ray.shutdown()
         service.close()
         redis.stop()
+
+
+@pytest.fixture(scope="session")
+def notier(stack):
+    """A second app on the same cache service: state tier off, API keys on, one request at a time."""
+    args = app_args(stack.model_dir, stack.service, tier_export="off", api_keys=["k1", "k2"], max_inflight=1)
+    serve.run(build_app(args), name=NOTIER_APP, route_prefix="/notier")
+    yield "/notier"
+    serve.delete(NOTIER_APP)
 
 
 @pytest.fixture

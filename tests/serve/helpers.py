@@ -50,5 +50,18 @@ async def chat_turn(client: openai.AsyncOpenAI, model: str, messages: list[dict]
     return Reply("".join(text), tokens, finish, usage.prompt_tokens, details.cached_tokens if details else 0, turn)
 
 
-async def stateless_reference(client: openai.AsyncOpenAI, model: str, history: list[dict]) -> Reply:
-    return await chat_turn(client, model, history, conversation_id=None)
+async def stateless_reference(client: openai.AsyncOpenAI, model: str, history: list[dict], **kw) -> Reply:
+    return await chat_turn(client, model, history, conversation_id=None, **kw)
+
+
+async def conversation(http, conv_id: str, salt: str, *, prefix: str = "", headers: dict | None = None) -> dict:
+    response = await http.get(f"{prefix}/v1/conversations/{conv_id}", params={"cache_salt": salt}, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def metric(http, name: str, *, prefix: str = "") -> float:
+    text = (await http.get(f"{prefix}/metrics")).text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert values, f"{name} not exported"
+    return values[0]

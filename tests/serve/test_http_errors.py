@@ -1,0 +1,103 @@
+"""Bad input gets OpenAI error bodies with the right 4xx code; auth scopes state to the key."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.serve.helpers import chat_turn, user
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def assert_error(response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+@pytest.mark.parametrize("patch", [
+    {"temperature": 5}, {"top_p": 0}, {"n": 2}, {"messages": []}, {"max_tokens": 0},
+    {"messages": [{"role": "wizard", "content": "hi"}]}, {"top_logprobs": 21}, {"stop": ["a"] * 5},
+    {"conversation_id": ""}, {"seed": -1}, {"stream": "maybe"},
+], ids=lambda p: next(iter(p)))
+async def test_invalid_fields_are_400(stack, patch):
+    body = {"model": stack.model, "messages": [user("hi")], "max_tokens": 2, **patch}
+    async with stack.http() as http:
+        assert_error(await http.post("/v1/chat/completions", json=body), 400, "invalid_request")
+
+
+async def test_malformed_json_and_unknown_routes(stack):
+    async with stack.http() as http:
+        bad = await http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert_error(bad, 400)
+        assert_error(await http.get("/v1/nothing-here"), 404)
+        assert_error(await http.get("/v1/conversations/abc"), 400)  # cache_salt is required
+        assert_error(await http.get("/v1/conversations/abc", params={"cache_salt": "s"}), 404,
+                     "conversation_not_found")
+        assert_error(await http.delete("/v1/conversations/abc", params={"cache_salt": "s"}), 404)
+
+
+async def test_too_long_is_413(stack):
+    async with stack.http() as http:
+        body = {"model": stack.model, "messages": [user("x" * 5000)], "max_tokens": 2}
+        assert_error(await http.post("/v1/chat/completions", json=body), 413, "context_length_exceeded")
+        huge = {"model": stack.model, "messages": [user("x" * (2 << 20))], "max_tokens": 2}
+        assert_error(await http.post("/v1/chat/completions", json=huge), 413)
+
+
+async def test_delete_drops_the_conversation(stack, conv_id):
+    client = stack.client()
+    await chat_turn(client, stack.model, [user("remember me")], conversation_id=conv_id, cache_salt="d")
+    async with stack.http() as http:
+        gone = await http.delete(f"/v1/conversations/{conv_id}", params={"cache_salt": "d"})
+        assert gone.status_code == 200 and gone.json()["deleted"] is True
+        assert_error(await http.get(f"/v1/conversations/{conv_id}", params={"cache_salt": "d"}), 404)
+    again = await chat_turn(client, stack.model, [user("hello again")], conversation_id=conv_id, cache_salt="d")
+    assert again.turn == 1 and again.cached_tokens == 0
+
+
+async def test_health_and_metrics(stack, conv_id):
+    client = stack.client()
+    for text in ("m1", "m2"):
+        await chat_turn(client, stack.model, [user(text)], conversation_id=conv_id, cache_salt="m", stream=True)
+    async with stack.http() as http:
+        assert (await http.get("/health")).json() == {"status": "ok"}
+        text = (await http.get("/metrics")).text
+    for name in ("hybridserve_time_to_first_token_seconds_bucket", "hybridserve_inter_token_latency_seconds_bucket",
+                 "hybridserve_output_tokens_total", "hybridserve_cache_hits_total", "hybridserve_cached_tokens_total",
+                 "hybridserve_lease_conflicts_total", "hybridserve_inflight_requests", "hybridserve_migrations_total"):
+        assert name in text, name
+    hits = [line for line in text.splitlines() if line.startswith("hybridserve_cache_hits_total ")]
+    assert float(hits[0].split()[-1]) >= 1
+
+
+async def test_api_keys_authenticate_and_scope_state(stack, notier, conv_id):
+    def client(key):
+        return openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key=key, max_retries=0, timeout=120)
+
+    with pytest.raises(openai.AuthenticationError):
+        await client("wrong").models.list()
+    first = await chat_turn(client("k1"), stack.model, [user("mine")], conversation_id=conv_id, cache_salt="s")
+    other = await chat_turn(client("k2"), stack.model, [user("yours")], conversation_id=conv_id, cache_salt="s")
+    assert first.turn == 1 and other.turn == 1  # same id and salt, another key: another conversation
+    async with stack.http() as http:
+        assert_error(await http.get(f"{notier}/v1/conversations/{conv_id}", params={"cache_salt": "s"}), 401)
+
+
+async def test_overload_is_503_with_retry_after(stack, notier):
+    # The tier-off app admits one request at a time (max_inflight=1).
+    async with stack.http() as http:
+        headers = {"Authorization": "Bearer k1"}
+        body = {"model": stack.model, "messages": [user("busy")], "max_tokens": 400}
+        responses = await asyncio.gather(*[http.post(f"{notier}/v1/chat/completions", json=body, headers=headers)
+                                           for _ in range(3)])
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses[0] == 200 and 503 in statuses, statuses
+    rejected = next(r for r in responses if r.status_code == 503)
+    assert rejected.headers["retry-after"] == "1" and rejected.json()["error"]["code"] == "overloaded"

@@ -1,0 +1,130 @@
+"""Losing replicas, the cache service and Redis: no committed turn is lost, outputs stay exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+import ray
+
+from tests.serve.conftest import APP, NOTIER_APP
+from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, user
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def kill_replica(app: str, replica: str) -> None:
+    actor = ray.get_actor(f"SERVE_REPLICA::{app}#Worker#{replica}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+
+
+async def run_turns(client, model, conv_id, texts, history, **kw):
+    replies = []
+    for text in texts:
+        reply = await chat_turn(client, model, [user(text)], conversation_id=conv_id, cache_salt="r", **kw)
+        history += [user(text), {"role": "assistant", "content": reply.text}]
+        replies.append(reply)
+    return replies
+
+
+async def test_owner_killed_between_turns_head_imported_from_tier(stack, conv_id):
+    client = stack.client()
+    history: list[dict] = []
+    await run_turns(client, stack.model, conv_id, ["first question", "second question"], history)
+    async with stack.http() as http:
+        before = await conversation(http, conv_id, "r")
+        assert before["head"]["tier_version"] == before["head"]["version"]  # tier_export=sync
+        imports = await metric(http, "hybridserve_tier_imports_total")
+        kill_replica(APP, before["head"]["owner"])
+        message = user("third question")
+        reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r")
+        after = await conversation(http, conv_id, "r")
+        assert after["head"]["owner"] != before["head"]["owner"] and after["turn"] == 3
+        assert reply.cached_tokens > 0  # the imported head was attached, not recomputed
+        assert await metric(http, "hybridserve_tier_imports_total") == imports + 1
+    reference = await stateless_reference(client, stack.model, history + [message])
+    assert reply.tokens == reference.tokens
+
+
+async def test_owner_killed_with_tier_off_recomputes_from_ledger(stack, notier, conv_id):
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key="k1", max_retries=0, timeout=120)
+    history: list[dict] = []
+    await run_turns(client, stack.model, conv_id, ["alpha", "beta"], history)
+    async with stack.http() as http:
+        headers = {"Authorization": "Bearer k1"}
+        before = await conversation(http, conv_id, "r", prefix=notier, headers=headers)
+        assert before["head"]["tier_version"] == 0
+        kill_replica(NOTIER_APP, before["head"]["owner"])
+        message = user("gamma")
+        reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r")
+        assert reply.turn == 3 and reply.cached_tokens == 0  # recomputed from the ledger's token ids
+        assert await metric(http, "hybridserve_ledger_recomputes_total", prefix=notier) >= 1
+    reference = await stateless_reference(client, stack.model, history + [message])
+    assert reply.tokens == reference.tokens
+
+
+async def test_replica_killed_mid_stream_leaves_the_head_and_the_retry_matches(stack, conv_id):
+    client = stack.client()
+    history: list[dict] = []
+    await run_turns(client, stack.model, conv_id, ["opening"], history)
+    async with stack.http() as http:
+        before = await conversation(http, conv_id, "r")
+        message = user("a long answer please")
+        stream = await client.chat.completions.create(
+            model=stack.model, messages=[message], max_tokens=2000, temperature=0, stream=True,
+            extra_body={"conversation_id": conv_id, "cache_salt": "r"})
+        received = []
+        with pytest.raises(openai.APIError):
+            async for chunk in stream:
+                received.append(chunk)
+                if len(received) == 3:  # tokens are flowing: kill the replica producing them
+                    kill_replica(APP, before["head"]["owner"])
+        assert len(received) < 2000
+        after = await conversation(http, conv_id, "r")
+        assert after["head"] == {**before["head"], "tier_version": after["head"]["tier_version"]}
+        assert after["turn"] == 1
+    retry = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r", max_tokens=12)
+    reference = await stateless_reference(client, stack.model, history + [message], max_tokens=12)
+    assert retry.turn == 2 and retry.tokens == reference.tokens
+
+
+async def test_concurrent_turns_exactly_one_conflict(stack, conv_id):
+    client = stack.client()
+    await run_turns(client, stack.model, conv_id, ["hello"], [])
+
+    async def turn(text):
+        return await chat_turn(client, stack.model, [user(text)], conversation_id=conv_id, cache_salt="r",
+                               max_tokens=300)
+
+    results = await asyncio.gather(turn("one"), turn("two"), return_exceptions=True)
+    conflicts = [r for r in results if isinstance(r, openai.ConflictError)]
+    replies = [r for r in results if not isinstance(r, BaseException)]
+    assert len(conflicts) == 1 and len(replies) == 1, results
+    assert conflicts[0].body["code"] == "conversation_busy"
+    assert replies[0].turn == 2
+    # Asked to wait, both are served, one after the other.
+    waited = await asyncio.gather(*[chat_turn(client, stack.model, [user(t)], conversation_id=conv_id,
+                                              cache_salt="r", wait_if_busy=True) for t in ("x", "y")])
+    assert sorted(r.turn for r in waited) == [3, 4]
+
+
+@pytest.mark.parametrize("restart", ["cache_service", "redis"])
+async def test_restart_during_conversation_loses_no_turn(stack, conv_id, restart):
+    client = stack.client()
+    history: list[dict] = []
+    await run_turns(client, stack.model, conv_id, ["one", "two"], history)
+    if restart == "cache_service":
+        assert stack.service.terminate() == 0
+        stack.service.start()
+    else:
+        stack.redis.kill()
+        stack.redis.start()
+    message = user("three")
+    reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r")
+    assert reply.turn == 3
+    reference = await stateless_reference(client, stack.model, history + [message])
+    assert reply.tokens == reference.tokens
+    async with stack.http() as http:
+        ledger = await conversation(http, conv_id, "r")
+        assert [t["messages"][0]["content"] for t in ledger["turns"]] == ["one", "two", "three"]
