@@ -140,10 +140,11 @@ async def stream_turn(client: openai.AsyncOpenAI, model: str, messages: list[dic
 
 
 async def run_conversation(client: openai.AsyncOpenAI, model: str, index: int, script: Script, mode: str,
-                           tag: str) -> list[TurnRecord]:
+                           tag: str, records: list[TurnRecord]) -> None:
+    """The conversation's turns in order; each turn's record is appended as it starts, so a
+    workload cut off by its time budget keeps what was measured."""
     conversation_id = f"bench-{tag}-{index}-{uuid.uuid4().hex[:8]}"
     history: list[dict] = [{"role": "system", "content": script.system}]
-    records = []
     for turn, (user, max_tokens) in enumerate(zip(script.users, script.replies), start=1):
         rec = TurnRecord(conversation=index, turn=turn)
         records.append(rec)
@@ -158,21 +159,30 @@ async def run_conversation(client: openai.AsyncOpenAI, model: str, index: int, s
         except openai.APIError as exc:
             # A server that fails a turn ends the conversation: its history is now unknown.
             rec.error = f"{type(exc).__name__}: {exc}"[:500]
-            break
+            return
         history.append({"role": "assistant", "content": reply})
-    return records
 
 
-async def run_workload(base_url: str, scripts: list[Script], mode: str, tag: str, timeout_s: float) -> WorkloadResult:
-    """All conversations at once, each one's turns in order."""
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0, timeout=timeout_s)
+async def run_workload(base_url: str, scripts: list[Script], mode: str, tag: str, request_timeout_s: float,
+                       budget_s: float) -> WorkloadResult:
+    """All conversations at once, each one's turns in order, within budget_s in all."""
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0, timeout=request_timeout_s)
+    records: list[TurnRecord] = []
+    errors = []
     try:
         model = (await client.models.list()).data[0].id
         t0 = time.perf_counter()
-        runs = [run_conversation(client, model, i, s, mode, tag) for i, s in enumerate(scripts)]
-        done = await asyncio.wait_for(asyncio.gather(*runs), timeout_s)
+        runs = [run_conversation(client, model, i, s, mode, tag, records) for i, s in enumerate(scripts)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*runs), budget_s)
+        except asyncio.TimeoutError:
+            errors.append(f"time budget of {budget_s:.0f} s used up; unfinished turns are not counted")
+            for rec in records:
+                if rec.total_s is None and rec.error is None:
+                    rec.error = "cut off by the time budget"
         wall = time.perf_counter() - t0
     finally:
         await client.close()
-    records = [r for conv in done for r in conv]
-    return WorkloadResult(records, wall, [f"conversation {r.conversation} turn {r.turn}: {r.error}" for r in records if r.error])
+    records.sort(key=lambda r: (r.conversation, r.turn))
+    errors += [f"conversation {r.conversation} turn {r.turn}: {r.error}" for r in records if r.error]
+    return WorkloadResult(records, wall, errors)
