@@ -174,3 +174,11 @@ def test_workers_need_a_gpu_and_fit_the_gpu_group(k8s):
 def test_config_yaml_passes_the_same_validation(local):
     # The comparisons above are only as good as the file they compare with.
     assert serve_config_errors(local) == []
+
+
+def test_head_exposes_the_ports_kuberay_looks_up_by_name(k8s):
+    head = one("RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    # KubeRay submits serveConfigV2 through "dashboard" and points its Serve Service at "serve".
+    assert ports["serve"] == k8s["http_options"]["port"]
+    assert ports["dashboard"] == 8265 and ports["gcs-server"] == 6379
