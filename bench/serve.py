@@ -269,6 +269,7 @@ def measure_vllm(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) 
             rec["server_alive_after"] = server.alive()
             if rec["errors"]:
                 rec["server_log_tail"] = server.tail(40)
+                rec["server_log_errors"] = server.error_lines()
         except (RuntimeError, TimeoutError) as exc:
             rec["startup_error"] = str(exc)[-3000:]
         finally:
@@ -396,6 +397,8 @@ def markdown(res: dict) -> str:
                      f"{h['overhead_ratio_of_minima']:.2f}x; target <= 1.3x).")
     for note in res["not_run"]:
         lines.append(f"- Not run: {note}")
+    for note in res.get("notes", []):
+        lines.append(f"- Note: {note}")
     return "\n".join(lines) + "\n"
 
 

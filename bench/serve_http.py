@@ -58,6 +58,12 @@ class ServerProcess:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def error_lines(self, limit: int = 30) -> list[str]:
+        """The first lines that name an error: the root cause, before the cascade it sets off."""
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [line[:400] for line in lines if "Error" in line and "EngineDeadError" not in line][:limit]
+
     def stop(self, grace_s: float = 60.0) -> None:
         for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGKILL, 10.0)):
             try:
