@@ -1,10 +1,10 @@
 """Cache service benchmark: `python -m bench.cache_service [--quick]`.
 
 Measures the turn-bookkeeping cycle a router + worker perform per turn,
-    acquire lease -> get head -> publish turn (releasing the lease),
+    acquire lease (the reply carries the head) -> publish turn (releasing the lease),
 through the gRPC service (a real `python -m cache_service` process) and, as the floor,
-the very same Redis operations (the same Lua scripts and HMGET) issued directly with
-redis-py. Each of C concurrent clients works on its own conversation, so the numbers
+the very same Redis operations (the same two Lua scripts, same arguments) issued
+directly with redis-py. Each of C concurrent clients works on its own conversation, so the numbers
 measure overhead, not lease contention. Also measures state tier put/get throughput
 (fresh and incremental puts), next to plain redis-py SET/GET of the same bytes.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import platform
@@ -37,6 +38,7 @@ from cache_service.client import CacheClient, Conversation, tokens_sha256
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from cache_service.keys import ConversationKeys
+from cache_service.leases import new_incarnation
 from cache_service.store import now_ms
 from proto import cache_pb2 as pb
 
@@ -127,10 +129,8 @@ def service_cycle_factory(client: CacheClient):
 
         async def cycle() -> None:
             lease = await client.acquire_lease(conv, ttl_ms=30_000)
-            head = await client.get_head_or_none(conv)
-            version = head.version if head else 0
             state["tokens"] += TOKENS_PER_TURN
-            await client.publish_turn(conv, lease_token=lease.token, expected_version=version,
+            await client.publish_turn(conv, lease_token=lease, expected_version=lease.head.version,
                                       messages=messages, token_ids=new_tokens,
                                       committed_tokens=state["tokens"],
                                       tokens_sha256=tokens_sha256(new_tokens), owner_replica="r0")
@@ -150,16 +150,18 @@ def redis_cycle_factory(r: aioredis.Redis):
 
         async def cycle() -> None:
             holder = uuid.uuid4().hex
-            reply = await acquire(keys=[keys.lease, keys.fence], args=[holder, 30_000])
-            token = int(reply[1])
-            head = await r.hmget(keys.head, scripts.HEAD_FIELDS)
+            attempt = hashlib.sha256(os.urandom(16)).hexdigest()
+            reply = await acquire(keys=[keys.lease, keys.fence, keys.head],
+                                  args=[holder, 30_000, attempt, new_incarnation(), 30_000 + 3_600_000])
+            token, incarnation, head = reply[1], reply[2], reply[4]
             version = int(head[0] or 0)
             state["tokens"] += TOKENS_PER_TURN
             entry = pb.LedgerTurn(messages=[pb.Message(role="user", content=MESSAGE)],
                                   token_ids=new_tokens, publish_id=holder, committed_at_ms=now_ms())
-            reply = await publish(keys=[keys.head, keys.lease, keys.ledger],
-                                  args=[token, version, entry.SerializeToString(), state["tokens"], sha,
-                                        "r0", entry.committed_at_ms, 1, holder, TOKENS_PER_TURN])
+            reply = await publish(keys=[keys.head, keys.lease, keys.ledger, keys.marks],
+                                  args=[token, incarnation, version, entry.SerializeToString(),
+                                        state["tokens"], sha, "r0", entry.committed_at_ms, 1, holder,
+                                        TOKENS_PER_TURN, attempt, new_incarnation()])
             assert reply[0] == b"OK", reply
         return cycle
     return make
@@ -218,22 +220,22 @@ async def bench_tier(plan: Plan, workdir: Path) -> dict:
             async with CacheClient(target) as client:
                 conv = Conversation(f"tier-{uuid.uuid4().hex}", "salt")
                 lease = await client.acquire_lease(conv, ttl_ms=60_000)
-                await client.publish_turn(conv, lease_token=lease.token, expected_version=0, messages=[],
-                                          token_ids=[1], committed_tokens=1, tokens_sha256=tokens_sha256([1]),
-                                          release_lease=False)
+                head = await client.publish_turn(conv, lease_token=lease, expected_version=0, messages=[],
+                                                 token_ids=[1], committed_tokens=1, tokens_sha256=tokens_sha256([1]),
+                                                 release_lease=False)
                 t0 = time.perf_counter()
-                await client.put_state(conv, 1, data)
+                await client.put_state(conv, head, data)
                 put_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 _, back = await client.get_state(conv)
                 get_s = time.perf_counter() - t0
                 assert back == data
                 # Next turn: the same blocks plus one new 1 MiB chunk at the end.
-                await client.publish_turn(conv, lease_token=lease.token, expected_version=1, messages=[],
-                                          token_ids=[2], committed_tokens=2,
-                                          tokens_sha256=tokens_sha256([1, 2]))
+                head = await client.publish_turn(conv, lease_token=lease, expected_version=1, messages=[],
+                                                 token_ids=[2], committed_tokens=2,
+                                                 tokens_sha256=tokens_sha256([1, 2]))
                 t0 = time.perf_counter()
-                reply = await client.put_state(conv, 2, data + os.urandom(1 << 20))
+                reply = await client.put_state(conv, head, data + os.urandom(1 << 20))
                 inc_s = time.perf_counter() - t0
         finally:
             proc.terminate()
@@ -264,8 +266,8 @@ def markdown(results: dict) -> str:
              f"{results['mode']} run, {results['env']['cpus']} CPUs, {results['seconds_per_point']} s per side "
              f"and point (alternating slices), load average {results['env']['load_avg_before'][0]:.1f} "
              f"before / {results['env']['load_avg_after'][0]:.1f} after (shared machine). "
-             "Cycle = acquire lease + get head + publish turn (release). "
-             "Floor = the same Lua scripts and HMGET straight from redis-py. "
+             "Cycle = acquire lease (its reply carries the head) + publish turn (release). "
+             "Floor = the same two Lua scripts, same arguments, straight from redis-py. "
              "Ratio = time per cycle through the service / on raw Redis.", ""]
     for fsync, points in results["cycles"].items():
         lines += [f"## appendfsync {fsync}", "",

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import re
 from pathlib import Path
 
 from cache_service import logs
-from cache_service.config import FsyncPolicy, Limits, PutLimits, ServerConfig, TierConfig
+from cache_service.config import EventLoop, FsyncPolicy, Limits, PutLimits, ServerConfig, TierConfig
 from cache_service.server import serve
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-s", type=float, default=float(env("CACHE_SERVICE_GRACE_S", "5")),
                    help="shutdown grace period [CACHE_SERVICE_GRACE_S]")
     p.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"), help="[LOG_LEVEL]")
+    p.add_argument("--event-loop", choices=[loop.value for loop in EventLoop],
+                   default=env("CACHE_EVENT_LOOP", EventLoop.UVLOOP.value),
+                   help="event loop; uvloop falls back to asyncio if not installed [CACHE_EVENT_LOOP]")
     limits, puts = Limits(), PutLimits()
     p.add_argument("--auth-token-file", type=Path, default=env("CACHE_SERVICE_AUTH_TOKEN_FILE"),
                    help="file holding the shared secret every call must carry "
@@ -87,7 +91,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def main() -> None:
     args = build_parser().parse_args()
     logs.configure(args.log_level)
-    asyncio.run(serve(config_from_args(args)))
+    loop_factory = None
+    if EventLoop(args.event_loop) is EventLoop.UVLOOP:
+        try:
+            import uvloop
+            loop_factory = uvloop.new_event_loop
+        except ImportError:
+            logging.getLogger("cache_service").warning(
+                "event_loop_fallback", extra=logs.fields(reason="uvloop is not installed"))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(config_from_args(args)))
 
 
 if __name__ == "__main__":

@@ -349,14 +349,15 @@ class CacheClient:
     # -- state tier -------------------------------------------------------------------
 
     async def put_state(self, conv: Conversation, version: int | pb.Head,
-                        data: bytes | Sequence[bytes], *, incarnation: str | None = None
-                        ) -> pb.PutStateResponse:
+                        data: bytes | Sequence[bytes], *, incarnation: str | None = None,
+                        lease: pb.Lease | None = None) -> pb.PutStateResponse:
         """Export the state of a head. Only chunks the tier lacks travel.
 
         Pass the exported Head as `version` (or its version and `incarnation=`): the
         put is then refused if the conversation was deleted and re-created meanwhile.
         With a bare version number the client looks the incarnation up first, which
         cannot tell a re-created conversation at the same version from the old one.
+        With `lease`, the put is also fenced: refused unless that lease is still live.
 
         Pass a sequence of chunks to choose the boundaries (e.g. one per KV block
         group, so unchanged blocks hash the same from one export to the next); a
@@ -375,6 +376,8 @@ class CacheClient:
         digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
         manifest = pb.StateManifest(key=conv.pb(), version=version, incarnation=incarnation, chunks=[
             pb.ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks, strict=True)])
+        if lease is not None:
+            manifest.lease_token, manifest.lease_proof = lease.token, lease.proof
         missing = await self._unary("MissingChunks", pb.MissingChunksRequest(
             key=conv.pb(), digests=list(dict.fromkeys(digests))))
         try:

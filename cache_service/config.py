@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+class EventLoop(enum.Enum):
+    """The service's event loop. uvloop halves the loop's own cost per RPC (Redis
+    socket I/O and callbacks run on it); asyncio is the fallback without it."""
+
+    UVLOOP = "uvloop"
+    ASYNCIO = "asyncio"
+
+
 class FsyncPolicy(enum.Enum):
     """Redis `appendfsync`. What each can lose is documented in README.md."""
 
@@ -28,7 +36,6 @@ class Limits:
     max_lease_ttl_ms: int = 300_000    # a lease lives at most this long without a renewal
     max_chunk_bytes: int = 4 << 20
     max_chunks_per_state: int = 1 << 16
-    max_state_bytes: int = 4 << 30     # one exported head (sum of its manifest's chunk sizes)
     max_ledger_turns_per_read: int = 4096
     ledger_page_bytes: int = 4 << 20   # one ReadLedger page (a single larger turn still fits)
     max_replicas: int = 1024           # live replica registrations
@@ -37,7 +44,7 @@ class Limits:
         if not 0 < self.min_ttl_ms <= min(self.max_ttl_ms, self.max_lease_ttl_ms):
             raise ValueError("need 0 < min_ttl_ms <= max_ttl_ms, max_lease_ttl_ms")
         if min(self.max_id_bytes, self.max_chunk_bytes, self.max_chunks_per_state,
-               self.max_state_bytes, self.ledger_page_bytes, self.max_replicas) <= 0:
+               self.ledger_page_bytes, self.max_replicas) <= 0:
             raise ValueError("limits must be positive")
 
     @property
@@ -68,7 +75,9 @@ class TierConfig:
 class PutLimits:
     """Bounds on PutState streams, which hold their chunks in memory until committed."""
 
-    max_staged_bytes: int = 256 << 20  # all streams together; beyond: RESOURCE_EXHAUSTED
+    # All streams together; beyond: RESOURCE_EXHAUSTED. Also the most one put may send
+    # (the chunks the tier lacks), so it must exceed the largest exported head.
+    max_staged_bytes: int = 1 << 30
     idle_timeout_s: float = 30.0       # a stream silent this long is cut (DEADLINE_EXCEEDED)
 
     def __post_init__(self) -> None:

@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import sys
-from array import array
-from collections.abc import Iterable
+
+from proto.contract import tokens_digest as tokens_sha256  # noqa: F401  (the shared contract)
 
 
 def sha256(data: bytes | memoryview) -> bytes:
     return hashlib.sha256(data).digest()
-
-
-def tokens_sha256(token_ids: Iterable[int]) -> str:
-    """The head's `tokens_sha256`: sha256 hex of the committed token ids as uint32 LE."""
-    ids = array("I", token_ids)
-    assert ids.itemsize == 4, "array('I') is not 32-bit on this platform"
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return hashlib.sha256(ids.tobytes()).hexdigest()
 
 
 def split(data: bytes | bytearray | memoryview, chunk_bytes: int) -> list[memoryview]:

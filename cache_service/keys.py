@@ -11,19 +11,11 @@ that touch several of them stay valid on a Redis Cluster (one slot per conversat
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
+from proto.contract import conversation_key as conversation_hash  # the shared contract
+
 NAMESPACE = "hs:v1"
-_DOMAIN = b"hybridserve/conversation/v1\0"
-
-
-def conversation_hash(conversation_id: str, cache_salt: str) -> str:
-    """128-bit hex digest naming a conversation; stable across processes and versions."""
-    salt = cache_salt.encode()
-    ident = conversation_id.encode()
-    material = _DOMAIN + len(salt).to_bytes(4, "big") + salt + len(ident).to_bytes(4, "big") + ident
-    return hashlib.sha256(material).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

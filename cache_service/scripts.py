@@ -206,6 +206,11 @@ return {'OK', redis.call('HMGET', KEYS[4], 'version', 'turn', 'committed_tokens'
 # Reply: head fields, next turn (1-based, '0' = end), entries. The page is planned on
 # the marks' entry sizes, so Redis loads only the turns it returns; the first turn is
 # returned even if it alone exceeds the page size (a turn is bounded on publish).
+#
+#   turn (1-based)      1     2     3     4     5
+#   list index          0     1     2     3     4
+#   from_turn = 2  ->  first = 1;  the page fits turns 2..3  ->  count = 2
+#                      next turn = first + count + 1 = 4   ('0' once first + count = LLEN)
 READ_LEDGER = _PRELUDE + """
 local head = head_reply(KEYS[1])
 if not head[1] then return {head, '0', {}} end
@@ -223,11 +228,17 @@ if first + count < redis.call('LLEN', KEYS[2]) then nxt = tostring(first + count
 return {head, nxt, entries}
 """
 
-# KEYS: head   ARGV: version, incarnation, now_ms
+# KEYS: head, lease   ARGV: version, incarnation, now_ms, lease token ('' = unfenced),
+#                          lease incarnation
 # The tier only accepts the state of the current head version of the same incarnation
-# (a put for a deleted and re-created conversation names the old one); tier_version
-# never moves backwards (an old put arriving late must not hide a newer entry).
+# (a put for a deleted and re-created conversation names the old one), and, for a put
+# that names a lease, only while that lease is live; tier_version never moves
+# backwards (an old put arriving late must not hide a newer entry).
 MARK_TIER = _PRELUDE + """
+if ARGV[4] ~= '' then
+  local err = lease_check(KEYS[2], ARGV[4], ARGV[5])
+  if err then return {err} end
+end
 local head = redis.call('HMGET', KEYS[1], 'version', 'incarnation')
 if not head[1] then return {'NOT_FOUND'} end
 if head[1] ~= ARGV[1] or head[2] ~= ARGV[2] then return {'VERSION_CONFLICT', head[1]} end

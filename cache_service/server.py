@@ -80,7 +80,8 @@ class CacheServer:
                                          embedded_redis=self.embedded is not None,
                                          tier_dir=str(cfg.tier.directory),
                                          tier_budget_bytes=cfg.tier.memory_budget_bytes,
-                                         auth=cfg.auth_token is not None))
+                                         auth=cfg.auth_token is not None,
+                                         event_loop=type(asyncio.get_running_loop()).__module__))
         return self.port
 
     async def _set_serving(self, serving: bool) -> None:

@@ -62,8 +62,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.staging = StagingBudget(puts.max_staged_bytes)
         self._fence_retention_ms = fence_retention_ms
         self.counters = RpcCounters()
-        # Serializes tier commits against deletes of the same conversation, so a put
-        # racing a delete cannot resurrect the deleted state.
+        # Serializes tier commits against deletes and rewinds of the same conversation,
+        # so a put racing them cannot resurrect state they dropped.
         self._conv_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def _lock(self, keys: ConversationKeys) -> asyncio.Lock:
@@ -228,10 +228,15 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             raise errors.InvalidArgument("a PutState stream must start with the manifest")
         manifest = first.manifest
         keys = validation.manifest(manifest, self.limits)
+        fence = self._fence(keys, manifest.lease_token, manifest.lease_proof) if manifest.lease_token else None
         conv = keys.conv_hash
         refs = [ChunkRef(c.digest, c.size) for c in manifest.chunks]
         self.tier.check_sizes(conv, refs)
         sizes = {r.digest: r.size for r in refs}
+        to_send = sum(sizes[d] for d in self.tier.missing(conv, list(sizes)))
+        if to_send > self.staging.limit:
+            raise errors.InvalidArgument(f"this put would send {to_send} bytes, over the service's "
+                                         f"staging limit of {self.staging.limit}")
         staged: dict[bytes, bytes] = {}
         reserved = 0
         try:
@@ -247,7 +252,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 unsent = [d for d in sizes if d not in staged]
                 if self.tier.missing(conv, unsent):
                     raise errors.MissingChunks("the stream lacks chunks the tier does not hold; resend them")
-                head = await self.store.mark_tier(keys, manifest.version, manifest.incarnation)
+                head = await self.store.mark_tier(keys, manifest.version, manifest.incarnation, fence)
                 reused = await asyncio.to_thread(self.tier.commit, conv, manifest.incarnation,
                                                  manifest.version, refs, staged)
         finally:

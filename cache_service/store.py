@@ -182,8 +182,11 @@ class MetadataStore:
         _raise_status(reply, "fork")
         return head_from_fields(reply[1])
 
-    async def mark_tier(self, keys: ConversationKeys, version: int, incarnation: str) -> pb.Head:
-        reply = await self._mark_tier(keys=[keys.head], args=[version, incarnation, now_ms()])
+    async def mark_tier(self, keys: ConversationKeys, version: int, incarnation: str,
+                        fence: Fence | None) -> pb.Head:
+        lease = [fence.token, fence.incarnation] if fence else ["", ""]
+        reply = await self._mark_tier(keys=[keys.head, keys.lease],
+                                      args=[version, incarnation, now_ms(), *lease])
         _raise_status(reply, "put state")
         return head_from_fields(reply[1])
 

@@ -116,14 +116,10 @@ def manifest(m: pb.StateManifest, limits: Limits) -> ConversationKeys:
                               "(Head.incarnation, 16 hex digits)")
     digests((c.digest for c in m.chunks), "manifest.chunks", limits)
     sizes: dict[bytes, int] = {}
-    total = 0
     for i, chunk in enumerate(m.chunks):
         if not 0 < chunk.size <= limits.max_chunk_bytes:
             raise InvalidArgument(f"manifest.chunks[{i}].size must be in [1, {limits.max_chunk_bytes}]")
         if sizes.setdefault(chunk.digest, chunk.size) != chunk.size:
             raise InvalidArgument(f"manifest.chunks[{i}] repeats a digest with another size "
                                   f"({chunk.size} vs {sizes[chunk.digest]})")
-        total += chunk.size
-    if total > limits.max_state_bytes:
-        raise InvalidArgument(f"manifest describes {total} bytes, over the limit of {limits.max_state_bytes}")
     return keys

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray import serve
 from ray.serve import Application
 
 from deployments.cache_host import CacheService
@@ -30,5 +29,3 @@ def app_names() -> list[str]:
     """The deployments build_app makes, for the config checks of config.yaml and k8s/."""
     return [ChatIngress.name, Worker.name, CacheService.name]
 
-
-__all__ = ["build_app", "app_names", "serve"]

@@ -50,7 +50,7 @@ class CacheServiceProcess:
         if not self._ready.wait(start_timeout_s) or self.port == 0:
             self.proc.kill()
             raise RuntimeError(f"the cache service did not start (exit code {self.proc.poll()})")
-        self.address = f"{ray.util.get_node_ip_address() if host == '0.0.0.0' else host}:{self.port}"
+        self.address = f"{host}:{self.port}"
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
@@ -78,7 +78,8 @@ class CacheServiceProcess:
 @serve.deployment(name="CacheService", num_replicas=1, ray_actor_options={"num_cpus": 0.1})
 class CacheService:
     def __init__(self, settings: AppSettings):
-        self._process = CacheServiceProcess(settings, host="0.0.0.0")
+        # The node's own address: reachable from the other nodes' replicas, not every interface.
+        self._process = CacheServiceProcess(settings, host=ray.util.get_node_ip_address())
 
     def address(self) -> str:
         return self._process.address

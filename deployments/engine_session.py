@@ -1,56 +1,71 @@
-"""The one place where the worker deployment calls the engine and its conversation cache.
+"""The one place where the worker deployment calls the engine and its conversation cache
+(`workers/conversation/API.md`). Engine state is touched only on the engine thread
+(`AsyncEngine.call`/`stream`); hashing and (de)serialization of exports run off it.
 
-Everything runs on the engine thread through `AsyncEngine.call`/`stream`. A turn's commit is
-two-phase across replicas:
+A turn's commit is two-phase across replicas:
 
-    stream_turn ... finished ──> prepared(conv)      the turn's state is held locally
-                                 publish to the cache service (CAS on the head version, fenced)
-                                 ok       ──> commit(prepared)    the prepared state is the head
-                                 conflict ──> abandon(prepared)   back to the previous head
+    stream_turn (CommitMode.PREPARE) ... final output carries the TurnCommit
+        publish to the cache service (CAS on the head version, fenced by the lease)
+        ok       -> commit(record)    the prepared state becomes the head
+        refused  -> abandon(record)   the previous head is untouched
 
-Here the engine's conversation cache makes the finished turn its head as soon as the request
-finishes, and keeps the previous turn's head too (`retain_turns=2`), so abandoning is a rewind
-to the base turn. Whatever happens, a worker only reuses local state after checking it against
-the service's head (turn, token count, token digest): local state can lag or lead the service,
-it is never trusted blindly.
+Local state is reused only if it is exactly the service's head (version, turn, token digest);
+otherwise the worker rebuilds it (tier import or ledger recompute), never trusting a copy that
+may lag or lead the service.
+
+A tier entry is one blob cut into parts, so that unchanged KV blocks are the same chunks from
+one version to the next (the tier stores and sends each once):
+
+    part 0: u32 length | JSON index {"header": n, "chunks": [[digest, size], ...]}
+    part 1: the export header (self-checking)      parts 2..: the export's chunks, in order
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import struct
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from deployments.protocol import HeadRef
 from deployments.settings import AppSettings
 from workers.async_engine import AsyncEngine
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+from workers.conversation import export as head_export
 from workers.conversation.cache import ConversationCache
-from workers.conversation.ledger import Conversation, Turn, conversation_key, tokens_digest
-from workers.conversation.transfer import HeadTransfer
+from workers.conversation.ledger import conversation_key, tokens_digest
+from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
+from workers.request import Request
 from workers.sampling import SamplingParams
 
-
-@dataclass(frozen=True)
-class PreparedTurn:
-    """A finished turn held by this engine, not yet confirmed by the cache service."""
-
-    conversation_id: str
-    cache_salt: str
-    base_turn: int
-    turn: int
-    messages: list[dict[str, Any]]  # the suffix and the assistant reply
-    turn_token_ids: list[int]  # this turn's new tokens (prompt suffix + generated)
-    committed_tokens: int
-    tokens_sha256: str
+_INDEX_LEN = struct.Struct("<I")
 
 
-@dataclass(frozen=True)
-class LedgerTurn:
-    messages: list[dict[str, Any]]
-    token_ids: list[int]
+def pack_export(exported: head_export.ExportedHead) -> list[bytes]:
+    index = json.dumps({"header": len(exported.header), "chunks": [[d, len(c)] for d, c in exported.chunks]},
+                       separators=(",", ":")).encode()
+    return [_INDEX_LEN.pack(len(index)) + index, exported.header, *(c for _, c in exported.chunks)]
+
+
+def unpack_export(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
+    try:
+        (n,) = _INDEX_LEN.unpack_from(blob, 0)
+        index = json.loads(blob[_INDEX_LEN.size : _INDEX_LEN.size + n])
+        offset = _INDEX_LEN.size + n
+        header = blob[offset : offset + index["header"]]
+        offset += index["header"]
+        chunks = {}
+        for digest, size in index["chunks"]:
+            chunks[digest] = blob[offset : offset + size]
+            offset += size
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CorruptStateError(f"unreadable tier entry: {e!r}") from e
+    if offset != len(blob):
+        raise CorruptStateError("tier entry has trailing or missing bytes")
+    return header, chunks
 
 
 class EngineSession:
@@ -63,9 +78,8 @@ class EngineSession:
             cache=CacheConfig(kv_cache_bytes=settings.kv_cache_mb << 20, head_cache_bytes=settings.head_cache_mb << 20),
         )
         engine = LLMEngine(config)
-        self.max_model_len = engine.max_model_len
-        self.cache = ConversationCache(engine, retain_turns=2)
-        self.transfer = HeadTransfer(self.cache)
+        self.cache = ConversationCache(engine, retain_turns=1)
+        self.identity, self.layout = self.cache.export_identity()
         self.aengine = AsyncEngine(engine)
 
     def shutdown(self) -> None:
@@ -73,17 +87,17 @@ class EngineSession:
 
     # -- what this engine holds -------------------------------------------------------------
     async def holds(self, conversation_id: str, cache_salt: str, head: HeadRef) -> bool:
-        """Whether this engine holds exactly `head`'s state (ledger and retained head)."""
+        """Whether this engine holds exactly `head`: its ledger at that version and its state."""
         key = conversation_key(conversation_id, cache_salt)
 
         def local(_e) -> list[int] | None:
             conv = self.cache.conversations.get(key)
-            if conv is None or conv.in_flight is not None or conv.turn != head.turn:
+            if conv is None or conv.in_flight is not None or (conv.version, conv.turn) != (head.version, head.turn):
                 return None
-            return list(conv.token_ids) if self.cache.heads.get(key, conv.turn) is not None else None
+            return list(conv.token_ids) if self.cache.heads.find(key, conv.turn) is not None else None
 
         tokens = await self.aengine.call(local)
-        return tokens is not None and _matches(tokens, head)
+        return tokens is not None and _is_head(tokens, head)
 
     async def forget(self, conversation_id: str, cache_salt: str) -> None:
         key = conversation_key(conversation_id, cache_salt)
@@ -94,36 +108,35 @@ class EngineSession:
 
         await self.aengine.call(drop)
 
-    async def import_state(self, conversation_id: str, cache_salt: str, data: bytes, head: HeadRef) -> None:
-        """Adopt an exported head; CorruptStateError (and nothing kept) unless it is `head`."""
-        await self.aengine.call(lambda _e: self.transfer.import_head(data, cache_salt))
-        if not await self.holds(conversation_id, cache_salt, head):
-            await self.forget(conversation_id, cache_salt)
-            raise CorruptStateError("the tier's state is not the conversation's current head")
-
-    async def adopt_ledger(self, conversation_id: str, cache_salt: str, turns: list[LedgerTurn], head: HeadRef) -> None:
-        """Take the service's ledger as this engine's: the next turn recomputes from its token ids."""
-        key = conversation_key(conversation_id, cache_salt)
-        conv = Conversation(key, conversation_id)
-        for number, turn in enumerate(turns, start=1):
-            start = len(conv.token_ids)
-            conv.token_ids.extend(turn.token_ids)
-            conv.turns.append(Turn(number, list(turn.messages), start, len(conv.token_ids)))
-        if not _matches(conv.token_ids, head) or conv.turn != head.turn:
+    async def adopt_ledger(self, conversation_id: str, cache_salt: str, head: HeadRef,
+                           turns: list[LedgerTurn]) -> None:
+        """Take the service's ledger at `head` as this engine's (the next turn recomputes from it)."""
+        tokens = [t for turn in turns for t in turn.token_ids]
+        if len(turns) != head.turn or not _is_head(tokens, head):
             raise CorruptStateError("the ledger does not add up to the conversation's head")
+        await self.aengine.call(
+            lambda _e: self.cache.adopt_ledger(conversation_id, cache_salt, version=head.version, turns=turns))
 
-        def adopt(_e) -> None:
-            if key in self.cache.conversations:
-                self.cache.delete(conversation_id, cache_salt)
-            self.cache.conversations[key] = conv
+    async def import_state(self, conversation_id: str, cache_salt: str, blob: bytes) -> HeadInfo:
+        """Install a head exported by another replica; the ledger must be adopted first."""
+        held = await self.aengine.call(lambda _e: self.cache.held_chunk_digests())
 
-        await self.aengine.call(adopt)
+        def verify() -> head_export.VerifiedHead:
+            header, chunks = unpack_export(blob)
+            return head_export.verify_export(header, chunks, self.identity, self.layout, held)
 
-    async def export_state(self, conversation_id: str, cache_salt: str) -> bytes:
-        return await self.aengine.call(lambda _e: self.transfer.export_head(conversation_id, cache_salt))
+        verified = await asyncio.to_thread(verify)
+        return await self.aengine.call(lambda _e: self.cache.install_head(conversation_id, cache_salt, verified))
+
+    async def export_state(self, conversation_id: str, cache_salt: str) -> tuple[int, list[bytes]]:
+        """(head version, tier parts) of the conversation's latest head."""
+        snapshot = await self.aengine.call(lambda _e: self.cache.snapshot_head(conversation_id, cache_salt))
+        exported = await asyncio.to_thread(head_export.build_export, snapshot)
+        await self.aengine.call(lambda _e: self.cache.remember_chunks(snapshot, exported))
+        return snapshot.meta["version"], pack_export(exported)
 
     async def load(self) -> tuple[int, int]:
-        """(running + waiting requests, free KV blocks), for routing stats and heartbeats."""
+        """(requests in the engine, free KV blocks), for routing stats and heartbeats."""
 
         def read(e: LLMEngine) -> tuple[int, int]:
             return len(e.scheduler.requests), e.caches.kv.pool.num_free
@@ -132,53 +145,36 @@ class EngineSession:
 
     # -- turns ------------------------------------------------------------------------------
     def stream_turn(
-        self, conversation_id: str, cache_salt: str, suffix: list[dict[str, Any]], params: SamplingParams, request_id: str
+        self,
+        conversation_id: str,
+        cache_salt: str,
+        suffix: list[dict[str, Any]],
+        params: SamplingParams,
+        request_id: str,
     ) -> AsyncIterator[RequestOutput]:
-        start = lambda _e: self.cache.begin_turn(conversation_id, cache_salt, suffix, params, request_id)  # noqa: E731
+        """The final output's `turn_commit` is the prepared turn (None if it was discarded)."""
+        start = lambda _e: self.cache.begin_turn(  # noqa: E731
+            conversation_id, cache_salt, suffix, params, request_id, commit=CommitMode.PREPARE)
         return self.aengine.stream(request_id, start)
 
     def stream_stateless(
         self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        def start(e: LLMEngine) -> None:
+        def start(e: LLMEngine) -> Request:  # the stream follows the request start returns
             prompt = e.tokenizer.encode(e.tokenizer.render_chat(messages, add_generation_prompt=True))
-            e.add_request(request_id, prompt, params)
+            return e.add_request(request_id, prompt, params)
 
         return self.aengine.stream(request_id, start)
 
-    async def prepared(self, conversation_id: str, cache_salt: str, base_turn: int) -> PreparedTurn:
-        def read(_e) -> tuple[int, list[dict[str, Any]], list[int], int]:
-            conv = self.cache._conversation(conversation_id, cache_salt)
-            last = conv.turns[-1]
-            return conv.turn, list(last.messages), list(conv.token_ids), last.start
+    async def commit(self, record: TurnCommit) -> HeadInfo:
+        return await self.aengine.call(lambda _e: self.cache.commit(record))
 
-        turn, messages, tokens, start = await self.aengine.call(read)
-        assert turn == base_turn + 1, f"turn {turn} after base {base_turn}"
-        return PreparedTurn(
-            conversation_id, cache_salt, base_turn, turn, messages, tokens[start:], len(tokens), tokens_digest(tokens)
-        )
-
-    async def commit(self, turn: PreparedTurn) -> None:
-        """The service accepted the turn: the prepared state stays as the head (already is)."""
-
-    async def abandon(self, turn: PreparedTurn) -> None:
-        """The service refused the turn: go back to the base turn's head (or forget it all)."""
-
-        def rewind(_e) -> None:
-            key = conversation_key(turn.conversation_id, turn.cache_salt)
-            conv = self.cache.conversations.get(key)
-            if conv is None:
-                return
-            if turn.base_turn and conv.turn >= turn.base_turn:
-                self.cache.rewind(turn.conversation_id, turn.cache_salt, turn.base_turn)
-            else:
-                self.cache.delete(turn.conversation_id, turn.cache_salt)
-
-        await self.aengine.call(rewind)
+    async def abandon(self, record: TurnCommit) -> None:
+        await self.aengine.call(lambda _e: self.cache.abandon(record))
 
     def token_text(self, token_id: int) -> str:
         return self.cache.engine.tokenizer.decode_exact([token_id])
 
 
-def _matches(tokens: list[int], head: HeadRef) -> bool:
+def _is_head(tokens: list[int], head: HeadRef) -> bool:
     return len(tokens) == head.committed_tokens and tokens_digest(tokens) == head.tokens_sha256

@@ -38,13 +38,24 @@ errors.install(api)
 
 
 @api.middleware("http")
-async def _limit_body(request: Request, call_next):
-    """413 before the body is read and parsed; the limit is the deployment's (set in __init__)."""
-    limit = getattr(request.app.state, "max_body_bytes", None)
+async def _guard(request: Request, call_next):
+    """Before the body is read: 401 without a configured API key (every /v1 route), 413 over the
+    size limit. Both limits are the deployment's, set on the app in ChatIngress.__init__."""
+    state = request.app.state
+    keys = getattr(state, "api_keys", ())
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # the app's own route
+    if keys and path.startswith("/v1/") and _bearer(request) not in keys:
+        return APIError(401, "invalid or missing API key", "invalid_api_key").response()
+    limit = getattr(state, "max_body_bytes", None)
     size = request.headers.get("content-length", "")
     if limit is not None and size.isdigit() and int(size) > limit:
         return APIError(413, f"request body over {limit} bytes", "request_too_large").response()
     return await call_next(request)
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    return header[len("Bearer "):] if header.startswith("Bearer ") else ""
 
 
 def _model_name(settings: AppSettings) -> str:
@@ -88,6 +99,7 @@ class ChatIngress:
         self._client: CacheClient | None = None
         self._inflight = 0
         api.state.max_body_bytes = settings.max_body_bytes
+        api.state.api_keys = frozenset(settings.api_keys)
 
     async def _cache(self) -> CacheClient:
         if self._client is None:
@@ -96,14 +108,10 @@ class ChatIngress:
         return self._client
 
     def _salt(self, request: Request, cache_salt: str) -> str:
-        """The caller's salt, scoped to its API key when authentication is on."""
+        """The caller's salt, scoped to its API key when authentication is on (checked by _guard)."""
         if not self.settings.auth_enabled:
             return cache_salt
-        header = request.headers.get("authorization", "")
-        key = header[len("Bearer "):] if header.startswith("Bearer ") else ""
-        if key not in self.settings.api_keys:
-            raise APIError(401, "invalid or missing API key", "invalid_api_key")
-        return f"{AppSettings.key_scope(key)}:{cache_salt}"
+        return f"{AppSettings.key_scope(_bearer(request))}:{cache_salt}"
 
     # -- chat ------------------------------------------------------------------------------
     @api.post("/v1/chat/completions")
@@ -123,9 +131,9 @@ class ChatIngress:
                 messages=[m.as_engine_message() for m in body.messages],
                 sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation_id=body.conversation_id,
                 cache_salt=salt, wait_if_busy=body.wait_if_busy)
-        except APIError as e:
-            self._finished(e.status)
-            if e.code == "conversation_busy":
+        except BaseException as e:
+            self._finished(e.status if isinstance(e, APIError) else 500)
+            if isinstance(e, APIError) and e.code == "conversation_busy":
                 self.metrics.lease_conflicts.inc()
             raise
         events = run.events()
@@ -192,7 +200,8 @@ class ChatIngress:
                   "logprobs": _logprobs(logprobs) if body.logprobs else None}
         return JSONResponse(self._envelope(run, "chat.completion", [choice], usage=_usage(done), done=done))
 
-    async def _sse(self, body: ChatCompletionRequest, run: TurnRun, first, events, arrived: float) -> AsyncIterator[str]:
+    async def _sse(self, body: ChatCompletionRequest, run: TurnRun, first, events,
+                   arrived: float) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         status, last = 499, []  # 499: the client went away before the end
         try:
@@ -239,8 +248,7 @@ class ChatIngress:
 
     # -- models, conversations, health, metrics ------------------------------------------------
     @api.get("/v1/models")
-    async def models(self, request: Request) -> dict:
-        self._salt(request, "")
+    async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
                                             "owned_by": "hybridserve"}]}
 
@@ -259,7 +267,8 @@ class ChatIngress:
         return {
             "id": conversation_id, "object": "conversation", "turn": head.turn,
             "head": {"version": head.version, "turn": head.turn, "committed_tokens": head.committed_tokens,
-                     "tokens_sha256": head.tokens_sha256, "owner": head.owner_replica, "tier_version": head.tier_version},
+                     "tokens_sha256": head.tokens_sha256, "owner": head.owner_replica,
+                     "tier_version": head.tier_version},
             "turns": [{"turn": i, "messages": [{"role": m.role, "content": m.content} for m in t.messages],
                        "token_ids": list(t.token_ids)} for i, t in enumerate(ledger.turns, start=1)],
         }

@@ -16,6 +16,7 @@ gets the head by the recovery ladder (tier import, else ledger recompute); see w
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -32,9 +33,11 @@ def requested_owner(pending_request: PendingRequest | None) -> str:
     return ""
 
 
-def load_key(queue_len: int | None, stats: dict[str, Any]) -> tuple[int, int, int]:
-    """Smaller is less loaded: ongoing requests, then running requests, then fewer free blocks."""
-    return (queue_len or 0, int(stats.get("running_requests", 0)), -int(stats.get("free_kv_blocks", 0)))
+def load_key(queue_len: int | None, stats: dict[str, Any]) -> tuple[int, int, int, float]:
+    """Smaller is less loaded: ongoing requests, then running requests, then more free blocks;
+    a random last element spreads new conversations over equally idle replicas."""
+    return (queue_len or 0, int(stats.get("running_requests", 0)), -int(stats.get("free_kv_blocks", 0)),
+            random.random())
 
 
 class StickyConversationRouter(FIFOMixin, RequestRouter):

@@ -27,12 +27,13 @@ from cache_service.client import (
     CacheError,
     Conversation,
     DataLoss,
+    InvalidArgument,
     LeaseLost,
     NotFound,
     VersionConflict,
 )
 from deployments.cache_access import cache_client_config
-from deployments.engine_session import EngineSession, LedgerTurn
+from deployments.engine_session import EngineSession
 from deployments.protocol import (
     ErrorKind,
     HeadRef,
@@ -46,7 +47,15 @@ from deployments.protocol import (
 )
 from deployments.router import StickyConversationRouter
 from deployments.settings import AppSettings, TierExport
-from workers.errors import ConversationBusyError, CorruptStateError, InvalidRequestError
+from workers.conversation.records import LedgerTurn, TurnCommit
+from workers.errors import (
+    ConversationBusyError,
+    ConversationNotFoundError,
+    CorruptStateError,
+    InvalidRequestError,
+    OutOfCacheError,
+    TurnResolvedError,
+)
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
 
@@ -61,6 +70,7 @@ def too_long(error: InvalidRequestError) -> bool:
 
 @serve.deployment(
     name="Worker",
+    num_replicas=2,  # a conversation survives losing one; config.yaml switches on autoscaling
     max_ongoing_requests=8,
     ray_actor_options={"num_cpus": 0.5},
     graceful_shutdown_timeout_s=30,
@@ -75,11 +85,15 @@ class Worker:
         from workers.checkpoint.builtin import builtin_model_dir
 
         self.settings = settings
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.actor_name = context.replica_id.to_full_id_str()  # what the registry lists as its address
         self.session = EngineSession(settings.model or str(builtin_model_dir()), settings)
         self._cache_host = cache_host
         self._client: CacheClient | None = None
         self._tasks: set[asyncio.Task] = set()
+        # Heads committed here whose state the tier does not hold yet: exported on shutdown.
+        self._unexported: dict[tuple[str, str], HeadRef] = {}
 
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
@@ -100,7 +114,7 @@ class Worker:
             running, free = await self.session.load()
             try:
                 if epoch == 0:
-                    epoch = (await client.register_replica(self.replica_id, "", ttl_ms)).epoch
+                    epoch = (await client.register_replica(self.replica_id, self.actor_name, ttl_ms)).epoch
                 await client.heartbeat(self.replica_id, epoch, ttl_ms, running_requests=running, free_kv_blocks=free)
             except NotFound:
                 epoch = 0  # expired (e.g. the service restarted with an empty registry): register again
@@ -109,6 +123,7 @@ class Worker:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def record_routing_stats(self) -> dict[str, Any]:
+        await self._cache()  # Serve calls this every period from the start: registration begins here
         running, free = await self.session.load()
         return {"running_requests": running, "free_kv_blocks": free}
 
@@ -143,19 +158,18 @@ class Worker:
             return Recovery.NEW
         if await self.session.holds(conv_id, salt, head):
             return Recovery.LOCAL
-        await self.session.forget(conv_id, salt)
         client, conv = await self._cache(), Conversation(conv_id, salt)
+        ledger = await client.read_ledger(conv)
+        turns = [LedgerTurn(tuple({"role": m.role, "content": m.content} for m in t.messages), tuple(t.token_ids))
+                 for t in ledger.turns]
+        await self.session.adopt_ledger(conv_id, salt, head, turns)
         if self.settings.tier_export is not TierExport.OFF and head.tier_version == head.version:
             try:
-                _, data = await client.get_state(conv, head.version)
-                await self.session.import_state(conv_id, salt, data, head)
+                _, blob = await client.get_state(conv, head.version)
+                await self.session.import_state(conv_id, salt, blob)
                 return Recovery.TIER_IMPORT
-            except (NotFound, DataLoss, CorruptStateError) as e:
+            except (NotFound, DataLoss, CorruptStateError, OutOfCacheError) as e:
                 log.warning("tier import of %s failed, recomputing from the ledger: %s", conv_id, e)
-        ledger = await client.read_ledger(conv)
-        turns = [LedgerTurn([{"role": m.role, "content": m.content} for m in t.messages], list(t.token_ids))
-                 for t in ledger.turns]
-        await self.session.adopt_ledger(conv_id, salt, turns, head)
         return Recovery.LEDGER_RECOMPUTE
 
     async def _run(self, job: TurnJob, params: SamplingParams, stream, recovery: Recovery) -> AsyncIterator[TurnEvent]:
@@ -168,7 +182,9 @@ class Worker:
             completion += len(out.new_tokens)
             if out.new_tokens or out.text_delta:
                 yield TurnDelta(out.text_delta, tuple(out.new_token_ids), self._logprobs(out.new_tokens, params))
-        assert last is not None and last.finished
+        if last is None or not last.finished:
+            yield TurnFailed(ErrorKind.INTERNAL, "the engine ended the stream before the request finished")
+            return
         if last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
             yield TurnFailed(ErrorKind.INTERNAL, f"the turn ended with {last.finish_reason}")
             return
@@ -177,44 +193,64 @@ class Worker:
         if job.conversation_id is None:
             yield done
             return
-        yield await self._commit(job, done)
+        if last.turn_commit is None:
+            yield TurnFailed(ErrorKind.INTERNAL, "the engine finished the turn without preparing it")
+            return
+        yield await self._commit(job, done, last.turn_commit)
 
-    async def _commit(self, job: TurnJob, done: TurnDone) -> TurnEvent:
-        base = job.head.turn if job.head else 0
-        prepared = await self.session.prepared(job.conversation_id, job.cache_salt, base)
+    async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:
         client, conv = await self._cache(), Conversation(job.conversation_id, job.cache_salt)
         try:
             head = await client.publish_turn(
                 conv, lease_token=job.lease, expected_version=job.head.version if job.head else 0,
-                messages=prepared.messages, token_ids=prepared.turn_token_ids,
-                committed_tokens=prepared.committed_tokens, tokens_sha256=prepared.tokens_sha256,
+                messages=prepared.messages, token_ids=prepared.token_ids,
+                committed_tokens=prepared.committed_tokens, tokens_sha256=prepared.tokens_digest,
                 owner_replica=self.replica_id, release_lease=False, publish_id=job.request_id)
         except (VersionConflict, LeaseLost) as e:
-            await self.session.abandon(prepared)
+            await self._abandon(prepared)
             return TurnFailed(ErrorKind.CONFLICT, f"the turn was not committed: {e}")
+        except InvalidArgument as e:  # the service refused what this worker computed: a bug here, not bad input
+            await self._abandon(prepared)
+            return TurnFailed(ErrorKind.INTERNAL, f"the turn was not committed: {e}")
         except CacheError as e:
-            await self.session.abandon(prepared)
+            await self._abandon(prepared)
             return TurnFailed(ErrorKind.UNAVAILABLE, f"the turn was not committed: {e}")
         except BaseException:  # cancelled while publishing: whether it landed is unknown, so drop the copy
             await asyncio.shield(self.session.abandon(prepared))
             raise
-        await self.session.commit(prepared)
+        try:
+            await self.session.commit(prepared)
+        except TurnResolvedError as e:  # expired meanwhile: the service has the turn, this copy is gone
+            log.warning("committed turn %s no longer prepared here: %s", job.request_id, e)
         ref = HeadRef.of(head)
+        self._unexported[(job.conversation_id, job.cache_salt)] = ref
         if self.settings.tier_export is TierExport.SYNC:
             await self._export(job, ref)
         elif self.settings.tier_export is TierExport.ASYNC:
             self._spawn(self._export(job, ref))
         return TurnDone(**{**done.__dict__, "turn": head.turn, "head_version": head.version})
 
-    async def _export(self, job: TurnJob, head: HeadRef) -> None:
-        conv = Conversation(job.conversation_id, job.cache_salt)
+    async def _abandon(self, prepared: TurnCommit) -> None:
         try:
-            data = await self.session.export_state(job.conversation_id, job.cache_salt)
-            await (await self._cache()).put_state(conv, head.version, data)
+            await self.session.abandon(prepared)
+        except TurnResolvedError as e:  # already expired: nothing left to free
+            log.warning("abandoning %s: %s", prepared.request_id, e)
+
+    async def _export(self, job: TurnJob, head: HeadRef) -> None:
+        await self._export_head(job.conversation_id, job.cache_salt, head)
+
+    async def _export_head(self, conversation_id: str, cache_salt: str, head: HeadRef) -> None:
+        conv = Conversation(conversation_id, cache_salt)
+        try:
+            version, parts = await self.session.export_state(conversation_id, cache_salt)
+            await (await self._cache()).put_state(conv, version, parts)
         except VersionConflict:
-            pass  # a newer turn was committed meanwhile; its own export supersedes this one
-        except (CacheError, ConversationBusyError) as e:
-            log.warning("export of %s v%d failed: %s", job.conversation_id, head.version, e)
+            log.debug("export of %s v%d superseded by a newer turn", conversation_id, head.version)
+        except (CacheError, ConversationBusyError, ConversationNotFoundError) as e:
+            log.warning("export of %s v%d failed: %s", conversation_id, head.version, e)
+            return
+        if self._unexported.get((conversation_id, cache_salt)) == head:
+            del self._unexported[(conversation_id, cache_salt)]
 
     def _logprobs(self, tokens, params: SamplingParams) -> tuple[TokenLogprob, ...] | None:
         if params.logprobs is None:
@@ -226,6 +262,11 @@ class Worker:
             for t in tokens)
 
     async def __del__(self) -> None:
+        """Graceful shutdown (scale-in, redeploy): hand the heads only this replica holds to the
+        tier, so the next owner imports them instead of recomputing."""
+        if self.settings.tier_export is not TierExport.OFF:
+            for (conversation_id, cache_salt), head in list(self._unexported.items()):
+                await self._export_head(conversation_id, cache_salt, head)
         for task in list(self._tasks):
             task.cancel()
         self.session.shutdown()

@@ -307,16 +307,20 @@ class MissingChunksResponse(_message.Message):
     def __init__(self, digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StateManifest(_message.Message):
-    __slots__ = ("key", "version", "chunks", "incarnation")
+    __slots__ = ("key", "version", "chunks", "incarnation", "lease_token", "lease_proof")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PROOF_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     version: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkRef]
     incarnation: str
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    lease_token: int
+    lease_proof: bytes
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., incarnation: _Optional[str] = ..., lease_token: _Optional[int] = ..., lease_proof: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("digest", "data")

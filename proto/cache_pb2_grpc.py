@@ -149,8 +149,8 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AcquireLease(self, request, context):
-        """At most one turn of a conversation in flight: a lease with a TTL and a fencing
-        token that only ever grows.
+        """At most one turn of a conversation in flight: a lease with a TTL, a fencing token
+        and a proof that binds it to its conversation (see "Lease proof" above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,9 +1,13 @@
 """asyncio front of the engine: the engine loop runs on one thread, callers await streams.
 
-Everything that touches engine state (adding, aborting, conversation publish/discard,
-export) runs on the engine thread between steps, submitted through `call`, so the
+Everything that touches engine state (adding, aborting, conversation commit/abandon,
+export snapshots) runs on the engine thread between steps, submitted through `call`, so the
 scheduler and caches are never touched concurrently and the event loop never blocks on
-a model step.
+a model step. Commands run in submission order.
+
+Failure containment: a caller that vanished (its event loop closed) loses only its own
+request, which is aborted; `shutdown()` fails every pending stream and call with
+`EngineShutdownError` instead of leaving them unresolved.
 """
 
 from __future__ import annotations
@@ -15,31 +19,52 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from workers.engine import LLMEngine, RequestOutput
+from workers.errors import EngineShutdownError, RequestIdInUseError
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue  # RequestOutput, or an exception that ends the stream
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """From any thread; raises RuntimeError if the caller's loop is closed."""
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._closed = False
+        self._submit_lock = threading.Lock()  # `call` vs `shutdown`: nothing is queued after the drain
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
     # -- public API ------------------------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) on the engine thread between steps and return its result."""
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _submit(self, fn: Callable[[LLMEngine], Any]) -> Future:
         future: Future = Future()
-        self._commands.put((fn, future))
-        return await asyncio.wrap_future(future)
+        with self._submit_lock:
+            if self._closed:
+                future.set_exception(EngineShutdownError("the engine was shut down"))
+            else:
+                self._commands.put((fn, future))
+        return future
 
     async def generate(
         self,
@@ -56,38 +81,79 @@ class AsyncEngine:
 
     async def stream(self, request_id: str, start: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
         """Run start(engine) on the engine thread (it adds request_id, e.g. a conversation
-        turn) and stream that request's outputs; leaving early aborts it."""
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        turn) and stream that request's outputs; leaving early aborts it. If start returns
+        None it started nothing (e.g. a head that is already held) and the stream is empty.
+
+        Raises RequestIdInUseError if request_id is already streaming (that stream is untouched)."""
+        if request_id in self._streams:
+            raise RequestIdInUseError(f"request id {request_id!r} is already streaming")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
         try:
-            await self.call(start)
-        except BaseException:
-            self._streams.pop(request_id, None)
+            started = await self.call(start)
+        except asyncio.CancelledError:
+            # start may still be running on the engine thread: abort whatever it adds. Commands
+            # run in order, so this runs after it (not awaited: this caller is being cancelled).
+            self._forget(request_id, stream)
+            self._submit(lambda e: e.abort(request_id))
             raise
+        except BaseException:
+            self._forget(request_id, stream)
+            raise
+        if started is None:
+            self._forget(request_id, stream)
+            return
         finished = False
         try:
             while not finished:
-                out: RequestOutput = await outputs.get()
-                finished = out.finished
-                yield out
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine is gone: nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
         finally:
-            self._streams.pop(request_id, None)
+            self._forget(request_id, stream)
             if not finished:
-                await self.abort(request_id)
+                self._submit(lambda e: e.abort(request_id))
+
+    def _forget(self, request_id: str, stream: _Stream) -> None:
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: e.abort(request_id))
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._commands.put((lambda e: None, Future()))  # wake the loop
-        self._thread.join(timeout=30)
+        """Stop the loop, fail what is still running or queued, resolve every stream and call."""
+        with self._submit_lock:
+            self._closed = True
+            self._stop.set()
+            self._commands.put((lambda e: None, Future()))  # wake the loop
+        self._thread.join(timeout=60)
+        error = EngineShutdownError("the engine was shut down")
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        if not self._thread.is_alive():  # the engine is ours now: release its requests' state
+            self.engine.fail_all("the engine was shut down")
+        for request_id, stream in list(self._streams.items()):
+            self._streams.pop(request_id, None)
+            try:
+                stream.put(error)
+            except RuntimeError:
+                log.info("stream %s: its event loop is closed", request_id)
 
     # -- the engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            block = not self.engine.has_unfinished()
-            self._run_commands(block)
+            idle = not self.engine.has_unfinished()
+            self._run_commands(block=idle, timeout=self.engine.seconds_to_next_deadline() if idle else None)
+            self.engine.expire_prepared()
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
@@ -98,9 +164,9 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out)
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, block: bool, timeout: float | None) -> None:
         try:
-            fn, future = self._commands.get(block=block)
+            fn, future = self._commands.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return
         while True:
@@ -115,7 +181,12 @@ class AsyncEngine:
                 return
 
     def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is not None:
-            loop, outputs = target
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        try:
+            stream.put(out)
+        except RuntimeError:  # the caller's event loop is closed: only its request ends
+            log.warning("request %s: its caller is gone; aborting it", out.request_id)
+            self._forget(out.request_id, stream)
+            self.engine.abort(out.request_id)

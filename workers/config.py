@@ -21,9 +21,12 @@ class SchedulerConfig:
 class CacheConfig:
     block_size: int = 16
     kv_cache_bytes: int = 512 << 20
-    num_state_slots: int = 0  # 0: twice max_num_seqs, plus room for retained heads
+    # 0: twice max_num_seqs (a turn that will publish holds a running state and an aligned
+    # snapshot), plus room for retained heads (two slots each) within head_cache_bytes.
+    num_state_slots: int = 0
     head_cache_bytes: int = 256 << 20  # budget for committed conversation heads (evictable)
     mamba_align_tokens: int = 0  # aligned Mamba snapshots every N tokens; 0: the block size
+    prepared_turn_timeout_s: float = 60.0  # a prepared turn never committed or abandoned is abandoned
 
     @property
     def align_tokens(self) -> int:
@@ -34,6 +37,8 @@ class CacheConfig:
             raise ValueError(f"invalid cache config: {self}")
         if self.mamba_align_tokens % self.block_size:
             raise ValueError("mamba_align_tokens must be a multiple of block_size")
+        if not self.prepared_turn_timeout_s > 0:
+            raise ValueError(f"prepared_turn_timeout_s must be > 0: {self.prepared_turn_timeout_s!r}")
 
 
 @dataclass(frozen=True)

@@ -7,26 +7,32 @@ gives asyncio callers streams of outputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import numbers
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from workers.cache.coordinator import CacheCoordinator
+from workers.cache.heads import HeadManager
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.layout import layouts_for
 from workers.cache.mamba_slots import MambaStateManager
 from workers.config import EngineConfig
 from workers.detokenizer import Detokenizer
+from proto.contract import ModelIdentity
 from workers.errors import InvalidRequestError
+from workers.identity import model_identity
 from workers.model.loader import load_model
-from workers.request import FinishReason, HeadAttachment, Request
+from workers.request import FinishReason, HeadAttachment, KeepState, Request, RequestStatus
 from workers.runner import ModelRunner
 from workers.sampling import SampledToken, SamplingParams, sample
-from workers.scheduler import Scheduler, SchedulerOutput
+from workers.scheduler import Scheduler
 from workers.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    seed: int = 0  # the sampling seed used (drawn from the OS for unseeded requests)
+    # What the request's on_finished returned, on its final output: a conversation turn's
+    # `TurnCommit` (see workers/conversation/API.md).
+    turn_commit: Any = None
 
     @property
     def new_token_ids(self) -> list[int]:
@@ -69,19 +79,19 @@ class LLMEngine:
         num_blocks = max(2, cache.kv_cache_bytes // max(1, probe_kv.block_bytes) + 1)
         max_seqs = config.scheduler.max_num_seqs
         head_slots = min(4 * max_seqs, max(8, cache.head_cache_bytes // probe_state.slot_bytes))
-        num_slots = cache.num_state_slots or max_seqs + head_slots
+        # A turn that will publish holds two slots (running state + aligned snapshot).
+        num_slots = cache.num_state_slots or 2 * max_seqs + head_slots
         self.kv_layout, self.state_layout = layouts_for(
             self.model_config, num_blocks, cache.block_size, num_slots, config.dtype
         )
         # A request longer than the whole pool could never run: cap the length limit there.
         self.max_model_len = min(model_limit, self.kv_layout.usable_blocks * cache.block_size)
-        self.caches = CacheCoordinator(KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout))
-        self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
         self.runner = ModelRunner(self.model, self.kv_layout, self.state_layout, config.device)
+        kv, states = KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout)
+        heads = HeadManager(kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s)
+        self.caches = CacheCoordinator(kv, states, heads, self.runner.copy_slots)
+        self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
         self._detok: dict[str, Detokenizer] = {}
-        # Called with every request that finishes, however it ends (the conversation cache
-        # publishes or discards the turn there, while the request's state is still held).
-        self.finish_listeners: list[Callable[[Request], None]] = []
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(
@@ -91,12 +101,24 @@ class LLMEngine:
         params: SamplingParams,
         *,
         head: HeadAttachment | None = None,
-        retain_state: bool = False,
+        keep: KeepState = KeepState.FREE,
+        on_finished: Callable[[Request], Any] | None = None,
+        prefill_only: bool = False,
     ) -> Request:
+        """Queue a request. `keep` says what happens to its state when it completes;
+        `on_finished` runs on this thread when it ends, however it ends (see Request)."""
         self._validate(request_id, prompt_token_ids, params)
         if params.seed is None:
             params = dataclasses.replace(params)  # a fresh random seed per request, not per params object
-        request = Request(request_id, list(prompt_token_ids), params, head=head, retain_state=retain_state)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            head=head,
+            keep=keep,
+            on_finished=on_finished,
+            prefill_only=prefill_only,
+        )
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
         return request
@@ -130,15 +152,18 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.expire_prepared()
         step = self.scheduler.schedule()
         outputs = [self._fail(r, "the request does not fit in the KV cache") for r in step.unfittable]
         if not step.chunks:
             return outputs
-        sampling = [c for c in step.chunks if c.samples]
+        ending = [c for c in step.chunks if c.samples]
+        rows = [i for i, c in enumerate(ending) if not c.request.prefill_only]
+        sampling = [ending[i] for i in rows]
         try:
             logits = self.runner.execute(step)
             sampled = sample(
-                logits,
+                logits[rows] if len(rows) != len(ending) else logits,
                 [c.request.params for c in sampling],
                 [c.request.num_tokens for c in sampling],
                 self.banned_token_ids,
@@ -149,7 +174,20 @@ class LLMEngine:
         self.scheduler.advance(step)
         for chunk, token in zip(sampling, sampled):
             outputs.append(self._on_token(chunk.request, token))
+        for chunk in ending:
+            if chunk.request.prefill_only:  # its state now covers the whole prompt: done
+                self._finish(chunk.request, FinishReason.STOP)
+                outputs.append(self._output(chunk.request, (), ""))
         return outputs
+
+    def expire_prepared(self) -> int:
+        """Abandon prepared states past their deadline (their owners never resolved them)."""
+        return len(self.caches.heads.expire(time.monotonic()))
+
+    def seconds_to_next_deadline(self) -> float | None:
+        """How long an idle loop may sleep before `expire_prepared` has work (None: forever)."""
+        deadline = self.caches.heads.next_deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def _on_token(self, request: Request, token: SampledToken) -> RequestOutput:
         request.append(token)
@@ -169,10 +207,30 @@ class LLMEngine:
         return self._output(request, (token,), delta)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        self.scheduler.finish(request, reason)
+        """End a request; a failure while keeping its state or in its on_finished fails this
+        request alone and frees its state (never the batch, never a leak)."""
         self._detok.pop(request.request_id, None)
-        for listener in self.finish_listeners:
-            listener(request)
+        try:
+            self.scheduler.finish(request, reason)
+        except Exception as e:
+            self._failed_finish(request, e)  # on_finished still runs: it sees no prepared state
+        if request.on_finished is None:
+            return
+        try:
+            request.finish_record = request.on_finished(request)
+        except Exception as e:
+            self._failed_finish(request, e)
+
+    def _failed_finish(self, request: Request, error: Exception) -> None:
+        log.exception("request %s: finishing failed", request.request_id)
+        prepared = request.prepared
+        if prepared is not None and prepared.holder in self.caches.heads.prepared:
+            self.caches.heads.release(prepared)
+        request.prepared = None
+        self.caches.discard(request)  # whatever the request still holds
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ERROR
+        request.finish_error = f"finishing the request failed: {error}"
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         self._finish(request, FinishReason.ERROR)
@@ -191,7 +249,9 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
-            error=error,
+            error=error or request.finish_error,
+            seed=request.params.resolved_seed,
+            turn_commit=request.finish_record if request.is_finished else None,
         )
 
     # -- conveniences -------------------------------------------------------------------------
@@ -207,6 +267,11 @@ class LLMEngine:
                     raise RuntimeError(out.error)
                 results[out.request_id].extend(out.new_tokens)
         return [results[rid] for rid in ids]
+
+    @functools.cached_property
+    def identity(self) -> ModelIdentity:
+        """What a foreign head's state must match (hashes the weights once)."""
+        return model_identity(self.config.model, self.config.dtype, self.config.device)
 
     def check_integrity(self) -> None:
         self.caches.check_integrity()

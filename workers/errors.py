@@ -35,3 +35,19 @@ class ConversationNotFoundError(EngineError):
 
 class CorruptStateError(EngineError):
     """An exported head failed its checksums or does not fit this engine's model and layout."""
+
+
+class RequestIdInUseError(InvalidRequestError):
+    """A request with this id is already running or streaming."""
+
+
+class EngineShutdownError(EngineError):
+    """The engine was shut down before the call or stream completed."""
+
+
+class TurnResolvedError(EngineError):
+    """A prepared turn was already committed, abandoned or expired (or is not this engine's)."""
+
+
+class HistoryRewriteError(InvalidRequestError):
+    """The chat template cannot render the new messages as an append to the committed tokens."""

@@ -11,11 +11,16 @@ of `num_computed_tokens`. After sampling out_k the state covers everything but o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 from workers.cache.holders import Holder
 from workers.sampling import SampledToken, SamplingParams
+
+if TYPE_CHECKING:
+    from workers.cache.heads import PreparedState
 
 
 class RequestStatus(Enum):
@@ -29,6 +34,14 @@ class FinishReason(Enum):
     LENGTH = "length"  # max_tokens or the model's length limit
     ABORT = "abort"
     ERROR = "error"
+
+
+class KeepState(Enum):
+    """What happens to a request's KV and Mamba state when it completes (STOP / LENGTH).
+    Aborted and failed requests always free it."""
+
+    FREE = "free"
+    PREPARE = "prepare"  # kept as a prepared state (with an aligned snapshot) for a commit or abandon
 
 
 @dataclass(frozen=True)
@@ -47,8 +60,16 @@ class Request:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     head: HeadAttachment | None = None
-    aligned_len: int = 0  # position of the snapshot in the aligned Mamba slot (retain_state only)
-    retain_state: bool = False  # keep KV and Mamba state after a completed finish (to publish)
+    aligned_len: int = 0  # position of the snapshot in the aligned Mamba slot (keep=PREPARE only)
+    keep: KeepState = KeepState.FREE
+    prefill_only: bool = False  # run the prompt, sample nothing (materializing a head)
+    # Called on the engine thread once the request has ended, however it ended; what it
+    # returns is reported in the final output (a conversation's `TurnCommit`). If it raises,
+    # the request fails alone and its state is freed.
+    on_finished: Callable[[Request], Any] | None = None
+    prepared: PreparedState | None = None  # set when keep=PREPARE and it completed
+    finish_record: Any = None  # what on_finished returned
+    finish_error: str | None = None
     token_ids: list[int] = field(init=False)
     output: list[SampledToken] = field(default_factory=list)
     num_computed_tokens: int = 0

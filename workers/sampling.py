@@ -8,7 +8,7 @@ deterministic mode, another replica) therefore draws the same token from the sam
 
 from __future__ import annotations
 
-import random
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +73,9 @@ class SamplingParams:
         if self.seed is not None:
             object.__setattr__(self, "resolved_seed", self.seed)
         else:
-            object.__setattr__(self, "resolved_seed", random.getrandbits(63))
+            # From the OS, not Python's global `random`: a `random.seed()` anywhere, or a fork,
+            # must not make unseeded requests repeat each other.
+            object.__setattr__(self, "resolved_seed", secrets.randbits(63))
 
     @property
     def greedy(self) -> bool:

@@ -61,6 +61,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self.caches.register(request)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -83,15 +84,14 @@ class Scheduler:
             request = self.waiting[0]
             start = request.head.state_len if request.head else request.num_computed_tokens
             n = min(request.num_tokens - start, budget)
-            if out.preempted or not self.caches.can_admit(request, n):
-                if not self.running and not out.chunks and not out.preempted:
+            idle = not self.running and not out.chunks and not out.preempted
+            if out.preempted or not self.caches.try_admit(request, n, idle):
+                if idle:
                     # Nothing runs, nothing was preempted, evictable heads are gone: it never fits.
                     out.unfittable.append(self.waiting.popleft())
                     continue
                 break  # no room now; FCFS keeps the queue order
             self.waiting.popleft()
-            self.caches.admit(request)
-            self.caches.grow(request, request.num_computed_tokens + n)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, n))
@@ -122,7 +122,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.caches.free(request)
+        self.caches.release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -143,9 +143,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:  # an unfittable request has already left the queue
             self.waiting.remove(request)
-        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
-        if not (completed and request.retain_state):
-            self.caches.free(request)  # else the conversation cache publishes or frees it
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        self.caches.finish(request, completed=reason in (FinishReason.STOP, FinishReason.LENGTH))

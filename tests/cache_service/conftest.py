@@ -46,6 +46,39 @@ async def client(service):
         yield c
 
 
+# A second service with small bounds and authentication on, on a Redis of its own (its
+# replica registry must not see the other tests' replicas).
+STRICT_TOKEN = "strict-test-secret-0123456789"
+STRICT_STAGED_BYTES = 8 << 20
+STRICT_TIER_BUDGET = 4 << 20
+STRICT_MAX_REPLICAS = 8
+
+
+@pytest.fixture(scope="session")
+def strict_service(tmp_path_factory):
+    data = tmp_path_factory.mktemp("strict")
+    (data / "token").write_text(STRICT_TOKEN + "\n")
+    proc = ServiceProcess(data_dir=data, redis_url=None, tier_budget=STRICT_TIER_BUDGET, extra_env={
+        "CACHE_SERVICE_AUTH_TOKEN_FILE": str(data / "token"),
+        "CACHE_MAX_STAGED_BYTES": str(STRICT_STAGED_BYTES),
+        "CACHE_PUT_IDLE_TIMEOUT_S": "3",  # long enough for a loaded machine to fill the staging
+        "CACHE_MAX_REPLICAS": str(STRICT_MAX_REPLICAS),
+    })
+    proc.start()
+    yield proc
+    try:
+        assert proc.terminate() == 0
+    finally:
+        proc.close()
+
+
+@pytest.fixture(scope="session")
+async def strict_client(strict_service):
+    async with fast_client(strict_service.target, auth_token=STRICT_TOKEN) as c:
+        await c.wait_ready()
+        yield c
+
+
 @pytest.fixture
 def conv() -> Conversation:
     return Conversation(f"conv-{uuid.uuid4().hex}", salt=f"salt-{uuid.uuid4().hex[:8]}")

@@ -14,6 +14,11 @@ from pathlib import Path
 from cache_service.client import CacheClient, ClientConfig, Conversation, RetryPolicy, tokens_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The checkout whose `python -m cache_service` the tests start. Pointing it at an older
+# checkout runs today's tests against yesterday's service: that is how a regression
+# test is seen to fail before its fix. Service settings below travel as environment
+# variables (which an older service ignores) rather than flags (which it would refuse).
+SERVICE_ROOT = Path(os.environ.get("HS_CACHE_SERVICE_ROOT", REPO_ROOT))
 
 
 @dataclass
@@ -64,9 +69,9 @@ class ServiceProcess:
                 "--grace-s", "2"]
         if self.redis_url:
             argv += ["--redis-url", self.redis_url]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **self._extra_env}
+        env = {**os.environ, "PYTHONPATH": str(SERVICE_ROOT), **self._extra_env}
         env.pop("REDIS_URL", None)
-        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(argv, cwd=SERVICE_ROOT, env=env, stderr=subprocess.PIPE, text=True)
         serving = threading.Event()
         proc = self.proc
 
@@ -121,7 +126,8 @@ class ServiceProcess:
                     raise TimeoutError("the service never logged the awaited event")
 
 
-def fast_client(target: str) -> CacheClient:
+def fast_client(target: str, auth_token: str | None = None) -> CacheClient:
     # Tests want quick retries but enough of them to ride out a process restart.
     return CacheClient(target, ClientConfig(
-        timeout_s=5.0, retry=RetryPolicy(attempts=100, initial_backoff_s=0.01, max_backoff_s=0.25)))
+        timeout_s=5.0, retry=RetryPolicy(attempts=100, initial_backoff_s=0.01, max_backoff_s=0.25),
+        auth_token=auth_token))

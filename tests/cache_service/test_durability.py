@@ -123,3 +123,19 @@ async def test_deadline_bounds_a_call_when_redis_hangs(own_client, own_redis, ow
         os.kill(own_redis.pid, signal.SIGCONT)
     assert (await impatient.get_head(conv)).version == 1
     await impatient.close()
+
+
+async def test_a_put_cut_by_a_service_crash_is_retried(own_client, own_service):
+    conv = new_conv()
+    await commit_turn(own_client, conv, History(), [1], "one")
+    data = os.urandom(48 << 20)
+    put = asyncio.create_task(own_client.put_state(conv, 1, data))
+    async with fast_client(own_service.target) as observer:
+        while (await observer.stats()).tier_staged_bytes == 0:
+            assert not put.done(), "the put finished before the crash could cut it"
+            await asyncio.sleep(0.005)  # polled: the service exposes staging only in its stats
+    own_service.kill()
+    await asyncio.to_thread(own_service.start)  # same port; the client re-sends the whole put
+    reply = await put
+    assert reply.head.tier_version == 1
+    assert await own_client.get_state(conv) == (1, data)

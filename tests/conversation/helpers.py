@@ -20,10 +20,10 @@ from workers.cache.holders import Holder, HolderKind
 from workers.checkpoint import EOS_TOKEN_ID
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation.cache import ConversationCache
-from workers.conversation.heads import CommittedHead
-from workers.conversation.ledger import conversation_key
+from proto.contract import conversation_key
+from workers.cache.heads import CommittedHead
 from workers.engine import LLMEngine
-from workers.request import FinishReason, Request
+from workers.request import FinishReason, KeepState, Request
 from workers.sampling import SamplingParams
 
 MiB = 1 << 20
@@ -53,6 +53,7 @@ def new_engine(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 64,
     mamba_align_tokens: int = 0,
+    prepared_turn_timeout_s: float = 60.0,
 ) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
@@ -63,6 +64,7 @@ def new_engine(
                 head_cache_bytes=head_cache_bytes,
                 num_state_slots=num_state_slots,
                 mamba_align_tokens=mamba_align_tokens,
+                prepared_turn_timeout_s=prepared_turn_timeout_s,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         )
@@ -94,8 +96,10 @@ def check_engine(engine: LLMEngine) -> None:
 
 
 def check_cache(cc: ConversationCache) -> None:
-    """Heads own exactly what the managers say heads hold; nothing pinned or pending when idle."""
+    """Heads own exactly what the managers say heads hold; nothing pinned, pending or prepared
+    when idle (a test must resolve the turns it prepared)."""
     kv, states = cc.kv, cc.states
+    cc.engine.check_integrity()  # includes: every head-held block or slot belongs to a known head
     holders = {h.holder for h in cc.heads.all()}
     assert {h for h in kv.tables if h.kind is HolderKind.HEAD} == holders, "KV blocks of no head (leak)"
     assert {h for h in states.slots if h.kind is HolderKind.HEAD} == holders, "state slots of no head (leak)"
@@ -105,6 +109,7 @@ def check_cache(cc: ConversationCache) -> None:
         assert head.aligned_len <= head.state_len and head.aligned_len % BLOCK == 0, head
     if not cc.engine.has_unfinished():
         assert not cc.pending, cc.pending
+        assert not cc._prepared and not cc.heads.prepared, "a prepared turn was never resolved"
         assert all(h.pins == 0 for h in cc.heads.all())
         assert all(c.in_flight is None for c in cc.conversations.values())
 
@@ -241,14 +246,14 @@ def snapshot(engine: LLMEngine, holder: Holder) -> StateSnapshot:
 def prefill_state(engine: LLMEngine, token_ids: list[int], request_id: str = "prefill") -> StateSnapshot:
     """Terminal state (KV of every position, Mamba state in slot 0) of a stateless prefill of
     exactly `token_ids` (max_tokens=1: the sampled token is never fed). The request keeps its
-    state (retain_state) until it is read, then it is freed."""
+    state (prepared) until it is read, then it is released."""
     request = engine.add_request(
-        request_id, token_ids, SamplingParams(max_tokens=1, temperature=0.0), retain_state=True
+        request_id, token_ids, SamplingParams(max_tokens=1, temperature=0.0), keep=KeepState.PREPARE
     )
     drive(engine)
     assert request.num_computed_tokens == len(token_ids)
-    state = snapshot(engine, Holder.request(request_id))
-    engine.caches.free(request)
+    state = snapshot(engine, request.prepared.holder)
+    engine.caches.heads.release(request.prepared)
     return state
 
 

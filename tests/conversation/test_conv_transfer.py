@@ -1,21 +1,18 @@
-"""Export of a committed head as a checksummed byte stream, import into another engine.
+"""Exports as content-addressed chunks, imports into another engine.
 
-    stream = MAGIC | header length | header | included KV blocks | Mamba states | sha256
-
-Import into a fresh engine gives the same ledger and byte-identical state, so the next turn
-is identical (tokens and logprobs, exactly) to the exporter's. A damaged stream is rejected
-with CorruptStateError and changes nothing. An incremental export leaves out the full blocks
-the receiver already holds; it is smaller and imports to the same state.
+Import into a fresh engine (ledger adopted from "the service", here the exporter's
+`describe()["ledger"]`) gives byte-identical state, so the next turn is identical (tokens and
+logprobs, exactly). Consecutive exports share their unchanged full-block chunks by name, and
+an importer that holds them receives only the new ones. Any damaged chunk or header is
+rejected with CorruptStateError and changes nothing; so is an import that does not fit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
 
 import pytest
-import torch
 
 from tests.conversation.helpers import (
     BLOCK,
@@ -29,58 +26,72 @@ from tests.conversation.helpers import (
     snapshot,
     user,
 )
+from tests.conversation.test_conv_eviction import sizes
 from workers.checkpoint import Arch
-from workers.conversation.transfer import MAGIC, HeadTransfer
-from workers.errors import ConversationBusyError, ConversationNotFoundError, CorruptStateError
+from workers.conversation.export import ChunkKind, ExportedHead, build_export, verify_export
+from workers.errors import ConversationBusyError, ConversationNotFoundError, CorruptStateError, OutOfCacheError
 
 ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 
 
-def conversation_on_new_engine(models, reference_engines, arch, turns: int = 2):
-    eng = new_engine(models[arch])
-    cc = new_cache(eng)
+def conversation(models, reference_engines, arch, turns: int = 2, **limits):
+    cc = new_cache(new_engine(models[arch], **limits))
     for turn in range(1, turns + 1):
         check_turn_against_reference(cc, reference_engines[arch], "c1", "s", user(f"say {turn}"), greedy(7), f"t{turn}")
-    return cc, HeadTransfer(cc)
+    return cc
 
 
-def receiver(models, arch):
-    cc = new_cache(new_engine(models[arch]))
-    return cc, HeadTransfer(cc)
+def export_from(cc, cid: str = "c1") -> ExportedHead:
+    snap = cc.snapshot_head(cid, "s")  # engine thread: copies only
+    exported = build_export(snap)  # anywhere: hashing and serialization
+    cc.remember_chunks(snap, exported)
+    return exported
+
+
+def adopt_from(src, dst, cid: str = "c1") -> None:
+    ledger = src.describe(cid, "s")
+    dst.adopt_ledger(cid, "s", version=ledger["version"], turns=ledger["ledger"])
+
+
+def import_into(dst, exported: ExportedHead, chunks: dict[str, bytes] | None = None, cid: str = "c1"):
+    """What the worker does: send only what the importer lacks, verify, install."""
+    held = dst.held_chunk_digests()
+    if chunks is None:
+        chunks = {d: data for d, data in exported.chunks if d not in held}
+    identity, layout = dst.export_identity()
+    verified = verify_export(exported.header, chunks, identity, layout, held)
+    return dst.install_head(cid, "s", verified), chunks
 
 
 def assert_same_head_state(a_cc, b_cc):
     a, b = head_of(a_cc, "c1", "s"), head_of(b_cc, "c1", "s")
-    assert (a.turn, a.state_len, a.aligned_len) == (b.turn, b.state_len, b.aligned_len)
+    assert (a.turn, a.state_len, a.aligned_len, a.version) == (b.turn, b.state_len, b.aligned_len, b.version)
     sa, sb = snapshot(a_cc.engine, a.holder), snapshot(b_cc.engine, b.holder)
-    for name in ("kv", "conv", "ssm"):
-        for x, y in zip(getattr(sa, name), getattr(sb, name)):
-            assert torch.equal(x, y), name
+    full = a.state_len // BLOCK  # the tail block past state_len is not part of the state
+    for x, y in zip(sa.kv, sb.kv):
+        assert x[:, :full].equal(y[:, :full]) and x.flatten(1, 2)[:, : a.state_len].equal(y.flatten(1, 2)[:, : a.state_len])
+    for x, y in zip(sa.conv + sa.ssm, sb.conv + sb.ssm):
+        assert x.equal(y)
 
 
-def assert_nothing_imported(cc):
-    assert not cc.conversations and len(cc.heads) == 0
+def assert_nothing_installed(cc):
+    assert len(cc.heads) == 0
     kv, slots = cc.engine.caches.kv.usage(), cc.engine.caches.states.usage()
     assert kv.free == kv.total and slots.free == slots.total
 
 
-def reseal(body: bytes) -> bytes:
-    return body + hashlib.sha256(body).digest()
-
-
-def split(stream: bytes) -> tuple[dict, int]:
-    """(header, offset of the first payload byte)."""
-    (length,) = struct.unpack_from("<I", stream, len(MAGIC))
-    start = len(MAGIC) + 4
-    return json.loads(stream[start : start + length]), start + length
-
-
 @ARCHS
 def test_export_import_next_turn_identical(models, reference_engines, arch):
-    a_cc, a_tr = conversation_on_new_engine(models, reference_engines, arch)
-    stream = a_tr.export_head("c1", "s")
-    b_cc, b_tr = receiver(models, arch)
-    assert b_tr.import_head(stream, "s") == "c1"
+    a_cc = conversation(models, reference_engines, arch)
+    exported = export_from(a_cc)
+    header = json.loads(exported.header[:-32])
+    text = exported.header[:-32].decode()
+    assert '"c1"' not in text and "say 1" not in text, "ids and message text travel only as hashes"
+    assert {c["kind"] for c in header["chunks"]} >= {ChunkKind.KV, ChunkKind.STATE}
+    b_cc = new_cache(new_engine(models[arch]))
+    adopt_from(a_cc, b_cc)
+    info, _ = import_into(b_cc, exported)
+    assert (info.turn, info.version) == (2, 2)
     assert b_cc.describe("c1", "s") == a_cc.describe("c1", "s")
     assert_same_head_state(a_cc, b_cc)
 
@@ -89,116 +100,159 @@ def test_export_import_next_turn_identical(models, reference_engines, arch):
     b_next = check_turn_against_reference(b_cc, reference_engines[arch], "c1", "s", user("go on"), greedy(9), "b3")
     assert b_next.num_cached_tokens == head.state_len, "the imported head is reused"
     assert (b_next.tokens, b_next.logprobs) == (a_next.tokens, a_next.logprobs), "same state, same bits"
-    assert b_cc.describe("c1", "s") == a_cc.describe("c1", "s")
 
 
-def test_corrupted_streams_are_rejected(models, reference_engines):
-    arch = Arch.BAMBA
-    a_cc, a_tr = conversation_on_new_engine(models, reference_engines, arch)
-    stream = a_tr.export_head("c1", "s")
-    _, payload = split(stream)
-    state_start = len(stream) - 32 - len(a_tr._state_bytes(a_cc.states.slots[head_of(a_cc, "c1", "s").holder]))
-
-    def flip(data: bytes, at: int) -> bytes:
-        return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
-
-    damaged = {
-        "header byte": flip(stream, len(MAGIC) + 10),
-        "block byte": flip(stream, payload + 5),
-        "state byte": flip(stream, state_start + 7),
-        "trailer byte": flip(stream, len(stream) - 1),
-        "truncated": stream[:-100],
-        "magic": b"X" + stream[1:],
-        "empty": b"",
-        # Re-sealed: the trailer is right, the per-block and state checksums are not.
-        "block byte, re-sealed": reseal(flip(stream[:-32], payload + 5)),
-        "state byte, re-sealed": reseal(flip(stream[:-32], state_start + 7)),
-    }
-    b_cc, b_tr = receiver(models, arch)
-    for what, data in damaged.items():
-        try:
-            b_tr.import_head(data, "s")
-        except CorruptStateError:
-            pass
-        else:
-            pytest.fail(f"a stream with a damaged {what} was imported")
-        assert_nothing_imported(b_cc)
-    with pytest.raises(CorruptStateError):
-        b_tr.import_head(stream, "another salt")  # never someone else's state
-    assert_nothing_imported(b_cc)
-    other_cc, other_tr = receiver(models, Arch.NEMOTRON_H)
-    with pytest.raises(CorruptStateError):
-        other_tr.import_head(stream, "s")  # another model
-    assert_nothing_imported(other_cc)
-    b_tr.import_head(stream, "s")  # the intact stream still imports
-    assert_same_head_state(a_cc, b_cc)
-
-
-def test_resealed_stream_with_inconsistent_head_is_rejected(models, reference_engines):
-    """A stream whose checksums are right but whose head does not match its own content (a
-    committed length the blocks or the ledger do not cover) must not become a head."""
-    a_cc, a_tr = conversation_on_new_engine(models, reference_engines, Arch.BAMBA)
-    stream = a_tr.export_head("c1", "s")
-    header, payload = split(stream)
-    b_cc, b_tr = receiver(models, Arch.BAMBA)
-    for field, value in [("state_len", header["head"]["state_len"] + 3 * BLOCK), ("turn", 7)]:
-        bad = json.loads(json.dumps(header))
-        bad["head"][field] = value
-        raw = json.dumps(bad, separators=(",", ":")).encode()
-        tampered = reseal(MAGIC + struct.pack("<I", len(raw)) + raw + stream[payload:-32])
-        with pytest.raises(CorruptStateError):
-            b_tr.import_head(tampered, "s")
-        assert_nothing_imported(b_cc)
-
-
-def test_incremental_export_leaves_out_known_blocks(models, reference_engines):
+def test_consecutive_exports_share_blocks_and_imports_are_incremental(models, reference_engines):
     arch = Arch.GRANITEMOEHYBRID
-    ref = reference_engines[arch]
-    a_cc, a_tr = conversation_on_new_engine(models, reference_engines, arch)
-    b_cc, b_tr = receiver(models, arch)
-    b_tr.import_head(a_tr.export_head("c1", "s"), "s")
-    shared_len = head_of(b_cc, "c1", "s").state_len
+    a_cc = conversation(models, reference_engines, arch, turns=1)
+    first = export_from(a_cc)
+    b_cc = new_cache(new_engine(models[arch]))
+    adopt_from(a_cc, b_cc)
+    import_into(b_cc, first)
 
-    check_turn_against_reference(a_cc, ref, "c1", "s", user("one more"), greedy(7), "a3")
-    full = a_tr.export_head("c1", "s")
-    have = set(b_tr.known_block_digests())
-    incremental = a_tr.export_head("c1", "s", have=have)
-    left_out = sum(not b["included"] for b in split(incremental)[0]["blocks"])
-    assert left_out >= shared_len // BLOCK, "the blocks of the previous head are not resent"
-    block_bytes = a_cc.engine.kv_layout.block_bytes
-    assert len(full) - len(incremental) >= left_out * (block_bytes - len("false")), (len(full), len(incremental))
+    check_turn_against_reference(a_cc, reference_engines[arch], "c1", "s", user("one more"), greedy(7), "t2")
+    second = export_from(a_cc)
+    kinds = lambda e: [c["kind"] for c in json.loads(e.header[:-32])["chunks"]]  # noqa: E731
+    first_blocks = [d for (d, _), k in zip(first.chunks, kinds(first)) if k == ChunkKind.KV]
+    assert first_blocks and second.digests[: len(first_blocks)] == first_blocks, "unchanged blocks, same names"
 
-    fresh_cc, fresh_tr = receiver(models, arch)
-    with pytest.raises(CorruptStateError):
-        fresh_tr.import_head(incremental, "s")  # lacks the blocks it leaves out
-    assert_nothing_imported(fresh_cc)
-
-    b_tr.import_head(incremental, "s")
+    adopt_from(a_cc, b_cc)
+    _, sent = import_into(b_cc, second)
+    assert set(sent) == set(second.digests) - set(first_blocks), "only the new chunks travel"
     assert b_cc.describe("c1", "s") == a_cc.describe("c1", "s")
     assert_same_head_state(a_cc, b_cc)
-    a_next = run_turn(a_cc, "c1", "s", user("and then"), greedy(8), "a4")
-    b_next = check_turn_against_reference(b_cc, ref, "c1", "s", user("and then"), greedy(8), "b4")
+    a_next = run_turn(a_cc, "c1", "s", user("and then"), greedy(8), "a3")
+    b_next = run_turn(b_cc, "c1", "s", user("and then"), greedy(8), "b3")
     assert (b_next.tokens, b_next.logprobs) == (a_next.tokens, a_next.logprobs)
-    assert b_next.num_cached_tokens == a_next.num_cached_tokens > 0
+
+    fresh = new_cache(new_engine(models[arch]))
+    adopt_from(a_cc, fresh)
+    with pytest.raises(CorruptStateError, match="neither in the export nor held"):
+        import_into(fresh, second, chunks=sent)  # lacks the blocks the other importer held
+    assert_nothing_installed(fresh)
 
 
-def test_import_into_busy_conversation_and_export_without_head(models, reference_engines):
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
+
+
+def test_corruption_of_any_chunk_or_the_header_is_detected(models, reference_engines):
+    arch = Arch.BAMBA
+    a_cc = conversation(models, reference_engines, arch)
+    exported = export_from(a_cc)
+    b_cc = new_cache(new_engine(models[arch]))
+    adopt_from(a_cc, b_cc)
+    intact = dict(exported.chunks)
+    for i, (digest, data) in enumerate(exported.chunks):
+        damaged = dict(intact)
+        damaged[digest] = _flip(data, (7 * i + 3) % len(data))
+        with pytest.raises(CorruptStateError, match="checksum"):
+            import_into(b_cc, exported, chunks=damaged)
+        assert_nothing_installed(b_cc)
+    for at in (0, 10, len(exported.header) - 1):
+        with pytest.raises(CorruptStateError):
+            import_into(b_cc, ExportedHead(_flip(exported.header, at), exported.chunks))
+    # Re-sealed header whose head does not match its own chunks.
+    header = json.loads(exported.header[:-32])
+    header["state_len"] += 3 * BLOCK
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    with pytest.raises(CorruptStateError, match="inconsistent"):
+        import_into(b_cc, ExportedHead(raw + hashlib.sha256(raw).digest(), exported.chunks))
+    with pytest.raises(CorruptStateError, match="another conversation"):
+        identity, layout = b_cc.export_identity()
+        b_cc.install_head("c1", "another salt", verify_export(exported.header, intact, identity, layout))
+    other = new_cache(new_engine(models[Arch.NEMOTRON_H]))
+    adopt_from(a_cc, other)
+    with pytest.raises(CorruptStateError):
+        import_into(other, exported)  # another model
+    assert_nothing_installed(b_cc)
+    import_into(b_cc, exported)  # the intact export still installs
+    assert_same_head_state(a_cc, b_cc)
+
+
+def test_an_import_that_does_not_fit_changes_nothing(models, reference_engines):
+    arch = Arch.BAMBA
+    a_cc = conversation(models, reference_engines, arch)
+    exported = export_from(a_cc)
+    blocks = len(a_cc.kv.table(head_of(a_cc, "c1", "s").holder))
+    block_bytes, _ = sizes(models[arch])
+    b_cc = new_cache(new_engine(models[arch], kv_cache_bytes=(blocks - 1) * block_bytes))
+    adopt_from(a_cc, b_cc)
+    with pytest.raises(OutOfCacheError):
+        import_into(b_cc, exported)
+    assert_nothing_installed(b_cc)  # and the per-test check finds no head holder nobody knows
+
+
+def test_an_import_never_evicts_the_blocks_it_shares(models, reference_engines):
+    """The importer holds turn 1's head; turn 2's new blocks only fit once turn 1's head is
+    evicted: the blocks turn 2 shares with it must survive that eviction."""
+    arch = Arch.BAMBA
+    a_cc = conversation(models, reference_engines, arch, turns=1)
+    first = export_from(a_cc)
+    check_turn_against_reference(a_cc, reference_engines[arch], "c1", "s", user("more"), greedy(7), "t2")
+    second = export_from(a_cc)
+    head1_len = json.loads(first.header[:-32])["state_len"]
+    n2 = -(-json.loads(second.header[:-32])["state_len"] // BLOCK)
+    assert head1_len % BLOCK, "turn 1's head must have a tail block for this pool size to be tight"
+    block_bytes, _ = sizes(models[arch])
+    b_cc = new_cache(new_engine(models[arch], kv_cache_bytes=n2 * block_bytes))
+    b_cc.adopt_ledger("c1", "s", version=1, turns=a_cc.describe("c1", "s")["ledger"][:1])
+    import_into(b_cc, first)
+    adopt_from(a_cc, b_cc)  # the ledger at turn 2: turn 1's head stays valid
+    assert head_of(b_cc, "c1", "s", turn=1) is not None
+    import_into(b_cc, second)
+    assert b_cc.stats()["evictions"] == 1
+    assert_same_head_state(a_cc, b_cc)
+
+
+def test_busy_and_unknown_conversations(models, reference_engines):
     arch = Arch.NEMOTRON_H
-    a_cc, a_tr = conversation_on_new_engine(models, reference_engines, arch)
-    stream = a_tr.export_head("c1", "s")
-    b_cc, b_tr = receiver(models, arch)
-    b_tr.import_head(stream, "s")
+    a_cc = conversation(models, reference_engines, arch)
+    exported = export_from(a_cc)
+    b_cc = new_cache(new_engine(models[arch]))
+    with pytest.raises(ConversationNotFoundError, match="adopt"):
+        import_into(b_cc, exported)  # no ledger adopted
+    adopt_from(a_cc, b_cc)
+    import_into(b_cc, exported)
     b_cc.begin_turn("c1", "s", user("in flight"), greedy(4), "busy")
-    ledger = b_cc.describe("c1", "s")
     with pytest.raises(ConversationBusyError):
-        b_tr.import_head(stream, "s")
-    assert b_cc.describe("c1", "s") == ledger and set(b_cc.pending) == {"busy"}
+        import_into(b_cc, exported)
+    with pytest.raises(ConversationBusyError):
+        adopt_from(a_cc, b_cc)
     drive(b_cc.engine)
-
     with pytest.raises(ConversationNotFoundError):
-        a_tr.export_head("nobody", "s")
+        a_cc.snapshot_head("nobody", "s")
     with pytest.raises(ConversationNotFoundError):
-        a_tr.export_head("c1", "wrong salt")
+        a_cc.snapshot_head("c1", "wrong salt")
     a_cc.rewind("c1", "s", 1)  # turn 1's head is not retained
     with pytest.raises(ConversationNotFoundError):
-        a_tr.export_head("c1", "s")
+        a_cc.snapshot_head("c1", "s")
+
+
+def test_an_import_that_resends_a_block_never_frees_the_ones_it_shares(models, reference_engines):
+    """The importer's pool is full (conversation c1 at turn 1, then x). Turn 2 of c1 arrives
+    with its block 0 resent and its other full blocks shared: making room for block 0 evicts
+    c1's turn-1 head (the LRU), which owns the blocks about to be shared. They must survive."""
+    arch = Arch.BAMBA
+    a_cc = new_cache(new_engine(models[arch]), retain_turns=2)
+    run_turn(a_cc, "c1", "s", user("say 1 and more"), greedy(9), "t1")
+    run_turn(a_cc, "x", "s", user("other"), greedy(9), "x1")
+    first, other = export_from(a_cc), export_from(a_cc, "x")
+    n1 = -(-json.loads(first.header[:-32])["state_len"] // BLOCK)
+    nx = -(-json.loads(other.header[:-32])["state_len"] // BLOCK)
+    run_turn(a_cc, "c1", "s", user("more"), greedy(7), "t2")
+    second = export_from(a_cc)
+    block_bytes, _ = sizes(models[arch])
+    b_cc = new_cache(new_engine(models[arch], kv_cache_bytes=(n1 + nx) * block_bytes))
+    b_cc.adopt_ledger("c1", "s", version=1, turns=a_cc.describe("c1", "s")["ledger"][:1])
+    import_into(b_cc, first)
+    adopt_from(a_cc, b_cc, "x")
+    import_into(b_cc, other, cid="x")
+    adopt_from(a_cc, b_cc)
+    held = b_cc.held_chunk_digests()
+    resend = {d: data for i, (d, data) in enumerate(second.chunks) if i == 0 or d not in held}
+    assert len(resend) < len(second.chunks), "some blocks are shared"
+    evictions = b_cc.stats()["evictions"]
+    import_into(b_cc, second, chunks=resend)
+    assert b_cc.stats()["evictions"] > evictions, "the pool was full: room came from evicting a head"
+    assert_same_head_state(a_cc, b_cc)

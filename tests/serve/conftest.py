@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import socket
 import uuid
-from pathlib import Path
+from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -73,29 +74,30 @@ def app_args(stack_model: str, service: ServiceProcess, **extra) -> dict:
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     model_dir = never_ending(make_model(root / "model", Arch.BAMBA, Preset.TINY, seed=4))
-    redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=root / "redis", fsync=FsyncPolicy.ALWAYS))
-    redis.start()
-    service = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
-    service.start()
-    port = _free_port()
-    # Logical CPUs: a second app (tier off) and replacement replicas must fit beside the first.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
-    try:
+    with ExitStack() as cleanup:  # whatever started is stopped, even if a later step fails
+        redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=root / "redis", fsync=FsyncPolicy.ALWAYS))
+        cleanup.callback(redis.stop)
+        redis.start()
+        service = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
+        cleanup.callback(service.close)
+        service.start()
+        port = _free_port()
+        cleanup.callback(ray.shutdown)
+        # Logical CPUs: a second app (tier off) and replacement replicas must fit beside the first.
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
+        cleanup.callback(serve.shutdown)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args(str(model_dir), service, tier_export="sync")), name=APP, route_prefix="/")
+        serve.run(build_app(app_args(str(model_dir), service, tier_export="async")), name=APP, route_prefix="/")
         yield ServeStack(f"http://127.0.0.1:{port}", model_dir.name, str(model_dir), redis, service)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        service.close()
-        redis.stop()
 
 
 @pytest.fixture(scope="session")
 def notier(stack):
-    """A second app on the same cache service: state tier off, API keys on, one request at a time."""
-    args = app_args(stack.model_dir, stack.service, tier_export="off", api_keys=["k1", "k2"], max_inflight=1)
+    """A second app on the same cache service: state tier off, API keys on, one request at a time,
+    leases of 1.5 s (a turn outlives its lease unless the ingress renews it)."""
+    args = app_args(stack.model_dir, stack.service, tier_export="off", api_keys=["k1", "k2"], max_inflight=1,
+                    lease_ttl_s=1.5)
     serve.run(build_app(args), name=NOTIER_APP, route_prefix="/notier")
     yield "/notier"
     serve.delete(NOTIER_APP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import openai
@@ -65,3 +66,16 @@ async def metric(http, name: str, *, prefix: str = "") -> float:
     values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
     assert values, f"{name} not exported"
     return values[0]
+
+
+async def tier_copy(http, conv_id: str, salt: str, timeout_s: float = 30.0) -> dict:
+    """The conversation once the state tier holds its head (an async export has nothing to await
+    from outside the worker but the head's tier_version, so it is polled)."""
+    async def poll() -> dict:
+        while True:
+            state = await conversation(http, conv_id, salt)
+            if state["head"]["tier_version"] == state["head"]["version"]:
+                return state
+            await asyncio.sleep(0.05)
+
+    return await asyncio.wait_for(poll(), timeout_s)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+
 import openai
 import pytest
 
-from tests.serve.helpers import chat_turn, stateless_reference, user
+from tests.cache_service.cs_helpers import fast_client
+from tests.serve.conftest import APP
+from tests.serve.helpers import chat_turn, conversation, stateless_reference, user
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,3 +61,24 @@ async def test_stateless_request_and_models(stack):
     assert reply.model_extra.get("conversation_id") is None
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="no-such-model", messages=[user("hello")], max_tokens=2)
+
+
+async def test_workers_register_and_heartbeat_with_the_cache_service(stack):
+    async with fast_client(stack.service.target) as cache:
+        replicas = await cache.list_replicas()
+    workers = [r for r in replicas if r.address.startswith(f"SERVE_REPLICA::{APP}#Worker#")]
+    assert len(workers) >= 2, replicas
+
+
+async def test_new_conversations_spread_and_stay_on_their_owner(stack):
+    client = stack.client()
+    ids = [f"spread-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    await asyncio.gather(*[chat_turn(client, stack.model, [user("long one")], conversation_id=c, cache_salt="p",
+                                     max_tokens=300) for c in ids])
+    async with stack.http() as http:
+        owners = [(await conversation(http, c, "p"))["head"]["owner"] for c in ids]
+        assert owners[0] != owners[1]  # two at once: the second went to the less loaded replica
+        for _ in range(2):
+            reply = await chat_turn(client, stack.model, [user("again")], conversation_id=ids[0], cache_salt="p")
+            assert reply.cached_tokens > 0
+        assert (await conversation(http, ids[0], "p"))["head"]["owner"] == owners[0]  # sticky

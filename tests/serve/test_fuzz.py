@@ -25,7 +25,8 @@ def test_no_server_errors(case, stack):
         if case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
             case.body["max_tokens"] = MAX_FUZZ_TOKENS
     response = case.call(base_url=stack.base_url, timeout=120)
-    assert response.status_code < 500, f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:500]}"
+    where = f"{case.method} {case.formatted_path}"
+    assert response.status_code < 500, f"{where} -> {response.status_code}: {response.text[:500]}"
     if response.status_code >= 400:
         error = response.json()["error"]
         assert error["message"] and error["type"] and error["code"]

@@ -7,7 +7,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.serve.helpers import chat_turn, user
+from tests.serve.helpers import chat_turn, conversation, user
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,7 +34,8 @@ async def test_invalid_fields_are_400(stack, patch):
 
 async def test_malformed_json_and_unknown_routes(stack):
     async with stack.http() as http:
-        bad = await http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        bad = await http.post("/v1/chat/completions", content=b"{not json",
+                              headers={"content-type": "application/json"})
         assert_error(bad, 400)
         assert_error(await http.get("/v1/nothing-here"), 404)
         assert_error(await http.get("/v1/conversations/abc"), 400)  # cache_salt is required
@@ -83,6 +84,8 @@ async def test_api_keys_authenticate_and_scope_state(stack, notier, conv_id):
 
     with pytest.raises(openai.AuthenticationError):
         await client("wrong").models.list()
+    async with stack.http() as http:  # no key and a bad body: the key is checked first
+        assert_error(await http.post(f"{notier}/v1/chat/completions", json={"messages": []}), 401, "invalid_api_key")
     first = await chat_turn(client("k1"), stack.model, [user("mine")], conversation_id=conv_id, cache_salt="s")
     other = await chat_turn(client("k2"), stack.model, [user("yours")], conversation_id=conv_id, cache_salt="s")
     assert first.turn == 1 and other.turn == 1  # same id and salt, another key: another conversation
@@ -101,3 +104,16 @@ async def test_overload_is_503_with_retry_after(stack, notier):
     assert statuses[0] == 200 and 503 in statuses, statuses
     rejected = next(r for r in responses if r.status_code == 503)
     assert rejected.headers["retry-after"] == "1" and rejected.json()["error"]["code"] == "overloaded"
+
+
+async def test_history_the_template_cannot_extend_is_400_and_keeps_the_head(stack, conv_id):
+    # Characters outside the vocabulary are committed as <|unk|>: the history's text no longer
+    # renders back to its token ids, so no later turn can be appended to them (never a rewrite).
+    client = stack.client()
+    await chat_turn(client, stack.model, [user("h\u00e9llo \u2603")], conversation_id=conv_id, cache_salt="u")
+    async with stack.http() as http:
+        before = await conversation(http, conv_id, "u")
+        body = {"model": stack.model, "messages": [user("next")], "max_tokens": 2, "conversation_id": conv_id,
+                "cache_salt": "u"}
+        assert_error(await http.post("/v1/chat/completions", json=body), 400, "invalid_request")
+        assert await conversation(http, conv_id, "u") == before

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from tests.serve.conftest import APP, NOTIER_APP
-from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, user
+from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, tier_copy, user
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -17,6 +17,15 @@ pytestmark = pytest.mark.timeout(300)
 def kill_replica(app: str, replica: str) -> None:
     actor = ray.get_actor(f"SERVE_REPLICA::{app}#Worker#{replica}", namespace="serve")
     ray.kill(actor, no_restart=True)
+
+
+def restart(stack, what: str) -> None:
+    if what == "cache_service":
+        assert stack.service.terminate() == 0
+        stack.service.start()
+    else:
+        stack.redis.kill()
+        stack.redis.start()
 
 
 async def run_turns(client, model, conv_id, texts, history, **kw):
@@ -33,8 +42,7 @@ async def test_owner_killed_between_turns_head_imported_from_tier(stack, conv_id
     history: list[dict] = []
     await run_turns(client, stack.model, conv_id, ["first question", "second question"], history)
     async with stack.http() as http:
-        before = await conversation(http, conv_id, "r")
-        assert before["head"]["tier_version"] == before["head"]["version"]  # tier_export=sync
+        before = await tier_copy(http, conv_id, "r")  # tier_export=async: the copy lands after the answer
         imports = await metric(http, "hybridserve_tier_imports_total")
         kill_replica(APP, before["head"]["owner"])
         message = user("third question")
@@ -109,17 +117,12 @@ async def test_concurrent_turns_exactly_one_conflict(stack, conv_id):
     assert sorted(r.turn for r in waited) == [3, 4]
 
 
-@pytest.mark.parametrize("restart", ["cache_service", "redis"])
-async def test_restart_during_conversation_loses_no_turn(stack, conv_id, restart):
+@pytest.mark.parametrize("what", ["cache_service", "redis"])
+async def test_restart_between_turns_loses_no_turn(stack, conv_id, what):
     client = stack.client()
     history: list[dict] = []
     await run_turns(client, stack.model, conv_id, ["one", "two"], history)
-    if restart == "cache_service":
-        assert stack.service.terminate() == 0
-        stack.service.start()
-    else:
-        stack.redis.kill()
-        stack.redis.start()
+    restart(stack, what)
     message = user("three")
     reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r")
     assert reply.turn == 3
@@ -128,3 +131,55 @@ async def test_restart_during_conversation_loses_no_turn(stack, conv_id, restart
     async with stack.http() as http:
         ledger = await conversation(http, conv_id, "r")
         assert [t["messages"][0]["content"] for t in ledger["turns"]] == ["one", "two", "three"]
+
+
+async def test_lease_is_renewed_while_a_long_turn_streams(stack, notier, conv_id):
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key="k1", max_retries=0, timeout=120)
+    started = asyncio.get_running_loop().time()
+    reply = await chat_turn(client, stack.model, [user("take your time")], conversation_id=conv_id, cache_salt="r",
+                            max_tokens=1500, stream=True)
+    assert asyncio.get_running_loop().time() - started > 3 * 1.5  # the turn outlived its lease TTL twice over
+    assert reply.turn == 1 and len(reply.tokens) == 1500
+
+
+@pytest.mark.parametrize("what", ["cache_service", "redis"])
+async def test_restart_while_a_turn_streams_commits_it(stack, conv_id, what):
+    client = stack.client()
+    history: list[dict] = []
+    await run_turns(client, stack.model, conv_id, ["one"], history)
+    message = user("two, at length")
+    stream = await client.chat.completions.create(
+        model=stack.model, messages=[message], max_tokens=600, temperature=0, stream=True, logprobs=True,
+        top_logprobs=0, extra_body={"conversation_id": conv_id, "cache_salt": "r"})
+    tokens, turn = [], None
+    async for chunk in stream:
+        if not tokens:
+            await asyncio.to_thread(restart, stack, what)  # the turn keeps running meanwhile
+        for choice in chunk.choices:
+            tokens += [t.token for t in (choice.logprobs.content if choice.logprobs else None) or []]
+        turn = (chunk.model_extra or {}).get("turn", turn)
+    assert turn == 2
+    reference = await stateless_reference(client, stack.model, history + [message], max_tokens=600)
+    assert tokens == reference.tokens
+    async with stack.http() as http:
+        ledger = await conversation(http, conv_id, "r")
+        assert [t["messages"][0]["content"] for t in ledger["turns"]] == ["one", "two, at length"]
+
+
+async def test_client_disconnect_aborts_and_discards_the_turn(stack, conv_id):
+    client = stack.client()
+    history: list[dict] = []
+    await run_turns(client, stack.model, conv_id, ["before"], history)
+    stream = await client.chat.completions.create(
+        model=stack.model, messages=[user("never mind")], max_tokens=3000, temperature=0, stream=True,
+        extra_body={"conversation_id": conv_id, "cache_salt": "r"})
+    async for _chunk in stream:
+        break  # tokens are flowing: hang up
+    await stream.close()
+    # Had the turn run on, it would have committed as turn 2 (~10 s later) and this one would be turn 3.
+    message = user("after")
+    reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r",
+                            wait_if_busy=True)
+    assert reply.turn == 2
+    reference = await stateless_reference(client, stack.model, history + [message])
+    assert reply.tokens == reference.tokens

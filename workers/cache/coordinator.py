@@ -1,8 +1,8 @@
-"""One front for both cache groups: what a request needs to run, and attaching heads.
+"""One front for the three cache managers: what a request needs to run, attaching heads,
+what happens to a request's state when it ends, and multi-step allocations.
 
-A request that will publish its state (a conversation turn) holds two Mamba slots: the
-running state, and a snapshot at the last aligned position it passed (deterministic mode
-restarts tiles there).
+Every multi-step allocation is all-or-nothing: count what is needed, make room (evicting
+heads, never the ones being read), and only then mutate, so a failure changes nothing.
 
 Attaching a committed head (state covers `L` tokens, block size 4, L = 10):
 
@@ -16,12 +16,17 @@ first new token opens a fresh block.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from workers.cache.holders import Holder
-from workers.cache.kv_blocks import KVCacheManager
+from workers.cache.chunk_index import ChunkIndex
+from workers.cache.heads import CommittedHead, HeadManager, PreparedState
+from workers.cache.holders import Holder, HolderKind, HolderSlots
+from workers.cache.kv_blocks import KVCacheManager, blocks_for
 from workers.cache.mamba_slots import MambaStateManager
-from workers.request import Request
+from workers.errors import OutOfCacheError
+from workers.request import KeepState, Request
 
 
 @dataclass
@@ -39,58 +44,100 @@ class PendingCopies:
 
 
 class CacheCoordinator:
-    def __init__(self, kv: KVCacheManager, states: MambaStateManager):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        states: MambaStateManager,
+        heads: HeadManager,
+        copy_slots_now: Callable[[list[tuple[int, int]]], None],
+    ):
         self.kv = kv
         self.states = states
+        self.heads = heads
+        # Copies between heads (fork) cannot wait for the next step: a later read of the
+        # destination (an export, another fork) must see the state.
+        self._copy_slots_now = copy_slots_now
         self.pending = PendingCopies()
+        self.chunks = ChunkIndex(kv.pool)  # digests of full KV blocks, for incremental transfers
+        self.admitted: set[str] = set()  # requests holding blocks and slots
         self.counters = {"cow_block_copies": 0, "state_copies": 0}
 
-    def can_admit(self, request: Request, num_new_tokens: int) -> bool:
-        slots = 2 if request.retain_state else 1
-        if request.head is None:
-            blocks = self.kv.blocks_needed(Holder.request(request.request_id), request.num_computed_tokens + num_new_tokens)
-        else:  # the head's full blocks are shared, not allocated
-            length = request.head.state_len
-            blocks = -(-(length + num_new_tokens) // self.kv.block_size) - length // self.kv.block_size
-        return self.states.can_allocate(slots) and self.kv.can_allocate(blocks)
+    # -- requests -------------------------------------------------------------------------------
+    def register(self, request: Request) -> None:
+        """A new request continuing a head pins it until the request is resolved."""
+        head = self.heads.head_of(request.head)
+        if head is not None:
+            self.heads.pin(head, request)
 
-    def admit(self, request: Request) -> None:
-        """Give a waiting request its state slot, continuing its head if it has one."""
+    def try_admit(self, request: Request, num_new_tokens: int, idle: bool) -> bool:
+        """Give a waiting request its slots and blocks for num_new_tokens more tokens,
+        continuing its head if it still has one; False (nothing changed) if it cannot fit."""
+        head = self.heads.head_of(request.head)
+        bs = self.kv.block_size
+        slots = 2 if request.keep is KeepState.PREPARE else 1
+        if head is None:
+            request.head = None
+            blocks = blocks_for(request.num_computed_tokens + num_new_tokens, bs)
+        else:  # the head's full blocks are shared, not allocated
+            blocks = blocks_for(head.state_len + num_new_tokens, bs) - head.state_len // bs
+        protect = head.holder if head is not None else None
+        if not self.heads.make_room(blocks, slots, protect, idle, self.admitted):
+            return False
         holder = Holder.request(request.request_id)
-        slots = [self.states.allocate(holder)]
-        if request.retain_state:
-            slots.append(self.states.allocate(holder, high=True))
+        held = self.states.allocate(holder, aligned=request.keep is KeepState.PREPARE)
+        self.admitted.add(request.request_id)
         request.num_cached_tokens = 0
         request.aligned_len = 0
-        if request.head is None:
-            self.pending.zero_slots.extend(slots)
-            return
-        head, length = request.head.holder, request.head.state_len
-        bs = self.kv.block_size
-        head_table = self.kv.table(head)
-        full = length // bs
-        self.kv.share(holder, head_table[:full])
+        if head is None:
+            self.pending.zero_slots.extend(held)
+            self.kv.grow(holder, request.num_computed_tokens + num_new_tokens)
+            return True
+        length = head.state_len
+        head_table = self.kv.table(head.holder)
+        self.kv.share(holder, head_table[: length // bs])
         if length % bs:
             self.kv.grow(holder, length)
-            self.pending.blocks.append((head_table[full], self.kv.table(holder)[-1]))
+            self.pending.blocks.append((head_table[length // bs], self.kv.table(holder)[-1]))
             self.counters["cow_block_copies"] += 1
         # Terminal state, and (for a request that will publish) the aligned state too.
-        self.pending.slots.extend(zip(self.states.slots[head], slots))
+        self.pending.slots.extend(zip(self.states.slots[head.holder], held))
         self.counters["state_copies"] += 1
+        self.kv.grow(holder, length + num_new_tokens)
         request.num_computed_tokens = length
-        request.aligned_len = request.head.aligned_len if request.retain_state else 0
+        request.aligned_len = head.aligned_len if held.aligned is not None else 0
         request.num_cached_tokens = length
+        return True
 
     def can_grow(self, request: Request, num_tokens: int) -> bool:
-        return self.kv.can_allocate(self.kv.blocks_needed(Holder.request(request.request_id), num_tokens))
+        """Room for a running request to cover num_tokens, evicting unpinned heads if needed."""
+        need = self.kv.blocks_needed(Holder.request(request.request_id), num_tokens)
+        return self.heads.make_room(need, 0, None, idle=False, admitted=self.admitted)
 
     def grow(self, request: Request, num_tokens: int) -> None:
         self.kv.grow(Holder.request(request.request_id), num_tokens)
 
-    def free(self, request: Request) -> None:
+    def release(self, request: Request) -> None:
+        """Free a request's blocks and slots (preemption); its pin on a head stays."""
         holder = Holder.request(request.request_id)
         self.kv.free(holder)
         self.states.free(holder)
+        self.admitted.discard(request.request_id)
+
+    def finish(self, request: Request, completed: bool) -> PreparedState | None:
+        """What happens to a finished request's state: its own `keep` field decides."""
+        base = self.heads.head_of(request.head)  # a detached request no longer pins anything
+        if completed and request.keep is KeepState.PREPARE and request.request_id in self.admitted:
+            self.admitted.discard(request.request_id)
+            prepared = self.heads.prepare(request, base, time.monotonic())
+            request.prepared = prepared
+            return prepared
+        self.discard(request)
+        return None
+
+    def discard(self, request: Request) -> None:
+        """Free everything a request holds and drop its pin (it ended without keeping state)."""
+        self.release(request)
+        self.heads.unpin(self.heads.head_of(request.head), request.request_id)
 
     def block_table(self, request: Request) -> list[int]:
         return self.kv.table(Holder.request(request.request_id))
@@ -99,9 +146,64 @@ class CacheCoordinator:
         return self.states.slot_of(Holder.request(request.request_id))
 
     def aligned_slot(self, request: Request) -> int | None:
-        slots = self.states.slots[Holder.request(request.request_id)]
-        return slots[1] if len(slots) > 1 else None
+        return self.states.slots[Holder.request(request.request_id)].aligned
+
+    # -- heads ----------------------------------------------------------------------------------
+    def fork_head(self, source: CommittedHead, key: str, turn: int, version: int) -> CommittedHead:
+        """A new head sharing the source's blocks, with its own copies of the Mamba states.
+
+        All-or-nothing: room for the slots is made while the source is protected."""
+        need = len(self.states.slots[source.holder])
+        if not self.heads.make_room(0, need, source.holder, idle=False, admitted=self.admitted):
+            raise OutOfCacheError(f"Mamba state pool: a fork needs {need} slots, {self.states.num_free} free")
+        holder = self.heads.new_holder(HolderKind.HEAD)
+        src_slots = self.states.slots[source.holder]
+        held = self.states.allocate(holder, aligned=src_slots.aligned is not None)
+        self.kv.share(holder, self.kv.table(source.holder))
+        self._copy_slots_now(list(zip(src_slots, held)))
+        head = CommittedHead(holder, key, turn, version, source.state_len, source.aligned_len)
+        self.heads.add(head)
+        return head
+
+    def install_head(
+        self,
+        key: str,
+        turn: int,
+        version: int,
+        state_len: int,
+        aligned_len: int,
+        blocks: list[int | None],
+        aligned: bool,
+        write: Callable[[list[int], HolderSlots], None],
+    ) -> CommittedHead:
+        """A head from an import. `blocks`: per position of the table, a local block to share
+        (the receiver already held that chunk) or None (a new block `write` fills).
+
+        All-or-nothing: the shared blocks are referenced first (so evicting their owners cannot
+        free them), then room is made, then new blocks and slots are allocated and written; on
+        any failure the holder is released and nothing else changed."""
+        holder = self.heads.new_holder(HolderKind.HEAD)
+        try:
+            shared = [b for b in blocks if b is not None]
+            self.kv.share(holder, shared)  # referenced first: evicting their owners cannot free them
+            new = len(blocks) - len(shared)
+            if not self.heads.make_room(new, 2 if aligned else 1, None, idle=False, admitted=self.admitted):
+                raise OutOfCacheError(f"cache full: importing a head needs {new} new blocks")
+            fresh = iter(self.kv.pool.allocate(new))
+            self.kv.tables[holder] = [b if b is not None else next(fresh) for b in blocks]
+            held = self.states.allocate(holder, aligned=aligned)
+            write([self.kv.tables[holder][i] for i, b in enumerate(blocks) if b is None], held)
+        except BaseException:
+            self.kv.free(holder)
+            self.states.free(holder)
+            raise
+        head = CommittedHead(holder, key, turn, version, state_len, aligned_len)
+        self.heads.add(head)
+        return head
 
     def check_integrity(self) -> None:
         self.kv.usage().check("KV blocks")
         self.states.usage().check("Mamba state slots")
+        self.heads.check()
+        stray = {h.id for h in self.kv.tables if h.kind is HolderKind.REQUEST} - self.admitted
+        assert not stray, f"KV blocks held by requests that are not admitted: {stray}"

@@ -1,32 +1,68 @@
-"""Who holds a cache resource: a running request, or a committed conversation head.
+"""Who holds a cache resource: a running request, a prepared turn, or a committed head.
 
-Requests' resources are "in use"; resources held only by heads are "cached" (evictable);
-the rest are "free". Both managers report the same triple and assert it adds up.
+Requests' and prepared turns' resources are "in use"; resources held only by heads are
+"cached" (evictable); the rest are "free". Both managers report the same triple and assert
+it adds up. Prepared turns and heads are named by serials the head manager issues, never
+by formatted strings.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
 
 class HolderKind(Enum):
     REQUEST = "request"
+    PREPARED = "prepared"  # a finished turn's state awaiting commit or abandon
     HEAD = "head"
 
 
 @dataclass(frozen=True)
 class Holder:
     kind: HolderKind
-    key: str
+    id: str | int  # the request id (REQUEST), or a serial of the head manager (PREPARED, HEAD)
 
     @staticmethod
     def request(request_id: str) -> Holder:
         return Holder(HolderKind.REQUEST, request_id)
 
     @staticmethod
-    def head(head_key: str) -> Holder:
-        return Holder(HolderKind.HEAD, head_key)
+    def prepared(serial: int) -> Holder:
+        return Holder(HolderKind.PREPARED, serial)
+
+    @staticmethod
+    def head(serial: int) -> Holder:
+        return Holder(HolderKind.HEAD, serial)
+
+
+class SlotRole(Enum):
+    TERMINAL = "terminal"  # the running state of a request; the state at state_len of a head
+    ALIGNED = "aligned"  # the snapshot at the last aligned position (deterministic mode restarts)
+
+
+@dataclass
+class HolderSlots:
+    """The Mamba slots of one holder, by role. Iterates terminal first, then aligned."""
+
+    terminal: int
+    aligned: int | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        yield self.terminal
+        if self.aligned is not None:
+            yield self.aligned
+
+    def __len__(self) -> int:
+        return 1 if self.aligned is None else 2
+
+    @property
+    def roles(self) -> dict[SlotRole, int]:
+        roles = {SlotRole.TERMINAL: self.terminal}
+        if self.aligned is not None:
+            roles[SlotRole.ALIGNED] = self.aligned
+        return roles
 
 
 @dataclass(frozen=True)

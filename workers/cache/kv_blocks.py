@@ -11,7 +11,6 @@ when its last reference goes.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
 from workers.cache.holders import CacheUsage, Holder, HolderKind
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout
@@ -27,6 +26,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.ref_counts[NULL_BLOCK] = 1  # never handed out
+        # Bumped on every allocation: (block, generation) names one lifetime of a block, so a
+        # digest remembered for it is valid exactly while that lifetime lasts.
+        self.generation = [0] * num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))
 
     @property
@@ -39,6 +41,7 @@ class BlockPool:
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self.ref_counts[b] = 1
+            self.generation[b] += 1
         return blocks
 
     def incref(self, blocks: list[int]) -> None:
@@ -55,18 +58,14 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Block tables per holder over one `BlockPool`.
-
-    `reclaim(n)` is called when fewer than n blocks are free; the conversation cache plugs
-    its LRU eviction of committed heads in there.
-    """
+    """Block tables per holder over one `BlockPool`. Allocation never evicts: the coordinator
+    makes room first (all-or-nothing), then allocates."""
 
     def __init__(self, layout: KVCacheLayout):
         self.layout = layout
         self.block_size = layout.block_size
         self.pool = BlockPool(layout.num_blocks)
         self.tables: dict[Holder, list[int]] = {}
-        self.reclaim: Callable[[int], None] = lambda n: None
 
     def table(self, holder: Holder) -> list[int]:
         return self.tables.get(holder, [])
@@ -75,21 +74,14 @@ class KVCacheManager:
         return max(0, blocks_for(num_tokens, self.block_size) - len(self.table(holder)))
 
     def can_allocate(self, n_blocks: int) -> bool:
-        if n_blocks > self.pool.num_free:
-            self.reclaim(n_blocks)
         return n_blocks <= self.pool.num_free
 
     def grow(self, holder: Holder, num_tokens: int) -> None:
         """Make the holder's table cover positions [0, num_tokens)."""
-        n = self.blocks_needed(holder, num_tokens)
-        if n and not self.can_allocate(n):
-            raise OutOfCacheError(f"KV cache: need {n} blocks, {self.pool.num_free} free")
-        self.tables.setdefault(holder, []).extend(self.pool.allocate(n))
+        self.tables.setdefault(holder, []).extend(self.pool.allocate(self.blocks_needed(holder, num_tokens)))
 
     def append_new(self, holder: Holder, n: int) -> list[int]:
         """Append n fresh blocks to the holder's table (importing state written elsewhere)."""
-        if n and not self.can_allocate(n):
-            raise OutOfCacheError(f"KV cache: need {n} blocks, {self.pool.num_free} free")
         blocks = self.pool.allocate(n)
         self.tables.setdefault(holder, []).extend(blocks)
         return blocks
@@ -118,7 +110,7 @@ class KVCacheManager:
         by_request: set[int] = set()
         by_head: set[int] = set()
         for holder, table in self.tables.items():
-            (by_request if holder.kind is HolderKind.REQUEST else by_head).update(table)
+            (by_head if holder.kind is HolderKind.HEAD else by_request).update(table)
         # Every reference is one table entry (a table never lists a block twice).
         refs = sum(len(t) for t in self.tables.values())
         assert refs == sum(self.pool.ref_counts) - 1, "block reference counts disagree with the tables"

@@ -1,19 +1,19 @@
 """Mamba state slots: one slot holds a sequence's whole recurrent state (all layers).
 
 States are never shared: a request that continues a committed head gets its own copy, so
-the head stays intact whatever happens to the turn. A holder may own several slots (a head
-keeps its terminal state and its block-aligned state).
+the head stays intact whatever happens to the turn. A holder owns a terminal slot and, if it
+will publish, an aligned one (typed roles, see `HolderSlots`).
 
 Running states are taken from the low end of the pool and snapshots from the high end, so
 the sequences decoding together tend to sit in one contiguous run of slots, which the Mamba
 decode then updates in place instead of gathering and scattering.
+
+Allocation never evicts: the coordinator makes room first (all-or-nothing).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from workers.cache.holders import CacheUsage, Holder, HolderKind
+from workers.cache.holders import CacheUsage, Holder, HolderKind, HolderSlots
 from workers.cache.layout import MambaStateLayout
 from workers.errors import OutOfCacheError
 
@@ -22,39 +22,41 @@ class MambaStateManager:
     def __init__(self, layout: MambaStateLayout):
         self.layout = layout
         self._free: set[int] = set(range(layout.num_slots))  # min/max scans: allocation is per request
-        self.slots: dict[Holder, list[int]] = {}
-        self.reclaim: Callable[[int], None] = lambda n: None
+        self.slots: dict[Holder, HolderSlots] = {}
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        if n > len(self._free):
-            self.reclaim(n)
-        return n <= len(self._free)
-
-    def allocate(self, holder: Holder, high: bool = False) -> int:
-        """The lowest free slot (running states), or the highest (snapshots)."""
-        if not self.can_allocate(1):
-            raise OutOfCacheError(f"Mamba state pool: no free slot of {self.layout.num_slots}")
-        slot = max(self._free) if high else min(self._free)
-        self._free.remove(slot)
-        self.slots.setdefault(holder, []).append(slot)
-        return slot
+    def allocate(self, holder: Holder, aligned: bool) -> HolderSlots:
+        """A terminal slot (the lowest free) and, if asked, an aligned one (the highest)."""
+        assert holder not in self.slots, f"{holder} already holds slots"
+        need = 2 if aligned else 1
+        if need > len(self._free):
+            raise OutOfCacheError(f"Mamba state pool: need {need} slots, {len(self._free)} free")
+        terminal = min(self._free)
+        self._free.remove(terminal)
+        snapshot = None
+        if aligned:
+            snapshot = max(self._free)
+            self._free.remove(snapshot)
+        self.slots[holder] = HolderSlots(terminal, snapshot)
+        return self.slots[holder]
 
     def slot_of(self, holder: Holder) -> int:
-        """The holder's primary (running / terminal) slot."""
-        return self.slots[holder][0]
+        """The holder's terminal (running) slot."""
+        return self.slots[holder].terminal
 
     def transfer(self, src: Holder, dst: Holder) -> None:
         assert dst not in self.slots, f"{dst} already holds slots"
-        self.slots[dst] = self.slots.pop(src, [])
+        self.slots[dst] = self.slots.pop(src)
 
     def free(self, holder: Holder) -> None:
-        self._free.update(self.slots.pop(holder, []))
+        held = self.slots.pop(holder, None)
+        if held is not None:
+            self._free.update(held)
 
     def usage(self) -> CacheUsage:
-        in_use = sum(len(s) for h, s in self.slots.items() if h.kind is HolderKind.REQUEST)
+        in_use = sum(len(s) for h, s in self.slots.items() if h.kind is not HolderKind.HEAD)
         cached = sum(len(s) for h, s in self.slots.items() if h.kind is HolderKind.HEAD)
         return CacheUsage(free=len(self._free), cached=cached, in_use=in_use, total=self.layout.num_slots)

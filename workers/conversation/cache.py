@@ -1,38 +1,57 @@
-"""The turn lifecycle inside one engine: begin, publish on success, discard on failure.
+"""The turn lifecycle inside one engine: begin, prepare on success, commit or abandon.
 
     begin_turn:  ledger tokens + template delta of the suffix  -> prompt
                  committed head (if retained) pinned and attached -> num_computed = state_len
-    publish:     the request's blocks and slots become the new head (no copy), the ledger
-                 appends the turn, heads beyond the last K turns are released
-    discard:     the request's state is freed; the previous head was never written
+    finish       STOP/LENGTH: the request's state is kept *prepared* (base head intact),
+                 a TurnCommit record describes it; ABORT/ERROR: the state is freed
+    commit:      the prepared state becomes the head (no copy), then the ledger appends the
+                 turn and heads beyond the last K turns are released
+    abandon:     the prepared state is freed; the base head is byte-identical
 
-Everything here runs on the engine thread (see `workers.async_engine.AsyncEngine.call`).
+`CommitMode.AT_ONCE` commits as soon as the turn finishes (in-process use); the worker uses
+`CommitMode.PREPARE` and commits only after the cache service accepted the turn.
+Everything here runs on the engine thread (see `workers.async_engine.AsyncEngine.call`);
+the API is documented in API.md next to this file.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from workers.cache.holders import Holder
-from workers.conversation.heads import CommittedHead, HeadStore
-from workers.conversation.ledger import Conversation, conversation_key, tokens_digest
+from proto.contract import ModelIdentity, conversation_key, tokens_digest
+from workers.cache.heads import CommittedHead, PreparedState
+from workers.conversation import export, recovery
+from workers.conversation.ledger import Conversation
 from workers.conversation.prompt import build_turn_prompt
+from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import LLMEngine
-from workers.errors import ConversationBusyError, ConversationNotFoundError, InvalidRequestError
-from workers.request import FinishReason, HeadAttachment, Request, RequestStatus
+from workers.errors import (
+    ConversationBusyError,
+    ConversationNotFoundError,
+    InvalidRequestError,
+    TurnResolvedError,
+)
+from workers.request import FinishReason, KeepState, Request
 from workers.sampling import SamplingParams
 
 
-@dataclass
-class PendingTurn:
+@dataclass(frozen=True)
+class _PendingTurn:
     key: str
-    base_turn: int  # the turn this one continues (0: none)
-    suffix: list[dict[str, Any]]
-    start: int  # where the new turn's tokens start in the ledger (0 after a template fallback)
-    base_head: CommittedHead | None
+    base_turn: int
+    base_version: int
+    suffix: tuple[dict[str, Any], ...]
+    start: int
+    mode: CommitMode
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    record: TurnCommit
+    state: PreparedState
+    tokens_reused: int
 
 
 class ConversationCache:
@@ -41,18 +60,18 @@ class ConversationCache:
             raise ValueError("retain_turns must be >= 1")
         self.engine = engine
         self.retain_turns = retain_turns
+        self.caches = engine.caches
         self.kv = engine.caches.kv
         self.states = engine.caches.states
-        self.heads = HeadStore(self.kv, self.states, engine.config.cache.head_cache_bytes)
+        self.heads = engine.caches.heads
         self.conversations: dict[str, Conversation] = {}
-        self.pending: dict[str, PendingTurn] = {}
+        self.pending: dict[str, _PendingTurn] = {}
+        self._prepared: dict[str, _Prepared] = {}
+        self._resolved: OrderedDict[str, str] = OrderedDict()  # request id -> how (for errors)
+        self.materializing: dict[str, tuple[str, int, int]] = {}  # request id -> (key, turn, version)
         self.counters: Counter[str] = Counter(
-            {"hits": 0, "misses": 0, "tokens_reused": 0, "published": 0, "discarded": 0, "detached": 0}
+            {"hits": 0, "misses": 0, "tokens_reused": 0, "published": 0, "discarded": 0, "materialized": 0}
         )
-        self._head_ids = itertools.count()
-        self.heads.on_evict = self._on_evict
-        self.heads.may_take_pinned = self._only_queued_on
-        engine.finish_listeners.append(self._on_finished)
 
     # -- turns ----------------------------------------------------------------------------------
     def begin_turn(
@@ -64,123 +83,201 @@ class ConversationCache:
         request_id: str,
         *,
         base_turn: int | None = None,
+        commit: CommitMode = CommitMode.AT_ONCE,
     ) -> Request:
         """Start a turn continuing `base_turn` (default: the latest) with the new suffix messages."""
         if not suffix:
             raise InvalidRequestError("a turn needs at least one new message")
+        if not isinstance(commit, CommitMode):
+            raise InvalidRequestError(f"commit must be a CommitMode, got {commit!r}")
         key = conversation_key(conversation_id, cache_salt)
         conv = self.conversations.get(key) or Conversation(key, conversation_id)
         if conv.in_flight is not None:
             raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
         base = conv.turn if base_turn is None else base_turn
-        if not 0 <= base <= conv.turn:
-            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn {base}")
+        if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base <= conv.turn:
+            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn {base!r}")
         committed = conv.tokens_until(base)
         history = [m for t in conv.turns[:base] for m in t.messages]
-        prompt = build_turn_prompt(self.engine.tokenizer, committed, history, suffix)
-        head = self.heads.get(key, base) if base and prompt.reuses_committed else None
-        attach = HeadAttachment(head.holder, head.state_len, head.aligned_len) if head else None
-        request = self.engine.add_request(request_id, prompt.token_ids, params, head=attach, retain_state=True)
-        if head is not None:
-            head.pins += 1
+        prompt = build_turn_prompt(self.engine.tokenizer, committed, history, suffix).token_ids
+        head = self.heads.find(key, base) if base else None
+        request = self.engine.add_request(
+            request_id,
+            prompt,
+            params,
+            head=head.attachment() if head else None,
+            keep=KeepState.PREPARE,
+            on_finished=self._on_finished,
+        )
         if base:
             self.counters["hits" if head else "misses"] += 1
         self.conversations[key] = conv
         conv.in_flight = request_id
-        start = len(committed) if prompt.reuses_committed else 0
-        self.pending[request_id] = PendingTurn(key, base, list(suffix), start, head)
+        self.pending[request_id] = _PendingTurn(key, base, conv.version, tuple(suffix), len(committed), commit)
         return request
 
-    def regenerate(self, conversation_id: str, cache_salt: str, params: SamplingParams, request_id: str) -> Request:
-        """Re-run the last turn from the previous head, replacing it on success."""
-        conv = self._conversation(conversation_id, cache_salt)
+    def regenerate(
+        self,
+        conversation_id: str,
+        cache_salt: str,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        commit: CommitMode = CommitMode.AT_ONCE,
+    ) -> Request:
+        """Re-run the last turn from the previous head, replacing it on commit."""
+        conv = self.conversation_of(conversation_id, cache_salt)
         if conv.turn == 0:
             raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn to regenerate")
         suffix = conv.turns[-1].messages[:-1]  # the turn's messages without its reply
-        return self.begin_turn(conversation_id, cache_salt, suffix, params, request_id, base_turn=conv.turn - 1)
-
-    def _on_finished(self, request: Request) -> None:
-        pending = self.pending.pop(request.request_id, None)
-        if pending is None:
-            return
-        conv = self.conversations[pending.key]
-        conv.in_flight = None
-        if pending.base_head is not None:
-            pending.base_head.pins -= 1
-        if request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self._publish(conv, pending, request)
-        else:
-            self.counters["discarded"] += 1  # the scheduler already freed the request's state
-        if pending.base_head is not None or request.finish_reason is not None:
-            self.heads.enforce_budget()
-
-    def _only_queued_on(self, head: CommittedHead) -> bool:
-        """Deadlock breaker: with nothing running, a head pinned only by queued turns may go."""
-        scheduler = self.engine.scheduler
-        if scheduler.running:
-            return False  # the running turns will finish and free their blocks: wait for them
-        front = scheduler.waiting[0] if scheduler.waiting else None
-        if front is not None and front.head is not None and front.head.holder == head.holder:
-            return False  # the turn being admitted needs this one; take those queued behind it
-        requests = scheduler.requests
-        return all(
-            requests[rid].status is RequestStatus.WAITING
-            for rid, pending in self.pending.items()
-            if pending.base_head is head and rid in requests
+        return self.begin_turn(
+            conversation_id, cache_salt, suffix, params, request_id, base_turn=conv.turn - 1, commit=commit
         )
 
-    def _on_evict(self, head: CommittedHead) -> None:
-        """A head is evicted under pool pressure: turns still queued on it recompute instead."""
-        for request_id, pending in self.pending.items():
-            if pending.base_head is not head:
-                continue
-            pending.base_head = None
-            request = self.engine.scheduler.requests.get(request_id)
-            if request is None:
-                continue
-            # Its prompt holds every token: a queued (or later preempted) turn recomputes from 0.
-            # A running one already holds its own block references and state copies.
-            request.head = None
-            if request.status is RequestStatus.WAITING:
-                self.counters["hits"] -= 1
-                self.counters["misses"] += 1
-                self.counters["detached"] += 1
-        head.pins = 0
+    def _on_finished(self, request: Request) -> TurnCommit | None:
+        """Called by the engine when a turn's request ends, however it ends."""
+        pending = self.pending.pop(request.request_id)
+        conv = self.conversations[pending.key]
+        if request.prepared is None:  # aborted or failed: the engine already freed its state
+            self._end_turn(conv, "discarded")
+            return None
+        try:
+            record = self._record(conv, pending, request)
+        except BaseException:
+            self._end_turn(conv, "discarded")  # the engine frees the prepared state
+            raise
+        self._prepared[request.request_id] = _Prepared(record, request.prepared, request.num_cached_tokens)
+        request.prepared.on_expire = lambda state: self._expired(record)
+        if pending.mode is CommitMode.AT_ONCE:
+            try:
+                self.commit(record)
+            except BaseException:  # the engine frees the prepared state; the turn is discarded
+                del self._prepared[request.request_id]
+                self._end_turn(conv, "discarded")
+                raise
+        return record
 
-    def _publish(self, conv: Conversation, pending: PendingTurn, request: Request) -> None:
+    def _record(self, conv: Conversation, pending: _PendingTurn, request: Request) -> TurnCommit:
         output = request.output_token_ids
         if request.finish_reason is FinishReason.STOP and output and output[-1] in self.engine.eos_token_ids:
             output = output[:-1]  # the template writes the end-of-turn token itself
         # Special tokens inside the reply stay: the content must render back to what the model saw.
         reply = {"role": "assistant", "content": self.engine.tokenizer.decode_exact(output)}
-        if pending.start == 0 and pending.base_turn:
-            for turn in conv.turns:  # template fallback: earlier turns' token ranges no longer apply
-                turn.start = turn.end = 0
-        conv.truncate(pending.base_turn)
-        for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > pending.base_turn]:
-            self.heads.drop(stale)  # a regenerated turn replaces the old one
-        conv.append(pending.suffix + [reply], request.token_ids[pending.start :], pending.start)
-
-        src = Holder.request(request.request_id)
-        head = CommittedHead(
-            holder=Holder.head(f"{conv.key}#{conv.turn}#{next(self._head_ids)}"),
+        committed = request.token_ids
+        return TurnCommit(
+            request_id=request.request_id,
             conversation_key=conv.key,
-            turn=conv.turn,
-            state_len=request.num_computed_tokens,
-            aligned_len=request.aligned_len,
+            conversation_id=conv.conversation_id,
+            base_version=pending.base_version,
+            base_turn=pending.base_turn,
+            start=pending.start,
+            token_ids=tuple(committed[pending.start :]),
+            messages=(*pending.suffix, reply),
+            committed_tokens=len(committed),
+            tokens_digest=tokens_digest(committed),
+            state_len=request.prepared.state_len,
+            finish_reason=request.finish_reason,
         )
-        self.kv.truncate(src, head.state_len)
-        self.kv.transfer(src, head.holder)
-        self.states.transfer(src, head.holder)
-        self.counters["published"] += 1
-        self.counters["tokens_reused"] += request.num_cached_tokens
-        for old in self.heads.of_conversation(conv.key):
-            if old.turn <= conv.turn - self.retain_turns:
-                self.heads.drop(old)
-        self.heads.add(head)
 
-    # -- ledger operations ------------------------------------------------------------------------
-    def _conversation(self, conversation_id: str, cache_salt: str) -> Conversation:
+    def prepared(self, request_id: str) -> TurnCommit | None:
+        entry = self._prepared.get(request_id)
+        return None if entry is None else entry.record
+
+    def _entry(self, record: TurnCommit, how: str) -> _Prepared:
+        entry = self._prepared.get(record.request_id)
+        if entry is None or entry.record != record:
+            done = self._resolved.get(record.request_id)
+            why = f"already {done}" if done else "not a prepared turn of this engine"
+            raise TurnResolvedError(f"cannot {how} turn {record.request_id!r}: {why}")
+        return entry
+
+    def _remember(self, request_id: str, how: str) -> None:
+        self._resolved[request_id] = how
+        while len(self._resolved) > 4096:
+            self._resolved.popitem(last=False)
+
+    def commit(self, record: TurnCommit) -> HeadInfo:
+        """Make a prepared turn the conversation's head (no copy), then append it to the ledger."""
+        entry = self._entry(record, "commit")
+        conv = self.conversations[record.conversation_key]
+        for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > record.base_turn]:
+            self.heads.drop(stale)  # a regenerated turn replaces the old one
+        turn = record.base_turn + 1
+        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1)  # all-or-nothing
+        # The state has moved; only now does the ledger change (pure list operations).
+        del self._prepared[record.request_id]
+        conv.truncate(record.base_turn)
+        conv.append([dict(m) for m in record.messages], list(record.token_ids))
+        conv.version = record.base_version + 1
+        self._end_turn(conv, "published")
+        self._remember(record.request_id, "committed")
+        self.counters["tokens_reused"] += entry.tokens_reused
+        self.retire_older_heads(conv.key, turn)
+        return self.head_info(conv, head)
+
+    def retire_older_heads(self, key: str, turn: int) -> None:
+        """A new head of `turn` exists: keep only the last `retain_turns` heads, within budget."""
+        for old in self.heads.of_conversation(key):
+            if old.turn <= turn - self.retain_turns:
+                self.heads.drop(old)
+        self.heads.enforce_budget()
+
+    def abandon(self, record: TurnCommit) -> None:
+        """Free a prepared turn; the base head and the ledger stay exactly as they were."""
+        entry = self._entry(record, "abandon")
+        del self._prepared[record.request_id]
+        self.heads.release(entry.state)
+        self._end_turn(self.conversations[record.conversation_key], "discarded")
+        self._remember(record.request_id, "abandoned")
+
+    def _expired(self, record: TurnCommit) -> None:
+        """The head manager abandoned a prepared turn nobody resolved in time."""
+        self._prepared.pop(record.request_id, None)
+        self._end_turn(self.conversations[record.conversation_key], "discarded")
+        self._remember(record.request_id, "expired")
+
+    def _end_turn(self, conv: Conversation, outcome: str) -> None:
+        conv.in_flight = None
+        self.counters[outcome] += 1
+        if conv.turn == 0 and not self.heads.of_conversation(conv.key):
+            self.conversations.pop(conv.key, None)  # a first turn that never committed leaves nothing
+
+    def head_info(self, conv: Conversation, head: CommittedHead) -> HeadInfo:
+        return HeadInfo(
+            conv.key,
+            head.turn,
+            head.version,
+            len(conv.tokens_until(head.turn)),
+            tokens_digest(conv.tokens_until(head.turn)),
+            head.state_len,
+            head.aligned_len,
+        )
+
+    # -- ledger of record, recovery and exports (see recovery.py, export.py) -----------------------
+    def adopt_ledger(self, conversation_id: str, cache_salt: str, *, version: int, turns: list[LedgerTurn]) -> None:
+        recovery.adopt_ledger(self, conversation_id, cache_salt, version, turns)
+
+    def materialize_head(self, conversation_id: str, cache_salt: str, request_id: str) -> Request | None:
+        return recovery.materialize_head(self, conversation_id, cache_salt, request_id)
+
+    def snapshot_head(self, conversation_id: str, cache_salt: str) -> export.HeadSnapshot:
+        return export.snapshot_head(self, conversation_id, cache_salt)
+
+    def install_head(self, conversation_id: str, cache_salt: str, verified: export.VerifiedHead) -> HeadInfo:
+        return export.install_head(self, conversation_id, cache_salt, verified)
+
+    def export_identity(self) -> tuple[ModelIdentity, dict[str, Any]]:
+        """What `export.verify_export` checks a foreign export against."""
+        return self.engine.identity, export.engine_layout(self.engine)
+
+    def held_chunk_digests(self) -> set[str]:
+        return self.caches.chunks.held_digests()
+
+    def remember_chunks(self, snapshot: export.HeadSnapshot, exported: export.ExportedHead) -> None:
+        export.remember_chunks(self, snapshot, exported)
+
+    # -- history operations -------------------------------------------------------------------------
+    def conversation_of(self, conversation_id: str, cache_salt: str) -> Conversation:
         conv = self.conversations.get(conversation_key(conversation_id, cache_salt))
         if conv is None:
             raise ConversationNotFoundError(f"no conversation {conversation_id!r} under this cache_salt")
@@ -188,34 +285,33 @@ class ConversationCache:
 
     def rewind(self, conversation_id: str, cache_salt: str, turn: int) -> None:
         """Forget turns after `turn`; the head of `turn` is used if it is still retained."""
-        conv = self._conversation(conversation_id, cache_salt)
+        conv = self.conversation_of(conversation_id, cache_salt)
         self._check_idle_turn(conv, turn)
         for head in [h for h in self.heads.of_conversation(conv.key) if h.turn > turn]:
             self.heads.drop(head)
-        conv.truncate(turn)
+        if turn < conv.turn:
+            conv.truncate(turn)
+            conv.version += 1
 
     def fork(self, conversation_id: str, cache_salt: str, turn: int, new_conversation_id: str) -> None:
-        """A new conversation whose history is turns 1..turn; KV blocks are shared by reference."""
-        conv = self._conversation(conversation_id, cache_salt)
+        """A new conversation whose history is turns 1..turn; KV blocks are shared by reference.
+
+        All-or-nothing: OutOfCacheError (no room for the head's state copies) changes nothing."""
+        conv = self.conversation_of(conversation_id, cache_salt)
         self._check_idle_turn(conv, turn)
         new_key = conversation_key(new_conversation_id, cache_salt)
         if new_key in self.conversations:
             raise InvalidRequestError(f"conversation {new_conversation_id!r} already exists")
-        fork = Conversation(new_key, new_conversation_id, conv.tokens_until(turn), [])
+        fork = Conversation(new_key, new_conversation_id, version=turn)
         for t in conv.turns[:turn]:
-            fork.turns.append(type(t)(t.number, list(t.messages), t.start, t.end))
+            fork.append([dict(m) for m in t.messages], conv.token_ids[t.start : t.end])
+        source = self.heads.find(conv.key, turn)
+        if source is not None:
+            self.caches.fork_head(source, new_key, turn, fork.version)
         self.conversations[new_key] = fork
-        source = self.heads.get(conv.key, turn)
-        if source is None:
-            return
-        holder = Holder.head(f"{new_key}#{turn}#{next(self._head_ids)}")
-        self.kv.share(holder, self.kv.table(source.holder))
-        copies = [(src, self.states.allocate(holder)) for src in self.states.slots[source.holder]]
-        self.engine.runner.copy_slots(copies)
-        self.heads.add(CommittedHead(holder, new_key, turn, source.state_len, source.aligned_len))
 
     def delete(self, conversation_id: str, cache_salt: str) -> None:
-        conv = self._conversation(conversation_id, cache_salt)
+        conv = self.conversation_of(conversation_id, cache_salt)
         if conv.in_flight is not None:
             raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
         for head in self.heads.of_conversation(conv.key):
@@ -225,27 +321,35 @@ class ConversationCache:
     def _check_idle_turn(self, conv: Conversation, turn: int) -> None:
         if conv.in_flight is not None:
             raise ConversationBusyError(f"conversation {conv.conversation_id!r} has a turn in flight")
-        if not 0 <= turn <= conv.turn:
-            raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn}")
+        if isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn <= conv.turn:
+            raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn!r}")
 
     def describe(self, conversation_id: str, cache_salt: str) -> dict[str, Any]:
-        conv = self._conversation(conversation_id, cache_salt)
+        conv = self.conversation_of(conversation_id, cache_salt)
         return {
             "conversation_id": conv.conversation_id,
             "turn": conv.turn,
+            "version": conv.version,
             "committed_tokens": len(conv.token_ids),
             "tokens_digest": tokens_digest(conv.token_ids),
             "messages": conv.messages,
             "token_ids": list(conv.token_ids),
+            "ledger": [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start : t.end])) for t in conv.turns],
             "retained_turns": sorted(h.turn for h in self.heads.of_conversation(conv.key)),
         }
 
     def stats(self) -> dict[str, int]:
+        detached = self.heads.counters["detached"]
         return {
             **self.counters,
-            "evictions": self.heads.evictions,
-            "cow_block_copies": self.engine.caches.counters["cow_block_copies"],
-            "state_copies": self.engine.caches.counters["state_copies"],
+            "hits": self.counters["hits"] - detached,
+            "misses": self.counters["misses"] + detached,
+            "detached": detached,
+            "evictions": self.heads.counters["evictions"],
+            "prepared": len(self._prepared),
+            "prepared_expired": self.heads.counters["prepared_expired"],
+            "cow_block_copies": self.caches.counters["cow_block_copies"],
+            "state_copies": self.caches.counters["state_copies"],
             "heads": len(self.heads),
             "head_bytes": self.heads.bytes_used(),
             "head_budget_bytes": self.heads.budget_bytes,

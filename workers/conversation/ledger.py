@@ -1,4 +1,4 @@
-"""The engine-side conversation ledger: committed token ids and turns, keyed by (salt, id).
+"""The engine-side conversation ledger: a cache of the cache service's ledger, by version.
 
 Token ids are authoritative: the next turn's prompt extends them, it is never the
 re-tokenized text of the history.
@@ -12,10 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# The same key and digest the cache service uses, so a head is named alike everywhere.
-# A salted key: the same id under another salt is another conversation, never a hit.
-from cache_service.hashing import tokens_sha256 as tokens_digest  # noqa: F401  (re-exported)
-from cache_service.keys import conversation_hash as conversation_key  # noqa: F401
+# A conversation is named and its tokens digested exactly as the cache service does.
+from proto.contract import conversation_key, tokens_digest  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -32,7 +30,8 @@ class Conversation:
     conversation_id: str
     token_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
-    in_flight: str | None = None  # request id of the turn being computed
+    version: int = 0  # the head version this ledger is (the service's, +1 per publish)
+    in_flight: str | None = None  # request id of the turn being computed or awaiting its verdict
 
     @property
     def turn(self) -> int:
@@ -50,9 +49,9 @@ class Conversation:
         del self.token_ids[self.turns[turn - 1].end if turn else 0 :]
         del self.turns[turn:]
 
-    def append(self, messages: list[dict[str, Any]], token_ids: list[int], start: int) -> Turn:
-        assert start <= len(self.token_ids), "a turn starts inside the committed tokens"
-        del self.token_ids[start:]
+    def append(self, messages: list[dict[str, Any]], token_ids: list[int]) -> Turn:
+        """Append a turn: history is only ever extended, never rewritten."""
+        start = len(self.token_ids)
         self.token_ids.extend(token_ids)
         turn = Turn(self.turn + 1, messages, start, len(self.token_ids))
         self.turns.append(turn)

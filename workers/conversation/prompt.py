@@ -5,9 +5,9 @@
     delta           = full render minus the committed text, if it is a prefix of it
 
 A turn that ended without its end-of-turn token (max_tokens, a stop string) simply gets the
-template's closing tokens at the start of the delta. If the template is not append-consistent
-(the committed text is not a prefix of the full render) the turn falls back to a full render
-and recomputes: never a wrong reuse.
+template's closing tokens at the start of the delta. A template that is not append-consistent
+(the committed text is not a prefix of the full render) would have to rewrite history the
+cache service's ledger holds: the turn is refused with `HistoryRewriteError` instead.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from workers.errors import HistoryRewriteError
 from workers.tokenizer import ChatTokenizer
 
 
 @dataclass(frozen=True)
 class TurnPrompt:
-    token_ids: list[int]
-    reuses_committed: bool  # False: the committed ids could not be extended (template fallback)
+    token_ids: list[int]  # always the committed ids followed by the new ones
 
 
 def build_turn_prompt(
@@ -32,8 +32,11 @@ def build_turn_prompt(
 ) -> TurnPrompt:
     full = tokenizer.render_chat(history + suffix, add_generation_prompt=True)
     if not committed_ids:
-        return TurnPrompt(tokenizer.encode(full), reuses_committed=False)
+        return TurnPrompt(tokenizer.encode(full))
     committed_text = tokenizer.decode_exact(committed_ids)
-    if full.startswith(committed_text):
-        return TurnPrompt(committed_ids + tokenizer.encode(full[len(committed_text) :]), reuses_committed=True)
-    return TurnPrompt(tokenizer.encode(full), reuses_committed=False)
+    if not full.startswith(committed_text):
+        raise HistoryRewriteError(
+            "the chat template renders this conversation's history differently from the committed "
+            "tokens; the new messages cannot be appended (start a new conversation)"
+        )
+    return TurnPrompt(committed_ids + tokenizer.encode(full[len(committed_text) :]))

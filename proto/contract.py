@@ -1,0 +1,69 @@
+"""What workers and the cache service must agree on, bit for bit, owned by neither side.
+
+- the name of a conversation: a salted hash of (conversation_id, cache_salt);
+- the digest of a conversation's committed token ids (the head's `tokens_sha256`);
+- the name of a state chunk (sha256 of its bytes);
+- the identity of a model: what makes the bits of its state differ across machines.
+
+Pure standard library: the service imports this without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+_DOMAIN = b"hybridserve/conversation/v1\0"
+
+
+def conversation_key(conversation_id: str, cache_salt: str) -> str:
+    """128-bit hex digest naming a conversation; stable across processes and versions.
+
+    Length-prefixed so that no (id, salt) pair can be re-split into another: a wrong salt is
+    another, empty conversation (a miss), never someone else's state."""
+    salt = cache_salt.encode()
+    ident = conversation_id.encode()
+    material = _DOMAIN + len(salt).to_bytes(4, "big") + salt + len(ident).to_bytes(4, "big") + ident
+    return hashlib.sha256(material).hexdigest()[:32]
+
+
+def tokens_digest(token_ids: Iterable[int]) -> str:
+    """sha256 hex of the committed token ids as uint32 little endian."""
+    ids = array("I", token_ids)
+    assert ids.itemsize == 4, "array('I') is not 32-bit on this platform"
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return hashlib.sha256(ids.tobytes()).hexdigest()
+
+
+def chunk_digest(data: bytes | bytearray | memoryview) -> str:
+    """The name of a state chunk: sha256 hex of its bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """A head's state only fits an engine whose identity is equal: same weights and config,
+    same dtype, same torch (kernels change between versions) and same device kind (CPU
+    model / GPU name: reductions differ across them)."""
+
+    weights_digest: str
+    config_digest: str
+    dtype: str
+    torch_version: str
+    device_kind: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelIdentity:
+        return cls(**{k: str(data[k]) for k in cls.__dataclass_fields__})

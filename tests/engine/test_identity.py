@@ -1,0 +1,41 @@
+"""The neutral contract: stable names and digests, and a model identity that changes with
+everything that makes a head's bits differ (weights, config, dtype, torch, device kind)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import torch
+
+from proto.contract import ModelIdentity, chunk_digest, conversation_key, tokens_digest
+from workers.checkpoint import Arch
+from workers.identity import model_identity
+
+
+def test_names_and_digests_are_stable():
+    # Golden values: the cache service stored these in Redis; changing them orphans every key.
+    assert conversation_key("conv", "salt") == "518a83ae18387ba364a12601cd01f3ee"
+    assert conversation_key("conv", "salt") != conversation_key("convs", "alt")  # no re-splitting
+    assert tokens_digest([1, 2, 3]) == "4636993d3e1da4e9d6b8f87b79e8f7c6d018580d52661950eabc3845c5897a4d"
+    assert chunk_digest(b"") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_model_identity_covers_weights_config_dtype_and_machine(tiny, tmp_path):
+    path = tiny[Arch.BAMBA].path
+    base = model_identity(path, torch.float32, "cpu")
+    assert base == model_identity(path, torch.float32, "cpu")
+    assert base.torch_version == torch.__version__ and base.device_kind.startswith("cpu:")
+    assert model_identity(path, torch.bfloat16, "cpu") != base
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    (copy / "config.json").write_text((copy / "config.json").read_text().replace("}", ' , "extra": 1}', 1))
+    assert model_identity(copy, torch.float32, "cpu").config_digest != base.config_digest
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert model_identity(copy, torch.float32, "cpu").weights_digest != base.weights_digest
+    for field in dataclasses.fields(ModelIdentity):
+        other = dataclasses.replace(base, **{field.name: "x"})
+        assert other.digest != base.digest and ModelIdentity.from_dict(other.to_dict()) == other

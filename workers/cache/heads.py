@@ -1,0 +1,237 @@
+"""Committed heads and prepared turns: the third cache manager, behind the coordinator.
+
+A head holds (as `Holder.head(serial)`) the KV blocks of positions [0, state_len) and two
+Mamba slots: the terminal state at state_len and the state at the last aligned position.
+Heads are immutable; a turn that continues one copies what it will write (tail block, Mamba
+state). A prepared turn (`Holder.prepared(serial)`) is a finished turn's state awaiting the
+verdict of the cache service:
+
+    request R finishes (STOP/LENGTH, keep=PREPARE)
+        R's blocks + slots ──transfer──> prepared P        base head H untouched, still pinned
+    commit(P)   P ──transfer──> head H' (no copy)          H unpinned
+    abandon(P)  P freed                                    H byte-identical, unpinned
+    timeout     = abandon, counted
+
+Eviction drops least-recently-used heads that nothing pins; the ledger keeps their token
+ids, so the next turn recomputes them (a miss). Only when the pools are short and nothing
+runs may a head pinned solely by queued (not admitted) requests go: they are detached and
+recompute. Without this, queued turns pinning heads could starve the pool (a deadlock).
+A head pinned by an admitted or prepared turn, or by the request being admitted, never goes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from workers.cache.holders import Holder, HolderKind
+from workers.cache.kv_blocks import KVCacheManager
+from workers.cache.mamba_slots import MambaStateManager
+from workers.request import HeadAttachment, Request, RequestStatus
+
+
+@dataclass
+class CommittedHead:
+    holder: Holder
+    conversation_key: str
+    turn: int
+    version: int  # the ledger version this head's state belongs to
+    state_len: int
+    aligned_len: int
+    pinned_by: dict[str, Request] = field(default_factory=dict)  # request id -> the turn continuing it
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def pins(self) -> int:
+        return len(self.pinned_by)
+
+    def attachment(self) -> HeadAttachment:
+        return HeadAttachment(self.holder, self.state_len, self.aligned_len)
+
+
+@dataclass
+class PreparedState:
+    holder: Holder
+    request_id: str
+    state_len: int
+    aligned_len: int
+    base: CommittedHead | None  # stays pinned until the turn is resolved
+    deadline: float
+    on_expire: Callable[[PreparedState], None] | None = None
+
+
+class HeadManager:
+    def __init__(self, kv: KVCacheManager, states: MambaStateManager, budget_bytes: int, prepared_timeout_s: float):
+        self.kv = kv
+        self.states = states
+        self.budget_bytes = budget_bytes
+        self.prepared_timeout_s = prepared_timeout_s
+        self.heads: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
+        self._by_turn: dict[tuple[str, int], CommittedHead] = {}
+        self.prepared: dict[Holder, PreparedState] = {}
+        self._serials = itertools.count(1)
+        self.counters = {"evictions": 0, "detached": 0, "prepared_expired": 0}
+
+    # -- lookup -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    def all(self) -> list[CommittedHead]:
+        return list(self.heads.values())
+
+    def find(self, key: str, turn: int, touch: bool = True) -> CommittedHead | None:
+        head = self._by_turn.get((key, turn))
+        if head is not None and touch:
+            head.last_used = time.monotonic()
+            self.heads.move_to_end(head.holder)
+        return head
+
+    def of_conversation(self, key: str) -> list[CommittedHead]:
+        return [h for h in self.heads.values() if h.conversation_key == key]
+
+    def new_holder(self, kind: HolderKind) -> Holder:
+        return Holder(kind, next(self._serials))
+
+    # -- pins ---------------------------------------------------------------------------------
+    def pin(self, head: CommittedHead, request: Request) -> None:
+        head.pinned_by[request.request_id] = request
+
+    def unpin(self, head: CommittedHead | None, request_id: str) -> None:
+        if head is not None:
+            head.pinned_by.pop(request_id, None)
+
+    def head_of(self, attachment: HeadAttachment | None) -> CommittedHead | None:
+        return None if attachment is None else self.heads.get(attachment.holder)
+
+    # -- heads --------------------------------------------------------------------------------
+    def add(self, head: CommittedHead) -> None:
+        assert head.holder not in self.heads and (head.conversation_key, head.turn) not in self._by_turn
+        self.heads[head.holder] = head
+        self._by_turn[head.conversation_key, head.turn] = head
+
+    def drop(self, head: CommittedHead) -> None:
+        """Release a head (rewind, delete, replaced). Turns pinning it keep their own copies."""
+        self._detach(head)
+        del self.heads[head.holder]
+        del self._by_turn[head.conversation_key, head.turn]
+        self.kv.free(head.holder)
+        self.states.free(head.holder)
+
+    def _detach(self, head: CommittedHead) -> None:
+        """Requests still pinning a head that goes: queued ones recompute from their prompt."""
+        for request in head.pinned_by.values():
+            if request.head is not None and request.head.holder == head.holder:
+                request.head = None
+                self.counters["detached"] += 1
+        head.pinned_by.clear()
+
+    def bytes_used(self) -> int:
+        blocks = {b for h, t in self.kv.tables.items() if h.kind is HolderKind.HEAD for b in t}
+        slots = sum(len(s) for h, s in self.states.slots.items() if h.kind is HolderKind.HEAD)
+        return len(blocks) * self.kv.layout.block_bytes + slots * self.states.layout.slot_bytes
+
+    def enforce_budget(self) -> None:
+        self._evict_while(lambda: self.bytes_used() > self.budget_bytes, lambda h: False)
+
+    def make_room(self, blocks: int, slots: int, protect: Holder | None, idle: bool, admitted: set[str]) -> bool:
+        """Evict until `blocks` KV blocks and `slots` state slots are free; False if impossible.
+
+        `protect`: the head the caller is about to read (never evicted here). `idle`: nothing
+        runs, so heads pinned only by requests that were never admitted may go too."""
+
+        def short() -> bool:
+            return self.kv.pool.num_free < blocks or self.states.num_free < slots
+
+        def takeable(head: CommittedHead) -> bool:
+            # Never the base of an admitted or prepared (finished, awaiting its verdict) turn.
+            return idle and all(
+                r.status is RequestStatus.WAITING and rid not in admitted for rid, r in head.pinned_by.items()
+            )
+
+        self._evict_while(short, takeable, protect)
+        return not short()
+
+    def _evict_while(
+        self, short: Callable[[], bool], take_pinned: Callable[[CommittedHead], bool], protect: Holder | None = None
+    ) -> None:
+        while short():
+            candidates = [h for h in self.heads.values() if h.holder != protect]
+            victim = next((h for h in candidates if h.pins == 0), None)
+            if victim is None:
+                victim = next((h for h in candidates if take_pinned(h)), None)
+            if victim is None:
+                return
+            self.drop(victim)
+            self.counters["evictions"] += 1
+
+    # -- prepared turns -------------------------------------------------------------------------
+    def prepare(self, request: Request, base: CommittedHead | None, now: float) -> PreparedState:
+        """A finished request's state, kept for its verdict (no copy; KV trimmed to state_len).
+        All-or-nothing: if a move fails, the request still holds everything."""
+        src = Holder.request(request.request_id)
+        holder = self.new_holder(HolderKind.PREPARED)
+        state_len = request.num_computed_tokens
+        self.kv.truncate(src, state_len)  # blocks past state_len hold nothing a head needs
+        self.kv.transfer(src, holder)
+        try:
+            self.states.transfer(src, holder)
+        except BaseException:
+            self.kv.transfer(holder, src)
+            raise
+        prepared = PreparedState(
+            holder, request.request_id, state_len, request.aligned_len, base, now + self.prepared_timeout_s
+        )
+        self.prepared[holder] = prepared
+        return prepared
+
+    def commit(self, prepared: PreparedState, key: str, turn: int, version: int) -> CommittedHead:
+        """The prepared state becomes the head of (key, turn) without a copy (all-or-nothing)."""
+        holder = self.new_holder(HolderKind.HEAD)
+        self.kv.transfer(prepared.holder, holder)
+        try:
+            self.states.transfer(prepared.holder, holder)
+        except BaseException:
+            self.kv.transfer(holder, prepared.holder)
+            raise
+        del self.prepared[prepared.holder]
+        self.unpin(prepared.base, prepared.request_id)
+        head = CommittedHead(holder, key, turn, version, prepared.state_len, prepared.aligned_len)
+        self.add(head)
+        return head
+
+    def release(self, prepared: PreparedState) -> None:
+        """Abandon: free the prepared state; the base head was never written."""
+        del self.prepared[prepared.holder]
+        self.unpin(prepared.base, prepared.request_id)
+        self.kv.free(prepared.holder)
+        self.states.free(prepared.holder)
+
+    def expire(self, now: float) -> list[PreparedState]:
+        expired = [p for p in self.prepared.values() if p.deadline <= now]
+        for prepared in expired:
+            self.release(prepared)
+            self.counters["prepared_expired"] += 1
+            if prepared.on_expire is not None:
+                prepared.on_expire(prepared)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        return min((p.deadline for p in self.prepared.values()), default=None)
+
+    # -- integrity ------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Every block or slot held by a head or prepared turn belongs to one this manager knows."""
+        for kind, known in ((HolderKind.HEAD, self.heads), (HolderKind.PREPARED, self.prepared)):
+            for what, holders in (("KV blocks", self.kv.tables), ("Mamba slots", self.states.slots)):
+                stray = [h for h in holders if h.kind is kind and h not in known]
+                assert not stray, f"{what} held by unknown {kind.value} holders (a leak): {stray}"
+            for holder in known:
+                assert holder in self.states.slots, f"{holder} holds no state slot"
+        assert {(h.conversation_key, h.turn): h for h in self.heads.values()} == self._by_turn, "head index"
+        bs = self.kv.block_size
+        for head in self.heads.values():
+            assert len(self.kv.table(head.holder)) == -(-head.state_len // bs), f"head table vs state_len: {head}"
+            assert 0 <= head.aligned_len <= head.state_len, head

@@ -1,0 +1,102 @@
+"""The recovery ladder's engine side: adopt the service's ledger, rebuild a head from it.
+
+The cache service's ledger is the record; the engine's is a cache of it keyed by version.
+`adopt_ledger` installs a ledger read from the service; heads whose committed prefix it
+still contains stay valid (a head's state is a function of its tokens alone).
+`materialize_head` runs the committed tokens as a prefill-only request (no sampling): its
+state covers all but the last committed token, exactly what a turn leaves behind, so the
+next turn continues it as if nothing had been lost.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from proto.contract import conversation_key
+from workers.conversation.ledger import Conversation
+from workers.conversation.records import LedgerTurn
+from workers.errors import ConversationBusyError, ConversationNotFoundError, InvalidRequestError
+from workers.request import KeepState, Request
+from workers.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.conversation.cache import ConversationCache
+
+_PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def _validated(cc: ConversationCache, turns: Sequence[LedgerTurn]) -> list[LedgerTurn]:
+    vocab = cc.engine.model_config.vocab_size
+    for i, turn in enumerate(turns, 1):
+        ids = turn.token_ids
+        if not ids or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+            raise InvalidRequestError(f"ledger turn {i}: token ids must be a non-empty list of integers")
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"ledger turn {i}: token ids out of range [0, {vocab})")
+        if not all(isinstance(m, dict) for m in turn.messages):
+            raise InvalidRequestError(f"ledger turn {i}: messages must be objects")
+    return list(turns)
+
+
+def adopt_ledger(
+    cc: ConversationCache, conversation_id: str, cache_salt: str, version: int, turns: Sequence[LedgerTurn]
+) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidRequestError(f"version must be an integer >= 0, got {version!r}")
+    key = conversation_key(conversation_id, cache_salt)
+    old = cc.conversations.get(key)
+    if old is not None and old.in_flight is not None:
+        raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
+    new = Conversation(key, conversation_id, version=version)
+    for turn in _validated(cc, turns):
+        new.append([dict(m) for m in turn.messages], list(turn.token_ids))
+    if old is not None and old.version == version and old.token_ids == new.token_ids:
+        return  # the engine already caches this version
+    for head in cc.heads.of_conversation(key):
+        same_prefix = old is not None and head.turn <= new.turn
+        if not (same_prefix and old.tokens_until(head.turn) == new.tokens_until(head.turn)):
+            cc.heads.drop(head)
+        else:
+            head.version = version
+    if new.turn == 0:
+        cc.conversations.pop(key, None)
+    else:
+        cc.conversations[key] = new
+
+
+def materialize_head(cc: ConversationCache, conversation_id: str, cache_salt: str, request_id: str) -> Request | None:
+    """Start a prefill-only request building the latest turn's head; None if it is held already."""
+    conv = cc.conversation_of(conversation_id, cache_salt)
+    if conv.in_flight is not None:
+        raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
+    if conv.turn == 0:
+        raise ConversationNotFoundError(f"conversation {conversation_id!r} has no committed turn")
+    if cc.heads.find(conv.key, conv.turn) is not None:
+        return None
+    if len(conv.token_ids) < 2:
+        raise InvalidRequestError("a head needs at least two committed tokens")
+    # The last committed token was sampled, never fed: the next turn runs it first.
+    request = cc.engine.add_request(
+        request_id,
+        conv.token_ids[:-1],
+        _PREFILL,
+        keep=KeepState.PREPARE,
+        on_finished=lambda r: _materialized(cc, r),
+        prefill_only=True,
+    )
+    conv.in_flight = request_id
+    cc.materializing[request_id] = (conv.key, conv.turn, conv.version)
+    return request
+
+
+def _materialized(cc: ConversationCache, request: Request) -> None:
+    key, turn, version = cc.materializing.pop(request.request_id)
+    conv = cc.conversations[key]
+    conv.in_flight = None
+    if request.prepared is None:
+        return  # aborted or failed: nothing was kept
+    cc.heads.commit(request.prepared, key, turn, version)
+    cc.counters["materialized"] += 1
+    cc.retire_older_heads(key, turn)
