@@ -51,7 +51,15 @@ from pathlib import Path
 import yaml
 
 from bench.common import REPO_ROOT, RESULTS_DIR, environment_info, format_number, markdown_table, write_results
-from bench.serve_http import ConversationMode, Script, ServerProcess, WorkloadResult, free_port, run_workload
+from bench.serve_http import (
+    ConversationMode,
+    Script,
+    ServerProcess,
+    WorkloadResult,
+    await_tier_export,
+    free_port,
+    run_workload,
+)
 
 WORDS = (
     "the model cache state turn reply token layer block prefix history user system please explain why how "
@@ -178,10 +186,11 @@ def measure_app(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) -
 
 
 def overhead(plan: Plan, base_url: str, reference: InProcessReference) -> dict:
-    """HTTP and in-process samples alternate, so a change of the machine's load hits both alike
-    (the app sits idle while the in-process engine runs)."""
+    """HTTP and in-process samples alternate, so a change of the machine's load hits both alike;
+    each in-process sample waits until the app is idle (the previous turn's head exported)."""
     http: dict[str, list] = {"ttft_s": [], "prompt_tokens": [], "cached_tokens": []}
     local: dict[str, list] = {"ttft_s": [], "prompt_tokens": [], "cached_tokens": []}
+    waits: list[float | None] = []
     for k in range(plan.overhead_samples):
         res = asyncio.run(run_workload(base_url, [overhead_script(plan, k)], ConversationMode.STORED, f"oh{k}",
                                        plan.request_timeout_s, plan.mode_budget_s))
@@ -191,9 +200,11 @@ def overhead(plan: Plan, base_url: str, reference: InProcessReference) -> dict:
         for key, value in (("ttft_s", measured.ttft_s), ("prompt_tokens", measured.prompt_tokens),
                            ("cached_tokens", measured.cached_tokens)):
             http[key].append(value)
+        # The worker exports the new head after answering; the engine here runs once that is done.
+        waits.append(await_tier_export(base_url, measured.conversation_id, "bench", 60))
         for key, value in zip(local, reference.probe(k)):
             local[key].append(value)
-    return {"http": http, "in_process": local | {"torch_threads": reference.threads}}
+    return {"http": http, "in_process": local | {"torch_threads": reference.threads}, "tier_export_wait_s": waits}
 
 
 def run_mode(base_url: str, scripts: list[Script], kind: str, tag: str, plan: Plan) -> dict:
@@ -428,7 +439,7 @@ def plot(res: dict, path: Path) -> None:
 
 
 # -- main -----------------------------------------------------------------------------------------
-def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool) -> dict:
+def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool, vllm_results: Path | None) -> dict:
     from workers.checkpoint import make_model
 
     env = environment_info() | {"cpu": cpu_info()}
@@ -446,7 +457,15 @@ def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool) -> dict:
             res["overhead"] = app.pop("overhead")
             res["modes"] |= {m: app.pop(m) for m in ("a", "b")}
             res["app"] = app
-        if skip_vllm:
+        if vllm_results is not None:
+            earlier = json.loads(vllm_results.read_text())
+            if earlier["plan"] != json.loads(json.dumps(res["plan"])):
+                raise SystemExit(f"{vllm_results} measured another plan")
+            res["modes"] |= {m: earlier["modes"][m] for m in ("c", "d") if m in earlier["modes"]}
+            res["vllm_from"] = {"path": str(vllm_results), "env": earlier["env"], "notes": earlier.get("notes", [])}
+            res["not_run"].append(f"(c), (d) this time: taken from {vllm_results.name} of "
+                                  f"{earlier['env']['timestamp_utc']} (same plan and checkpoint)")
+        elif skip_vllm:
             res["not_run"].append("(c), (d): --skip-vllm")
         else:
             res["modes"] |= measure_vllm(plan, model_dir, scripts, tmp)
@@ -460,9 +479,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 conversations x 4 short turns")
     parser.add_argument("--skip-vllm", action="store_true", help="only our app")
     parser.add_argument("--skip-app", action="store_true", help="only vLLM")
+    parser.add_argument("--vllm-results", type=Path, help="take (c), (d) from an earlier run's JSON (same plan)")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
-    res = run(plan, args.quick, args.skip_vllm, args.skip_app)
+    res = run(plan, args.quick, args.skip_vllm, args.skip_app, args.vllm_results)
     stem = "serve.quick" if args.quick else "serve"
     md = markdown(res)
     write_results(stem, res, md)

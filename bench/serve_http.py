@@ -83,6 +83,19 @@ class ServerProcess:
         self._log.close()
 
 
+def await_tier_export(base_url: str, conversation_id: str, cache_salt: str, timeout_s: float) -> float | None:
+    """Seconds until the conversation's head is in the state tier (its tier_version reached its
+    version: the worker's asynchronous export is done), None if not within timeout_s."""
+    t0 = time.perf_counter()
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        while time.perf_counter() - t0 < timeout_s:
+            head = client.get(f"/v1/conversations/{conversation_id}", params={"cache_salt": cache_salt}).json()["head"]
+            if head["tier_version"] >= head["version"]:
+                return time.perf_counter() - t0
+            time.sleep(0.1)
+    return None
+
+
 # -- the workload ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Script:
@@ -97,6 +110,7 @@ class Script:
 class TurnRecord:
     conversation: int
     turn: int  # 1-based
+    conversation_id: str = ""
     ttft_s: float | None = None
     total_s: float | None = None
     prompt_tokens: int | None = None
@@ -152,7 +166,7 @@ async def run_conversation(client: openai.AsyncOpenAI, model: str, index: int, s
     conversation_id = f"bench-{tag}-{index}-{uuid.uuid4().hex[:8]}"
     history: list[dict] = [{"role": "system", "content": script.system}]
     for turn, (user, max_tokens) in enumerate(zip(script.users, script.replies), start=1):
-        rec = TurnRecord(conversation=index, turn=turn)
+        rec = TurnRecord(conversation=index, turn=turn, conversation_id=conversation_id)
         records.append(rec)
         new = ([history[0]] if turn == 1 else []) + [{"role": "user", "content": user}]
         history.append(new[-1])
