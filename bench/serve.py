@@ -1,0 +1,496 @@
+"""Serving benchmark: `python -m bench.serve [--quick] [--skip-vllm] [--skip-app]`.
+
+N concurrent conversations x T turns over HTTP with the official `openai` client (streamed,
+greedy, `stream_options.include_usage`), on the GraniteMoeHybrid `bench` checkpoint (random
+weights, made in a temp dir), against, one at a time on an otherwise idle benchmark:
+
+  (a) our app with the conversation cache: `serve run` of config.yaml (2 Worker replicas,
+      1 torch thread each, the cache service and its embedded Redis started by the app);
+      each turn sends only the new user message with `conversation_id` + `cache_salt`;
+  (b) the same running app with the cache off: stateless requests carrying the full history;
+  (c) vLLM's OpenAI server on its CPU build (`python -m vllm.entrypoints.openai.api_server`)
+      with its defaults (prefix caching on), full history each turn. Its engine is expected
+      to die on the first long chat (the failure is caught and recorded), so also
+  (d) vLLM with `--no-enable-prefix-caching`.
+  vLLM needs `--gpu-memory-utilization` lowered on this machine (it reserves that fraction
+  of the NUMA node's memory and refuses to start when less is free); otherwise default flags.
+
+Per turn: TTFT p50/p99 over the conversations (time to the first streamed content), prompt
+tokens, `usage.prompt_tokens_details.cached_tokens`; per mode: output tokens/s (all
+completion tokens / wall time), cache hit ratio (cached / prompt tokens).
+
+Serving overhead: TTFT of a cached turn at a ~500-token history through HTTP (ingress,
+sticky router, worker, cache-service gRPC: lease, publish) over the TTFT of the same turn in
+an in-process engine (`LLMEngine` + `ConversationCache`, the worker's engine configuration,
+stepped synchronously), median of K conversations each way, one request in flight, HTTP and
+in-process samples alternating (the app idles while the in-process engine runs).
+
+Order: our app first, then vLLM; each mode's workload has a wall-time budget, turns not
+finished within it are reported as cut off (vLLM's CPU engine slows down badly when the
+machine is oversubscribed: its OpenMP threads spin).
+
+Targets: (a) TTFT p50 >= 5x lower than (b) and than vLLM at the last turn of a >=2k-token
+conversation; overhead <= 1.3x at a 500-token history.
+Writes bench/results/serve.{json,md,png} (the quick run: serve.quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from bench.common import REPO_ROOT, RESULTS_DIR, environment_info, format_number, markdown_table, write_results
+from bench.serve_http import (
+    ConversationMode,
+    Script,
+    ServerProcess,
+    WorkloadResult,
+    await_tier_export,
+    free_port,
+    run_workload,
+)
+
+WORDS = (
+    "the model cache state turn reply token layer block prefix history user system please explain why how "
+    "what when which small large fast slow exact aligned recurrent attention conversation request server "
+    "replica memory compute again next first last value number list table order simple careful result"
+).split()
+
+
+@dataclass(frozen=True)
+class Plan:
+    conversations: int
+    turns: int
+    system_tokens: int
+    user_tokens: tuple[int, int]
+    reply_tokens: tuple[int, int]
+    overhead_history_tokens: int  # history before the measured turn of the overhead probe
+    overhead_samples: int
+    request_timeout_s: float
+    mode_budget_s: float  # wall-time budget of one mode's workload; turns not done by then are cut off
+    seed: int = 0
+
+
+# The built-in tokenizer is one token per character, so lengths below are token counts.
+FULL = Plan(conversations=2, turns=12, system_tokens=800, user_tokens=(80, 100), reply_tokens=(48, 52),
+            overhead_history_tokens=500, overhead_samples=7, request_timeout_s=600, mode_budget_s=1200)
+QUICK = Plan(conversations=2, turns=4, system_tokens=300, user_tokens=(60, 80), reply_tokens=(8, 12),
+             overhead_history_tokens=500, overhead_samples=3, request_timeout_s=300, mode_budget_s=600)
+
+MODES = {
+    "a": "(a) our app, conversation cache on",
+    "b": "(b) our app, cache off (stateless, full history)",
+    "c": "(c) vLLM server, defaults (prefix caching on)",
+    "d": "(d) vLLM server, --no-enable-prefix-caching",
+}
+VLLM_MEMORY_FRACTION = "0.3"
+
+
+def text_of(rng: random.Random, n_chars: int, lead: str = "") -> str:
+    out = lead
+    while len(out) < n_chars:
+        out += (" " if out else "") + rng.choice(WORDS)
+    return out[:n_chars].rstrip() + "."
+
+
+def make_scripts(plan: Plan) -> list[Script]:
+    rng = random.Random(plan.seed)
+    scripts = []
+    for c in range(plan.conversations):
+        system = text_of(rng, plan.system_tokens, f"You are assistant #{c}. Answer carefully.")
+        users = tuple(text_of(rng, rng.randint(*plan.user_tokens), f"Question {t + 1}:") for t in range(plan.turns))
+        replies = tuple(rng.randint(*plan.reply_tokens) for _ in range(plan.turns))
+        scripts.append(Script(system, users, replies))
+    return scripts
+
+
+def overhead_script(plan: Plan, index: int) -> Script:
+    """Turn 1 builds a ~overhead_history_tokens history; turn 2 is the one measured."""
+    rng = random.Random(1000 + index)
+    system = text_of(rng, plan.overhead_history_tokens - 120, f"Overhead probe {index}.")
+    return Script(system, (text_of(rng, 60, "Question 1:"), text_of(rng, 60, "Question 2:")), (40, 16))
+
+
+# -- facts about the machine ------------------------------------------------------------------------
+def cpu_info() -> dict:
+    info = {"model": None, "flags": []}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and info["model"] is None:
+            info["model"] = value.strip()
+        if key.strip() == "flags" and not info["flags"]:
+            wanted = ("avx", "amx", "fma", "f16c", "sse4", "vnni", "bf16")
+            info["flags"] = sorted(f for f in value.split() if f.startswith(wanted))
+    return info
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# -- (a) and (b): our app ---------------------------------------------------------------------------
+def app_config(model_dir: Path, data_dir: Path, port: int) -> dict:
+    """config.yaml as users run it, with the benchmark's model, a private data dir, loopback only."""
+    config = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    (application,) = config["applications"]
+    application["args"] |= {"model": str(model_dir), "data_dir": str(data_dir)}
+    return config
+
+
+def start_app(model_dir: Path, tmp: Path) -> tuple[ServerProcess, str, dict]:
+    port = free_port()
+    config = app_config(model_dir, tmp / "serve-data", port)
+    path = tmp / "serve-config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)  # a cluster of its own, never someone else's
+    serve_bin = Path(sys.executable).with_name("serve")
+    server = ServerProcess("serve run", [str(serve_bin), "run", str(path)], env, REPO_ROOT,
+                           tmp / "serve.log", f"http://127.0.0.1:{port}/health")
+    return server, f"http://127.0.0.1:{port}", config
+
+
+def measure_app(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) -> dict:
+    reference = InProcessReference(plan, model_dir)  # loaded before the app, so the loads do not overlap
+    reference.probe(99)  # warm-up, not recorded
+    server, base_url, config = start_app(model_dir, tmp)
+    out: dict = {"config": config, "command": server.argv}
+    try:
+        out["startup_s"] = server.wait_ready(600)
+        # A short warm-up: first requests pay for lazy initialisation on each side.
+        asyncio.run(run_workload(base_url, [overhead_script(plan, 99)] * 2, ConversationMode.STORED, "warm",
+                                 plan.request_timeout_s, plan.mode_budget_s))
+        out["overhead"] = overhead(plan, base_url, reference)
+        for mode, kind in (("a", ConversationMode.STORED), ("b", ConversationMode.STATELESS)):
+            out[mode] = run_mode(base_url, scripts, kind, mode, plan)
+    finally:
+        server.stop()
+    return out
+
+
+def overhead(plan: Plan, base_url: str, reference: InProcessReference) -> dict:
+    """HTTP and in-process samples alternate, so a change of the machine's load hits both alike;
+    each in-process sample waits until the app is idle (the previous turn's head exported)."""
+    http: dict[str, list] = {"ttft_s": [], "prompt_tokens": [], "cached_tokens": []}
+    local: dict[str, list] = {"ttft_s": [], "prompt_tokens": [], "cached_tokens": []}
+    waits: list[float | None] = []
+    for k in range(plan.overhead_samples):
+        res = asyncio.run(run_workload(base_url, [overhead_script(plan, k)], ConversationMode.STORED, f"oh{k}",
+                                       plan.request_timeout_s, plan.mode_budget_s))
+        if res.errors:
+            raise RuntimeError(f"overhead probe failed: {res.errors}")
+        measured = res.records[1]
+        for key, value in (("ttft_s", measured.ttft_s), ("prompt_tokens", measured.prompt_tokens),
+                           ("cached_tokens", measured.cached_tokens)):
+            http[key].append(value)
+        # The worker exports the new head after answering; the engine here runs once that is done.
+        waits.append(await_tier_export(base_url, measured.conversation_id, "bench", 60))
+        for key, value in zip(local, reference.probe(k)):
+            local[key].append(value)
+    return {"http": http, "in_process": local | {"torch_threads": reference.threads}, "tier_export_wait_s": waits}
+
+
+def run_mode(base_url: str, scripts: list[Script], kind: str, tag: str, plan: Plan) -> dict:
+    load = load_average()
+    res = asyncio.run(run_workload(base_url, scripts, kind, tag, plan.request_timeout_s, plan.mode_budget_s))
+    return summarize(res) | {"load_average_before": load, "load_average_after": load_average()}
+
+
+# -- the in-process reference of the overhead ------------------------------------------------------
+class InProcessReference:
+    """The overhead probe's conversations in an engine stepped in this process, configured as a
+    Worker replica configures its own (deployments/engine_session.py) from config.yaml's args."""
+
+    def __init__(self, plan: Plan, model_dir: Path):
+        import torch
+
+        from deployments.settings import AppSettings
+        from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+        from workers.conversation.cache import ConversationCache
+        from workers.engine import LLMEngine
+
+        (application,) = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())["applications"]
+        settings = AppSettings.model_validate(application["args"] | {"model": str(model_dir)})
+        torch.set_num_threads(settings.torch_threads)
+        self.plan, self.threads = plan, settings.torch_threads
+        self.engine = LLMEngine(EngineConfig(
+            model=str(model_dir), num_threads=settings.torch_threads, max_model_len=settings.max_model_len,
+            scheduler=SchedulerConfig(max_num_seqs=settings.max_num_seqs),
+            cache=CacheConfig(kv_cache_bytes=settings.kv_cache_mb << 20,
+                              head_cache_bytes=settings.head_cache_mb << 20)))
+        self.cache = ConversationCache(self.engine, retain_turns=2)
+
+    def _turn(self, conv: str, messages: list[dict], max_tokens: int, request_id: str) -> tuple[float, object]:
+        from workers.sampling import SamplingParams
+
+        t0 = time.perf_counter()
+        request = self.cache.begin_turn(conv, "bench", messages, SamplingParams(max_tokens=max_tokens, temperature=0),
+                                        request_id)
+        first = None
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.error:
+                    raise RuntimeError(out.error)
+                if first is None and out.new_tokens:
+                    first = time.perf_counter() - t0
+        return first, request
+
+    def probe(self, k: int) -> tuple[float, int, int]:
+        """Turn 1 of probe conversation k, then turn 2 measured: (TTFT, prompt tokens, reused tokens)."""
+        script, conv = overhead_script(self.plan, k), f"oh{k}"
+        self._turn(conv, [{"role": "system", "content": script.system}, {"role": "user", "content": script.users[0]}],
+                   script.replies[0], f"{conv}-1")
+        ttft, request = self._turn(conv, [{"role": "user", "content": script.users[1]}], script.replies[1], f"{conv}-2")
+        return ttft, request.num_prompt_tokens, request.num_cached_tokens
+
+
+# -- (c) and (d): vLLM ------------------------------------------------------------------------------
+def measure_vllm(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) -> dict:
+    from bench.vllm_env import ensure_vllm_python, vllm_env
+
+    python = ensure_vllm_python()
+    out = {}
+    for mode, extra in (("c", []), ("d", ["--no-enable-prefix-caching"])):
+        port = free_port()
+        argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", VLLM_MEMORY_FRACTION, *extra]
+        server = ServerProcess(f"vllm ({mode})", argv, vllm_env(), tmp, tmp / f"vllm-{mode}.log",
+                               f"http://127.0.0.1:{port}/health")
+        rec: dict = {"command": argv}
+        try:
+            rec["startup_s"] = server.wait_ready(900)
+            rec |= run_mode(f"http://127.0.0.1:{port}", scripts, ConversationMode.STATELESS, mode, plan)
+            rec["server_alive_after"] = server.alive()
+            if rec["errors"]:
+                rec["server_log_tail"] = server.tail(40)
+                rec["server_log_errors"] = server.error_lines()
+        except (RuntimeError, TimeoutError) as exc:
+            rec["startup_error"] = str(exc)[-3000:]
+        finally:
+            server.stop(30)
+        out[mode] = rec
+    return out
+
+
+# -- summaries -----------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(res: WorkloadResult) -> dict:
+    ok = [r for r in res.records if r.error is None and r.ttft_s is not None]
+    turns = sorted({r.turn for r in res.records})
+    per_turn = []
+    for t in turns:
+        rows = [r for r in ok if r.turn == t]
+        per_turn.append({
+            "turn": t,
+            "completed": len(rows),
+            "ttft_p50_s": percentile([r.ttft_s for r in rows], 50),
+            "ttft_p99_s": percentile([r.ttft_s for r in rows], 99),
+            "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rows) if rows else None,
+            "cached_tokens_mean": (statistics.fmean(r.cached_tokens for r in rows)
+                                   if rows and all(r.cached_tokens is not None for r in rows) else None),
+        })
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None]
+    completion = sum(r.completion_tokens or 0 for r in ok)
+    return {
+        "per_turn": per_turn,
+        "turns_completed": len(ok),
+        "output_tokens": completion,
+        "output_tokens_per_s": completion / res.wall_s if res.wall_s else None,
+        "cache_hit_ratio": (sum(r.cached_tokens for r in reported) / sum(r.prompt_tokens for r in reported)
+                            if reported and prompt else None),
+        "cached_tokens_reported": bool(reported),
+    } | res.as_dict()
+
+
+def completed_turns(mode: dict | None) -> dict[int, dict]:
+    if not mode or "per_turn" not in mode:
+        return {}
+    return {t["turn"]: t for t in mode["per_turn"] if t["completed"]}
+
+
+def headline(res: dict) -> dict:
+    """(a)'s TTFT advantage at the last turn both modes completed, and the serving overhead."""
+    a = completed_turns(res["modes"].get("a"))
+    out: dict = {"ttft_p50_ratio_over_a": {}}
+    for other in ("b", "c", "d"):
+        o = completed_turns(res["modes"].get(other))
+        common = sorted(a.keys() & o.keys())
+        if common:
+            t = common[-1]
+            out["ttft_p50_ratio_over_a"][other] = {
+                "turn": t, "prompt_tokens": a[t]["prompt_tokens_mean"],
+                "ratio": o[t]["ttft_p50_s"] / a[t]["ttft_p50_s"],
+                "a_ttft_p50_s": a[t]["ttft_p50_s"], "other_ttft_p50_s": o[t]["ttft_p50_s"]}
+    oh = res.get("overhead", {})
+    if oh.get("http") and oh.get("in_process"):
+        http, local = oh["http"]["ttft_s"], oh["in_process"]["ttft_s"]
+        out["overhead_ratio"] = statistics.median(http) / statistics.median(local)
+        out["overhead_ratio_of_minima"] = min(http) / min(local)
+        # The history is what the measured turn reused; the prompt adds the new message to it.
+        out["overhead_history_tokens"] = statistics.median(oh["in_process"]["cached_tokens"])
+        out["overhead_prompt_tokens"] = statistics.median(oh["in_process"]["prompt_tokens"])
+    return out
+
+
+# -- report -----------------------------------------------------------------------------------------
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:,.0f}"
+
+
+def markdown(res: dict) -> str:
+    modes, h = res["modes"], res["headline"]
+    lines = [f"# Serving benchmark{' (quick)' if res['quick'] else ''}", "",
+             f"{res['plan']['conversations']} concurrent conversations x {res['plan']['turns']} turns, "
+             f"GraniteMoeHybrid `bench` checkpoint, greedy, streamed over HTTP with `openai`. "
+             f"CPU: {res['env']['cpu']['model']} ({res['env']['cpu_count']} cores), load average at start "
+             f"{res['env']['load_average_1_5_15m']}. The machine was shared with other work.", ""]
+    present = [m for m in MODES if m in modes and "per_turn" in modes[m]]
+    turns = max((len(modes[m]["per_turn"]) for m in present), default=0)
+    rows = []
+    for i in range(turns):
+        row = [str(i + 1)]
+        for m in present:
+            pt = modes[m]["per_turn"][i] if i < len(modes[m]["per_turn"]) else None
+            row.append("—" if not pt or not pt["completed"] else
+                       f"{_ms(pt['ttft_p50_s'])} / {_ms(pt['ttft_p99_s'])} ({format_number(pt['prompt_tokens_mean'], 0)} tok)")
+        rows.append(row)
+    if present:
+        lines += ["TTFT p50 / p99 in ms per turn (mean prompt tokens):", "",
+                  markdown_table(["turn", *[MODES[m] for m in present]], rows)]
+        summary = [[MODES[m], f"{modes[m]['turns_completed']}", format_number(modes[m]["output_tokens_per_s"]),
+                    "—" if modes[m]["cache_hit_ratio"] is None else f"{modes[m]['cache_hit_ratio']:.1%}",
+                    f"{modes[m]['wall_s']:.1f}", str(len(modes[m]["errors"]))] for m in present]
+        lines += [markdown_table(["mode", "turns done", "output tok/s", "cache hit ratio", "wall s", "errors"], summary)]
+    for m, rec in modes.items():
+        if rec.get("errors"):
+            lines.append(f"- {MODES[m]}: {len(rec['errors'])} failed turns; first: `{rec['errors'][0][:300]}`")
+        if rec.get("startup_error"):
+            lines.append(f"- {MODES[m]}: did not start: `{rec['startup_error'][-300:]}`")
+    lines.append("")
+    for m, r in h["ttft_p50_ratio_over_a"].items():
+        lines.append(f"- {MODES[m]} over (a) at turn {r['turn']} ({format_number(r['prompt_tokens'], 0)} prompt "
+                     f"tokens), the last both completed: TTFT p50 {_ms(r['other_ttft_p50_s'])} ms / "
+                     f"{_ms(r['a_ttft_p50_s'])} ms = {r['ratio']:.1f}x (target >= 5x at a >= 2k-token history).")
+    if "overhead_ratio" in h:
+        oh = res["overhead"]
+        lines.append(f"Serving overhead at a {h['overhead_history_tokens']:.0f}-token history "
+                     f"({h['overhead_prompt_tokens']:.0f}-token prompt): HTTP TTFT "
+                     f"{_ms(statistics.median(oh['http']['ttft_s']))} ms / in-process "
+                     f"{_ms(statistics.median(oh['in_process']['ttft_s']))} ms = {h['overhead_ratio']:.2f}x "
+                     f"(medians of {len(oh['http']['ttft_s'])} alternating samples; of the minima "
+                     f"{h['overhead_ratio_of_minima']:.2f}x; target <= 1.3x).")
+    for note in res["not_run"]:
+        lines.append(f"- Not run: {note}")
+    for note in res.get("notes", []):
+        lines.append(f"- Note: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for m, style in (("a", "o-"), ("b", "x-"), ("c", "s:"), ("d", "^--")):
+        rec = res["modes"].get(m)
+        if not rec or "per_turn" not in rec:
+            continue
+        pts = [(t["turn"], t["ttft_p50_s"] * 1e3) for t in rec["per_turn"] if t["completed"]]
+        if pts:
+            ax.plot(*zip(*pts), style, label=MODES[m])
+    ax.set_yscale("log")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT p50 (ms, log scale)")
+    ax.set_title(f"TTFT per turn over HTTP — {res['plan']['conversations']} concurrent conversations")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- main -----------------------------------------------------------------------------------------
+def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool, vllm_results: Path | None) -> dict:
+    from workers.checkpoint import make_model
+
+    env = environment_info() | {"cpu": cpu_info()}
+    res: dict = {"quick": quick, "plan": asdict(plan), "env": env, "modes": {}, "overhead": {}, "not_run": [],
+                 "labels": MODES, "method": __doc__}
+    scripts = make_scripts(plan)
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir = make_model(tmp / "granitemoehybrid-bench", "granitemoehybrid", "bench", seed=0)
+        # Our app first: its numbers are the point; vLLM's engine may hang or die.
+        if skip_app:
+            res["not_run"].append("(a), (b), overhead: --skip-app")
+        else:
+            app = measure_app(plan, model_dir, scripts, tmp)
+            res["overhead"] = app.pop("overhead")
+            res["modes"] |= {m: app.pop(m) for m in ("a", "b")}
+            res["app"] = app
+        if vllm_results is not None:
+            earlier = json.loads(vllm_results.read_text())
+            if earlier["plan"] != json.loads(json.dumps(res["plan"])):
+                raise SystemExit(f"{vllm_results} measured another plan")
+            res["modes"] |= {m: earlier["modes"][m] for m in ("c", "d") if m in earlier["modes"]}
+            res["vllm_from"] = {"path": str(vllm_results), "env": earlier["env"], "notes": earlier.get("notes", [])}
+            res["not_run"].append(f"(c), (d) this time: taken from {vllm_results.name} of "
+                                  f"{earlier['env']['timestamp_utc']} (same plan and checkpoint)")
+        elif skip_vllm:
+            res["not_run"].append("(c), (d): --skip-vllm")
+        else:
+            res["modes"] |= measure_vllm(plan, model_dir, scripts, tmp)
+    res["env"]["load_average_end"] = load_average()
+    res["headline"] = headline(res)
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 conversations x 4 short turns")
+    parser.add_argument("--skip-vllm", action="store_true", help="only our app")
+    parser.add_argument("--skip-app", action="store_true", help="only vLLM")
+    parser.add_argument("--vllm-results", type=Path, help="take (c), (d) from an earlier run's JSON (same plan)")
+    args = parser.parse_args()
+    plan = QUICK if args.quick else FULL
+    res = run(plan, args.quick, args.skip_vllm, args.skip_app, args.vllm_results)
+    stem = "serve.quick" if args.quick else "serve"
+    md = markdown(res)
+    write_results(stem, res, md)
+    if res["modes"]:
+        plot(res, RESULTS_DIR / f"{stem}.png")
+    print(md)
+    print(json.dumps(res["headline"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Loading the manifests in k8s/ and the offline validators the tests use on them."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, Iterator
+
+import jsonschema
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+K8S_DIR = REPO / "k8s"
+SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"
+# shared/ sits beside the repository (CI's clone), or beside the folder of a git worktree.
+SHARED_CRD = next(
+    (p for p in (REPO.parent / "shared", REPO.parent.parent / "shared") if p.is_dir()), REPO.parent / "shared"
+) / "k8s-schemas" / "ray.io_rayservices.yaml"
+
+# The oldest Kubernetes release the manifests must be valid for: gRPC probes are GA in 1.27,
+# and 1.30 is the oldest release KubeRay 1.4+ supports.
+KUBERNETES_VERSION = "1.30.0"
+
+SECRET_NAME = "hybridserve-secrets"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    doc: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return self.doc["kind"]
+
+    @property
+    def name(self) -> str:
+        return self.doc["metadata"]["name"]
+
+
+def manifest_paths() -> list[Path]:
+    return sorted(K8S_DIR.glob("*.yaml"))
+
+
+@cache
+def _load(path: Path) -> tuple[Manifest, ...]:
+    return tuple(Manifest(path, doc) for doc in yaml.safe_load_all(path.read_text()) if doc is not None)
+
+
+def load_all() -> list[Manifest]:
+    return [m for path in manifest_paths() for m in _load(path)]
+
+
+def objects() -> list[Manifest]:
+    """The Kubernetes objects (the kustomization file is build input, not an object)."""
+    return [m for m in load_all() if m.kind != "Kustomization"]
+
+
+def one(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [m.doc for m in objects() if m.kind == kind and (name is None or m.name == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return copy.deepcopy(found[0])
+
+
+def pod_specs() -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, pod spec) of every pod template in the manifests, RayService groups included."""
+    for m in objects():
+        spec = m.doc.get("spec", {})
+        if m.kind in ("Deployment", "StatefulSet"):
+            yield f"{m.kind}/{m.name}", spec["template"]["spec"]
+        elif m.kind == "RayService":
+            cluster = spec["rayClusterConfig"]
+            yield f"{m.name}/head", cluster["headGroupSpec"]["template"]["spec"]
+            for group in cluster["workerGroupSpecs"]:
+                yield f"{m.name}/{group['groupName']}", group["template"]["spec"]
+
+
+def containers() -> Iterator[tuple[str, dict[str, Any]]]:
+    for where, spec in pod_specs():
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            yield f"{where}/{c['name']}", c
+
+
+# -- the RayService CRD's schema --------------------------------------------------------------
+def crd_schema_copy() -> dict[str, Any]:
+    """The v1 openAPIV3Schema as copied into the repository (see schemas/README.md)."""
+    return json.loads((SCHEMA_DIR / "rayservice-v1.json").read_text())["openAPIV3Schema"]
+
+
+def crd_schema_shared() -> dict[str, Any]:
+    crd = yaml.safe_load(SHARED_CRD.read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return v1["schema"]["openAPIV3Schema"]
+
+
+def strict(schema: Any) -> Any:
+    """The schema with unknown fields refused, as the API server does under strict field
+    validation (`kubectl apply --validate=strict`, the default): an object schema that lists
+    its properties and says nothing about others accepts no others. A misspelled field
+    would otherwise pass offline and be dropped silently by the server."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+@cache
+def rayservice_validator() -> jsonschema.protocols.Validator:
+    schema = strict(crd_schema_copy())
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+def rayservice_errors(doc: dict[str, Any]) -> list[str]:
+    errors = sorted(rayservice_validator().iter_errors(doc), key=lambda e: list(e.absolute_path))
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors]
+
+
+def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
