@@ -371,8 +371,11 @@ class CacheClient:
                 raise VersionConflict(f"put_state: head version is {head.version}",
                                       current_version=head.version)
             incarnation = head.incarnation
-        chunks = hashing.split(data, self.config.chunk_bytes) if isinstance(data, (bytes, bytearray, memoryview)) \
-            else list(data)
+        # A chosen chunk larger than config.chunk_bytes (a Mamba state of a real model is tens
+        # of MiB) is cut too: the service refuses chunks over its limit, and get_state joins
+        # the pieces back, so the boundaries the caller chose still hash the same.
+        pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+        chunks = [c for piece in pieces for c in hashing.split(piece, self.config.chunk_bytes)]
         digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
         manifest = pb.StateManifest(key=conv.pb(), version=version, incarnation=incarnation, chunks=[
             pb.ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks, strict=True)])

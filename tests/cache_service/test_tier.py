@@ -54,6 +54,18 @@ async def test_incremental_put_sends_only_new_chunks_and_supersedes(client, conv
         await client.get_state(conv, version=1)
 
 
+async def test_a_chosen_chunk_over_the_service_limit_is_cut_and_reassembled(client, conv):
+    """A worker names its chunks (one per KV block, one for the Mamba state); a state chunk of
+    a real model is larger than the service's per-chunk limit and was refused outright."""
+    await conversation_at_version(client, conv)
+    blocks = [os.urandom(32 << 10) for _ in range(3)]
+    state = os.urandom((4 << 20) + 12345)  # over the service's 4 MiB chunk limit
+    reply = await client.put_state(conv, 1, [*blocks, state])
+    assert reply.head.tier_version == 1
+    version, back = await client.get_state(conv)
+    assert version == 1 and back == b"".join([*blocks, state])
+
+
 async def test_put_must_match_the_committed_head_version(client, conv):
     await conversation_at_version(client, conv, versions=2)
     before = await client.stats()
