@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from cache_service.client import ClientConfig, RetryPolicy
+from deployments.settings import AppSettings
 
 # Enough retries to ride out a cache-service or Redis restart without failing the turn.
 CLIENT_RETRY = RetryPolicy(attempts=60, initial_backoff_s=0.02, max_backoff_s=0.5)
 
 
-def cache_client_config(holder_prefix: str) -> ClientConfig:
-    return ClientConfig(timeout_s=10.0, holder_prefix=holder_prefix, retry=CLIENT_RETRY)
+def cache_client_config(holder_prefix: str, settings: AppSettings) -> ClientConfig:
+    return ClientConfig(timeout_s=10.0, holder_prefix=holder_prefix, retry=CLIENT_RETRY,
+                        auth_token=settings.read_cache_service_token())

@@ -41,6 +41,8 @@ class CacheServiceProcess:
                 "--data-dir", str(data_dir)]
         if settings.redis_url:
             argv += ["--redis-url", settings.redis_url]
+        if settings.cache_service_token_file:
+            argv += ["--auth-token-file", settings.cache_service_token_file]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         env.pop("REDIS_URL", None)  # the flag above is the only source
         self.proc = subprocess.Popen(argv, cwd=_REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)

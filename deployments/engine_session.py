@@ -72,6 +72,7 @@ class EngineSession:
     def __init__(self, model_dir: str, settings: AppSettings):
         config = EngineConfig(
             model=model_dir,
+            device=settings.device,
             num_threads=settings.torch_threads,
             max_model_len=settings.max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=settings.max_num_seqs),

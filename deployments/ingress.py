@@ -99,12 +99,12 @@ class ChatIngress:
         self._client: CacheClient | None = None
         self._inflight = 0
         api.state.max_body_bytes = settings.max_body_bytes
-        api.state.api_keys = frozenset(settings.api_keys)
+        api.state.api_keys = settings.read_api_keys()
 
     async def _cache(self) -> CacheClient:
         if self._client is None:
             address = self.settings.cache_service or await self.cache_host.address.remote()
-            self._client = CacheClient(address, cache_client_config("ingress"))
+            self._client = CacheClient(address, cache_client_config("ingress", self.settings))
         return self._client
 
     def _salt(self, request: Request, cache_salt: str) -> str:

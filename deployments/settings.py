@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -38,6 +39,11 @@ class AppSettings(BaseModel):
     max_model_len: int = Field(0, ge=0, description="0: the model's own limit")
     max_num_seqs: int = Field(16, ge=1)
     torch_threads: int = Field(1, ge=1, description="torch threads per worker replica")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where the engines run (cuda on GPU pods)")
+    # Secrets come as files (mounted Kubernetes Secrets), read when a replica starts, so they
+    # never appear in the application's config.
+    api_keys_file: str = Field("", description="file of bearer tokens, one per line, added to api_keys")
+    cache_service_token_file: str = Field("", description="file holding the cache service's shared secret")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -48,7 +54,24 @@ class AppSettings(BaseModel):
 
     @property
     def auth_enabled(self) -> bool:
-        return bool(self.api_keys)
+        return bool(self.api_keys or self.api_keys_file)
+
+    def read_api_keys(self) -> frozenset[str]:
+        """api_keys plus the non-empty lines of api_keys_file (a missing file fails the start)."""
+        keys = set(self.api_keys)
+        if self.api_keys_file:
+            keys.update(line.strip() for line in Path(self.api_keys_file).read_text().splitlines() if line.strip())
+            if not keys:
+                raise ValueError(f"api_keys_file {self.api_keys_file!r} holds no key")
+        return frozenset(keys)
+
+    def read_cache_service_token(self) -> str | None:
+        if not self.cache_service_token_file:
+            return None
+        token = Path(self.cache_service_token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"cache_service_token_file {self.cache_service_token_file!r} is empty")
+        return token
 
     @staticmethod
     def key_scope(api_key: str | None) -> str:

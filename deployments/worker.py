@@ -99,7 +99,7 @@ class Worker:
     async def _cache(self) -> CacheClient:
         if self._client is None:
             address = self.settings.cache_service or await self._cache_host.address.remote()
-            self._client = CacheClient(address, cache_client_config(f"worker:{self.replica_id}"))
+            self._client = CacheClient(address, cache_client_config(f"worker:{self.replica_id}", self.settings))
             self._spawn(self._heartbeats())
         return self._client
 

@@ -124,9 +124,7 @@ def test_same_arguments_as_config_yaml_but_the_local_ones(k8s, local):
 def test_arguments_are_valid_app_settings(k8s):
     from deployments.settings import AppSettings
 
-    missing = CLUSTER_ONLY_ARGS - set(AppSettings.model_fields)
-    if missing:
-        pytest.xfail(f"AppSettings does not take {sorted(missing)} yet (see k8s/README.md)")
+    assert CLUSTER_ONLY_ARGS <= set(AppSettings.model_fields)
     settings = AppSettings.model_validate(app(k8s)["args"])
     assert settings.cache_service and settings.model
 

@@ -1,0 +1,46 @@
+"""Secrets reach the app as files (mounted Kubernetes Secrets): API keys and the cache
+service's shared secret. Checked against a real cache-service process started the way the app
+starts it, without Ray."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from cache_service.client import CacheClient, Unauthenticated
+from deployments.cache_access import cache_client_config
+from deployments.cache_host import CacheServiceProcess
+from deployments.settings import AppSettings
+
+
+def test_api_keys_file_adds_keys_and_turns_authentication_on(tmp_path):
+    keys = tmp_path / "api-keys"
+    keys.write_text("k-one\n\n  k-two  \n")
+    settings = AppSettings(api_keys_file=str(keys), api_keys=("k-zero",))
+    assert settings.auth_enabled
+    assert settings.read_api_keys() == {"k-zero", "k-one", "k-two"}
+    assert not AppSettings().auth_enabled and AppSettings().read_api_keys() == frozenset()
+    keys.write_text("\n \n")
+    with pytest.raises(ValueError, match="no key"):
+        AppSettings(api_keys_file=str(keys)).read_api_keys()
+
+
+def test_device_is_validated():
+    assert AppSettings(device="cuda:1").device == "cuda:1"
+    with pytest.raises(ValidationError):
+        AppSettings(device="tpu")
+
+
+async def test_the_started_cache_service_requires_the_shared_secret_from_the_file(tmp_path):
+    secret = tmp_path / "cache-service-secret"
+    secret.write_text("a-shared-secret-of-some-length\n")
+    settings = AppSettings(cache_service_token_file=str(secret), data_dir=str(tmp_path / "data"))
+    service = CacheServiceProcess(settings, "127.0.0.1")
+    try:
+        async with CacheClient(service.address, cache_client_config("test", settings)) as client:
+            assert (await client.stats()).tier_budget_bytes > 0
+        async with CacheClient(service.address, cache_client_config("test", AppSettings())) as anonymous:
+            with pytest.raises(Unauthenticated):
+                await anonymous.stats()
+    finally:
+        service.stop()
