@@ -279,3 +279,20 @@ def test_a_header_whose_length_disagrees_with_the_ledger_is_refused(models, refe
     assert_nothing_installed(b_cc)
     import_into(b_cc, exported)
     assert_same_head_state(a_cc, b_cc)
+
+
+def test_an_export_without_the_aligned_state_is_refused(models, reference_engines):
+    """Every head holds a terminal and an aligned state. An export without the aligned one
+    used to install a one-slot head; a turn continuing it then took its aligned_len from the
+    header while its aligned slot held whatever an earlier owner left there."""
+    arch = Arch.BAMBA
+    a_cc = conversation(models, reference_engines, arch)
+    exported = export_from(a_cc)
+    b_cc = new_cache(new_engine(models[arch]))
+    adopt_from(a_cc, b_cc)
+    header = json.loads(exported.header[:-32])
+    header["chunks"] = [c for c in header["chunks"] if c.get("role") != "aligned"]
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    with pytest.raises(CorruptStateError, match="slot roles"):
+        import_into(b_cc, ExportedHead(raw + hashlib.sha256(raw).digest(), exported.chunks))
+    assert_nothing_installed(b_cc)

@@ -15,6 +15,8 @@ import time
 import pytest
 
 from tests.engine.conftest import assert_all_free, new_engine, prompt_of
+from workers.cache.chunk_index import ChunkIndex
+from workers.cache.kv_blocks import BlockPool
 from workers.checkpoint import Arch
 from workers.detokenizer import Detokenizer
 from workers.request import KeepState
@@ -125,3 +127,21 @@ def test_a_commit_onto_a_taken_turn_moves_nothing(tiny):
     heads.release(kept[1].prepared)
     heads.drop(heads.find("k", 1))
     assert_all_free(engine)
+
+
+def test_the_chunk_index_forgets_blocks_that_were_freed():
+    """Digests remembered at every export used to stay for freed blocks until someone asked
+    for the held set: a worker exporting every turn grew the index without bound."""
+    pool = BlockPool(num_blocks=5)
+    index = ChunkIndex(pool)
+    for round_ in range(200):
+        blocks = pool.allocate(3)
+        for b in blocks:
+            index.remember(b, pool.generation[b], f"digest-{round_}-{b}")
+        pool.decref(blocks)
+    assert len(index) <= 2 * pool.num_blocks
+    live = pool.allocate(2)
+    for b in live:
+        index.remember(b, pool.generation[b], f"live-{b}")
+    assert index.held_digests() == {f"live-{b}" for b in live}
+    assert [index.block_of(f"live-{b}") for b in live] == live

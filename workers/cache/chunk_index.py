@@ -17,6 +17,9 @@ class ChunkIndex:
         self._by_digest: dict[str, tuple[int, int]] = {}
         self._by_block: dict[tuple[int, int], str] = {}
 
+    def __len__(self) -> int:
+        return len(self._by_block)
+
     def _live(self, block: int, generation: int) -> bool:
         return self.pool.generation[block] == generation and self.pool.ref_counts[block] > 0
 
@@ -24,6 +27,10 @@ class ChunkIndex:
         if self._live(block, generation):
             self._by_digest[digest] = (block, generation)
             self._by_block[(block, generation)] = digest
+            # At most one live entry per block: past twice that, stale ones dominate. Pruning
+            # then keeps the index bounded at an amortized O(1) per remembered block.
+            if len(self._by_block) > 2 * self.pool.num_blocks:
+                self._prune()
 
     def digest_of(self, block: int) -> str | None:
         """The remembered digest of the block's current allocation, if any."""

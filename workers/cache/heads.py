@@ -180,12 +180,7 @@ class HeadManager:
         holder = self.new_holder(HolderKind.PREPARED)
         state_len = request.num_computed_tokens
         self.kv.truncate(src, state_len)  # blocks past state_len hold nothing a head needs
-        self.kv.transfer(src, holder)
-        try:
-            self.states.transfer(src, holder)
-        except BaseException:
-            self.kv.transfer(holder, src)
-            raise
+        self._move(src, holder)
         prepared = PreparedState(
             holder, request.request_id, state_len, request.aligned_len, base, now + self.prepared_timeout_s,
             canonical_window=request.tile_window if request.deterministic else 0,
@@ -198,12 +193,7 @@ class HeadManager:
         if (key, turn) in self._by_turn:  # checked before anything moves
             raise ValueError(f"turn {turn} of conversation {key} already has a head")
         holder = self.new_holder(HolderKind.HEAD)
-        self.kv.transfer(prepared.holder, holder)
-        try:
-            self.states.transfer(prepared.holder, holder)
-        except BaseException:
-            self.kv.transfer(holder, prepared.holder)
-            raise
+        self._move(prepared.holder, holder)
         del self.prepared[prepared.holder]
         self.unpin(prepared.base, prepared.request_id)
         head = CommittedHead(
@@ -211,6 +201,15 @@ class HeadManager:
         )
         self.add(head)
         return head
+
+    def _move(self, src: Holder, dst: Holder) -> None:
+        """Hand src's blocks and slots to dst, both or neither."""
+        self.kv.transfer(src, dst)
+        try:
+            self.states.transfer(src, dst)
+        except BaseException:
+            self.kv.transfer(dst, src)
+            raise
 
     def release(self, prepared: PreparedState) -> None:
         """Abandon: free the prepared state; the base head was never written."""

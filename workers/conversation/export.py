@@ -201,7 +201,8 @@ def _check_consistent(h: dict[str, Any]) -> None:
             (kinds.count(ChunkKind.KV_TAIL) != (1 if state_len % bs else 0), "tail chunk vs state_len"),
             (h["committed_tokens"] != state_len + 1, "state_len must be the committed length - 1"),
             (not 0 <= aligned <= state_len, "aligned_len out of range"),
-            (roles not in ([SlotRole.TERMINAL.value], [SlotRole.TERMINAL.value, SlotRole.ALIGNED.value]), "slot roles"),
+            # Every head holds both states: a turn continuing it copies the aligned one as well.
+            (roles != [SlotRole.TERMINAL.value, SlotRole.ALIGNED.value], "slot roles"),
             (h["turn"] < 1, "turn must be >= 1"),
         ]
     except (KeyError, TypeError, AttributeError) as e:
