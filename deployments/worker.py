@@ -54,6 +54,7 @@ from workers.errors import (
     CorruptStateError,
     InvalidRequestError,
     OutOfCacheError,
+    PromptTooLongError,
     TurnResolvedError,
 )
 from workers.request import FinishReason
@@ -62,10 +63,6 @@ from workers.sampling import SamplingParams
 log = logging.getLogger("hybridserve.worker")
 
 HEARTBEAT_S = 3.0
-def too_long(error: InvalidRequestError) -> bool:
-    # The engine words its length refusals "prompt has N tokens; ... limit" / "prompt of N tokens cannot fit".
-    text = str(error)
-    return text.startswith(("prompt has", "prompt of"))
 
 
 @serve.deployment(
@@ -144,7 +141,7 @@ class Worker:
             async for event in self._run(job, params, stream, recovery):
                 yield event
         except InvalidRequestError as e:
-            yield TurnFailed(ErrorKind.TOO_LONG if too_long(e) else ErrorKind.INVALID, str(e))
+            yield TurnFailed(ErrorKind.TOO_LONG if isinstance(e, PromptTooLongError) else ErrorKind.INVALID, str(e))
         except ConversationBusyError as e:
             yield TurnFailed(ErrorKind.CONFLICT, str(e))
         except CacheError as e:

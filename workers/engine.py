@@ -28,7 +28,7 @@ from workers.deterministic.seed import derived_seed
 from workers.deterministic.verifier import Verifier
 from workers.detokenizer import Detokenizer
 from proto.contract import ModelIdentity
-from workers.errors import InvalidRequestError, RequestIdInUseError
+from workers.errors import InvalidRequestError, PromptTooLongError, RequestIdInUseError
 from workers.identity import model_identity
 from workers.model.loader import load_model
 from workers.request import FinishReason, HeadAttachment, KeepState, Request, RequestStatus
@@ -146,12 +146,12 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
         if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
+            raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; this model's limit is {self.max_model_len} (prompt + output)"
             )
         blocks = -(-(len(ids) + 1) // self.kv_layout.block_size)
         if blocks > self.kv_layout.usable_blocks:
-            raise InvalidRequestError(f"prompt of {len(ids)} tokens cannot fit the KV cache ({blocks} blocks)")
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens cannot fit the KV cache ({blocks} blocks)")
 
     def abort(self, request_id: str) -> None:
         request = self.scheduler.requests.get(request_id)

@@ -21,6 +21,10 @@ class InvalidRequestError(EngineError):
     """The request itself is bad (too long, invalid sampling parameters, unknown tokens)."""
 
 
+class PromptTooLongError(InvalidRequestError):
+    """The prompt exceeds the model's length limit or could never fit the KV cache (HTTP 413)."""
+
+
 class OutOfCacheError(EngineError):
     """The KV block pool or the Mamba state pool cannot hold what was asked for."""
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.engine.conftest import GREEDY, assert_all_free, new_engine, prompt_of, run_engine
 from workers.checkpoint import Arch
-from workers.errors import CheckpointError, EngineError, InvalidRequestError, UnsupportedModelError
+from workers.errors import CheckpointError, EngineError, InvalidRequestError, PromptTooLongError, UnsupportedModelError
 from workers.request import FinishReason, RequestStatus
 from workers.sampling import SamplingParams
 
@@ -65,8 +65,10 @@ BAD_PROMPTS = {
 @pytest.mark.parametrize("name", list(BAD_PROMPTS))
 def test_bad_prompt_is_refused_and_others_keep_running(engine, good_tokens, name):
     def bad():
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(InvalidRequestError) as refused:
             engine.add_request("bad", BAD_PROMPTS[name], GREEDY)
+        # Only length refusals are typed as too long (the HTTP layer answers them with 413).
+        assert isinstance(refused.value, PromptTooLongError) == name.endswith("too-long")
         assert "bad" not in engine.scheduler.requests
 
     _serves_good_request(engine, good_tokens, bad)
