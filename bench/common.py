@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -110,3 +111,21 @@ def write_results(name: str, data: dict, markdown: str, results_dir: Path = RESU
     _write_atomic(json_path, json.dumps(data, indent=2) + "\n")
     _write_atomic(md_path, markdown if markdown.endswith("\n") else markdown + "\n")
     return json_path, md_path
+
+
+# Words of the synthetic chat text the conversation benchmarks send (plain ASCII, so the
+# built-in tokenizer gives one token per character).
+CHAT_WORDS = (
+    "the model cache state turn reply token layer block prefix history user system please "
+    "explain why how what when which small large fast slow exact aligned recurrent attention "
+    "conversation request server replica memory compute again next first last value number "
+    "list table order simple careful result check answer question detail example short long"
+).split()
+
+
+def chat_text(rng: random.Random, n_chars: int, lead: str = "") -> str:
+    """About n_chars characters of words (the built-in tokenizer is one token per character)."""
+    out = lead
+    while len(out) < n_chars:
+        out += (" " if out else "") + rng.choice(CHAT_WORDS)
+    return out[:n_chars].rstrip() + "."

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cpu_info
+from bench.common import chat_text, cpu_info
 from bench.conversation_report import ENGINE_MODES, markdown, plot, summarize
 from bench.conversation_vllm import VllmTurns, recheck_prefix_caching
 from bench.peer import vllm_runs
@@ -79,14 +79,6 @@ RECHECK_HISTORY = 1600  # tokens: more than two of vLLM's hybrid blocks (640 on 
 KERNEL_BLOCK = 16  # vLLM rounds the hybrid attention block size to a multiple of this
 SALT = "bench"
 
-WORDS = (
-    "the model cache state turn reply token layer block prefix history user system please "
-    "explain why how what when which small large fast slow exact aligned recurrent attention "
-    "conversation request server replica memory compute again next first last value number "
-    "list table order simple careful result check answer question detail example short long"
-).split()
-
-
 @dataclass(frozen=True)
 class Plan:
     conversations: int
@@ -104,14 +96,6 @@ QUICK = Plan(conversations=1, turns=3, system_tokens=300, user_tokens=(60, 80), 
 
 
 # -- workload ---------------------------------------------------------------------------------
-def text_of(rng: random.Random, n_chars: int, lead: str = "") -> str:
-    """About n_chars characters of words (the built-in tokenizer is one token per character)."""
-    out = lead
-    while len(out) < n_chars:
-        out += (" " if out else "") + rng.choice(WORDS)
-    return out[:n_chars].rstrip() + "."
-
-
 @dataclass
 class Script:
     system: str
@@ -123,8 +107,8 @@ def make_scripts(plan: Plan) -> list[Script]:
     rng = random.Random(plan.seed)
     scripts = []
     for c in range(plan.conversations):
-        system = text_of(rng, plan.system_tokens, f"You are assistant #{c}. Answer carefully.")
-        users = [text_of(rng, rng.randint(*plan.user_tokens), f"Question {t + 1}:") for t in range(plan.turns)]
+        system = chat_text(rng, plan.system_tokens, f"You are assistant #{c}. Answer carefully.")
+        users = [chat_text(rng, rng.randint(*plan.user_tokens), f"Question {t + 1}:") for t in range(plan.turns)]
         replies = [rng.randint(*plan.reply_tokens) for _ in range(plan.turns)]
         scripts.append(Script(system, users, replies))
     return scripts

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import REPO_ROOT, RESULTS_DIR, environment_info, format_number, markdown_table, write_results
+from bench.common import REPO_ROOT, RESULTS_DIR, chat_text, environment_info, format_number, markdown_table, write_results
 from bench.serve_http import (
     ConversationMode,
     Script,
@@ -60,13 +60,6 @@ from bench.serve_http import (
     free_port,
     run_workload,
 )
-
-WORDS = (
-    "the model cache state turn reply token layer block prefix history user system please explain why how "
-    "what when which small large fast slow exact aligned recurrent attention conversation request server "
-    "replica memory compute again next first last value number list table order simple careful result"
-).split()
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -97,19 +90,12 @@ MODES = {
 VLLM_MEMORY_FRACTION = "0.3"
 
 
-def text_of(rng: random.Random, n_chars: int, lead: str = "") -> str:
-    out = lead
-    while len(out) < n_chars:
-        out += (" " if out else "") + rng.choice(WORDS)
-    return out[:n_chars].rstrip() + "."
-
-
 def make_scripts(plan: Plan) -> list[Script]:
     rng = random.Random(plan.seed)
     scripts = []
     for c in range(plan.conversations):
-        system = text_of(rng, plan.system_tokens, f"You are assistant #{c}. Answer carefully.")
-        users = tuple(text_of(rng, rng.randint(*plan.user_tokens), f"Question {t + 1}:") for t in range(plan.turns))
+        system = chat_text(rng, plan.system_tokens, f"You are assistant #{c}. Answer carefully.")
+        users = tuple(chat_text(rng, rng.randint(*plan.user_tokens), f"Question {t + 1}:") for t in range(plan.turns))
         replies = tuple(rng.randint(*plan.reply_tokens) for _ in range(plan.turns))
         scripts.append(Script(system, users, replies))
     return scripts
@@ -118,8 +104,8 @@ def make_scripts(plan: Plan) -> list[Script]:
 def overhead_script(plan: Plan, index: int) -> Script:
     """Turn 1 builds a ~overhead_history_tokens history; turn 2 is the one measured."""
     rng = random.Random(1000 + index)
-    system = text_of(rng, plan.overhead_history_tokens - 120, f"Overhead probe {index}.")
-    return Script(system, (text_of(rng, 60, "Question 1:"), text_of(rng, 60, "Question 2:")), (40, 16))
+    system = chat_text(rng, plan.overhead_history_tokens - 120, f"Overhead probe {index}.")
+    return Script(system, (chat_text(rng, 60, "Question 1:"), chat_text(rng, 60, "Question 2:")), (40, 16))
 
 
 # -- facts about the machine ------------------------------------------------------------------------
