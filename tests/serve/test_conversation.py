@@ -73,8 +73,16 @@ async def test_workers_register_and_heartbeat_with_the_cache_service(stack):
 async def test_new_conversations_spread_and_stay_on_their_owner(stack):
     client = stack.client()
     ids = [f"spread-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
-    await asyncio.gather(*[chat_turn(client, stack.model, [user("long one")], conversation_id=c, cache_salt="p",
-                                     max_tokens=300) for c in ids])
+    first = await client.chat.completions.create(
+        model=stack.model, messages=[user("long one")], max_tokens=300, temperature=0, stream=True,
+        extra_body={"conversation_id": ids[0], "cache_salt": "p"})
+    chunks = first.__aiter__()
+    await chunks.__anext__()  # the first turn runs on its replica before the second one is routed
+    second = asyncio.create_task(chat_turn(client, stack.model, [user("long one")], conversation_id=ids[1],
+                                           cache_salt="p", max_tokens=300))
+    async for _ in chunks:
+        pass
+    await second
     async with stack.http() as http:
         owners = [(await conversation(http, c, "p"))["head"]["owner"] for c in ids]
         assert owners[0] != owners[1]  # two at once: the second went to the less loaded replica
