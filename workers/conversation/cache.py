@@ -200,10 +200,12 @@ class ConversationCache:
         """Make a prepared turn the conversation's head (no copy), then append it to the ledger."""
         entry = self._entry(record, "commit")
         conv = self.conversations[record.conversation_key]
-        for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > record.base_turn]:
-            self.heads.drop(stale)  # a regenerated turn replaces the old one
         turn = record.base_turn + 1
-        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1)  # all-or-nothing
+        # A regenerated turn replaces the old head of that turn, only once the state has moved.
+        replaced = self.heads.find(conv.key, turn, touch=False)
+        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1, replacing=replaced)
+        for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > turn]:
+            self.heads.drop(stale)  # heads of turns the new one cuts off
         # The state has moved; only now does the ledger change (pure list operations).
         del self._prepared[record.request_id]
         conv.truncate(record.base_turn)
