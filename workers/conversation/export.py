@@ -276,11 +276,14 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
         raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
     turn = meta["turn"]
     committed = conv.tokens_until(turn) if turn <= conv.turn else None
-    # The digest proves which tokens; the length is checked too, since state_len is trusted from it.
+    messages = [m for t in conv.turns[:turn] for m in t.messages]
+    # The digests prove which tokens and messages; the length is checked too, since state_len
+    # is trusted from it.
     if (
         committed is None
         or meta["committed_tokens"] != len(committed)
         or tokens_digest(committed) != meta["tokens_digest"]
+        or messages_digest(messages) != meta["messages_digest"]
     ):
         raise CorruptStateError("the export does not match this engine's ledger of the conversation")
     existing = cc.heads.find(key, turn)

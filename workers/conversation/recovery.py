@@ -52,7 +52,7 @@ def adopt_ledger(
     new = Conversation(key, conversation_id, version=version)
     for turn in _validated(cc, turns):
         new.append([dict(m) for m in turn.messages], list(turn.token_ids))
-    if old is not None and old.version == version and old.token_ids == new.token_ids:
+    if old is not None and (old.version, old.token_ids, old.messages) == (version, new.token_ids, new.messages):
         return  # the engine already caches this version
     for head in cc.heads.of_conversation(key):
         same_prefix = old is not None and head.turn <= new.turn
