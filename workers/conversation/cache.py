@@ -259,8 +259,10 @@ class ConversationCache:
     def adopt_ledger(self, conversation_id: str, cache_salt: str, *, version: int, turns: list[LedgerTurn]) -> None:
         recovery.adopt_ledger(self, conversation_id, cache_salt, version, turns)
 
-    def materialize_head(self, conversation_id: str, cache_salt: str, request_id: str) -> Request | None:
-        return recovery.materialize_head(self, conversation_id, cache_salt, request_id)
+    def materialize_head(
+        self, conversation_id: str, cache_salt: str, request_id: str, *, canonical: bool = False
+    ) -> Request | None:
+        return recovery.materialize_head(self, conversation_id, cache_salt, request_id, canonical)
 
     def snapshot_head(self, conversation_id: str, cache_salt: str) -> export.HeadSnapshot:
         return export.snapshot_head(self, conversation_id, cache_salt)
