@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from proto.contract import conversation_key
 from workers.conversation.ledger import Conversation
 from workers.conversation.records import LedgerTurn
-from workers.errors import ConversationBusyError, ConversationNotFoundError, InvalidRequestError
+from workers.errors import ConversationNotFoundError, InvalidRequestError
 from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
 
@@ -53,8 +53,8 @@ def adopt_ledger(
         raise InvalidRequestError(f"version must be an integer >= 0, got {version!r}")
     key = conversation_key(conversation_id, cache_salt)
     old = cc.conversations.get(key)
-    if old is not None and old.in_flight is not None:
-        raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
+    if old is not None:
+        old.ensure_idle()
     new = Conversation(key, conversation_id, version=version)
     for turn in _validated(cc, turns):
         new.append([dict(m) for m in turn.messages], list(turn.token_ids))
@@ -78,8 +78,7 @@ def materialize_head(
     """Start a prefill-only request building the latest turn's head; None if a head that
     serves is held already (any head; with `canonical`, one the tiles made)."""
     conv = cc.conversation_of(conversation_id, cache_salt)
-    if conv.in_flight is not None:
-        raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
+    conv.ensure_idle()
     if conv.turn == 0:
         raise ConversationNotFoundError(f"conversation {conversation_id!r} has no committed turn")
     held = cc.heads.find(conv.key, conv.turn)
