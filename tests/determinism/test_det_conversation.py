@@ -10,6 +10,7 @@ import torch
 from tests.determinism.helpers import Arrival, background_load, det_params, new_engine
 from workers.checkpoint import Arch
 from workers.conversation.cache import ConversationCache
+from workers.request import FinishReason
 from workers.conversation.export import build_export, verify_export
 from proto.contract import conversation_key
 from workers.sampling import SamplingParams
@@ -121,9 +122,10 @@ def test_a_head_made_by_the_fast_path_is_recomputed_not_reused(model):
 
 def _run_with_load(cc: ConversationCache, start, load: list[Arrival]) -> tuple[object, list]:
     """`start()` begins a conversation request; ordinary requests arrive beside it at their
-    steps. Returns (the request, its streamed (token, logprob bits))."""
+    steps. Returns (the request, its streamed (token, logprob bits)); its last output must say
+    it finished (a stream waits for that output)."""
     request = start()
-    pending, step, streamed = sorted(load, key=lambda a: a.step), 0, []
+    pending, step, streamed, last = sorted(load, key=lambda a: a.step), 0, [], None
     while pending or cc.engine.has_unfinished():
         while pending and pending[0].step <= step:
             a = pending.pop(0)
@@ -132,7 +134,9 @@ def _run_with_load(cc: ConversationCache, start, load: list[Arrival]) -> tuple[o
             assert out.error is None, out.error
             if out.request_id == request.request_id:
                 streamed += [(t.token_id, t.logprob.hex()) for t in out.new_tokens]
+                last = out
         step += 1
+    assert last is not None and last.finished and last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), last
     return request, streamed
 
 
