@@ -143,7 +143,7 @@ def _run_with_load(cc: ConversationCache, start, load: list[Arrival]) -> tuple[o
 TURNS = [TURN1, TURN2, [{"role": "user", "content": "a third one, to cross another tile"}]]
 
 
-@pytest.mark.parametrize("arch", [Arch.BAMBA, Arch.NEMOTRON_H], ids=lambda a: a.value)
+@pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 def test_a_canonical_materialization_rebuilds_the_lost_head_bit_for_bit(det_models, arch):
     """Recovery from the ledger for a deterministic conversation: a second engine adopts the
     ledger and materializes the head through the tiles. Its KV over the committed length, its
