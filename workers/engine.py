@@ -220,6 +220,10 @@ class LLMEngine:
             applied = []
             for verdict in verdicts:
                 request = verdict.request
+                if request.prefill_only:  # takes no token: done once its last prompt tile ran
+                    ran_all = verdict.end == request.num_tokens
+                    applied.append((request, [], "", FinishReason.STOP if ran_all else None))
+                    continue
                 del request.token_ids[verdict.first :]  # candidates out; verified tokens back in
                 taken, delta, reason = [], "", None
                 for token in verdict.tokens:
@@ -235,7 +239,7 @@ class LLMEngine:
                 if reason is not None:
                     delta += self._detok[request.request_id].flush()
                     self._finish(request, reason)
-                if taken:
+                if taken or request.is_finished:
                     outputs.append(self._output(request, taken, delta))
         return outputs
 

@@ -3,7 +3,8 @@ head with a prefill-only request, and continues exactly where the lost engine wo
 
 The rebuilt head is computed by one prefill where the original was prefill + decode, so its
 bytes agree within the chunked-vs-one-shot tolerance (STATE_ATOL), and the next turn's tokens
-are equal and its logprobs within LOGPROB_TOL.
+are equal and its logprobs within LOGPROB_TOL. Heads deterministic turns made are rebuilt
+bit for bit through the tiles: tests/determinism/test_det_conversation.py.
 """
 
 from __future__ import annotations

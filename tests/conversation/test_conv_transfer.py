@@ -296,3 +296,23 @@ def test_an_export_without_the_aligned_state_is_refused(models, reference_engine
     with pytest.raises(CorruptStateError, match="slot roles"):
         import_into(b_cc, ExportedHead(raw + hashlib.sha256(raw).digest(), exported.chunks))
     assert_nothing_installed(b_cc)
+
+
+def test_an_export_whose_messages_are_not_the_ledgers_is_refused(models, reference_engines):
+    """The header carries the digest of the messages it was made for. A ledger with the same
+    token ids but other message text (a later edit of the record, a mix-up of conversations)
+    used to accept the head; the messages digest is now checked like the tokens digest."""
+    arch = Arch.BAMBA
+    a_cc = conversation(models, reference_engines, arch)
+    exported = export_from(a_cc)
+    b_cc = new_cache(new_engine(models[arch]))
+    ledger = a_cc.describe("c1", "s")
+    first, *rest = ledger["ledger"]
+    edited = type(first)(({**first.messages[0], "content": "something else"}, *first.messages[1:]), first.token_ids)
+    b_cc.adopt_ledger("c1", "s", version=ledger["version"], turns=[edited, *rest])
+    with pytest.raises(CorruptStateError, match="ledger"):
+        import_into(b_cc, exported)
+    assert_nothing_installed(b_cc)
+    adopt_from(a_cc, b_cc)
+    import_into(b_cc, exported)
+    assert_same_head_state(a_cc, b_cc)

@@ -223,3 +223,40 @@ def test_a_request_id_awaiting_its_verdict_cannot_be_reused(bamba_cc):
     info = cc.commit(record)
     assert info.turn == 1 and cc.describe("a", "s")["token_ids"] == list(record.token_ids)
     run_turn(cc, "b", "s", user("other"), greedy(5), "t")  # free again once resolved
+
+
+def test_a_failed_regenerate_commit_leaves_the_old_head_and_the_ledger_intact(bamba_cc, monkeypatch):
+    """Committing a regenerated turn replaces the head of that turn only once the new state has
+    moved: if the move fails, the old head is still there, byte-identical, and so is the ledger."""
+    cc = bamba_cc
+    run_turn(cc, "c", "s", user("one"), greedy(6), "t1")
+    run_turn(cc, "c", "s", user("two"), greedy(6), "t2")
+    old = head_of(cc, "c", "s", 2)
+    before, ledger = snapshot(cc.engine, old.holder), cc.describe("c", "s")
+
+    cc.regenerate("c", "s", greedy(5), "regen", commit=CommitMode.PREPARE)
+    record = [o for o in drive_outputs(cc) if o.request_id == "regen"][-1].turn_commit
+
+    def failing_transfer(src, dst):
+        raise RuntimeError("slot transfer failed")
+
+    monkeypatch.setattr(cc.states, "transfer", failing_transfer)
+    with pytest.raises(RuntimeError, match="slot transfer failed"):
+        cc.commit(record)
+    monkeypatch.undo()
+    assert head_of(cc, "c", "s", 2) is old, "the old head of the regenerated turn is still held"
+    snapshot(cc.engine, old.holder).assert_equal(before)
+    assert cc.describe("c", "s") == ledger and cc.prepared("regen") == record
+    cc.engine.check_integrity()
+
+    info = cc.commit(record)  # the prepared turn is still whole: the retry succeeds
+    assert info.turn == 2 and head_of(cc, "c", "s", 2) is not old
+    assert old.holder not in cc.kv.tables and old.holder not in cc.states.slots
+    assert cc.describe("c", "s")["token_ids"] != ledger["token_ids"]
+
+
+def drive_outputs(cc) -> list:
+    outputs = []
+    while cc.engine.has_unfinished():
+        outputs += cc.engine.step()
+    return outputs

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.determinism.helpers import det_params, new_engine
+from tests.determinism.helpers import Arrival, background_load, det_params, new_engine
 from workers.checkpoint import Arch
 from workers.conversation.cache import ConversationCache
+from workers.request import FinishReason
 from workers.conversation.export import build_export, verify_export
 from proto.contract import conversation_key
 from workers.sampling import SamplingParams
@@ -117,3 +118,86 @@ def test_a_head_made_by_the_fast_path_is_recomputed_not_reused(model):
         assert cc.stats()["misses"] == 1
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][1][2] == W  # the new head is canonical
+
+
+def _run_with_load(cc: ConversationCache, start, load: list[Arrival]) -> tuple[object, list]:
+    """`start()` begins a conversation request; ordinary requests arrive beside it at their
+    steps. Returns (the request, its streamed (token, logprob bits)); its last output must say
+    it finished (a stream waits for that output)."""
+    request = start()
+    pending, step, streamed, last = sorted(load, key=lambda a: a.step), 0, [], None
+    while pending or cc.engine.has_unfinished():
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            cc.engine.add_request(a.request_id, a.prompt, a.params)
+        for out in cc.engine.step():
+            assert out.error is None, out.error
+            if out.request_id == request.request_id:
+                streamed += [(t.token_id, t.logprob.hex()) for t in out.new_tokens]
+                last = out
+        step += 1
+    assert last is not None and last.finished and last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), last
+    return request, streamed
+
+
+TURNS = [TURN1, TURN2, [{"role": "user", "content": "a third one, to cross another tile"}]]
+
+
+@pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
+def test_a_canonical_materialization_rebuilds_the_lost_head_bit_for_bit(det_models, arch):
+    """Recovery from the ledger for a deterministic conversation: a second engine adopts the
+    ledger and materializes the head through the tiles. Its KV over the committed length, its
+    terminal and aligned Mamba states are the original's bits, though the original was built
+    by prefill + verified decode over three turns with other requests batched beside it and
+    the rebuild is one prefill beside other requests; the next deterministic turn then streams
+    the same tokens and logprob bits on both engines."""
+    original = _cache(det_models[arch])
+    for i, suffix in enumerate(TURNS):
+        load = background_load(seed=10 + i, max_requests=6)
+        _run_with_load(original, lambda: original.begin_turn("c1", "s", suffix, det_params(max_tokens=11 + i), f"t{i}"), load)
+    lost = _head(original, len(TURNS))
+    assert lost.canonical_window == W and lost.aligned_len >= 2 * W and lost.state_len > lost.aligned_len
+    ledger = original.describe("c1", "s")
+
+    rebuilt = _cache(det_models[arch])
+    rebuilt.adopt_ledger("c1", "s", version=ledger["version"], turns=ledger["ledger"])
+    request, streamed = _run_with_load(
+        rebuilt, lambda: rebuilt.materialize_head("c1", "s", "rebuild", canonical=True), background_load(seed=99, max_requests=5)
+    )
+    assert streamed == [] and request.num_computed_tokens == lost.state_len
+    head = _head(rebuilt, len(TURNS))
+    assert (head.version, head.turn) == (lost.version, lost.turn)
+    assert _state_bytes(rebuilt, head) == _state_bytes(original, lost)
+
+    params = det_params(max_tokens=12)
+    nxt = [{"role": "user", "content": "and after the recovery?"}]
+    a_request, a = _run_with_load(original, lambda: original.begin_turn("c1", "s", nxt, params, "n1"), background_load(seed=5))
+    b_request, b = _run_with_load(rebuilt, lambda: rebuilt.begin_turn("c1", "s", nxt, params, "n2"), [])
+    assert a_request.num_cached_tokens == b_request.num_cached_tokens == lost.aligned_len > 0, "both continue the head"
+    assert len(a) == 12 and a == b
+    assert _state_bytes(original, _head(original, 4)) == _state_bytes(rebuilt, _head(rebuilt, 4))
+
+
+def test_a_fast_path_head_serves_ordinary_turns_and_a_canonical_request_replaces_it(det_models):
+    """One rule for which heads a deterministic turn continues: only canonical ones. A head
+    materialized on the fast path is not canonical (a deterministic turn would recompute
+    everything), so asking for a canonical head rebuilds it in tiles and replaces it; asking
+    again then finds it held."""
+    original = _cache(det_models[Arch.BAMBA])
+    _turn(original, TURN1, det_params(max_tokens=14), "t1")
+    ledger = original.describe("c1", "s")
+    rebuilt = _cache(det_models[Arch.BAMBA])
+    rebuilt.adopt_ledger("c1", "s", version=ledger["version"], turns=ledger["ledger"])
+    _run_with_load(rebuilt, lambda: rebuilt.materialize_head("c1", "s", "fast"), [])
+    fast = _head(rebuilt, 1)
+    assert fast.canonical_window == 0 and fast.state_len == _head(original, 1).state_len
+    # One prefill on the fast path is not the tiles' computation: its KV bits differ (~1e-6).
+    assert _state_bytes(rebuilt, fast)[3] != _state_bytes(original, _head(original, 1))[3]
+    assert rebuilt.materialize_head("c1", "s", "again") is None, "any held head serves a fast-path request"
+
+    _run_with_load(rebuilt, lambda: rebuilt.materialize_head("c1", "s", "tiles", canonical=True), [])
+    canonical = _head(rebuilt, 1)
+    assert canonical is not fast and fast.holder not in rebuilt.engine.caches.kv.tables
+    assert _state_bytes(rebuilt, canonical) == _state_bytes(original, _head(original, 1))
+    assert rebuilt.materialize_head("c1", "s", "again", canonical=True) is None
+    assert rebuilt.stats()["materialized"] == 2 and len(rebuilt.heads) == 1

@@ -188,14 +188,22 @@ class HeadManager:
         self.prepared[holder] = prepared
         return prepared
 
-    def commit(self, prepared: PreparedState, key: str, turn: int, version: int) -> CommittedHead:
-        """The prepared state becomes the head of (key, turn) without a copy (all-or-nothing)."""
-        if (key, turn) in self._by_turn:  # checked before anything moves
+    def commit(
+        self, prepared: PreparedState, key: str, turn: int, version: int, replacing: CommittedHead | None = None
+    ) -> CommittedHead:
+        """The prepared state becomes the head of (key, turn) without a copy (all-or-nothing).
+
+        `replacing`: the head (key, turn) has now (a regenerated turn, a canonical rebuild); it
+        is dropped only once the state has moved, so a failed commit leaves it intact."""
+        current = self._by_turn.get((key, turn))
+        if current is not None and current is not replacing:  # checked before anything moves
             raise ValueError(f"turn {turn} of conversation {key} already has a head")
         holder = self.new_holder(HolderKind.HEAD)
         self._move(prepared.holder, holder)
         del self.prepared[prepared.holder]
         self.unpin(prepared.base, prepared.request_id)
+        if current is not None:
+            self.drop(current)
         head = CommittedHead(
             holder, key, turn, version, prepared.state_len, prepared.aligned_len, prepared.canonical_window
         )

@@ -11,47 +11,26 @@
 `CommitMode.AT_ONCE` commits as soon as the turn finishes (in-process use); the worker uses
 `CommitMode.PREPARE` and commits only after the cache service accepted the turn.
 Everything here runs on the engine thread (see `workers.async_engine.AsyncEngine.call`);
-the API is documented in API.md next to this file.
+recovery.py, export.py and history.py hold the other operations; the API is documented in
+API.md next to this file.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from collections import Counter
 from typing import Any
 
 from proto.contract import ModelIdentity, conversation_key, tokens_digest
-from workers.cache.heads import CommittedHead, PreparedState
-from workers.conversation import export, recovery
+from workers.cache.heads import CommittedHead
+from workers.conversation import export, history, recovery
 from workers.conversation.ledger import Conversation
 from workers.conversation.prompt import build_turn_prompt
-from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
+from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, Resolution, TurnCommit, TurnOutcome
+from workers.conversation.turn_state import PendingTurn, PreparedTurn, Resolutions, turn_record
 from workers.engine import LLMEngine
-from workers.errors import (
-    ConversationBusyError,
-    ConversationNotFoundError,
-    InvalidRequestError,
-    TurnResolvedError,
-)
-from workers.request import FinishReason, KeepState, Request
+from workers.errors import ConversationNotFoundError, InvalidRequestError, TurnResolvedError
+from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class _PendingTurn:
-    key: str
-    base_turn: int
-    base_version: int
-    suffix: tuple[dict[str, Any], ...]
-    start: int
-    mode: CommitMode
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    record: TurnCommit
-    state: PreparedState
-    tokens_reused: int
 
 
 class ConversationCache:
@@ -65,9 +44,9 @@ class ConversationCache:
         self.states = engine.caches.states
         self.heads = engine.caches.heads
         self.conversations: dict[str, Conversation] = {}
-        self.pending: dict[str, _PendingTurn] = {}
-        self._prepared: dict[str, _Prepared] = {}
-        self._resolved: OrderedDict[str, str] = OrderedDict()  # request id -> how (for errors)
+        self.pending: dict[str, PendingTurn] = {}
+        self._prepared: dict[str, PreparedTurn] = {}
+        self._resolved = Resolutions()
         self.materializing: dict[str, tuple[str, int, int]] = {}  # request id -> (key, turn, version)
         self.counters: Counter[str] = Counter(
             {"hits": 0, "misses": 0, "tokens_reused": 0, "published": 0, "discarded": 0, "materialized": 0}
@@ -92,14 +71,13 @@ class ConversationCache:
             raise InvalidRequestError(f"commit must be a CommitMode, got {commit!r}")
         key = conversation_key(conversation_id, cache_salt)
         conv = self.conversations.get(key) or Conversation(key, conversation_id)
-        if conv.in_flight is not None:
-            raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
+        conv.ensure_idle()
         base = conv.turn if base_turn is None else base_turn
         if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base <= conv.turn:
             raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn {base!r}")
         committed = conv.tokens_until(base)
-        history = [m for t in conv.turns[:base] for m in t.messages]
-        prompt = build_turn_prompt(self.engine.tokenizer, committed, history, suffix).token_ids
+        history_messages = [m for t in conv.turns[:base] for m in t.messages]
+        prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix).token_ids
         head = self.heads.find(key, base) if base else None
         request = self.engine.add_request(
             request_id,
@@ -113,7 +91,7 @@ class ConversationCache:
             self.counters["hits" if request.head else "misses"] += 1
         self.conversations[key] = conv
         conv.in_flight = request_id
-        self.pending[request_id] = _PendingTurn(key, base, conv.version, tuple(suffix), len(committed), commit)
+        self.pending[request_id] = PendingTurn(key, base, conv.version, tuple(suffix), len(committed), commit)
         return request
 
     def regenerate(
@@ -139,78 +117,53 @@ class ConversationCache:
         pending = self.pending.pop(request.request_id)
         conv = self.conversations[pending.key]
         if request.prepared is None:  # aborted or failed: the engine already freed its state
-            self._end_turn(conv, "discarded")
+            self._end_turn(conv, TurnOutcome.DISCARDED)
             return None
         try:
-            record = self._record(conv, pending, request)
+            record = turn_record(self.engine, conv, pending, request)
         except BaseException:
-            self._end_turn(conv, "discarded")  # the engine frees the prepared state
+            self._end_turn(conv, TurnOutcome.DISCARDED)  # the engine frees the prepared state
             raise
-        self._prepared[request.request_id] = _Prepared(record, request.prepared, request.num_cached_tokens)
+        self._prepared[request.request_id] = PreparedTurn(record, request.prepared, request.num_cached_tokens)
         request.prepared.on_expire = lambda state: self._expired(record)
         if pending.mode is CommitMode.AT_ONCE:
             try:
                 self.commit(record)
             except BaseException:  # the engine frees the prepared state; the turn is discarded
                 del self._prepared[request.request_id]
-                self._end_turn(conv, "discarded")
+                self._end_turn(conv, TurnOutcome.DISCARDED)
                 raise
         return record
-
-    def _record(self, conv: Conversation, pending: _PendingTurn, request: Request) -> TurnCommit:
-        output = request.output_token_ids
-        if request.finish_reason is FinishReason.STOP and output and output[-1] in self.engine.eos_token_ids:
-            output = output[:-1]  # the template writes the end-of-turn token itself
-        # Special tokens inside the reply stay: the content must render back to what the model saw.
-        reply = {"role": "assistant", "content": self.engine.tokenizer.decode_exact(output)}
-        committed = request.token_ids
-        return TurnCommit(
-            request_id=request.request_id,
-            conversation_key=conv.key,
-            conversation_id=conv.conversation_id,
-            base_version=pending.base_version,
-            base_turn=pending.base_turn,
-            start=pending.start,
-            token_ids=tuple(committed[pending.start :]),
-            messages=(*pending.suffix, reply),
-            committed_tokens=len(committed),
-            tokens_digest=tokens_digest(committed),
-            state_len=request.prepared.state_len,
-            finish_reason=request.finish_reason,
-        )
 
     def prepared(self, request_id: str) -> TurnCommit | None:
         entry = self._prepared.get(request_id)
         return None if entry is None else entry.record
 
-    def _entry(self, record: TurnCommit, how: str) -> _Prepared:
+    def _entry(self, record: TurnCommit, how: str) -> PreparedTurn:
         entry = self._prepared.get(record.request_id)
         if entry is None or entry.record != record:
             done = self._resolved.get(record.request_id)
-            why = f"already {done}" if done else "not a prepared turn of this engine"
+            why = f"already {done.value}" if done else "not a prepared turn of this engine"
             raise TurnResolvedError(f"cannot {how} turn {record.request_id!r}: {why}")
         return entry
-
-    def _remember(self, request_id: str, how: str) -> None:
-        self._resolved[request_id] = how
-        while len(self._resolved) > 4096:
-            self._resolved.popitem(last=False)
 
     def commit(self, record: TurnCommit) -> HeadInfo:
         """Make a prepared turn the conversation's head (no copy), then append it to the ledger."""
         entry = self._entry(record, "commit")
         conv = self.conversations[record.conversation_key]
-        for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > record.base_turn]:
-            self.heads.drop(stale)  # a regenerated turn replaces the old one
         turn = record.base_turn + 1
-        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1)  # all-or-nothing
+        # A regenerated turn replaces the old head of that turn, only once the state has moved.
+        replaced = self.heads.find(conv.key, turn, touch=False)
+        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1, replacing=replaced)
+        for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > turn]:
+            self.heads.drop(stale)  # heads of turns the new one cuts off
         # The state has moved; only now does the ledger change (pure list operations).
         del self._prepared[record.request_id]
         conv.truncate(record.base_turn)
         conv.append([dict(m) for m in record.messages], list(record.token_ids))
         conv.version = record.base_version + 1
-        self._end_turn(conv, "published")
-        self._remember(record.request_id, "committed")
+        self._end_turn(conv, TurnOutcome.PUBLISHED)
+        self._resolved.remember(record.request_id, Resolution.COMMITTED)
         self.counters["tokens_reused"] += entry.tokens_reused
         self.retire_older_heads(conv.key, turn)
         return self.head_info(conv, head)
@@ -227,18 +180,18 @@ class ConversationCache:
         entry = self._entry(record, "abandon")
         del self._prepared[record.request_id]
         self.heads.release(entry.state)
-        self._end_turn(self.conversations[record.conversation_key], "discarded")
-        self._remember(record.request_id, "abandoned")
+        self._end_turn(self.conversations[record.conversation_key], TurnOutcome.DISCARDED)
+        self._resolved.remember(record.request_id, Resolution.ABANDONED)
 
     def _expired(self, record: TurnCommit) -> None:
         """The head manager abandoned a prepared turn nobody resolved in time."""
         self._prepared.pop(record.request_id, None)
-        self._end_turn(self.conversations[record.conversation_key], "discarded")
-        self._remember(record.request_id, "expired")
+        self._end_turn(self.conversations[record.conversation_key], TurnOutcome.DISCARDED)
+        self._resolved.remember(record.request_id, Resolution.EXPIRED)
 
-    def _end_turn(self, conv: Conversation, outcome: str) -> None:
+    def _end_turn(self, conv: Conversation, outcome: TurnOutcome) -> None:
         conv.in_flight = None
-        self.counters[outcome] += 1
+        self.counters[outcome.value] += 1
         if conv.turn == 0 and not self.heads.of_conversation(conv.key):
             self.conversations.pop(conv.key, None)  # a first turn that never committed leaves nothing
 
@@ -257,8 +210,10 @@ class ConversationCache:
     def adopt_ledger(self, conversation_id: str, cache_salt: str, *, version: int, turns: list[LedgerTurn]) -> None:
         recovery.adopt_ledger(self, conversation_id, cache_salt, version, turns)
 
-    def materialize_head(self, conversation_id: str, cache_salt: str, request_id: str) -> Request | None:
-        return recovery.materialize_head(self, conversation_id, cache_salt, request_id)
+    def materialize_head(
+        self, conversation_id: str, cache_salt: str, request_id: str, *, canonical: bool = False
+    ) -> Request | None:
+        return recovery.materialize_head(self, conversation_id, cache_salt, request_id, canonical)
 
     def snapshot_head(self, conversation_id: str, cache_salt: str) -> export.HeadSnapshot:
         return export.snapshot_head(self, conversation_id, cache_salt)
@@ -276,7 +231,7 @@ class ConversationCache:
     def remember_chunks(self, snapshot: export.HeadSnapshot, exported: export.ExportedHead) -> None:
         export.remember_chunks(self, snapshot, exported)
 
-    # -- history operations -------------------------------------------------------------------------
+    # -- history operations (see history.py) ----------------------------------------------------------
     def conversation_of(self, conversation_id: str, cache_salt: str) -> Conversation:
         conv = self.conversations.get(conversation_key(conversation_id, cache_salt))
         if conv is None:
@@ -285,58 +240,19 @@ class ConversationCache:
 
     def rewind(self, conversation_id: str, cache_salt: str, turn: int) -> None:
         """Forget turns after `turn`; the head of `turn` is used if it is still retained."""
-        conv = self.conversation_of(conversation_id, cache_salt)
-        self._check_idle_turn(conv, turn)
-        for head in [h for h in self.heads.of_conversation(conv.key) if h.turn > turn]:
-            self.heads.drop(head)
-        if turn < conv.turn:
-            conv.truncate(turn)
-            conv.version += 1
+        history.rewind(self, conversation_id, cache_salt, turn)
 
     def fork(self, conversation_id: str, cache_salt: str, turn: int, new_conversation_id: str) -> None:
         """A new conversation whose history is turns 1..turn; KV blocks are shared by reference.
 
         All-or-nothing: OutOfCacheError (no room for the head's state copies) changes nothing."""
-        conv = self.conversation_of(conversation_id, cache_salt)
-        self._check_idle_turn(conv, turn)
-        new_key = conversation_key(new_conversation_id, cache_salt)
-        if new_key in self.conversations:
-            raise InvalidRequestError(f"conversation {new_conversation_id!r} already exists")
-        fork = Conversation(new_key, new_conversation_id, version=turn)
-        for t in conv.turns[:turn]:
-            fork.append([dict(m) for m in t.messages], conv.token_ids[t.start : t.end])
-        source = self.heads.find(conv.key, turn)
-        if source is not None:
-            self.caches.fork_head(source, new_key, turn, fork.version)
-        self.conversations[new_key] = fork
+        history.fork(self, conversation_id, cache_salt, turn, new_conversation_id)
 
     def delete(self, conversation_id: str, cache_salt: str) -> None:
-        conv = self.conversation_of(conversation_id, cache_salt)
-        if conv.in_flight is not None:
-            raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
-        for head in self.heads.of_conversation(conv.key):
-            self.heads.drop(head)
-        del self.conversations[conv.key]
-
-    def _check_idle_turn(self, conv: Conversation, turn: int) -> None:
-        if conv.in_flight is not None:
-            raise ConversationBusyError(f"conversation {conv.conversation_id!r} has a turn in flight")
-        if isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn <= conv.turn:
-            raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn!r}")
+        history.delete(self, conversation_id, cache_salt)
 
     def describe(self, conversation_id: str, cache_salt: str) -> dict[str, Any]:
-        conv = self.conversation_of(conversation_id, cache_salt)
-        return {
-            "conversation_id": conv.conversation_id,
-            "turn": conv.turn,
-            "version": conv.version,
-            "committed_tokens": len(conv.token_ids),
-            "tokens_digest": tokens_digest(conv.token_ids),
-            "messages": conv.messages,
-            "token_ids": list(conv.token_ids),
-            "ledger": [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start : t.end])) for t in conv.turns],
-            "retained_turns": sorted(h.turn for h in self.heads.of_conversation(conv.key)),
-        }
+        return history.describe(self, conversation_id, cache_salt)
 
     def stats(self) -> dict[str, int]:
         detached = self.heads.counters["detached"]

@@ -15,52 +15,33 @@ importer adopts it from the cache service first and the header's digests must ma
 
 Threads: `snapshot_head` and `install_head` run on the engine thread and only copy tensors;
 `build_export` (hashing, serialization) and `verify_export` (checksums, parsing) run anywhere.
+
+This module makes exports; export_format.py is the wire format, export_verify.py checks a
+foreign export, export_install.py installs it (all re-exported here).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from proto.contract import ModelIdentity, chunk_digest, conversation_key, tokens_digest
+from proto.contract import ModelIdentity, chunk_digest, tokens_digest
 from workers.cache import state_io
-from workers.cache.holders import HolderSlots, SlotRole
-from workers.conversation.records import HeadInfo
-from workers.errors import ConversationBusyError, ConversationNotFoundError, CorruptStateError
+from workers.cache.holders import SlotRole
+from workers.conversation.export_format import FORMAT_VERSION, ChunkKind, engine_layout, messages_digest, seal_header
+from workers.conversation.export_install import install_head
+from workers.conversation.export_verify import VerifiedHead, verify_export
+from workers.errors import ConversationNotFoundError
 
 if TYPE_CHECKING:
     from workers.conversation.cache import ConversationCache
-    from workers.engine import LLMEngine
 
-FORMAT_VERSION = 2
-_TRAILER = 32
-
-
-class ChunkKind:
-    KV = "kv"
-    KV_TAIL = "kv_tail"
-    STATE = "state"
-
-
-def engine_layout(engine: LLMEngine) -> dict[str, Any]:
-    kv, st = engine.kv_layout, engine.state_layout
-    return {
-        "block_size": kv.block_size,
-        "kv": [kv.num_layers, kv.n_kv_heads, kv.head_dim],
-        "kv_dtype": str(kv.dtype),
-        "mamba": [st.num_layers, st.conv_dim, st.conv_width, st.n_heads, st.head_dim, st.d_state],
-        "state_dtype": str(st.dtype),
-    }
-
-
-def messages_digest(messages: list[dict[str, Any]]) -> str:
-    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
+__all__ = [
+    "FORMAT_VERSION", "ChunkKind", "ExportedHead", "HeadSnapshot", "VerifiedHead", "build_export",
+    "engine_layout", "install_head", "messages_digest", "remember_chunks", "snapshot_head", "verify_export",
+]
 
 # -- engine thread: tensor copies ---------------------------------------------------------------
 @dataclass(frozen=True)
@@ -154,165 +135,7 @@ def build_export(snap: HeadSnapshot) -> ExportedHead:
         "messages_digest": messages_digest(list(snap.messages)),
         "chunks": listed,
     }
-    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return ExportedHead(raw + hashlib.sha256(raw).digest(), tuple(chunks))
-
-
-@dataclass(frozen=True)
-class VerifiedHead:
-    meta: dict[str, Any]
-    blocks: tuple[tuple[str, torch.Tensor | None], ...]  # (digest, data or None: held by the importer)
-    states: dict[SlotRole, tuple[torch.Tensor, torch.Tensor]]  # role -> (conv, ssm) of every layer
-
-
-def _parse_header(header: bytes) -> dict[str, Any]:
-    raw, trailer = header[:-_TRAILER], header[-_TRAILER:]
-    if len(header) <= _TRAILER or hashlib.sha256(raw).digest() != trailer:
-        raise CorruptStateError("the export header failed its checksum")
-    try:
-        parsed = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptStateError(f"unreadable export header: {e}") from e
-    if not isinstance(parsed, dict) or parsed.get("format") != FORMAT_VERSION:
-        raise CorruptStateError(f"unknown export format {parsed.get('format') if isinstance(parsed, dict) else None!r}")
-    return parsed
-
-
-def _shapes(layout: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...], tuple[int, ...]]:
-    layers, heads, dim = layout["kv"]
-    m_layers, conv_dim, width, n_heads, head_dim, d_state = layout["mamba"]
-    kv_dtype = getattr(torch, layout["kv_dtype"].removeprefix("torch."))
-    return (layers, 2, layout["block_size"], heads, dim), kv_dtype, (m_layers, conv_dim, width), (
-        m_layers, n_heads, head_dim, d_state)
-
-
-def _tensor(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-def _check_consistent(h: dict[str, Any]) -> None:
-    """Checksums prove the bytes are what the exporter wrote, not that it wrote sense."""
-    try:
-        bs, state_len, aligned = h["layout"]["block_size"], h["state_len"], h["aligned_len"]
-        kinds = [c["kind"] for c in h["chunks"]]
-        roles = [c.get("role") for c in h["chunks"] if c["kind"] == ChunkKind.STATE]
-        problems = [
-            (kinds.count(ChunkKind.KV) != state_len // bs, "full block chunks do not cover state_len"),
-            (kinds.count(ChunkKind.KV_TAIL) != (1 if state_len % bs else 0), "tail chunk vs state_len"),
-            (h["committed_tokens"] != state_len + 1, "state_len must be the committed length - 1"),
-            (not 0 <= aligned <= state_len, "aligned_len out of range"),
-            # Every head holds both states: a turn continuing it copies the aligned one as well.
-            (roles != [SlotRole.TERMINAL.value, SlotRole.ALIGNED.value], "slot roles"),
-            (h["turn"] < 1, "turn must be >= 1"),
-        ]
-    except (KeyError, TypeError, AttributeError) as e:
-        raise CorruptStateError(f"malformed export header: {e!r}") from e
-    bad = [why for failed, why in problems if failed]
-    if bad:
-        raise CorruptStateError("inconsistent export: " + "; ".join(bad))
-
-
-def verify_export(
-    header: bytes,
-    chunks: Mapping[str, bytes],
-    identity: ModelIdentity,
-    layout: dict[str, Any],
-    held: set[str] = frozenset(),
-) -> VerifiedHead:
-    """Check an export against this engine and parse it; `chunks` may leave out `held` ones."""
-    h = _parse_header(header)
-    try:
-        foreign = ModelIdentity.from_dict(h["identity"])
-    except (KeyError, TypeError) as e:
-        raise CorruptStateError(f"malformed model identity: {e!r}") from e
-    if foreign != identity:
-        raise CorruptStateError(f"the export was made by another model or machine kind: {foreign} vs {identity}")
-    if h.get("layout") != layout:
-        raise CorruptStateError(f"cache layout differs: {h.get('layout')} vs {layout}")
-    _check_consistent(h)
-    kv_shape, kv_dtype, conv_shape, ssm_shape = _shapes(layout)
-    conv_bytes = torch.Size(conv_shape).numel() * 4  # Mamba states are fp32
-    blocks: list[tuple[str, torch.Tensor | None]] = []
-    states: dict[SlotRole, tuple[torch.Tensor, torch.Tensor]] = {}
-    for c in h["chunks"]:
-        digest, data = c["digest"], chunks.get(c["digest"])
-        if data is None:
-            if c["kind"] != ChunkKind.KV or digest not in held:
-                raise CorruptStateError(f"chunk {digest[:16]} is neither in the export nor held here")
-            blocks.append((digest, None))
-            continue
-        if len(data) != c["size"] or chunk_digest(data) != digest:
-            raise CorruptStateError(f"chunk {digest[:16]} failed its checksum")
-        try:
-            if c["kind"] == ChunkKind.STATE:
-                states[SlotRole(c["role"])] = (
-                    _tensor(data[:conv_bytes], torch.float32, conv_shape),
-                    _tensor(data[conv_bytes:], torch.float32, ssm_shape),
-                )
-            else:
-                blocks.append((digest, _tensor(data, kv_dtype, kv_shape)))
-        except RuntimeError as e:  # sizes that do not fit the layout
-            raise CorruptStateError(f"chunk {digest[:16]} does not fit the layout: {e}") from e
-    meta = {k: h[k] for k in ("conversation", "turn", "version", "state_len", "aligned_len",
-                              "committed_tokens", "tokens_digest", "messages_digest")}
-    meta["canonical_window"] = h.get("canonical_window", 0)  # deterministic tiles made it (0: no)
-    return VerifiedHead(meta, tuple(blocks), states)
-
-
-# -- engine thread: install, remember ---------------------------------------------------------------
-def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, verified: VerifiedHead) -> HeadInfo:
-    """Install a verified head for a conversation whose ledger this engine holds (adopted).
-
-    All-or-nothing: CorruptStateError (it does not match the ledger, a held chunk is gone) or
-    OutOfCacheError leave the engine exactly as it was."""
-    meta = verified.meta
-    key = conversation_key(conversation_id, cache_salt)
-    if meta["conversation"] != key:
-        raise CorruptStateError("the export belongs to another conversation or cache_salt")
-    conv = cc.conversations.get(key)
-    if conv is None:
-        raise ConversationNotFoundError(f"no ledger of {conversation_id!r} here: adopt it from the service first")
-    if conv.in_flight is not None:
-        raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
-    turn = meta["turn"]
-    committed = conv.tokens_until(turn) if turn <= conv.turn else None
-    # The digest proves which tokens; the length is checked too, since state_len is trusted from it.
-    if (
-        committed is None
-        or meta["committed_tokens"] != len(committed)
-        or tokens_digest(committed) != meta["tokens_digest"]
-    ):
-        raise CorruptStateError("the export does not match this engine's ledger of the conversation")
-    existing = cc.heads.find(key, turn)
-    if existing is not None:
-        return cc.head_info(conv, existing)
-    shared: list[int | None] = []
-    for digest, data in verified.blocks:
-        block = cc.caches.chunks.block_of(digest) if data is None else None
-        if data is None and block is None:
-            raise CorruptStateError(f"chunk {digest[:16]} is no longer held here: send it")
-        shared.append(block)
-    caches = cc.engine.runner.caches
-
-    def write(new_blocks: list[int], slots: HolderSlots) -> None:
-        fresh = [data for _, data in verified.blocks if data is not None]
-        if fresh:
-            state_io.write_blocks(caches, new_blocks, torch.stack(fresh, dim=2))
-        roles = slots.roles
-        conv_t = torch.stack([verified.states[r][0] for r in roles], dim=1)
-        ssm_t = torch.stack([verified.states[r][1] for r in roles], dim=1)
-        state_io.write_slots(caches, list(roles.values()), conv_t, ssm_t)
-
-    head = cc.caches.install_head(
-        key, turn, meta["version"], meta["state_len"], meta["aligned_len"], shared,
-        aligned=SlotRole.ALIGNED in verified.states, write=write, canonical_window=meta["canonical_window"],
-    )
-    pool = cc.kv.pool
-    full = meta["state_len"] // cc.kv.block_size
-    for (digest, _), block in list(zip(verified.blocks, cc.kv.table(head.holder)))[:full]:
-        cc.caches.chunks.remember(block, pool.generation[block], digest)
-    cc.retire_older_heads(key, turn)
-    return cc.head_info(conv, head)
+    return ExportedHead(seal_header(header), tuple(chunks))
 
 
 def remember_chunks(cc: ConversationCache, snap: HeadSnapshot, exported: ExportedHead) -> None:

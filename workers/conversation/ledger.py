@@ -14,6 +14,7 @@ from typing import Any
 
 # A conversation is named and its tokens digested exactly as the cache service does.
 from proto.contract import conversation_key, tokens_digest  # noqa: F401  (re-exported)
+from workers.errors import ConversationBusyError
 
 
 @dataclass
@@ -40,6 +41,12 @@ class Conversation:
     @property
     def messages(self) -> list[dict[str, Any]]:
         return [m for t in self.turns for m in t.messages]
+
+    def ensure_idle(self) -> None:
+        """Refuse to change a conversation while a turn (or a head rebuild) is in flight or
+        awaiting its verdict: that turn's commit would land on a ledger it did not start from."""
+        if self.in_flight is not None:
+            raise ConversationBusyError(f"conversation {self.conversation_id!r} has a turn in flight")
 
     def tokens_until(self, turn: int) -> list[int]:
         return self.token_ids[: self.turns[turn - 1].end] if turn else []

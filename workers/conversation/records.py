@@ -14,6 +14,21 @@ class CommitMode(Enum):
     PREPARE = "prepare"  # two-phase: kept prepared until commit() or abandon()
 
 
+class TurnOutcome(Enum):
+    """How a turn ended for its conversation (counted in `ConversationCache.stats()`)."""
+
+    PUBLISHED = "published"  # committed: the head and the ledger moved on
+    DISCARDED = "discarded"  # aborted, failed, abandoned or expired: nothing changed
+
+
+class Resolution(Enum):
+    """How a prepared turn was resolved (a second resolution is refused, naming the first)."""
+
+    COMMITTED = "committed"
+    ABANDONED = "abandoned"
+    EXPIRED = "expired"
+
+
 @dataclass(frozen=True)
 class TurnCommit:
     """A completed turn awaiting its verdict; maps onto the cache service's PublishTurn."""

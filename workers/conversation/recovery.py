@@ -6,6 +6,11 @@ still contains stay valid (a head's state is a function of its tokens alone).
 `materialize_head` runs the committed tokens as a prefill-only request (no sampling): its
 state covers all but the last committed token, exactly what a turn leaves behind, so the
 next turn continues it as if nothing had been lost.
+
+Which path builds it (one rule, the engine's): a deterministic turn never continues a head
+the fast path made (the engine drops it and recomputes the prompt in tiles), so recovery for
+a deterministic turn materializes `canonical=True` (tiles: bit-identical to the lost head),
+for an ordinary turn on the fast path (equal to float rounding, see ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import TYPE_CHECKING
 from proto.contract import conversation_key
 from workers.conversation.ledger import Conversation
 from workers.conversation.records import LedgerTurn
-from workers.errors import ConversationBusyError, ConversationNotFoundError, InvalidRequestError
+from workers.errors import ConversationNotFoundError, InvalidRequestError
 from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
 
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
     from workers.conversation.cache import ConversationCache
 
 _PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
+_CANONICAL_PREFILL = SamplingParams(max_tokens=1, temperature=0.0, deterministic=True)
 
 
 def _validated(cc: ConversationCache, turns: Sequence[LedgerTurn]) -> list[LedgerTurn]:
@@ -47,12 +53,12 @@ def adopt_ledger(
         raise InvalidRequestError(f"version must be an integer >= 0, got {version!r}")
     key = conversation_key(conversation_id, cache_salt)
     old = cc.conversations.get(key)
-    if old is not None and old.in_flight is not None:
-        raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
+    if old is not None:
+        old.ensure_idle()
     new = Conversation(key, conversation_id, version=version)
     for turn in _validated(cc, turns):
         new.append([dict(m) for m in turn.messages], list(turn.token_ids))
-    if old is not None and old.version == version and old.token_ids == new.token_ids:
+    if old is not None and (old.version, old.token_ids, old.messages) == (version, new.token_ids, new.messages):
         return  # the engine already caches this version
     for head in cc.heads.of_conversation(key):
         same_prefix = old is not None and head.turn <= new.turn
@@ -66,22 +72,27 @@ def adopt_ledger(
         cc.conversations[key] = new
 
 
-def materialize_head(cc: ConversationCache, conversation_id: str, cache_salt: str, request_id: str) -> Request | None:
-    """Start a prefill-only request building the latest turn's head; None if it is held already."""
+def materialize_head(
+    cc: ConversationCache, conversation_id: str, cache_salt: str, request_id: str, canonical: bool = False
+) -> Request | None:
+    """Start a prefill-only request building the latest turn's head; None if a head that
+    serves is held already (any head; with `canonical`, one the tiles made)."""
     conv = cc.conversation_of(conversation_id, cache_salt)
-    if conv.in_flight is not None:
-        raise ConversationBusyError(f"conversation {conversation_id!r} has a turn in flight")
+    conv.ensure_idle()
     if conv.turn == 0:
         raise ConversationNotFoundError(f"conversation {conversation_id!r} has no committed turn")
-    if cc.heads.find(conv.key, conv.turn) is not None:
+    held = cc.heads.find(conv.key, conv.turn)
+    if held is not None and (not canonical or held.canonical_window == cc.engine.config.deterministic.window):
         return None
     if len(conv.token_ids) < 2:
         raise InvalidRequestError("a head needs at least two committed tokens")
     # The last committed token was sampled, never fed: the next turn runs it first.
+    # Canonical: the prompt runs in deterministic tiles on the absolute grid, so the head has
+    # the bits any deterministic turn would have left, however that turn was batched.
     request = cc.engine.add_request(
         request_id,
         conv.token_ids[:-1],
-        _PREFILL,
+        _CANONICAL_PREFILL if canonical else _PREFILL,
         keep=KeepState.PREPARE,
         on_finished=lambda r: _materialized(cc, r),
         prefill_only=True,
@@ -97,6 +108,7 @@ def _materialized(cc: ConversationCache, request: Request) -> None:
     conv.in_flight = None
     if request.prepared is None:
         return  # aborted or failed: nothing was kept
-    cc.heads.commit(request.prepared, key, turn, version)
+    # A canonical rebuild replaces a fast-path head of the same turn (dropped only once moved).
+    cc.heads.commit(request.prepared, key, turn, version, replacing=cc.heads.find(key, turn, touch=False))
     cc.counters["materialized"] += 1
     cc.retire_older_heads(key, turn)

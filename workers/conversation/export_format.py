@@ -1,0 +1,72 @@
+"""The export's wire format, shared by the exporting and the importing side.
+
+    header = JSON (sorted keys, compact) + sha256 of that JSON (32 bytes)
+    chunk kinds: kv (a full KV block), kv_tail (the partial last block), state (a Mamba slot)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from workers.errors import CorruptStateError
+
+if TYPE_CHECKING:
+    from workers.engine import LLMEngine
+
+FORMAT_VERSION = 2
+_TRAILER = 32
+
+
+class ChunkKind(str, Enum):
+    """A str enum: the header names kinds by these values, so they compare to the JSON as is."""
+
+    KV = "kv"
+    KV_TAIL = "kv_tail"
+    STATE = "state"
+
+
+def engine_layout(engine: LLMEngine) -> dict[str, Any]:
+    kv, st = engine.kv_layout, engine.state_layout
+    return {
+        "block_size": kv.block_size,
+        "kv": [kv.num_layers, kv.n_kv_heads, kv.head_dim],
+        "kv_dtype": str(kv.dtype),
+        "mamba": [st.num_layers, st.conv_dim, st.conv_width, st.n_heads, st.head_dim, st.d_state],
+        "state_dtype": str(st.dtype),
+    }
+
+
+def messages_digest(messages: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def seal_header(header: dict[str, Any]) -> bytes:
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return raw + hashlib.sha256(raw).digest()
+
+
+def parse_header(header: bytes) -> dict[str, Any]:
+    raw, trailer = header[:-_TRAILER], header[-_TRAILER:]
+    if len(header) <= _TRAILER or hashlib.sha256(raw).digest() != trailer:
+        raise CorruptStateError("the export header failed its checksum")
+    try:
+        parsed = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptStateError(f"unreadable export header: {e}") from e
+    if not isinstance(parsed, dict) or parsed.get("format") != FORMAT_VERSION:
+        raise CorruptStateError(f"unknown export format {parsed.get('format') if isinstance(parsed, dict) else None!r}")
+    return parsed
+
+
+def chunk_shapes(layout: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...], tuple[int, ...]]:
+    """(KV block shape, KV dtype, conv state shape, SSM state shape) of a layout."""
+    layers, heads, dim = layout["kv"]
+    m_layers, conv_dim, width, n_heads, head_dim, d_state = layout["mamba"]
+    kv_dtype = getattr(torch, layout["kv_dtype"].removeprefix("torch."))
+    return (layers, 2, layout["block_size"], heads, dim), kv_dtype, (m_layers, conv_dim, width), (
+        m_layers, n_heads, head_dim, d_state)

@@ -1,0 +1,77 @@
+"""What the conversation cache keeps about a turn between its start and its resolution.
+
+    begin_turn ──> PendingTurn     base turn and version, suffix, start offset, commit mode
+    finish     ──> PreparedTurn    the TurnCommit record + the prepared state it describes
+    commit / abandon / expiry ──> Resolutions remembers how (bounded), so a second
+                                  resolution is refused with an error that names the first
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from proto.contract import tokens_digest
+from workers.cache.heads import PreparedState
+from workers.conversation.ledger import Conversation
+from workers.conversation.records import CommitMode, Resolution, TurnCommit
+from workers.engine import LLMEngine
+from workers.request import FinishReason, Request
+
+
+@dataclass(frozen=True)
+class PendingTurn:
+    key: str
+    base_turn: int
+    base_version: int
+    suffix: tuple[dict[str, Any], ...]
+    start: int
+    mode: CommitMode
+
+
+@dataclass(frozen=True)
+class PreparedTurn:
+    record: TurnCommit
+    state: PreparedState
+    tokens_reused: int
+
+
+class Resolutions:
+    """Request id -> how its prepared turn was resolved, for the last `limit` turns."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._how: OrderedDict[str, Resolution] = OrderedDict()
+
+    def remember(self, request_id: str, how: Resolution) -> None:
+        self._how[request_id] = how
+        while len(self._how) > self.limit:
+            self._how.popitem(last=False)
+
+    def get(self, request_id: str) -> Resolution | None:
+        return self._how.get(request_id)
+
+
+def turn_record(engine: LLMEngine, conv: Conversation, pending: PendingTurn, request: Request) -> TurnCommit:
+    """The record of a turn whose request completed with a prepared state."""
+    output = request.output_token_ids
+    if request.finish_reason is FinishReason.STOP and output and output[-1] in engine.eos_token_ids:
+        output = output[:-1]  # the template writes the end-of-turn token itself
+    # Special tokens inside the reply stay: the content must render back to what the model saw.
+    reply = {"role": "assistant", "content": engine.tokenizer.decode_exact(output)}
+    committed = request.token_ids
+    return TurnCommit(
+        request_id=request.request_id,
+        conversation_key=conv.key,
+        conversation_id=conv.conversation_id,
+        base_version=pending.base_version,
+        base_turn=pending.base_turn,
+        start=pending.start,
+        token_ids=tuple(committed[pending.start :]),
+        messages=(*pending.suffix, reply),
+        committed_tokens=len(committed),
+        tokens_digest=tokens_digest(committed),
+        state_len=request.prepared.state_len,
+        finish_reason=request.finish_reason,
+    )
