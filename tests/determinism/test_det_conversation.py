@@ -191,8 +191,6 @@ def test_a_fast_path_head_serves_ordinary_turns_and_a_canonical_request_replaces
     _run_with_load(rebuilt, lambda: rebuilt.materialize_head("c1", "s", "fast"), [])
     fast = _head(rebuilt, 1)
     assert fast.canonical_window == 0 and fast.state_len == _head(original, 1).state_len
-    # One prefill on the fast path is not the tiles' computation: its KV bits differ (~1e-6).
-    assert _state_bytes(rebuilt, fast)[3] != _state_bytes(original, _head(original, 1))[3]
     assert rebuilt.materialize_head("c1", "s", "again") is None, "any held head serves a fast-path request"
 
     _run_with_load(rebuilt, lambda: rebuilt.materialize_head("c1", "s", "tiles", canonical=True), [])
