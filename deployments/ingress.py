@@ -3,7 +3,7 @@
     POST   /v1/chat/completions        stateless, or a conversation turn (see turns.py)
     GET    /v1/models
     GET    /v1/conversations/{id}      ledger and head (cache_salt query parameter required)
-    DELETE /v1/conversations/{id}      drops the head, the ledger and the tier copy
+    DELETE /v1/conversations/{id}      drops the head, the ledger, the tier copy and the owner's local copy
     GET    /health, /metrics
 
 With API keys configured every /v1 route wants `Authorization: Bearer KEY`, and the key's
@@ -11,6 +11,7 @@ scope is prefixed to the cache salt: another key never sees a conversation's sta
 """
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, NotFound
@@ -27,11 +30,12 @@ from deployments.api_models import ChatCompletionRequest
 from deployments.cache_access import cache_client_config
 from deployments.errors import APIError
 from deployments.metrics import ServeMetrics
-from deployments.protocol import TurnDelta, TurnDone, TurnFailed
+from deployments.protocol import ReplicaCall, TurnDelta, TurnDone, TurnFailed
 from deployments.settings import AppSettings
 from deployments.turns import TurnRun, first_error
 
 DEFAULT_MAX_TOKENS = 256
+log = logging.getLogger("hybridserve.ingress")
 api = FastAPI(title="hybridserve", version="0.1.0",
               description="OpenAI-compatible chat completions with conversation state kept between turns")
 errors.install(api)
@@ -290,7 +294,18 @@ class ChatIngress:
             raise errors.busy(conversation_id) from None
         except CacheError as e:
             raise errors.overloaded(f"cache service unavailable: {e}") from e
+        await self._forget_locally(conv, lease.head.owner_replica)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    async def _forget_locally(self, conv: Conversation, owner: str) -> None:
+        """The owner's local copy frees its blocks now. Best effort: the conversation is gone from
+        the service already, and a stale copy is never used (workers check it against the head)."""
+        if not owner:
+            return
+        try:
+            await self.workers.forget.remote(ReplicaCall(owner), conv.id, conv.salt)
+        except (RayError, BackPressureError) as e:
+            log.warning("the owner of %s kept its local copy until eviction: %s", conv.id, e)
 
     @api.get("/health")
     async def health(self) -> Response:

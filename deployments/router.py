@@ -36,7 +36,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.protocol import TurnJob
+from deployments.protocol import ReplicaCall, TurnJob
 
 # A choice no request was routed for (cancelled while probing) stops counting after this.
 CHOICE_TTL_S = 2.0
@@ -46,7 +46,7 @@ def requested_owner(pending_request: PendingRequest | None) -> str:
     if pending_request is None:
         return ""
     for arg in [*pending_request.args, *pending_request.kwargs.values()]:
-        if isinstance(arg, TurnJob):
+        if isinstance(arg, (TurnJob, ReplicaCall)):
             return arg.owner
     return ""
 

@@ -47,6 +47,7 @@ from deployments.protocol import (
     ErrorKind,
     HeadRef,
     Recovery,
+    ReplicaCall,
     TokenLogprob,
     TurnDelta,
     TurnDone,
@@ -134,6 +135,25 @@ class Worker:
         await self._cache()  # Serve calls this every period from the start: registration begins here
         running, free = await self.session.load()
         return {"running_requests": running, "free_kv_blocks": free}
+
+    # -- state of deleted conversations ---------------------------------------------------------
+    async def forget(self, call: ReplicaCall, conversation_id: str, cache_salt: str) -> str:
+        """Drop a deleted conversation's local heads and ledger now rather than at eviction;
+        returns this replica's id (the router may have sent the call elsewhere: a no-op there)."""
+        key = (conversation_id, cache_salt)
+        self._unexported.pop(key, None)
+        due = self._export_due.pop(key, None)
+        if due is not None:
+            due.cancel()
+        try:
+            await self.session.forget(conversation_id, cache_salt)
+        except ConversationBusyError as e:  # a turn of the re-created conversation already runs here
+            log.warning("not forgetting %s: %s", conversation_id, e)
+        return self.replica_id
+
+    async def held_heads(self, call: ReplicaCall) -> tuple[str, int]:
+        """(this replica, committed heads it holds): what DELETE frees, for operators and tests."""
+        return self.replica_id, await self.session.held_heads()
 
     # -- a turn -----------------------------------------------------------------------------
     async def run_turn(self, job: TurnJob) -> AsyncIterator[TurnEvent]:
