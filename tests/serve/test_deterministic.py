@@ -26,15 +26,15 @@ async def test_deterministic_turns_are_bit_identical_everywhere(stack, conv_id):
     assert owners[0] != owners[1]
     alone = await chat_turn(client, stack.model, [second], conversation_id=ids[0], cache_salt="det", **DET)
 
-    # The same turn on the other replica, batched with ordinary sampled traffic on both.
-    async def ordinary(i: int):
-        return await chat_turn(client, stack.model, [user(f"noise {i}")], conversation_id=None, max_tokens=200,
-                               temperature=1.0, stream=True)
-
-    noise = [asyncio.create_task(ordinary(i)) for i in range(4)]
+    # The same turn on the other replica, batched with ordinary sampled traffic (already streaming:
+    # the response starts with the first token) spread over both replicas.
+    noise = [await client.chat.completions.create(model=stack.model, messages=[user(f"noise {i}")], max_tokens=300,
+                                                  temperature=1.0, stream=True) for i in range(4)]
     busy = await chat_turn(client, stack.model, [second], conversation_id=ids[1], cache_salt="det", stream=True,
                            **DET)
-    await asyncio.gather(*noise)
+    for stream in noise:  # 300 tokens each (the model never ends a reply): longer than `busy`'s turn
+        async for _chunk in stream:
+            pass
     history = [first, {"role": "assistant", "content": ones[0].text}, second]
     miss = await stateless_reference(client, stack.model, history, **DET)
 
