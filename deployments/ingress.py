@@ -23,6 +23,7 @@ from ray import serve
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, NotFound
 from deployments import errors
@@ -41,20 +42,38 @@ api = FastAPI(title="hybridserve", version="0.1.0",
 errors.install(api)
 
 
-@api.middleware("http")
-async def _guard(request: Request, call_next):
+class _Guard:
     """Before the body is read: 401 without a configured API key (every /v1 route), 413 over the
-    size limit. Both limits are the deployment's, set on the app in ChatIngress.__init__."""
-    state = request.app.state
+    size limit. Both limits are the deployment's, set on the app in ChatIngress.__init__.
+    Pure ASGI, not `@api.middleware("http")`: that one passes every response chunk (each SSE
+    token) through an extra task and memory stream."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = _refusal(Request(scope))
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _refusal(request: Request) -> APIError | None:
+    state = request.app.state  # the deployment's copy of `api` that serves the request, not this module's
     keys = getattr(state, "api_keys", ())
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # the app's own route
     if keys and path.startswith("/v1/") and _bearer(request) not in keys:
-        return APIError(401, "invalid or missing API key", "invalid_api_key").response()
+        return APIError(401, "invalid or missing API key", "invalid_api_key")
     limit = getattr(state, "max_body_bytes", None)
     size = request.headers.get("content-length", "")
     if limit is not None and size.isdigit() and int(size) > limit:
-        return APIError(413, f"request body over {limit} bytes", "request_too_large").response()
-    return await call_next(request)
+        return APIError(413, f"request body over {limit} bytes", "request_too_large")
+    return None
+
+
+api.add_middleware(_Guard)
 
 
 def _bearer(request: Request) -> str:
