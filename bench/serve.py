@@ -321,10 +321,40 @@ def completed_turns(mode: dict | None) -> dict[int, dict]:
     return {t["turn"]: t for t in mode["per_turn"] if t["completed"]}
 
 
+def first_failure(mode: dict) -> str:
+    if mode.get("startup_error"):
+        return f"did not start: {mode['startup_error'][-200:]}"
+    died = " (the server process died)" if mode.get("server_alive_after") is False else ""
+    return (mode.get("errors") or ["no error recorded"])[0][:200] + died
+
+
+def last_turn(res: dict) -> dict | None:
+    """Every mode at (a)'s last completed turn (the longest history): TTFT p50 and its ratio over
+    (a), or how far the mode got and why it stopped (a server dying mid-run is a result)."""
+    a = completed_turns(res["modes"].get("a"))
+    if not a:
+        return None
+    t = max(a)
+    out: dict = {"turn": t, "prompt_tokens": a[t]["prompt_tokens_mean"], "a_ttft_p50_s": a[t]["ttft_p50_s"],
+                 "modes": {}}
+    for m in ("b", "c", "d"):
+        mode = res["modes"].get(m)
+        if mode is None:
+            continue
+        done = completed_turns(mode)
+        if t in done:
+            out["modes"][m] = {"ttft_p50_s": done[t]["ttft_p50_s"], "ratio": done[t]["ttft_p50_s"] / a[t]["ttft_p50_s"]}
+        else:
+            reached = max(done, default=0)
+            out["modes"][m] = {"reached_turn": reached, "stopped_because": first_failure(mode),
+                               "reached_prompt_tokens": done[reached]["prompt_tokens_mean"] if reached else None}
+    return out
+
+
 def headline(res: dict) -> dict:
     """(a)'s TTFT advantage at the last turn both modes completed, and the serving overhead."""
     a = completed_turns(res["modes"].get("a"))
-    out: dict = {"ttft_p50_ratio_over_a": {}}
+    out: dict = {"ttft_p50_ratio_over_a": {}, "last_turn": last_turn(res)}
     for other in ("b", "c", "d"):
         o = completed_turns(res["modes"].get(other))
         common = sorted(a.keys() & o.keys())
@@ -380,6 +410,19 @@ def markdown(res: dict) -> str:
         if rec.get("startup_error"):
             lines.append(f"- {MODES[m]}: did not start: `{rec['startup_error'][-300:]}`")
     lines.append("")
+    if h.get("last_turn"):
+        lt = h["last_turn"]
+        lines += [f"At the last turn ({lt['turn']}, {format_number(lt['prompt_tokens'], 0)} prompt tokens; "
+                  f"target >= 5x at >= 2k tokens):", ""]
+        rows = [[MODES["a"], _ms(lt["a_ttft_p50_s"]), "1.0x"]]
+        for m, r in lt["modes"].items():
+            if "ratio" in r:
+                rows.append([MODES[m], _ms(r["ttft_p50_s"]), f"{r['ratio']:.1f}x"])
+            else:
+                rows.append([MODES[m], f"— (reached turn {r['reached_turn']}"
+                             + (f", {format_number(r['reached_prompt_tokens'], 0)} tok" if r["reached_turn"] else "")
+                             + f"; {r['stopped_because'][:120]})", "—"])
+        lines += [markdown_table(["mode", "TTFT p50 ms", "over (a)"], rows), ""]
     for m, r in h["ttft_p50_ratio_over_a"].items():
         lines.append(f"- {MODES[m]} over (a) at turn {r['turn']} ({format_number(r['prompt_tokens'], 0)} prompt "
                      f"tokens), the last both completed: TTFT p50 {_ms(r['other_ttft_p50_s'])} ms / "

@@ -190,7 +190,10 @@ async def run_workload(base_url: str, scripts: list[Script], mode: str, tag: str
     records: list[TurnRecord] = []
     errors = []
     try:
-        model = (await client.models.list()).data[0].id
+        try:
+            model = (await client.models.list()).data[0].id
+        except openai.APIError as exc:  # e.g. a server that died in an earlier mode: a result, not a crash
+            return WorkloadResult([], 0.0, [f"the server did not answer /v1/models: {type(exc).__name__}: {exc}"[:500]])
         t0 = time.perf_counter()
         runs = [run_conversation(client, model, i, s, mode, tag, records) for i, s in enumerate(scripts)]
         try:

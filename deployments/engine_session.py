@@ -109,6 +109,9 @@ class EngineSession:
 
         await self.aengine.call(drop)
 
+    async def held_heads(self) -> int:
+        return await self.aengine.call(lambda _e: len(self.cache.heads))
+
     async def adopt_ledger(self, conversation_id: str, cache_salt: str, head: HeadRef,
                            turns: list[LedgerTurn]) -> None:
         """Take the service's ledger at `head` as this engine's (the next turn recomputes from it)."""

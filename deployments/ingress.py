@@ -3,7 +3,7 @@
     POST   /v1/chat/completions        stateless, or a conversation turn (see turns.py)
     GET    /v1/models
     GET    /v1/conversations/{id}      ledger and head (cache_salt query parameter required)
-    DELETE /v1/conversations/{id}      drops the head, the ledger and the tier copy
+    DELETE /v1/conversations/{id}      drops the head, the ledger, the tier copy and the owner's local copy
     GET    /health, /metrics
 
 With API keys configured every /v1 route wants `Authorization: Bearer KEY`, and the key's
@@ -11,6 +11,7 @@ scope is prefixed to the cache salt: another key never sees a conversation's sta
 """
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +20,10 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, NotFound
 from deployments import errors
@@ -27,30 +31,49 @@ from deployments.api_models import ChatCompletionRequest
 from deployments.cache_access import cache_client_config
 from deployments.errors import APIError
 from deployments.metrics import ServeMetrics
-from deployments.protocol import TurnDelta, TurnDone, TurnFailed
+from deployments.protocol import ReplicaCall, TurnDelta, TurnDone, TurnFailed
 from deployments.settings import AppSettings
 from deployments.turns import TurnRun, first_error
 
 DEFAULT_MAX_TOKENS = 256
+log = logging.getLogger("hybridserve.ingress")
 api = FastAPI(title="hybridserve", version="0.1.0",
               description="OpenAI-compatible chat completions with conversation state kept between turns")
 errors.install(api)
 
 
-@api.middleware("http")
-async def _guard(request: Request, call_next):
+class _Guard:
     """Before the body is read: 401 without a configured API key (every /v1 route), 413 over the
-    size limit. Both limits are the deployment's, set on the app in ChatIngress.__init__."""
-    state = request.app.state
+    size limit. Both limits are the deployment's, set on the app in ChatIngress.__init__.
+    Pure ASGI, not `@api.middleware("http")`: that one passes every response chunk (each SSE
+    token) through an extra task and memory stream."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = _refusal(Request(scope))
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _refusal(request: Request) -> APIError | None:
+    state = request.app.state  # the deployment's copy of `api` that serves the request, not this module's
     keys = getattr(state, "api_keys", ())
     path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # the app's own route
     if keys and path.startswith("/v1/") and _bearer(request) not in keys:
-        return APIError(401, "invalid or missing API key", "invalid_api_key").response()
+        return APIError(401, "invalid or missing API key", "invalid_api_key")
     limit = getattr(state, "max_body_bytes", None)
     size = request.headers.get("content-length", "")
     if limit is not None and size.isdigit() and int(size) > limit:
-        return APIError(413, f"request body over {limit} bytes", "request_too_large").response()
-    return await call_next(request)
+        return APIError(413, f"request body over {limit} bytes", "request_too_large")
+    return None
+
+
+api.add_middleware(_Guard)
 
 
 def _bearer(request: Request) -> str:
@@ -290,7 +313,18 @@ class ChatIngress:
             raise errors.busy(conversation_id) from None
         except CacheError as e:
             raise errors.overloaded(f"cache service unavailable: {e}") from e
+        await self._forget_locally(conv, lease.head.owner_replica)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    async def _forget_locally(self, conv: Conversation, owner: str) -> None:
+        """The owner's local copy frees its blocks now. Best effort: the conversation is gone from
+        the service already, and a stale copy is never used (workers check it against the head)."""
+        if not owner:
+            return
+        try:
+            await self.workers.forget.remote(ReplicaCall(owner), conv.id, conv.salt)
+        except (RayError, BackPressureError) as e:
+            log.warning("the owner of %s kept its local copy until eviction: %s", conv.id, e)
 
     @api.get("/health")
     async def health(self) -> Response:

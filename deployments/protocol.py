@@ -47,6 +47,14 @@ class TurnJob:
         return self.head.owner if self.head is not None else ""
 
 
+@dataclass(frozen=True)
+class ReplicaCall:
+    """Marks a call meant for one replica, the owner of a head (e.g. dropping a deleted
+    conversation's state): the sticky router ranks that replica first, as for a TurnJob."""
+
+    owner: str
+
+
 class Recovery(enum.Enum):
     """How a worker got the committed state the turn continues from."""
 

@@ -8,50 +8,88 @@ are all full (`max_ongoing_requests`) is skipped:
     owner alive:   [[owner], [least loaded], [next], ...]   owner full -> the next rank takes it
     no owner / owner gone (not a candidate):  [[least loaded], [next], ...]
 
-Load = the router's own count of requests it sent (Serve's queue-length cache), then the
-worker's routing stats (`record_routing_stats`: running requests, free KV blocks) to break
-ties and to see what other routers sent. A replica that takes a conversation it does not own
-gets the head by the recovery ladder (tier import, else ledger recompute); see worker.py.
+Load = requests this router sent (Serve's queue-length cache) plus the choices it made that
+Serve has not counted yet, then the worker's routing stats (`record_routing_stats`: running
+requests, free KV blocks) to break ties and to see what other routers sent. A replica that
+takes a conversation it does not own gets the head by the recovery ladder (tier import, else
+ledger recompute); see worker.py.
+
+Simultaneous arrivals: Serve counts a request against its replica only once it was sent
+(`on_send_request`), after probing, i.e. after an `await`; two new conversations routed in
+that window would both see an idle pool and pick the same replica. So a choice counts from
+the moment it is made:
+
+    choose_replicas(X) ─ X's first rank gets +1 ─┐   choose_replicas(Y) sees A busier: B
+                                                 └─ on_request_routed(X): Serve counts X now, -1
+
+The base router matches a choice to the request it was made for (by internal request id).
+Serve's `FIFOMixin` must not be used here: it hands a replica chosen for one conversation to
+whichever request is first in the queue, i.e. to another conversation, breaking stickiness.
 """
 
 from __future__ import annotations
 
 import random
+import time
+from collections import Counter
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.protocol import TurnJob
+from deployments.protocol import ReplicaCall, TurnJob
+
+# A choice no request was routed for (cancelled while probing) stops counting after this.
+CHOICE_TTL_S = 2.0
 
 
 def requested_owner(pending_request: PendingRequest | None) -> str:
     if pending_request is None:
         return ""
     for arg in [*pending_request.args, *pending_request.kwargs.values()]:
-        if isinstance(arg, TurnJob):
+        if isinstance(arg, (TurnJob, ReplicaCall)):
             return arg.owner
     return ""
 
 
-def load_key(queue_len: int | None, stats: dict[str, Any]) -> tuple[int, int, int, float]:
-    """Smaller is less loaded: ongoing requests, then running requests, then more free blocks;
-    a random last element spreads new conversations over equally idle replicas."""
-    return (queue_len or 0, int(stats.get("running_requests", 0)), -int(stats.get("free_kv_blocks", 0)),
+def load_key(queue_len: int | None, chosen: int, stats: dict[str, Any]) -> tuple[int, int, int, float]:
+    """Smaller is less loaded: requests sent or chosen, then running requests, then more free
+    blocks; a random last element spreads new conversations over equally idle replicas."""
+    return ((queue_len or 0) + chosen, int(stats.get("running_requests", 0)), -int(stats.get("free_kv_blocks", 0)),
             random.random())
 
 
-class StickyConversationRouter(FIFOMixin, RequestRouter):
+class StickyConversationRouter(RequestRouter):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # internal request id -> (replica of its first rank, when chosen): not yet counted by Serve
+        self._chosen: dict[str, tuple[ReplicaID, float]] = {}
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         if pending_request is not None:
             # Every candidate is in the ranks below: if all are full, back off before retrying.
             pending_request.routing_context.should_backoff = True
+            self._chosen.pop(request_id, None)  # a retry chooses again
+        chosen = self._chosen_counts()
         owner = requested_owner(pending_request)
         cache = self.replica_queue_len_cache
-        by_load = sorted(candidate_replicas, key=lambda r: load_key(cache.get(r.replica_id), r.routing_stats))
+        by_load = sorted(candidate_replicas, key=lambda r: load_key(
+            cache.get(r.replica_id), chosen[r.replica_id], r.routing_stats))
         owned = [r for r in by_load if owner and r.replica_id.unique_id == owner]
-        rest = [r for r in by_load if r not in owned]
-        return [[r] for r in owned + rest]
+        ranks = owned + [r for r in by_load if r not in owned]
+        if request_id is not None and ranks:
+            self._chosen[request_id] = (ranks[0].replica_id, time.monotonic())
+        return [[r] for r in ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._chosen.pop(pending_request.metadata.internal_request_id, None)  # Serve's own count has it now
+
+    def _chosen_counts(self) -> Counter[ReplicaID]:
+        expired = time.monotonic() - CHOICE_TTL_S
+        for request_id in [k for k, (_, at) in self._chosen.items() if at < expired]:
+            del self._chosen[request_id]
+        return Counter(replica for replica, _ in self._chosen.values())

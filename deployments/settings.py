@@ -29,6 +29,9 @@ class AppSettings(BaseModel):
     redis_url: str = Field("", description="Redis of the started cache service; empty: its embedded redis-server")
     data_dir: str = Field("data/serve", description="where a started cache service keeps Redis AOF and the tier")
     tier_export: TierExport = TierExport.ASYNC
+    tier_export_delay_s: float = Field(
+        0.5, ge=0, le=60, description="async export: how long a conversation must be quiet on its replica before its "
+                                      "head goes to the tier (a next turn within it supersedes the head)")
     api_keys: tuple[str, ...] = Field((), description="bearer tokens; empty: no authentication")
     lease_ttl_s: float = Field(30.0, gt=0.05, le=3600)
     busy_wait_s: float = Field(30.0, ge=0, description="longest wait of a turn that asked to wait for its conversation")

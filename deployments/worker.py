@@ -8,13 +8,22 @@
       stream:   TurnDelta ... (leaving early = client gone = abort = discard)
       commit:   prepared -> PublishTurn (CAS on head.version, fenced by the ingress's lease)
                 ok -> commit locally, TurnDone;  conflict / lease lost -> abandon, TurnFailed
-      export:   the new head to the state tier: after answering (async), before (sync), or never
+      export:   the new head to the state tier: before answering (sync), never (off), or write-behind
+                (async): once the conversation has been quiet here for tier_export_delay_s
+
+    async export of one conversation (a next turn often follows within milliseconds):
+      turn N ends ──delay──> export head N            quiet: the tier holds head N
+      turn N ends ──> turn N+1 starts ──> timer fires: a turn runs here, skip
+                                   ──> turn N+1 ends ──delay──> export head N+1
+    Exporting head N while turn N+1 prefills would only compete with it for the CPU (hashing,
+    serialization, the service storing chunks) and be superseded a moment later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,6 +47,7 @@ from deployments.protocol import (
     ErrorKind,
     HeadRef,
     Recovery,
+    ReplicaCall,
     TokenLogprob,
     TurnDelta,
     TurnDone,
@@ -91,6 +101,8 @@ class Worker:
         self._tasks: set[asyncio.Task] = set()
         # Heads committed here whose state the tier does not hold yet: exported on shutdown.
         self._unexported: dict[tuple[str, str], HeadRef] = {}
+        self._turns_here: Counter[tuple[str, str]] = Counter()  # turns running here, per conversation
+        self._export_due: dict[tuple[str, str], asyncio.TimerHandle] = {}  # async exports waiting for quiet
 
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
@@ -124,6 +136,25 @@ class Worker:
         running, free = await self.session.load()
         return {"running_requests": running, "free_kv_blocks": free}
 
+    # -- state of deleted conversations ---------------------------------------------------------
+    async def forget(self, call: ReplicaCall, conversation_id: str, cache_salt: str) -> str:
+        """Drop a deleted conversation's local heads and ledger now rather than at eviction;
+        returns this replica's id (the router may have sent the call elsewhere: a no-op there)."""
+        key = (conversation_id, cache_salt)
+        self._unexported.pop(key, None)
+        due = self._export_due.pop(key, None)
+        if due is not None:
+            due.cancel()
+        try:
+            await self.session.forget(conversation_id, cache_salt)
+        except ConversationBusyError as e:  # a turn of the re-created conversation already runs here
+            log.warning("not forgetting %s: %s", conversation_id, e)
+        return self.replica_id
+
+    async def held_heads(self, call: ReplicaCall) -> tuple[str, int]:
+        """(this replica, committed heads it holds): what DELETE frees, for operators and tests."""
+        return self.replica_id, await self.session.held_heads()
+
     # -- a turn -----------------------------------------------------------------------------
     async def run_turn(self, job: TurnJob) -> AsyncIterator[TurnEvent]:
         try:
@@ -135,6 +166,7 @@ class Worker:
             if job.conversation_id is None:
                 stream, recovery = self.session.stream_stateless(job.messages, params, job.request_id), Recovery.NEW
             else:
+                self._turns_here[(job.conversation_id, job.cache_salt)] += 1
                 recovery = await self._attach(job)
                 stream = self.session.stream_turn(
                     job.conversation_id, job.cache_salt, job.messages, params, job.request_id)
@@ -146,6 +178,30 @@ class Worker:
             yield TurnFailed(ErrorKind.CONFLICT, str(e))
         except CacheError as e:
             yield TurnFailed(ErrorKind.UNAVAILABLE, f"cache service: {e}")
+        finally:
+            if job.conversation_id is not None:
+                self._turn_ended((job.conversation_id, job.cache_salt))
+
+    def _turn_ended(self, key: tuple[str, str]) -> None:
+        self._turns_here[key] -= 1
+        if self._turns_here[key] <= 0:
+            del self._turns_here[key]
+        # Also after a failed turn: the head it would have replaced may still wait for its export.
+        if key in self._unexported and self.settings.tier_export is TierExport.ASYNC:
+            self._export_when_quiet(key)
+
+    def _export_when_quiet(self, key: tuple[str, str]) -> None:
+        due = self._export_due.pop(key, None)
+        if due is not None:
+            due.cancel()
+        self._export_due[key] = asyncio.get_running_loop().call_later(
+            self.settings.tier_export_delay_s, self._export_if_quiet, key)
+
+    def _export_if_quiet(self, key: tuple[str, str]) -> None:
+        self._export_due.pop(key, None)
+        head = self._unexported.get(key)
+        if head is not None and not self._turns_here[key]:  # else the running turn's end schedules again
+            self._spawn(self._export_head(*key, head))
 
     async def _attach(self, job: TurnJob) -> Recovery:
         """Make this engine hold the conversation's committed head, by the recovery ladder."""
@@ -222,9 +278,7 @@ class Worker:
         ref = HeadRef.of(head)
         self._unexported[(job.conversation_id, job.cache_salt)] = ref
         if self.settings.tier_export is TierExport.SYNC:
-            await self._export(job, ref)
-        elif self.settings.tier_export is TierExport.ASYNC:
-            self._spawn(self._export(job, ref))
+            await self._export_head(job.conversation_id, job.cache_salt, ref)
         return TurnDone(**{**done.__dict__, "turn": head.turn, "head_version": head.version})
 
     async def _abandon(self, prepared: TurnCommit) -> None:
@@ -232,9 +286,6 @@ class Worker:
             await self.session.abandon(prepared)
         except TurnResolvedError as e:  # already expired: nothing left to free
             log.warning("abandoning %s: %s", prepared.request_id, e)
-
-    async def _export(self, job: TurnJob, head: HeadRef) -> None:
-        await self._export_head(job.conversation_id, job.cache_salt, head)
 
     async def _export_head(self, conversation_id: str, cache_salt: str, head: HeadRef) -> None:
         conv = Conversation(conversation_id, cache_salt)
@@ -261,6 +312,8 @@ class Worker:
     async def __del__(self) -> None:
         """Graceful shutdown (scale-in, redeploy): hand the heads only this replica holds to the
         tier, so the next owner imports them instead of recomputing."""
+        for due in self._export_due.values():
+            due.cancel()
         if self.settings.tier_export is not TierExport.OFF:
             for (conversation_id, cache_salt), head in list(self._unexported.items()):
                 await self._export_head(conversation_id, cache_salt, head)

@@ -22,33 +22,38 @@ class Reply:
     prompt_tokens: int
     cached_tokens: int
     turn: int | None
+    logprobs: list[float]  # of the sampled tokens, exactly as served
 
 
 async def chat_turn(client: openai.AsyncOpenAI, model: str, messages: list[dict], *, conversation_id: str | None,
-                    cache_salt: str = "", stream: bool = False, max_tokens: int = MAX_TOKENS, **extra) -> Reply:
+                    cache_salt: str = "", stream: bool = False, max_tokens: int = MAX_TOKENS, temperature: float = 0,
+                    **extra) -> Reply:
     body = {"cache_salt": cache_salt, **extra}
     if conversation_id is not None:
         body["conversation_id"] = conversation_id
-    kwargs = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True,
+    kwargs = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, logprobs=True,
                   top_logprobs=0, extra_body=body)
     if not stream:
         r = await client.chat.completions.create(**kwargs)
         details = r.usage.prompt_tokens_details
-        return Reply(r.choices[0].message.content, [t.token for t in r.choices[0].logprobs.content],
-                     r.choices[0].finish_reason, r.usage.prompt_tokens, details.cached_tokens if details else 0,
-                     r.model_extra.get("turn"))
+        content = r.choices[0].logprobs.content
+        return Reply(r.choices[0].message.content, [t.token for t in content], r.choices[0].finish_reason,
+                     r.usage.prompt_tokens, details.cached_tokens if details else 0, r.model_extra.get("turn"),
+                     [t.logprob for t in content])
     chunks = await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
-    text, tokens, finish, usage, turn = [], [], None, None, None
+    text, tokens, logprobs, finish, usage, turn = [], [], [], None, None, None
     async for chunk in chunks:
         for choice in chunk.choices:
             text.append(choice.delta.content or "")
             if choice.logprobs and choice.logprobs.content:
                 tokens += [t.token for t in choice.logprobs.content]
+                logprobs += [t.logprob for t in choice.logprobs.content]
             finish = choice.finish_reason or finish
         usage = chunk.usage or usage
         turn = (chunk.model_extra or {}).get("turn", turn)
     details = usage.prompt_tokens_details
-    return Reply("".join(text), tokens, finish, usage.prompt_tokens, details.cached_tokens if details else 0, turn)
+    return Reply("".join(text), tokens, finish, usage.prompt_tokens, details.cached_tokens if details else 0, turn,
+                 logprobs)
 
 
 async def stateless_reference(client: openai.AsyncOpenAI, model: str, history: list[dict], **kw) -> Reply:

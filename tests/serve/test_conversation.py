@@ -7,7 +7,9 @@ import uuid
 
 import openai
 import pytest
+from ray import serve
 
+from deployments.protocol import TurnDone, TurnJob
 from tests.cache_service.cs_helpers import fast_client
 from tests.serve.conftest import APP
 from tests.serve.helpers import chat_turn, conversation, stateless_reference, user
@@ -90,3 +92,21 @@ async def test_new_conversations_spread_and_stay_on_their_owner(stack):
             reply = await chat_turn(client, stack.model, [user("again")], conversation_id=ids[0], cache_salt="p")
             assert reply.cached_tokens > 0
         assert (await conversation(http, ids[0], "p"))["head"]["owner"] == owners[0]  # sticky
+
+
+async def test_simultaneous_new_requests_are_spread(stack):
+    """Two requests with no owner enter the router in the same instant (queued before either is
+    routed): each choice counts against its replica at once, so the second takes the other one."""
+    workers = serve.get_deployment_handle("Worker", app_name=APP).options(stream=True)
+
+    async def replica_of(response) -> str:
+        events = [event async for event in response]
+        assert isinstance(events[-1], TurnDone), events[-1]
+        return events[-1].replica
+
+    for attempt in range(4):
+        responses = [workers.run_turn.remote(TurnJob(f"sim-{attempt}-{i}-{uuid.uuid4().hex[:6]}", [user("hi")],
+                                                     {"max_tokens": 2, "temperature": 0.0}))
+                     for i in range(2)]
+        replicas = await asyncio.gather(*(replica_of(r) for r in responses))
+        assert replicas[0] != replicas[1], f"attempt {attempt}: both on {replicas[0]}"

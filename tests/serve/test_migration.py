@@ -1,0 +1,99 @@
+"""A head moving between replicas without a crash: the owner is full, or it shut down gracefully;
+and DELETE freeing the owner's local copy."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from ray import serve
+
+from deployments.app import ChatIngress, Worker
+from deployments.protocol import ReplicaCall
+from deployments.settings import AppSettings
+from tests.serve.conftest import APP, app_args
+from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, tier_copy, user
+
+pytestmark = pytest.mark.timeout(300)
+DRAIN_APP = "hybridserve-drain"
+WORKER_MAX_ONGOING = Worker.max_ongoing_requests
+
+
+async def owned_by(http, client, model, owner: str, count: int) -> list[str]:
+    """`count` new conversations whose heads live on `owner`: new conversations arrive in pairs,
+    and a pair is spread over the two replicas, so about one of each pair lands there."""
+    owned: list[str] = []
+    for _ in range(4 * count):
+        ids = [f"fill-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+        await asyncio.gather(*(chat_turn(client, model, [user("fill")], conversation_id=c, cache_salt="f",
+                                         max_tokens=16) for c in ids))
+        owned += [c for c in ids if (await conversation(http, c, "f"))["head"]["owner"] == owner]
+        if len(owned) >= count:
+            return owned[:count]
+    raise AssertionError(f"only {len(owned)} of {count} new conversations landed on {owner}")
+
+
+async def test_full_owner_hands_the_turn_to_another_replica(stack, conv_id):
+    client = stack.client()
+    history = [user("the first question")]
+    first = await chat_turn(client, stack.model, history, conversation_id=conv_id, cache_salt="m")
+    history.append({"role": "assistant", "content": first.text})
+    async with stack.http() as http:
+        owner = (await tier_copy(http, conv_id, "m"))["head"]["owner"]
+        fillers = await owned_by(http, client, stack.model, owner, WORKER_MAX_ONGOING)
+        migrations = await metric(http, "hybridserve_migrations_total")
+        # Every slot of the owner busy with a long turn of a conversation it owns...
+        streams = [await client.chat.completions.create(
+            model=stack.model, messages=[user("go on")], max_tokens=1500, temperature=0, stream=True,
+            extra_body={"conversation_id": c, "cache_salt": "f"}) for c in fillers]
+        for s in streams:
+            await s.__anext__()
+        # ... so the next turn of conv_id goes elsewhere and gets the head by the recovery ladder.
+        message = user("the second question")
+        reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="m")
+        for s in streams:
+            await s.close()
+        after = await conversation(http, conv_id, "m")
+        assert after["head"]["owner"] != owner and reply.turn == 2
+        assert reply.cached_tokens > 0  # imported from the tier, not recomputed
+        assert await metric(http, "hybridserve_migrations_total") == migrations + 1
+    reference = await stateless_reference(client, stack.model, history + [message])
+    assert reply.tokens == reference.tokens
+
+
+async def test_graceful_shutdown_exports_heads_the_tier_lacks(stack, conv_id):
+    # An app whose single worker would export only after a minute of quiet: only the shutdown can.
+    settings = AppSettings.model_validate(app_args(stack.model_dir, stack.service, tier_export="async",
+                                                   tier_export_delay_s=60))
+    serve.run(ChatIngress.bind(settings, Worker.options(num_replicas=1).bind(settings, None), None),
+              name=DRAIN_APP, route_prefix="/drain")
+    client = stack.client("/drain")
+    history = [user("remember this")]
+    first = await chat_turn(client, stack.model, history, conversation_id=conv_id, cache_salt="g")
+    history.append({"role": "assistant", "content": first.text})
+    async with stack.http() as http:
+        assert (await conversation(http, conv_id, "g"))["head"]["tier_version"] == 0
+        await asyncio.to_thread(serve.delete, DRAIN_APP)  # scale-in: the replica shuts down gracefully
+        state = await conversation(http, conv_id, "g")
+        assert state["head"]["tier_version"] == state["head"]["version"] == 1
+        imports = await metric(http, "hybridserve_tier_imports_total")
+        message = user("what was it?")
+        reply = await chat_turn(stack.client(), stack.model, [message], conversation_id=conv_id, cache_salt="g")
+        assert reply.turn == 2 and reply.cached_tokens > 0
+        assert await metric(http, "hybridserve_tier_imports_total") == imports + 1
+    reference = await stateless_reference(stack.client(), stack.model, history + [message])
+    assert reply.tokens == reference.tokens
+
+
+async def test_delete_frees_the_owners_local_heads(stack, conv_id):
+    await chat_turn(stack.client(), stack.model, [user("short lived")], conversation_id=conv_id, cache_salt="d")
+    workers = serve.get_deployment_handle("Worker", app_name=APP)
+    async with stack.http() as http:
+        owner = (await conversation(http, conv_id, "d"))["head"]["owner"]
+        replica, before = await workers.held_heads.remote(ReplicaCall(owner))
+        assert replica == owner and before >= 1
+        deleted = await http.delete(f"/v1/conversations/{conv_id}", params={"cache_salt": "d"})
+        assert deleted.status_code == 200, deleted.text
+        replica, after = await workers.held_heads.remote(ReplicaCall(owner))
+        assert replica == owner and after == before - 1
