@@ -16,7 +16,7 @@ from torch import nn
 from workers.model.config import MambaShape
 from workers.model.forward_batch import ForwardBatch, PrefillSegment
 from workers.model.layers import GatedGroupRMSNorm
-from workers.model.ssd import chunked_scan, chunked_scan_grouped, recurrent_step
+from workers.model.ssd import chunked_scan, recurrent_scan, recurrent_step
 
 
 class MambaConstants(NamedTuple):
@@ -110,7 +110,7 @@ class MambaMixer(nn.Module):
         x, B, C = self._split_xbc(out.transpose(1, 2))
         x = x.reshape(k, longest, s.n_heads, s.head_dim)
         step = torch.where(valid[:, :, None], self._time_step(dt[rows]), 0.0)
-        scan_fn = chunked_scan_grouped if self.kernels is not None else chunked_scan  # fast path / reference
+        scan_fn = recurrent_scan if self.kernels is not None else chunked_scan  # fast path / reference
         scan, final = scan_fn(
             x,
             step,
