@@ -5,6 +5,9 @@
 Rows:
   prefill scan      `ssd.chunked_scan_grouped` (SSD, the fallback) vs `ssd.recurrent_scan`
                     (C++ recurrence), one Mamba layer, runs of sequences x tokens
+  prefill attention `Attention._prefill` (history + chunk gathered, one masked SDPA) vs
+                    `Attention._prefill_split` (history and causal chunk, merged by log-sum-exp),
+                    one layer, a chunk of tokens after a history
   decode attention  `Attention._decode` (the batch's K/V gathered, masked SDPA) vs
                     `Attention._decode_paged` (blocks read in place), one layer, batch x history
 
@@ -27,15 +30,19 @@ from bench.engine import checkpoint_dir
 from workers.checkpoint import Arch, Preset
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape, MambaShape
-from workers.model.forward_batch import DecodeGroup, ForwardBatch
+from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.kernels import decode_kernels
 from workers.model.loader import read_model_config
 from workers.model.scan_kernels import scan_kernels
 from workers.model.ssd import chunked_scan_grouped, recurrent_scan
 
 BLOCK_SIZE = 16
-FULL = {"scan": [(1, 2048), (8, 128), (1, 8192), (8, 2048)], "attention": [(8, 2048), (8, 8192), (1, 8192), (32, 2048)]}
-QUICK = {"scan": [(1, 2048), (8, 128)], "attention": [(8, 2048), (1, 8192)]}
+FULL = {
+    "scan": [(1, 2048), (8, 128), (1, 8192), (8, 2048)],
+    "prefill_attention": [(2048, 2048), (2048, 6144), (64, 8192)],  # (chunk, history)
+    "attention": [(8, 2048), (8, 8192), (1, 8192), (32, 2048)],
+}
+QUICK = {"scan": [(1, 2048), (8, 128)], "prefill_attention": [(2048, 6144)], "attention": [(8, 2048), (1, 8192)]}
 
 
 def _time(sides: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, dict[str, float]]:
@@ -68,6 +75,26 @@ def scan_row(shape: MambaShape, seqs: int, tokens: int, repeats: int) -> dict:
     (y_ref, s_ref), (y, s) = sides["reference"](), sides["fast"]()
     err = max((y - y_ref).abs().max().item(), (s - s_ref).abs().max().item())
     return {"kind": "prefill scan", "batch": seqs, "tokens": tokens, "max_abs_diff": err, **_sides(times)}
+
+
+def prefill_attention_row(shape: AttentionShape, chunk: int, history: int, repeats: int) -> dict:
+    torch.manual_seed(chunk + history)
+    attn = Attention(shape.n_heads * shape.head_dim, shape).requires_grad_(False)
+    blocks = -(-(history + chunk) // BLOCK_SIZE)
+    kv = torch.randn(2, 1 + blocks, BLOCK_SIZE, shape.n_kv_heads, shape.head_dim)
+    table = torch.randperm(blocks) + 1
+    pos = torch.arange(history, history + chunk)
+    slots = table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    q = torch.randn(chunk, shape.n_heads, shape.head_dim)
+    k, v = (kv[i].view(-1, shape.n_kv_heads, shape.head_dim)[slots] for i in range(2))
+    seg = PrefillSegment(0, chunk, history, table, 0)
+    sides = {
+        "reference": lambda: attn._prefill(q, k, v, kv, seg),
+        "fast": lambda: attn._prefill_split(q, k, v, kv, seg),
+    }
+    times = _time(sides, repeats)
+    err = (sides["fast"]() - sides["reference"]()).abs().max().item()
+    return {"kind": "prefill attention", "batch": chunk, "tokens": history, "max_abs_diff": err, **_sides(times)}
 
 
 def attention_row(shape: AttentionShape, seqs: int, history: int, repeats: int) -> dict:
@@ -120,7 +147,7 @@ def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool) -> str:
         ]
         for r in rows
     ]  # fmt: skip
-    headers = ["kernel", "sequences x tokens", "reference ms", "fast ms", "speedup (CPU)", "max |diff|"]
+    headers = ["kernel", "sequences x tokens (prefill attention: chunk x history)", "reference ms", "fast ms", "speedup (CPU)", "max |diff|"]
     return head + markdown_table(headers, table, "llrrrr")
 
 
@@ -138,6 +165,7 @@ def main() -> None:
     config = read_model_config(checkpoint_dir(args.arch, Preset.BENCH, 0, None))
     env = environment_info() | {"scan_kernel_built": scan_kernels() is not None, "decode_kernels_built": decode_kernels() is not None}
     rows = [scan_row(config.mamba, b, t, repeats) for b, t in plan["scan"]]
+    rows += [prefill_attention_row(config.attention, n, t, repeats) for n, t in plan["prefill_attention"]]
     rows += [attention_row(config.attention, b, t, repeats) for b, t in plan["attention"]]
     name = "kernels.quick" if args.quick else "kernels"
     data = {"environment": env, "arch": args.arch.value, "repeats": repeats, "rows": rows}
