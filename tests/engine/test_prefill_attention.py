@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.engine.conftest import assert_logits_close, our_logits, prompt_of
+from workers.checkpoint import Arch
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape
 from workers.model.forward_batch import ForwardBatch, PrefillSegment
@@ -67,3 +69,14 @@ def test_layer_forward_fast_equals_reference_on_a_chunk_after_history():
     layer.kernels = object()  # any module switches the fast path on; the split pass needs no kernel
     fast = layer(h, batch, kv.clone(), None)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
+def test_chunked_prefill_on_the_fast_path_equals_one_shot_reference(tiny, arch):
+    """A prompt run as chunks after growing history (split attention, recurrent scan) gives the
+    logits of the one-shot reference path (masked SDPA never needed, SSD scan), argmax equal."""
+    model, ids = tiny[arch].ours, prompt_of(70, seed=5)
+    fast = our_logits(model, ids, chunks=[23, 17, 1, 29], fast_kernels=True)
+    ref = our_logits(model, ids, fast_kernels=False)
+    assert_logits_close(fast, ref)
+    assert torch.equal(fast.argmax(-1), ref.argmax(-1))
