@@ -58,7 +58,8 @@ def _time(sides: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[st
     return best
 
 
-def scan_row(shape: MambaShape, seqs: int, tokens: int, repeats: int) -> dict:
+def scan_row(shape: MambaShape, seqs: int, tokens: int, repeats: int, short: int | None = None) -> dict:
+    """`short`: a padded wave, as the mixer batches it: row 0 has `tokens`, the others `short`."""
     g = torch.Generator().manual_seed(seqs * tokens)
     h, p, n, groups = shape.n_heads, shape.head_dim, shape.d_state, shape.n_groups
     x = torch.randn(seqs, tokens, h, p, generator=g)
@@ -66,15 +67,21 @@ def scan_row(shape: MambaShape, seqs: int, tokens: int, repeats: int) -> dict:
     A = -torch.rand(h, generator=g) * 4
     B, C = (torch.randn(seqs, tokens, groups, n, generator=g) for _ in range(2))
     s0 = torch.randn(seqs, h, p, n, generator=g)
+    lengths = torch.full((seqs,), tokens)
+    if short is not None:
+        lengths[1:] = short
+        dt[1:, short:] = 0.0  # padding, as the mixer fills it
     chunk = min(shape.chunk_size, max(16, 1 << (tokens - 1).bit_length()))  # as the mixer picks it
     sides = {
         "reference": lambda: chunked_scan_grouped(x, dt, A, B, C, chunk, s0),
-        "fast": lambda: recurrent_scan(x, dt, A, B, C, chunk, s0),
+        "fast": lambda: recurrent_scan(x, dt, A, B, C, chunk, s0, lengths=lengths),
     }
     times = _time(sides, repeats)
     (y_ref, s_ref), (y, s) = sides["reference"](), sides["fast"]()
-    err = max((y - y_ref).abs().max().item(), (s - s_ref).abs().max().item())
-    return {"kind": "prefill scan", "batch": seqs, "tokens": tokens, "max_abs_diff": err, **_sides(times)}
+    real = torch.arange(tokens)[None, :] < lengths[:, None]
+    err = max((y - y_ref)[real].abs().max().item(), (s - s_ref).abs().max().item())
+    kind = "prefill scan" if short is None else f"prefill scan, padded wave (rows 2.. have {short})"
+    return {"kind": kind, "batch": seqs, "tokens": tokens, "max_abs_diff": err, **_sides(times)}
 
 
 def prefill_attention_row(shape: AttentionShape, chunk: int, history: int, repeats: int) -> dict:
@@ -165,6 +172,7 @@ def main() -> None:
     config = read_model_config(checkpoint_dir(args.arch, Preset.BENCH, 0, None))
     env = environment_info() | {"scan_kernel_built": scan_kernels() is not None, "decode_kernels_built": decode_kernels() is not None}
     rows = [scan_row(config.mamba, b, t, repeats) for b, t in plan["scan"]]
+    rows.append(scan_row(config.mamba, 8, 2048 if not args.quick else 512, repeats, short=32))
     rows += [prefill_attention_row(config.attention, n, t, repeats) for n, t in plan["prefill_attention"]]
     rows += [attention_row(config.attention, b, t, repeats) for b, t in plan["attention"]]
     name = "kernels.quick" if args.quick else "kernels"

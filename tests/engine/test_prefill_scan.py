@@ -3,7 +3,7 @@
 Two references: the SSD formulation (`chunked_scan`, what the reference engine runs) and the
 definition itself, `recurrent_step` applied token by token. Shapes cover head dims that are
 not a multiple of the kernel's 4-row unroll, groups of 1..4 heads, several sequences, a
-non-zero initial state and padding (dt = 0) that must leave the state unchanged. The engine
+non-zero initial state, and rows of a padded wave that stop at their own lengths. The engine
 level (fast engine == reference engine == transformers) runs in test_fast_paths.py and
 test_model_vs_transformers.py, whose prefills now go through this kernel.
 """
@@ -59,23 +59,33 @@ def test_recurrent_scan_equals_token_by_token_recurrence(b, length, h, p, g, n):
 
 
 @needs_kernel
-def test_padding_with_zero_dt_leaves_the_state_unchanged():
-    """The mixer pads shorter runs of a wave with dt = 0: each row's final state must be its
-    state after its own last token, as if the padding were not there."""
+def test_rows_stop_at_their_lengths_as_if_unpadded():
+    """The mixer pads shorter runs of a wave to the longest (dt = 0 there): with `lengths` each
+    row's final state is its state after its own last token, its outputs equal the unpadded
+    run's, and the padding's outputs are 0; without `lengths` the zero-dt padding gives the
+    same final state (the fallback's contract)."""
     x, dt, A, B, C, s0 = _inputs(2, 40, 4, 8, 2, 12)
     dt[1, 25:] = 0.0  # sequence 1 has 25 real tokens
-    _, final = recurrent_scan(x, dt, A, B, C, 16, s0)
-    _, final_short = recurrent_scan(x[1:, :25], dt[1:, :25], A, B[1:, :25], C[1:, :25], 16, s0[1:])
+    lengths = torch.tensor([40, 25])
+    y, final = recurrent_scan(x, dt, A, B, C, 16, s0, lengths=lengths)
+    y_short, final_short = recurrent_scan(x[1:, :25], dt[1:, :25], A, B[1:, :25], C[1:, :25], 16, s0[1:])
     torch.testing.assert_close(final[1:], final_short, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y[1:, :25], y_short, rtol=1e-6, atol=1e-6)
+    assert not y[1, 25:].any()
+    _, final_padded = recurrent_scan(x, dt, A, B, C, 16, s0)
+    torch.testing.assert_close(final_padded, final, rtol=1e-6, atol=1e-6)
 
 
 @needs_kernel
 def test_kernel_rejects_non_fp32_or_mismatched_shapes():
     x, dt, A, B, C, s0 = _inputs(1, 8, 4, 4, 2, 4)
+    full = torch.tensor([8])
     with pytest.raises(RuntimeError, match="fp32"):
-        KERNEL.recurrent_scan(x.double(), dt, A, B, C, s0)
+        KERNEL.recurrent_scan(x.double(), dt, A, B, C, s0, full)
     with pytest.raises(RuntimeError, match="initial_state"):
-        KERNEL.recurrent_scan(x, dt, A, B, C, s0[:, :2].contiguous())
+        KERNEL.recurrent_scan(x, dt, A, B, C, s0[:, :2].contiguous(), full)
+    with pytest.raises(RuntimeError, match="lengths"):
+        KERNEL.recurrent_scan(x, dt, A, B, C, s0, torch.tensor([9]))
 
 
 def test_without_the_kernel_the_grouped_ssd_scan_runs(monkeypatch):

@@ -6,6 +6,7 @@ so a chunk of a long prompt, a cache hit and a fresh prompt all run the same cod
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import NamedTuple
 
@@ -110,7 +111,8 @@ class MambaMixer(nn.Module):
         x, B, C = self._split_xbc(out.transpose(1, 2))
         x = x.reshape(k, longest, s.n_heads, s.head_dim)
         step = torch.where(valid[:, :, None], self._time_step(dt[rows]), 0.0)
-        scan_fn = recurrent_scan if self.kernels is not None else chunked_scan  # fast path / reference
+        fast = self.kernels is not None  # the recurrence skips each row's padding; the reference runs it
+        scan_fn = functools.partial(recurrent_scan, lengths=lengths) if fast else chunked_scan
         scan, final = scan_fn(
             x,
             step,

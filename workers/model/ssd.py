@@ -178,15 +178,17 @@ def recurrent_scan(
     C: torch.Tensor,  # [b, l, g, n]
     chunk_size: int,
     initial_state: torch.Tensor,  # [b, h, p, n]
+    lengths: torch.Tensor | None = None,  # [b] real tokens per row (the rest padded with dt = 0)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_scan`'s result computed as the recurrence, token by token, in the C++ kernel
     (`csrc/ssd_scan.cpp`: on a CPU the per-head state stays in cache, so this beats SSD's
-    matmuls and decay matrices). `chunk_size` only matters to the SSD fallback, which runs
-    when the kernel cannot be built here."""
+    matmuls and decay matrices); each row stops at its length, and y is 0 past it.
+    `chunk_size` only matters to the SSD fallback, which runs when the kernel cannot be built
+    here (and runs the padding, whose dt = 0 leaves the state unchanged)."""
     kernel = scan_kernels()
     if kernel is None:
         return chunked_scan_grouped(x, dt, A, B, C, chunk_size, initial_state)
-    y, final = kernel.recurrent_scan(
-        *(t.float().contiguous() for t in (x, dt, A, B, C, initial_state))
-    )
+    if lengths is None:
+        lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+    y, final = kernel.recurrent_scan(*(t.float().contiguous() for t in (x, dt, A, B, C, initial_state)), lengths)
     return y, final

@@ -13,7 +13,7 @@
 //                      y_t[p]      = state[p, :] . C_t[:]
 //
 // which is fewer flops than SSD's four matmuls and no memory traffic beyond reading the inputs.
-// Padding tokens carry dt = 0 (decay 1, no input), so they leave the state unchanged.
+// Padding is not run at all (`lengths`); the SSD fallback runs it with dt = 0 instead.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,9 +22,14 @@
 #include <vector>
 
 // x [b, L, h, p], dt [b, L, h] (after softplus and clamping), A [h], B/C [b, L, g, n],
-// initial_state [b, h, p, n]  ->  (y [b, L, h, p] without the D skip, final state [b, h, p, n])
+// initial_state [b, h, p, n], lengths [b] (tokens of each row; the rest is padding, skipped)
+//   ->  (y [b, L, h, p] without the D skip, 0 on padding; final state [b, h, p, n])
+//
+//     row 0: t t t t t t t t     a wave pads its runs to the longest; the recurrence stops at
+//     row 1: t t t . . . . .     each row's own length, so a short suffix batched with a long
+//                  ^ lengths[1]  chunk costs its own tokens, not the chunk's
 std::vector<torch::Tensor> recurrent_scan(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor Bm,
-                                          torch::Tensor Cm, torch::Tensor initial_state) {
+                                          torch::Tensor Cm, torch::Tensor initial_state, torch::Tensor lengths) {
   for (const auto& t : {x, dt, A, Bm, Cm, initial_state}) {
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat32, "recurrent_scan wants contiguous fp32");
   }
@@ -36,8 +41,14 @@ std::vector<torch::Tensor> recurrent_scan(torch::Tensor x, torch::Tensor dt, tor
   TORCH_CHECK(initial_state.size(0) == batch && initial_state.size(1) == heads && initial_state.size(2) == hdim &&
                   initial_state.size(3) == dstate,
               "initial_state shape");
+  TORCH_CHECK(lengths.numel() == batch, "one length per row");
+  auto len = lengths.contiguous().to(torch::kLong);
+  const int64_t* len_p = len.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(len_p[b] >= 0 && len_p[b] <= length, "lengths must lie in [0, L]");
+  }
   const int64_t per_group = heads / groups;
-  auto y = torch::empty_like(x);
+  auto y = torch::zeros_like(x);
   auto state = initial_state.clone();
   const float *x_p = x.data_ptr<float>(), *dt_p = dt.data_ptr<float>(), *a_p = A.data_ptr<float>();
   const float *b_p = Bm.data_ptr<float>(), *c_p = Cm.data_ptr<float>();
@@ -47,7 +58,7 @@ std::vector<torch::Tensor> recurrent_scan(torch::Tensor x, torch::Tensor dt, tor
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads, g = h / per_group;
       float* st = s_p + i * hdim * dstate;  // updated in place: the clone is the final state
-      for (int64_t t = 0; t < length; ++t) {
+      for (int64_t t = 0; t < len_p[b]; ++t) {
         const int64_t token = b * length + t;
         const float step = dt_p[token * heads + h];
         const float decay = std::exp(step * a_p[h]);
