@@ -154,7 +154,10 @@ def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool) -> str:
         ]
         for r in rows
     ]  # fmt: skip
-    headers = ["kernel", "sequences x tokens (prefill attention: chunk x history)", "reference ms", "fast ms", "speedup (CPU)", "max |diff|"]
+    headers = [
+        "kernel", "sequences x tokens (prefill attention: chunk x history)",
+        "reference ms", "fast ms", "speedup (CPU)", "max |diff|",
+    ]  # fmt: skip
     return head + markdown_table(headers, table, "llrrrr")
 
 
@@ -170,7 +173,8 @@ def main() -> None:
     plan, repeats = (QUICK, 3) if args.quick else (FULL, 7)
     repeats = args.repeats or repeats
     config = read_model_config(checkpoint_dir(args.arch, Preset.BENCH, 0, None))
-    env = environment_info() | {"scan_kernel_built": scan_kernels() is not None, "decode_kernels_built": decode_kernels() is not None}
+    built = {"scan_kernel_built": scan_kernels() is not None, "decode_kernels_built": decode_kernels() is not None}
+    env = environment_info() | built
     rows = [scan_row(config.mamba, b, t, repeats) for b, t in plan["scan"]]
     rows.append(scan_row(config.mamba, 8, 2048 if not args.quick else 512, repeats, short=32))
     rows += [prefill_attention_row(config.attention, n, t, repeats) for n, t in plan["prefill_attention"]]

@@ -22,7 +22,9 @@ BLOCK = 4
 
 def _layer(n_heads: int, n_kv_heads: int, seed: int) -> Attention:
     torch.manual_seed(seed)
-    shape = AttentionShape(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=8, rotary_dim=0, rope_theta=1e4, scale=8**-0.5, bias=False)
+    shape = AttentionShape(
+        n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=8, rotary_dim=0, rope_theta=1e4, scale=8**-0.5, bias=False
+    )
     layer = Attention(n_heads * 8, shape).requires_grad_(False)
     for p in layer.parameters():
         p.data = torch.randn_like(p) * 0.3
