@@ -58,9 +58,10 @@ class Attention(nn.Module):
         if group is not None and group.covers_batch:  # a pure decode step, rows in order
             return self.o_proj(decode(q, kv_cache, batch).reshape(n, -1))
         out = torch.empty(n, s.n_heads, s.head_dim, dtype=h.dtype, device=h.device)
+        prefill = self._prefill_split if fused else self._prefill
         for seg in batch.prefills:
             rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, seg)
+            out[rows] = prefill(q[rows], k[rows], v[rows], kv_cache, seg)
         if group is not None:
             out[group.token_index] = decode(q[group.token_index], kv_cache, batch)
         return self.o_proj(out.reshape(n, -1))
@@ -87,6 +88,28 @@ class Attention(nn.Module):
         )
         return out[0].transpose(0, 1)
 
+    def _prefill_split(self, q, k, v, kv_cache, seg) -> torch.Tensor:
+        """`_prefill` without the [chunk x history+chunk] mask: a chunk after cached history is
+        two flash-attention passes merged by their log-sum-exps, so no masked-out key is scored.
+
+            keys:  [ history 0..context_len-1 | this chunk 0..n-1 ]
+                     every query sees all        query i sees 0..i  (causal, square)
+            out = (o_hist * exp(lse_hist - m) + o_new * exp(lse_new - m)) / (same weights summed)
+        """
+        if seg.context_len == 0:
+            return self._prefill(q, k, v, kv_cache, seg)
+        s = self.shape
+        hist = seg.block_table[None]
+        keys = _gather(kv_cache[0], hist)[0, : seg.context_len]
+        values = _gather(kv_cache[1], hist)[0, : seg.context_len]
+        heads = [t.transpose(0, 1)[None] for t in (q, keys, values, k, v)]  # [1, heads, tokens, d]
+        o_hist, lse_hist = _flash(heads[0], heads[1], heads[2], causal=False, scale=s.scale)
+        o_new, lse_new = _flash(heads[0], heads[3], heads[4], causal=True, scale=s.scale)
+        top = torch.maximum(lse_hist, lse_new)
+        w_hist, w_new = (lse_hist - top).exp_()[..., None], (lse_new - top).exp_()[..., None]
+        out = (o_hist * w_hist + o_new * w_new) / (w_hist + w_new)
+        return out[0].transpose(0, 1).to(q.dtype)
+
     def _decode_paged(self, q, kv_cache, batch: ForwardBatch) -> torch.Tensor:
         """`_decode` reading K/V blocks in place through the block tables (no padded copy of
         the batch's history each step): one pass with an online softmax per sequence and head."""
@@ -111,6 +134,13 @@ class Attention(nn.Module):
             enable_gqa=s.n_heads != s.n_kv_heads,
         )
         return out[:, :, 0, :]
+
+
+def _flash(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention returning (out [1, Hq, n, d], logsumexp [1, Hq, n]); kv heads may be
+    fewer than query heads (grouped-query attention)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.float()
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

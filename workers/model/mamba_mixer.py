@@ -6,6 +6,7 @@ so a chunk of a long prompt, a cache hit and a fresh prompt all run the same cod
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import NamedTuple
 
@@ -16,7 +17,7 @@ from torch import nn
 from workers.model.config import MambaShape
 from workers.model.forward_batch import ForwardBatch, PrefillSegment
 from workers.model.layers import GatedGroupRMSNorm
-from workers.model.ssd import chunked_scan, chunked_scan_grouped, recurrent_step
+from workers.model.ssd import chunked_scan, recurrent_scan, recurrent_step
 
 
 class MambaConstants(NamedTuple):
@@ -110,7 +111,8 @@ class MambaMixer(nn.Module):
         x, B, C = self._split_xbc(out.transpose(1, 2))
         x = x.reshape(k, longest, s.n_heads, s.head_dim)
         step = torch.where(valid[:, :, None], self._time_step(dt[rows]), 0.0)
-        scan_fn = chunked_scan_grouped if self.kernels is not None else chunked_scan  # fast path / reference
+        fast = self.kernels is not None  # the recurrence skips each row's padding; the reference runs it
+        scan_fn = functools.partial(recurrent_scan, lengths=lengths) if fast else chunked_scan
         scan, final = scan_fn(
             x,
             step,

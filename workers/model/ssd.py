@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from workers.model.scan_kernels import scan_kernels
+
 
 @functools.lru_cache(maxsize=16)
 def _triangles(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,3 +168,27 @@ def chunked_scan_grouped(
 
     y = (y_diag.permute(0, 1, 4, 2, 3, 5) + y_off.permute(0, 1, 3, 2, 4, 5)).reshape(b, c * l, h, p)
     return y[:, :length], final_state
+
+
+def recurrent_scan(
+    x: torch.Tensor,  # [b, l, h, p]
+    dt: torch.Tensor,  # [b, l, h], after softplus and clamping (0 on padding)
+    A: torch.Tensor,  # [h]
+    B: torch.Tensor,  # [b, l, g, n]
+    C: torch.Tensor,  # [b, l, g, n]
+    chunk_size: int,
+    initial_state: torch.Tensor,  # [b, h, p, n]
+    lengths: torch.Tensor | None = None,  # [b] real tokens per row (the rest padded with dt = 0)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_scan`'s result computed as the recurrence, token by token, in the C++ kernel
+    (`csrc/ssd_scan.cpp`: on a CPU the per-head state stays in cache, so this beats SSD's
+    matmuls and decay matrices); each row stops at its length, and y is 0 past it.
+    `chunk_size` only matters to the SSD fallback, which runs when the kernel cannot be built
+    here (and runs the padding, whose dt = 0 leaves the state unchanged)."""
+    kernel = scan_kernels()
+    if kernel is None:
+        return chunked_scan_grouped(x, dt, A, B, C, chunk_size, initial_state)
+    if lengths is None:
+        lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+    y, final = kernel.recurrent_scan(*(t.float().contiguous() for t in (x, dt, A, B, C, initial_state)), lengths)
+    return y, final

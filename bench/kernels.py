@@ -1,0 +1,190 @@
+"""Sequence-mixer kernels, fast path vs the pure-torch reference beside it, on the `bench` shapes.
+
+    python -m bench.kernels [--quick] [--arch granitemoehybrid] [--repeats 7]
+
+Rows:
+  prefill scan      `ssd.chunked_scan_grouped` (SSD, the fallback) vs `ssd.recurrent_scan`
+                    (C++ recurrence), one Mamba layer, runs of sequences x tokens
+  prefill attention `Attention._prefill` (history + chunk gathered, one masked SDPA) vs
+                    `Attention._prefill_split` (history and causal chunk, merged by log-sum-exp),
+                    one layer, a chunk of tokens after a history
+  decode attention  `Attention._decode` (the batch's K/V gathered, masked SDPA) vs
+                    `Attention._decode_paged` (blocks read in place), one layer, batch x history
+
+Each figure is the minimum over repeats of process CPU time (what the two threads spent, which
+a shared machine inflates less than wall time) and of wall time, the two sides alternated.
+The largest output difference is recorded beside each row. Writes bench/results/kernels[.quick].{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
+from bench.engine import checkpoint_dir
+from workers.checkpoint import Arch, Preset
+from workers.model.attention import Attention
+from workers.model.config import AttentionShape, MambaShape
+from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
+from workers.model.kernels import decode_kernels
+from workers.model.loader import read_model_config
+from workers.model.scan_kernels import scan_kernels
+from workers.model.ssd import chunked_scan_grouped, recurrent_scan
+
+BLOCK_SIZE = 16
+FULL = {
+    "scan": [(1, 2048), (8, 128), (1, 8192), (8, 2048)],
+    "prefill_attention": [(2048, 2048), (2048, 6144), (64, 8192)],  # (chunk, history)
+    "attention": [(8, 2048), (8, 8192), (1, 8192), (32, 2048)],
+}
+QUICK = {"scan": [(1, 2048), (8, 128)], "prefill_attention": [(2048, 6144)], "attention": [(8, 2048), (1, 8192)]}
+
+
+def _time(sides: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, dict[str, float]]:
+    """Min CPU and wall seconds per side, sides alternated within every repeat."""
+    best = {name: {"cpu_s": float("inf"), "wall_s": float("inf")} for name in sides}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name, fn in sides.items():
+                cpu, wall = time.process_time(), time.perf_counter()
+                fn()
+                best[name]["cpu_s"] = min(best[name]["cpu_s"], time.process_time() - cpu)
+                best[name]["wall_s"] = min(best[name]["wall_s"], time.perf_counter() - wall)
+    return best
+
+
+def scan_row(shape: MambaShape, seqs: int, tokens: int, repeats: int, short: int | None = None) -> dict:
+    """`short`: a padded wave, as the mixer batches it: row 0 has `tokens`, the others `short`."""
+    g = torch.Generator().manual_seed(seqs * tokens)
+    h, p, n, groups = shape.n_heads, shape.head_dim, shape.d_state, shape.n_groups
+    x = torch.randn(seqs, tokens, h, p, generator=g)
+    dt = torch.rand(seqs, tokens, h, generator=g) * 0.1
+    A = -torch.rand(h, generator=g) * 4
+    B, C = (torch.randn(seqs, tokens, groups, n, generator=g) for _ in range(2))
+    s0 = torch.randn(seqs, h, p, n, generator=g)
+    lengths = torch.full((seqs,), tokens)
+    if short is not None:
+        lengths[1:] = short
+        dt[1:, short:] = 0.0  # padding, as the mixer fills it
+    chunk = min(shape.chunk_size, max(16, 1 << (tokens - 1).bit_length()))  # as the mixer picks it
+    sides = {
+        "reference": lambda: chunked_scan_grouped(x, dt, A, B, C, chunk, s0),
+        "fast": lambda: recurrent_scan(x, dt, A, B, C, chunk, s0, lengths=lengths),
+    }
+    times = _time(sides, repeats)
+    (y_ref, s_ref), (y, s) = sides["reference"](), sides["fast"]()
+    real = torch.arange(tokens)[None, :] < lengths[:, None]
+    err = max((y - y_ref)[real].abs().max().item(), (s - s_ref).abs().max().item())
+    kind = "prefill scan" if short is None else f"prefill scan, padded wave (rows 2.. have {short})"
+    return {"kind": kind, "batch": seqs, "tokens": tokens, "max_abs_diff": err, **_sides(times)}
+
+
+def prefill_attention_row(shape: AttentionShape, chunk: int, history: int, repeats: int) -> dict:
+    torch.manual_seed(chunk + history)
+    attn = Attention(shape.n_heads * shape.head_dim, shape).requires_grad_(False)
+    blocks = -(-(history + chunk) // BLOCK_SIZE)
+    kv = torch.randn(2, 1 + blocks, BLOCK_SIZE, shape.n_kv_heads, shape.head_dim)
+    table = torch.randperm(blocks) + 1
+    pos = torch.arange(history, history + chunk)
+    slots = table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    q = torch.randn(chunk, shape.n_heads, shape.head_dim)
+    k, v = (kv[i].view(-1, shape.n_kv_heads, shape.head_dim)[slots] for i in range(2))
+    seg = PrefillSegment(0, chunk, history, table, 0)
+    sides = {
+        "reference": lambda: attn._prefill(q, k, v, kv, seg),
+        "fast": lambda: attn._prefill_split(q, k, v, kv, seg),
+    }
+    times = _time(sides, repeats)
+    err = (sides["fast"]() - sides["reference"]()).abs().max().item()
+    return {"kind": "prefill attention", "batch": chunk, "tokens": history, "max_abs_diff": err, **_sides(times)}
+
+
+def attention_row(shape: AttentionShape, seqs: int, history: int, repeats: int) -> dict:
+    torch.manual_seed(seqs + history)
+    attn = Attention(shape.n_heads * shape.head_dim, shape).requires_grad_(False)
+    attn.kernels = decode_kernels()
+    width = -(-(history + 1) // BLOCK_SIZE)
+    kv = torch.randn(2, 1 + seqs * width, BLOCK_SIZE, shape.n_kv_heads, shape.head_dim)
+    order = torch.randperm(seqs * width) + 1  # blocks scattered through the pool, as after churn
+    group = DecodeGroup(
+        token_index=torch.arange(seqs),
+        context_lens=torch.full((seqs,), history),
+        block_tables=order.view(seqs, width),
+        state_slots=torch.arange(seqs),
+        covers_batch=True,
+    )
+    batch = ForwardBatch(torch.zeros(seqs, dtype=torch.long), group.context_lens, group.context_lens, (), group)
+    q = torch.randn(seqs, shape.n_heads, shape.head_dim)
+    sides = {"reference": lambda: attn._decode(q, kv, batch)}
+    if attn.kernels is not None:
+        sides["fast"] = lambda: attn._decode_paged(q, kv, batch)
+    times = _time(sides, repeats)
+    err = (sides["fast"]() - sides["reference"]()).abs().max().item() if "fast" in sides else None
+    return {"kind": "decode attention", "batch": seqs, "tokens": history, "max_abs_diff": err, **_sides(times)}
+
+
+def _sides(times: dict[str, dict[str, float]]) -> dict:
+    out = {f"{side}_{k}": v for side, t in times.items() for k, v in t.items()}
+    if "fast" in times:
+        out["speedup_cpu"] = times["reference"]["cpu_s"] / times["fast"]["cpu_s"]
+    return out
+
+
+def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool) -> str:
+    cpu = env["cpu"]
+    head = (
+        f"# Mixer kernels, fast vs reference{' (quick)' if quick else ''}\n\n"
+        f"`{arch.value}` / `bench` shapes, fp32, {env['torch_threads']} threads, CPU {cpu['model']} "
+        f"({', '.join(cpu['simd_flags'])}), torch {env['torch']}. Load average at start: "
+        f"{[round(v, 2) for v in env['load_average_1_5_15m']]} (a shared machine inflates every figure). "
+        "Min over repeats, sides alternated; ms of process CPU time (wall in brackets).\n\n"
+    )
+    table = [
+        [
+            r["kind"], f"{r['batch']} x {r['tokens']:,}",
+            f"{format_number(r['reference_cpu_s'] * 1e3)} ({format_number(r['reference_wall_s'] * 1e3)})",
+            f"{format_number(r['fast_cpu_s'] * 1e3)} ({format_number(r['fast_wall_s'] * 1e3)})" if "fast_cpu_s" in r else "—",
+            f"{r['speedup_cpu']:.2f}×" if "speedup_cpu" in r else "—",
+            f"{r['max_abs_diff']:.1e}" if r["max_abs_diff"] is not None else "—",
+        ]
+        for r in rows
+    ]  # fmt: skip
+    headers = [
+        "kernel", "sequences x tokens (prefill attention: chunk x history)",
+        "reference ms", "fast ms", "speedup (CPU)", "max |diff|",
+    ]  # fmt: skip
+    return head + markdown_table(headers, table, "llrrrr")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two rows per kernel, 3 repeats")
+    parser.add_argument("--arch", type=Arch, choices=list(Arch), default=Arch.GRANITEMOEHYBRID)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    plan, repeats = (QUICK, 3) if args.quick else (FULL, 7)
+    repeats = args.repeats or repeats
+    config = read_model_config(checkpoint_dir(args.arch, Preset.BENCH, 0, None))
+    built = {"scan_kernel_built": scan_kernels() is not None, "decode_kernels_built": decode_kernels() is not None}
+    env = environment_info() | built
+    rows = [scan_row(config.mamba, b, t, repeats) for b, t in plan["scan"]]
+    rows.append(scan_row(config.mamba, 8, 2048 if not args.quick else 512, repeats, short=32))
+    rows += [prefill_attention_row(config.attention, n, t, repeats) for n, t in plan["prefill_attention"]]
+    rows += [attention_row(config.attention, b, t, repeats) for b, t in plan["attention"]]
+    name = "kernels.quick" if args.quick else "kernels"
+    data = {"environment": env, "arch": args.arch.value, "repeats": repeats, "rows": rows}
+    json_path, md_path = write_results(name, data, markdown(rows, env, args.arch, args.quick), args.results_dir)
+    print(md_path.read_text())
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()
