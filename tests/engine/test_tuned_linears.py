@@ -64,6 +64,7 @@ def test_each_call_runs_its_buckets_backend():
         expected = F.linear(x, linear.weight, linear.bias) if backend is TORCH else packed_linear(x, packed, linear.bias)
         assert tuned.backend_for(rows) is backend
         assert torch.equal(tuned(x), expected), rows
+    assert tuned(torch.randn(0, 48)).shape == (0, 64)  # an empty batch is F.linear's
 
 
 def test_bucket_index_and_validation():

@@ -23,6 +23,7 @@ A packed weight is a copy: install after the weights are loaded (the runner does
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+log = logging.getLogger(__name__)
 
 class LinearBackend(Enum):
     TORCH = "torch"  # F.linear on the weight as loaded: the reference
@@ -137,7 +139,8 @@ class TunedLinear(nn.Linear):
         return self.choices[self.tuning.bucket_index(rows)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and self.backend_for(x.numel() // self.in_features) is LinearBackend.ONEDNN_PACKED:
+        rows = x.numel() // self.in_features
+        if self.packed is not None and rows and self.backend_for(rows) is LinearBackend.ONEDNN_PACKED:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -160,6 +163,8 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
     for m in _linears(model):
         by_shape.setdefault(LinearKey.of(m), []).append(m)
     choices, timings = {}, {}
+    start = time.perf_counter()
+    measured = 0
     for key, linears in by_shape.items():
         tunable = packing_available() and key.dtype == torch.float32 and linears[0].weight.device.type == "cpu"
         if not tunable:
@@ -168,8 +173,13 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
         cache_key = (key, len(linears), tuning, threads)
         if cache_key not in _measured:
             _measured[cache_key] = _measure(linears, tuning)
+            measured += 1
         choices[key], timings[key] = _measured[cache_key]
-    return LinearPlan(tuning, choices, timings)
+    plan = LinearPlan(tuning, choices, timings)
+    if measured:
+        log.info("linear backends: %d shapes measured in %.1f s, %d threads\n  %s",
+                 measured, time.perf_counter() - start, threads, "\n  ".join(plan.describe()))  # fmt: skip
+    return plan
 
 
 def _measure(linears: list[nn.Linear], tuning: LinearTuning):
