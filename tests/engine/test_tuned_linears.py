@@ -71,7 +71,8 @@ def test_bucket_index_and_validation():
     tuning = LinearTuning(buckets=(1, 2, 4, 8))
     assert [tuning.bucket_index(r) for r in (1, 2, 3, 4, 5, 8, 9, 1000)] == [0, 1, 2, 2, 3, 3, 3, 3]
     for bad in [dict(buckets=()), dict(buckets=(2, 4)), dict(buckets=(1, 4, 4)), dict(buckets=(1, 8, 4)),
-                dict(samples=0), dict(min_gain=0.9), dict(bucket_budget_s=0.0), dict(pass_rows=-1)]:  # fmt: skip
+                dict(samples=0), dict(min_gain=0.9), dict(bucket_budget_s=0.0), dict(total_budget_s=0.0),
+                dict(pass_rows=-1)]:  # fmt: skip
         with pytest.raises(ValueError):
             LinearTuning(**bad)
     with pytest.raises(ValueError):
@@ -93,6 +94,10 @@ def test_tuning_measures_every_fp32_shape_and_respects_the_margin():
     # Nothing beats F.linear by a factor of a million: the margin keeps the reference.
     strict = tune_linears(model, LinearTuning(buckets=(1, 4, 32), samples=3, min_gain=1e6))
     assert all(c == (TORCH,) * 3 for c in strict.choices.values())
+    # Out of time before the first bucket: nothing is timed and the reference stays.
+    hurried = tune_linears(model, LinearTuning(buckets=(1, 4, 32), samples=3, total_budget_s=1e-9))
+    assert all(c == (TORCH,) * 3 for c in hurried.choices.values())
+    assert all(t == ({}, {}, {}) for t in hurried.timings_us.values())
 
 
 def test_install_and_remove_keep_the_same_parameters(tiny):

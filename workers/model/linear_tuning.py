@@ -47,6 +47,7 @@ class LinearTuning:
     # moments of a shared machine; the minimum counts (one short call is rarely preempted).
     samples: int = 25
     bucket_budget_s: float = 0.03  # stop sampling a bucket after this long (at least 3 samples)
+    total_budget_s: float = 10.0  # all shapes and buckets; a loaded machine must not stall start-up
     pass_rows: int = 16  # up to this many rows, time passes over all weights of a shape (see _measure)
     min_gain: float = 1.05  # a packed backend must beat F.linear by this factor to be chosen
 
@@ -57,8 +58,8 @@ class LinearTuning:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.pass_rows < 0:
             raise ValueError(f"pass_rows must be >= 0, got {self.pass_rows}")
-        if self.bucket_budget_s <= 0:
-            raise ValueError(f"bucket_budget_s must be > 0, got {self.bucket_budget_s}")
+        if self.bucket_budget_s <= 0 or self.total_budget_s <= 0:
+            raise ValueError(f"time budgets must be > 0, got {self.bucket_budget_s}, {self.total_budget_s}")
         if self.min_gain < 1.0:
             raise ValueError(f"min_gain must be >= 1, got {self.min_gain}")
 
@@ -81,13 +82,16 @@ class LinearKey:
         return LinearKey(linear.out_features, linear.in_features, linear.bias is not None, linear.weight.dtype)
 
 
+Timings = dict[LinearBackend, float]  # µs per weight; empty where the total budget ran out
+
+
 @dataclass(frozen=True)
 class LinearPlan:
     """One backend per bucket for each weight shape, and the timings (µs) behind the choice."""
 
     tuning: LinearTuning
     choices: Mapping[LinearKey, tuple[LinearBackend, ...]]
-    timings_us: Mapping[LinearKey, tuple[dict[LinearBackend, float], ...]] = field(default_factory=dict)
+    timings_us: Mapping[LinearKey, tuple[Timings, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key, per_bucket in self.choices.items():
@@ -145,8 +149,8 @@ class TunedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-# (key, number of weights, tuning, threads) -> per-bucket choices and timings: measured once per process.
-_measured: dict[tuple, tuple[tuple[LinearBackend, ...], tuple[dict[LinearBackend, float], ...]]] = {}
+# (key, number of weights, tuning, threads) -> per-bucket choices and timings: once per process.
+_measured: dict[tuple, tuple[tuple[LinearBackend, ...], tuple[Timings, ...]]] = {}
 
 
 def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> LinearPlan:
@@ -154,7 +158,9 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
 
     Bounded: at most `samples` interleaved timings and about `bucket_budget_s` per shape and
     bucket, buckets up to 256 rows (larger prefill chunks follow the last bucket: by then
-    both backends are compute-bound).
+    both backends are compute-bound), and `total_budget_s` in all: buckets go smallest first
+    across all shapes (decode's are the ones that matter most), and a bucket left unmeasured
+    when the budget runs out takes the shape's previous choice.
     Other dtypes and devices, or a torch without oneDNN, keep the reference.
     """
     tuning = tuning or LinearTuning()
@@ -162,65 +168,84 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
     by_shape: dict[LinearKey, list[nn.Linear]] = {}
     for m in _linears(model):
         by_shape.setdefault(LinearKey.of(m), []).append(m)
-    choices, timings = {}, {}
-    start = time.perf_counter()
-    measured = 0
-    for key, linears in by_shape.items():
-        tunable = packing_available() and key.dtype == torch.float32 and linears[0].weight.device.type == "cpu"
-        if not tunable:
-            choices[key] = (LinearBackend.TORCH,) * len(tuning.buckets)
-            continue
-        cache_key = (key, len(linears), tuning, threads)
-        if cache_key not in _measured:
-            _measured[cache_key] = _measure(linears, tuning)
-            measured += 1
-        choices[key], timings[key] = _measured[cache_key]
-    plan = LinearPlan(tuning, choices, timings)
-    if measured:
+    fixed = (LinearBackend.TORCH,) * len(tuning.buckets)
+    tunable = {
+        key: linears
+        for key, linears in by_shape.items()
+        if packing_available() and key.dtype == torch.float32 and linears[0].weight.device.type == "cpu"
+    }
+    pending = {key: ls for key, ls in tunable.items() if (key, len(ls), tuning, threads) not in _measured}
+    if pending:
+        start = time.perf_counter()
+        for key, result in _measure_all(pending, tuning).items():
+            _measured[(key, len(pending[key]), tuning, threads)] = result
+        plan = LinearPlan(tuning, {k: _measured[(k, len(pending[k]), tuning, threads)][0] for k in pending})
         log.info("linear backends: %d shapes measured in %.1f s, %d threads\n  %s",
-                 measured, time.perf_counter() - start, threads, "\n  ".join(plan.describe()))  # fmt: skip
-    return plan
+                 len(pending), time.perf_counter() - start, threads, "\n  ".join(plan.describe()))  # fmt: skip
+    choices = {key: fixed for key in by_shape}
+    timings = {}
+    for key, linears in tunable.items():
+        choices[key], timings[key] = _measured[(key, len(linears), tuning, threads)]
+    return LinearPlan(tuning, choices, timings)
 
 
-def _measure(linears: list[nn.Linear], tuning: LinearTuning):
-    # In a forward pass every weight is read once, from memory rather than from the caches
-    # (the model is far bigger than the L3), which is what decides small batches: up to
-    # `pass_rows` rows one timed call is a pass over all the model's weights of this shape,
-    # in model order; beyond, the matmul is compute-bound and one weight stands for all.
-    weights = [m.weight.detach() for m in linears]
-    biases = [None if m.bias is None else m.bias.detach() for m in linears]
-    packs = [pack_weight(w) for w in weights]
+class _ShapeBench:
+    """The weights of one shape and their packed copies, timed on both backends.
 
-    def torch_pass(x, n):
-        for w, b in zip(weights[:n], biases[:n]):
-            F.linear(x, w, b)
+    In a forward pass every weight is read once, from memory rather than from the caches
+    (the model is far bigger than the L3), which is what decides small batches: up to
+    `pass_rows` rows one timed call is a pass over all the model's weights of this shape, in
+    model order; beyond, the matmul is compute-bound and one weight stands for all.
+    """
 
-    def packed_pass(x, n):
-        for p, b in zip(packs[:n], biases[:n]):
-            packed_linear(x, p, b)
+    def __init__(self, linears: list[nn.Linear]):
+        self.weights = [m.weight.detach() for m in linears]
+        self.biases = [None if m.bias is None else m.bias.detach() for m in linears]
+        self.packs = [pack_weight(w) for w in self.weights]
 
-    runs = {LinearBackend.TORCH: torch_pass, LinearBackend.ONEDNN_PACKED: packed_pass}
-    picks, times = [], []
+    def run(self, backend: LinearBackend, x: torch.Tensor, n: int) -> None:
+        if backend is LinearBackend.TORCH:
+            for w, b in zip(self.weights[:n], self.biases[:n]):
+                F.linear(x, w, b)
+        else:
+            for p, b in zip(self.packs[:n], self.biases[:n]):
+                packed_linear(x, p, b)
+
+    def measure(self, rows: int, tuning: LinearTuning) -> tuple[LinearBackend, Timings]:
+        x = torch.randn(rows, self.weights[0].shape[1], dtype=self.weights[0].dtype)
+        n = len(self.weights) if rows <= tuning.pass_rows else 1
+        backends = (LinearBackend.TORCH, LinearBackend.ONEDNN_PACKED)
+        best = {b: float("inf") for b in backends}
+        for backend in backends:  # warm-up: first touch, oneDNN primitive creation
+            self.run(backend, x, 1)
+        deadline = time.perf_counter() + tuning.bucket_budget_s
+        for sample in range(tuning.samples):
+            for backend in backends:  # interleaved: both see the same moments of a shared machine
+                start = time.perf_counter()
+                self.run(backend, x, n)
+                best[backend] = min(best[backend], (time.perf_counter() - start) / n)
+            if sample >= 2 and time.perf_counter() > deadline:
+                break
+        gain = best[LinearBackend.TORCH] / best[LinearBackend.ONEDNN_PACKED]
+        choice = LinearBackend.ONEDNN_PACKED if gain >= tuning.min_gain else LinearBackend.TORCH
+        return choice, {b: t * 1e6 for b, t in best.items()}
+
+
+def _measure_all(pending: dict[LinearKey, list[nn.Linear]], tuning: LinearTuning):
+    benches = {key: _ShapeBench(linears) for key, linears in pending.items()}
+    picks: dict[LinearKey, list[LinearBackend]] = {key: [] for key in pending}
+    times: dict[LinearKey, list[Timings]] = {key: [] for key in pending}
+    stop = time.perf_counter() + tuning.total_budget_s
     with torch.inference_mode():
         for rows in tuning.buckets:
-            x = torch.randn(rows, linears[0].in_features, dtype=weights[0].dtype)
-            n = len(weights) if rows <= tuning.pass_rows else 1
-            best = {b: float("inf") for b in runs}
-            for fn in runs.values():  # warm-up: first touch, oneDNN primitive creation
-                fn(x, 1)
-            deadline = time.perf_counter() + tuning.bucket_budget_s
-            for sample in range(tuning.samples):
-                for backend, fn in runs.items():
-                    start = time.perf_counter()
-                    fn(x, n)
-                    best[backend] = min(best[backend], (time.perf_counter() - start) / n)
-                if sample >= 2 and time.perf_counter() > deadline:
-                    break
-            us = {b: t * 1e6 for b, t in best.items()}
-            gain = best[LinearBackend.TORCH] / best[LinearBackend.ONEDNN_PACKED]
-            picks.append(LinearBackend.ONEDNN_PACKED if gain >= tuning.min_gain else LinearBackend.TORCH)
-            times.append(us)
-    return tuple(picks), tuple(times)
+            for key, bench in benches.items():
+                if time.perf_counter() < stop:
+                    choice, us = bench.measure(rows, tuning)
+                else:
+                    choice, us = (picks[key][-1] if picks[key] else LinearBackend.TORCH), {}
+                picks[key].append(choice)
+                times[key].append(us)
+    return {key: (tuple(picks[key]), tuple(times[key])) for key in pending}
 
 
 def install_tuned_linears(model: nn.Module, plan: LinearPlan) -> None:
