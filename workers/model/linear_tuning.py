@@ -35,6 +35,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+
 class LinearBackend(Enum):
     TORCH = "torch"  # F.linear on the weight as loaded: the reference
     ONEDNN_PACKED = "onednn_packed"  # oneDNN matmul on the weight reordered once into its blocked layout
@@ -43,12 +44,12 @@ class LinearBackend(Enum):
 @dataclass(frozen=True)
 class LinearTuning:
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    # Timed single calls per backend and bucket, interleaved so both backends see the same
-    # moments of a shared machine; the minimum counts (one short call is rarely preempted).
+    # Timed calls per backend and bucket, interleaved so both backends see the same moments
+    # of a shared machine; the minimum counts (a short call is rarely preempted).
     samples: int = 25
     bucket_budget_s: float = 0.03  # stop sampling a bucket after this long (at least 3 samples)
     total_budget_s: float = 10.0  # all shapes and buckets; a loaded machine must not stall start-up
-    pass_rows: int = 16  # up to this many rows, time passes over all weights of a shape (see _measure)
+    pass_rows: int = 16  # up to this many rows, time passes over all weights of a shape (see _ShapeBench)
     min_gain: float = 1.05  # a packed backend must beat F.linear by this factor to be chosen
 
     def __post_init__(self) -> None:
