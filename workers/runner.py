@@ -13,6 +13,7 @@ from workers.cache.layout import NULL_BLOCK, KVCacheLayout, MambaStateLayout, al
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.hybrid_lm import HybridLM
 from workers.model.kernels import decode_kernels
+from workers.model.linear_tuning import LinearPlan, tune_linears
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -24,19 +25,25 @@ class ModelRunner:
         state_layout: MambaStateLayout,
         device: str,
         fast_kernels: bool = True,
+        linear_plan: LinearPlan | None = None,
     ):
         """`fast_kernels`: decode through the fused CPU kernels when they build here (see
-        `workers.model.kernels`); False runs the pure-torch reference path."""
+        `workers.model.kernels`) and run the weight matmuls on the backends measured fastest
+        here (`workers.model.linear_tuning`); False runs the pure-torch reference path."""
         self.model = model
         self.device = device
-        self.set_fast_kernels(fast_kernels)
+        self.set_fast_kernels(fast_kernels, linear_plan)
         self.block_size = kv_layout.block_size
         self.caches = allocate_caches(kv_layout, state_layout, device)
 
-    def set_fast_kernels(self, enabled: bool) -> None:
-        """Switch between the fused CPU kernels (when they build here) and the reference path."""
-        self.kernels = decode_kernels() if enabled and torch.device(self.device).type == "cpu" else None
+    def set_fast_kernels(self, enabled: bool, linear_plan: LinearPlan | None = None) -> None:
+        """Switch between the fast path (fused CPU kernels when they build here; weight matmuls
+        on `linear_plan`, measured here when not given) and the reference path."""
+        fast = enabled and torch.device(self.device).type == "cpu"
+        self.kernels = decode_kernels() if fast else None
         self.model.use_kernels(self.kernels)
+        self.linear_plan = (linear_plan or tune_linears(self.model)) if fast else None
+        self.model.use_linear_plan(self.linear_plan)
 
     def apply_copies(self, copies: PendingCopies) -> None:
         """Copy-on-write of tail blocks, copies and zeroing of Mamba states, before the step runs."""

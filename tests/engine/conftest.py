@@ -24,6 +24,7 @@ from workers.checkpoint.metadata import ServingMetadata
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.engine import LLMEngine
 from workers.model.hybrid_lm import HybridLM
+from workers.model.linear_tuning import LinearPlan
 from workers.request import Request
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
@@ -165,7 +166,12 @@ def hf_greedy(ckpt: Checkpoint, prompt: list[int], n: int) -> list[int]:
 
 @torch.no_grad()
 def our_logits(
-    model: HybridLM, ids: list[int], chunks: list[int] | None = None, block_size: int = 16, fast_kernels: bool = True
+    model: HybridLM,
+    ids: list[int],
+    chunks: list[int] | None = None,
+    block_size: int = 16,
+    fast_kernels: bool = True,
+    linear_plan: LinearPlan | None = None,
 ) -> torch.Tensor:
     """Our model over `ids`, run as consecutive chunks of the given sizes through the runner
     (a chunk of 1 after the first token takes the decode path); logits of every position.
@@ -176,7 +182,7 @@ def our_logits(
     assert sum(chunks) == len(ids)
     n_blocks = -(-len(ids) // block_size)
     kv, state = layouts_for(model.config, n_blocks + 3, block_size, 3, torch.float32)
-    runner = ModelRunner(model, kv, state, "cpu", fast_kernels=fast_kernels)
+    runner = ModelRunner(model, kv, state, "cpu", fast_kernels=fast_kernels, linear_plan=linear_plan)
     table = list(range(n_blocks + 2, 2, -1))  # [n+2, n+1, ..., 3]: reversed, skipping 1 and 2
     request = Request("ref", list(ids), GREEDY)
     out, start = [], 0

@@ -15,6 +15,7 @@ from workers.model.attention import Attention
 from workers.model.config import BlockSpec, HybridModelConfig, MixerKind
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import MLP, RMSNorm, RotaryEmbedding
+from workers.model.linear_tuning import LinearPlan, install_tuned_linears, remove_tuned_linears
 from workers.model.mamba_mixer import MambaMixer
 
 
@@ -52,7 +53,6 @@ class Block(nn.Module):
         if self.residual_multiplier == 1.0:
             return h + x
         return torch.add(h, x, alpha=self.residual_multiplier)  # h + r * x in one op
-        return h
 
 
 class HybridLM(nn.Module):
@@ -76,6 +76,13 @@ class HybridLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "kernels"):
                 module.kernels = kernels
+
+    def use_linear_plan(self, plan: LinearPlan | None) -> None:
+        """Run the weight matmuls on the plan's measured backends (`workers.model.linear_tuning`),
+        or, with None, on plain `F.linear` everywhere (the reference)."""
+        remove_tuned_linears(self)
+        if plan is not None:
+            install_tuned_linears(self, plan)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states after the final norm, one row per token of the flat batch."""

@@ -1,0 +1,147 @@
+"""Weight matmuls on measured backends (`workers.model.linear_tuning`) against plain F.linear.
+
+Layer level: a packed oneDNN linear equals F.linear within fp32 tolerance for 1..300 rows,
+with and without bias, 2-D and 3-D inputs, and each call goes to its bucket's backend.
+Model level: installing and removing a plan keeps the very same parameters (the verifier
+and the checkpoint see nothing else), and the engine on packed weights gives the same greedy
+tokens and logits within tolerance as the reference path, through prefills and decodes of
+different batch sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.engine.conftest import LogitRecorder, assert_logits_close, new_engine, our_logits, prompt_of, run_engine
+from workers.checkpoint import Arch
+from workers.model.linear_tuning import (
+    LinearBackend,
+    LinearKey,
+    LinearPlan,
+    LinearTuning,
+    TunedLinear,
+    pack_weight,
+    packed_linear,
+    packing_available,
+    tune_linears,
+)
+from workers.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
+PACKED, TORCH = LinearBackend.ONEDNN_PACKED, LinearBackend.TORCH
+
+
+def _linear(out_features: int, in_features: int, bias: bool, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, 300])
+def test_packed_linear_equals_reference(bias, rows):
+    linear = _linear(96, 80, bias, seed=rows)
+    tuning = LinearTuning()
+    tuned = TunedLinear(linear, (PACKED,) * len(tuning.buckets), tuning)
+    x = torch.randn(rows, 80) * 2
+    assert tuned.backend_for(rows) is PACKED
+    torch.testing.assert_close(tuned(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-4)
+    x3 = x.view(1, rows, 80)  # leading dimensions are rows too
+    torch.testing.assert_close(tuned(x3), F.linear(x3, linear.weight, linear.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_each_call_runs_its_buckets_backend():
+    """TORCH for 1 and 3-4 rows, packed for 2 and for anything beyond 4 (the last bucket)."""
+    linear = _linear(64, 48, True, seed=0)
+    tuning = LinearTuning(buckets=(1, 2, 4, 8))
+    tuned = TunedLinear(linear, (TORCH, PACKED, TORCH, PACKED), tuning)
+    packed = pack_weight(linear.weight)
+    for rows, backend in [(1, TORCH), (2, PACKED), (3, TORCH), (4, TORCH), (5, PACKED), (8, PACKED), (100, PACKED)]:
+        x = torch.randn(rows, 48)
+        expected = F.linear(x, linear.weight, linear.bias) if backend is TORCH else packed_linear(x, packed, linear.bias)
+        assert tuned.backend_for(rows) is backend
+        assert torch.equal(tuned(x), expected), rows
+    assert tuned(torch.randn(0, 48)).shape == (0, 64)  # an empty batch is F.linear's
+
+
+def test_bucket_index_and_validation():
+    tuning = LinearTuning(buckets=(1, 2, 4, 8))
+    assert [tuning.bucket_index(r) for r in (1, 2, 3, 4, 5, 8, 9, 1000)] == [0, 1, 2, 2, 3, 3, 3, 3]
+    for bad in [dict(buckets=()), dict(buckets=(2, 4)), dict(buckets=(1, 4, 4)), dict(buckets=(1, 8, 4)),
+                dict(samples=0), dict(min_gain=0.9), dict(bucket_budget_s=0.0), dict(total_budget_s=0.0),
+                dict(pass_rows=-1)]:  # fmt: skip
+        with pytest.raises(ValueError):
+            LinearTuning(**bad)
+    with pytest.raises(ValueError):
+        LinearPlan(tuning, {LinearKey(4, 4, False, torch.float32): (TORCH,) * 3})
+
+
+def test_tuning_measures_every_fp32_shape_and_respects_the_margin():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32, bias=False), nn.Linear(32, 64), nn.Linear(32, 16))
+    model[3].to(torch.bfloat16)  # not tuned: keeps the reference without being timed
+    tuning = LinearTuning(buckets=(1, 4, 32), samples=3)
+    plan = tune_linears(model, tuning)
+    keys = {LinearKey.of(m) for m in model}
+    assert set(plan.choices) == keys and len(keys) == 3
+    bf16 = LinearKey.of(model[3])
+    assert plan.choices[bf16] == (TORCH,) * 3 and bf16 not in plan.timings_us
+    for key in keys - {bf16}:
+        assert all(t[b] > 0 for t in plan.timings_us[key] for b in (TORCH, PACKED))
+    # Nothing beats F.linear by a factor of a million: the margin keeps the reference.
+    strict = tune_linears(model, LinearTuning(buckets=(1, 4, 32), samples=3, min_gain=1e6))
+    assert all(c == (TORCH,) * 3 for c in strict.choices.values())
+    # Out of time before the first bucket: nothing is timed and the reference stays.
+    hurried = tune_linears(model, LinearTuning(buckets=(1, 4, 32), samples=3, total_budget_s=1e-9))
+    assert all(c == (TORCH,) * 3 for c in hurried.choices.values())
+    assert all(t == ({}, {}, {}) for t in hurried.timings_us.values())
+
+
+def test_install_and_remove_keep_the_same_parameters(tiny):
+    model = tiny[Arch.GRANITEMOEHYBRID].ours
+    before = dict(model.named_parameters())
+    model.use_linear_plan(LinearPlan.fixed(model, PACKED))
+    model.use_linear_plan(LinearPlan.fixed(model, PACKED))  # replaces, never wraps twice
+    tuned = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert tuned and all(type(m) is TunedLinear and m.packed is not None for m in tuned)
+    assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in before.items()}
+    model.use_linear_plan(None)
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in before.items()}
+
+
+@ARCHS
+def test_packed_model_logits_equal_reference(tiny, arch):
+    """Prefill 20 then decode one token at a time, every position's logits: packed vs F.linear."""
+    model = tiny[arch].ours
+    ids = prompt_of(30, seed=7)
+    split = [20] + [1] * 10
+    reference = our_logits(model, ids, split, fast_kernels=False)
+    packed = our_logits(model, ids, split, linear_plan=LinearPlan.fixed(model, PACKED))
+    assert all(type(m) is TunedLinear for m in model.modules() if isinstance(m, nn.Linear))
+    assert_logits_close(packed, reference)
+    model.use_linear_plan(None)
+
+
+@ARCHS
+def test_engine_on_packed_weights_equals_reference(tiny, arch):
+    """Requests of different lengths: prefill batches and decode batches of 6 down to 1 rows."""
+    prompts = {f"r{i}": prompt_of(4 + 9 * i, seed=i) for i in range(6)}
+    params = {rid: SamplingParams(max_tokens=2 + 3 * i, temperature=0.0, ignore_eos=True)
+              for i, rid in enumerate(prompts)}  # fmt: skip
+    runs, recorders = [], []
+    for plan in (LinearPlan.fixed(tiny[arch].ours, PACKED), None):
+        engine = new_engine(tiny[arch].path)
+        if plan is None:
+            engine.runner.set_fast_kernels(False)
+        else:
+            engine.runner.set_fast_kernels(True, plan)
+            assert engine.runner.linear_plan is plan
+        recorders.append(LogitRecorder(engine))
+        runs.append(run_engine(engine, prompts, params))
+    assert runs[0].tokens == runs[1].tokens
+    for rid in prompts:
+        assert_logits_close(recorders[0].stacked(rid), recorders[1].stacked(rid))

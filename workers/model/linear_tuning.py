@@ -1,0 +1,280 @@
+"""Weight matmuls on the fastest backend this CPU has for each weight shape and batch size.
+
+`F.linear` (MKL sgemm on the weight as loaded) is the reference. oneDNN can reorder a weight
+once into its blocked layout and then multiply small batches near memory bandwidth, where
+sgemm at 2-64 rows is several times slower; at one row sgemm's gemv is often the faster one,
+and which wins depends on the shape and the CPU (AVX2 here, AVX-512/AMX elsewhere). So the
+choice is measured, never assumed: at start-up every distinct weight shape is timed on each
+backend for each row bucket, and the model's linears then dispatch on the number of rows.
+
+    rows of x:     1    2    3-4  5-8  ...  129-256  >256
+    bucket:        1    2    4    8    ...  256      256 (the last bucket covers the rest)
+    choice:      TORCH PACKED ...            (per weight shape, measured here)
+
+    plan = tune_linears(model)             # measured once per process per shape, then cached
+    install_tuned_linears(model, plan)     # nn.Linear -> TunedLinear (same parameters)
+    remove_tuned_linears(model)            # back to plain nn.Linear: the reference everywhere
+
+Only the fast path changes: the deterministic verifier multiplies `layer.weight` with
+`F.linear` itself, so its fixed-shape results never depend on what was measured here.
+A packed weight is a copy: install after the weights are loaded (the runner does).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class LinearBackend(Enum):
+    TORCH = "torch"  # F.linear on the weight as loaded: the reference
+    ONEDNN_PACKED = "onednn_packed"  # oneDNN matmul on the weight reordered once into its blocked layout
+
+
+@dataclass(frozen=True)
+class LinearTuning:
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # Timed calls per backend and bucket, interleaved so both backends see the same moments
+    # of a shared machine; the minimum counts (a short call is rarely preempted).
+    samples: int = 25
+    bucket_budget_s: float = 0.03  # stop sampling a bucket after this long (at least 3 samples)
+    total_budget_s: float = 10.0  # all shapes and buckets; a loaded machine must not stall start-up
+    pass_rows: int = 16  # up to this many rows, time passes over all weights of a shape (see _ShapeBench)
+    min_gain: float = 1.05  # a packed backend must beat F.linear by this factor to be chosen
+
+    def __post_init__(self) -> None:
+        if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] != 1:
+            raise ValueError(f"buckets must be strictly increasing from 1, got {self.buckets}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.pass_rows < 0:
+            raise ValueError(f"pass_rows must be >= 0, got {self.pass_rows}")
+        if self.bucket_budget_s <= 0 or self.total_budget_s <= 0:
+            raise ValueError(f"time budgets must be > 0, got {self.bucket_budget_s}, {self.total_budget_s}")
+        if self.min_gain < 1.0:
+            raise ValueError(f"min_gain must be >= 1, got {self.min_gain}")
+
+    def bucket_index(self, rows: int) -> int:
+        """The smallest bucket holding `rows`; the last bucket for anything larger."""
+        return min(bisect.bisect_left(self.buckets, rows), len(self.buckets) - 1)
+
+
+@dataclass(frozen=True)
+class LinearKey:
+    """What a tuning decision depends on: one weight shape (and dtype, and whether it has a bias)."""
+
+    out_features: int
+    in_features: int
+    bias: bool
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(linear: nn.Linear) -> LinearKey:
+        return LinearKey(linear.out_features, linear.in_features, linear.bias is not None, linear.weight.dtype)
+
+
+Timings = dict[LinearBackend, float]  # µs per weight; empty where the total budget ran out
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """One backend per bucket for each weight shape, and the timings (µs) behind the choice."""
+
+    tuning: LinearTuning
+    choices: Mapping[LinearKey, tuple[LinearBackend, ...]]
+    timings_us: Mapping[LinearKey, tuple[Timings, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key, per_bucket in self.choices.items():
+            if len(per_bucket) != len(self.tuning.buckets):
+                raise ValueError(f"{key}: {len(per_bucket)} choices for {len(self.tuning.buckets)} buckets")
+
+    @staticmethod
+    def fixed(model: nn.Module, backend: LinearBackend, tuning: LinearTuning | None = None) -> LinearPlan:
+        """The same backend for every weight and bucket (tests pin each path this way)."""
+        tuning = tuning or LinearTuning()
+        keys = {LinearKey.of(m) for m in _linears(model)}
+        return LinearPlan(tuning, {k: (backend,) * len(tuning.buckets) for k in keys})
+
+    def describe(self) -> list[str]:
+        """One line per weight shape: the backend of each bucket."""
+        lines = []
+        for key, per_bucket in sorted(self.choices.items(), key=lambda kv: (kv[0].out_features, kv[0].in_features)):
+            picks = " ".join(f"{b}:{c.name}" for b, c in zip(self.tuning.buckets, per_bucket))
+            lines.append(f"{key.out_features}x{key.in_features}: {picks}")
+        return lines
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout (a copy; no batch-size hint, so one pack serves all)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class TunedLinear(nn.Linear):
+    """An nn.Linear (the same weight and bias parameters) that runs each call on its plan's
+    backend for that many rows."""
+
+    def __init__(self, linear: nn.Linear, choices: tuple[LinearBackend, ...], tuning: LinearTuning):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.tuning, self.choices = tuning, choices
+        self.packed = pack_weight(self.weight) if LinearBackend.ONEDNN_PACKED in choices else None
+
+    def backend_for(self, rows: int) -> LinearBackend:
+        return self.choices[self.tuning.bucket_index(rows)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.packed is not None and rows and self.backend_for(rows) is LinearBackend.ONEDNN_PACKED:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+# (key, number of weights, tuning, threads) -> per-bucket choices and timings: once per process.
+_measured: dict[tuple, tuple[tuple[LinearBackend, ...], tuple[Timings, ...]]] = {}
+
+
+def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> LinearPlan:
+    """Measure each distinct fp32 CPU weight shape of the model on every backend and bucket.
+
+    Bounded: at most `samples` interleaved timings and about `bucket_budget_s` per shape and
+    bucket, buckets up to 256 rows (larger prefill chunks follow the last bucket: by then
+    both backends are compute-bound), and `total_budget_s` in all: buckets go smallest first
+    across all shapes (decode's are the ones that matter most), and a bucket left unmeasured
+    when the budget runs out takes the shape's previous choice.
+    Other dtypes and devices, or a torch without oneDNN, keep the reference.
+    """
+    tuning = tuning or LinearTuning()
+    threads = torch.get_num_threads()
+    by_shape: dict[LinearKey, list[nn.Linear]] = {}
+    for m in _linears(model):
+        by_shape.setdefault(LinearKey.of(m), []).append(m)
+    fixed = (LinearBackend.TORCH,) * len(tuning.buckets)
+    tunable = {
+        key: linears
+        for key, linears in by_shape.items()
+        if packing_available() and key.dtype == torch.float32 and linears[0].weight.device.type == "cpu"
+    }
+    pending = {key: ls for key, ls in tunable.items() if (key, len(ls), tuning, threads) not in _measured}
+    if pending:
+        start = time.perf_counter()
+        for key, result in _measure_all(pending, tuning).items():
+            _measured[(key, len(pending[key]), tuning, threads)] = result
+        plan = LinearPlan(tuning, {k: _measured[(k, len(pending[k]), tuning, threads)][0] for k in pending})
+        log.info("linear backends: %d shapes measured in %.1f s, %d threads\n  %s",
+                 len(pending), time.perf_counter() - start, threads, "\n  ".join(plan.describe()))  # fmt: skip
+    choices = {key: fixed for key in by_shape}
+    timings = {}
+    for key, linears in tunable.items():
+        choices[key], timings[key] = _measured[(key, len(linears), tuning, threads)]
+    return LinearPlan(tuning, choices, timings)
+
+
+class _ShapeBench:
+    """The weights of one shape and their packed copies, timed on both backends.
+
+    In a forward pass every weight is read once, from memory rather than from the caches
+    (the model is far bigger than the L3), which is what decides small batches: up to
+    `pass_rows` rows one timed call is a pass over all the model's weights of this shape, in
+    model order; beyond, the matmul is compute-bound and one weight stands for all.
+    """
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.weights = [m.weight.detach() for m in linears]
+        self.biases = [None if m.bias is None else m.bias.detach() for m in linears]
+        self.packs = [pack_weight(w) for w in self.weights]
+
+    def run(self, backend: LinearBackend, x: torch.Tensor, n: int) -> None:
+        if backend is LinearBackend.TORCH:
+            for w, b in zip(self.weights[:n], self.biases[:n]):
+                F.linear(x, w, b)
+        else:
+            for p, b in zip(self.packs[:n], self.biases[:n]):
+                packed_linear(x, p, b)
+
+    def measure(self, rows: int, tuning: LinearTuning) -> tuple[LinearBackend, Timings]:
+        x = torch.randn(rows, self.weights[0].shape[1], dtype=self.weights[0].dtype)
+        n = len(self.weights) if rows <= tuning.pass_rows else 1
+        backends = (LinearBackend.TORCH, LinearBackend.ONEDNN_PACKED)
+        best = {b: float("inf") for b in backends}
+        for backend in backends:  # warm-up: first touch, oneDNN primitive creation
+            self.run(backend, x, 1)
+        deadline = time.perf_counter() + tuning.bucket_budget_s
+        for sample in range(tuning.samples):
+            for backend in backends:  # interleaved: both see the same moments of a shared machine
+                start = time.perf_counter()
+                self.run(backend, x, n)
+                best[backend] = min(best[backend], (time.perf_counter() - start) / n)
+            if sample >= 2 and time.perf_counter() > deadline:
+                break
+        gain = best[LinearBackend.TORCH] / best[LinearBackend.ONEDNN_PACKED]
+        choice = LinearBackend.ONEDNN_PACKED if gain >= tuning.min_gain else LinearBackend.TORCH
+        return choice, {b: t * 1e6 for b, t in best.items()}
+
+
+def _measure_all(pending: dict[LinearKey, list[nn.Linear]], tuning: LinearTuning):
+    benches = {key: _ShapeBench(linears) for key, linears in pending.items()}
+    picks: dict[LinearKey, list[LinearBackend]] = {key: [] for key in pending}
+    times: dict[LinearKey, list[Timings]] = {key: [] for key in pending}
+    stop = time.perf_counter() + tuning.total_budget_s
+    with torch.inference_mode():
+        for rows in tuning.buckets:
+            for key, bench in benches.items():
+                if time.perf_counter() < stop:
+                    choice, us = bench.measure(rows, tuning)
+                else:
+                    choice, us = (picks[key][-1] if picks[key] else LinearBackend.TORCH), {}
+                picks[key].append(choice)
+                times[key].append(us)
+    return {key: (tuple(picks[key]), tuple(times[key])) for key in pending}
+
+
+def install_tuned_linears(model: nn.Module, plan: LinearPlan) -> None:
+    """Replace every linear of the model by a TunedLinear following the plan (weights shared)."""
+    for parent, name, linear in _linear_children(model):
+        choices = plan.choices.get(LinearKey.of(linear), (LinearBackend.TORCH,) * len(plan.tuning.buckets))
+        setattr(parent, name, TunedLinear(linear, choices, plan.tuning))
+
+
+def remove_tuned_linears(model: nn.Module) -> None:
+    """Put plain nn.Linear modules back (the same parameters): the reference path."""
+    for parent, name, linear in _linear_children(model):
+        if isinstance(linear, TunedLinear):
+            plain = nn.Linear.__new__(nn.Linear)
+            nn.Module.__init__(plain)
+            plain.in_features, plain.out_features = linear.in_features, linear.out_features
+            plain.weight, plain.bias = linear.weight, linear.bias
+            setattr(parent, name, plain)
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def _linear_children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
