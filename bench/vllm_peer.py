@@ -23,6 +23,11 @@ import sys
 import time
 import traceback
 
+# Run as a script, this file's folder is sys.path[0]: a module of ours there (e.g. one named
+# like a package transformers probes for, such as `kernels`) would shadow the venv's own.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
 
 def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()

@@ -1,6 +1,6 @@
 """Sequence-mixer kernels, fast path vs the pure-torch reference beside it, on the `bench` shapes.
 
-    python -m bench.kernels [--quick] [--arch granitemoehybrid] [--repeats 7]
+    python -m bench.kernel_speed [--quick] [--arch granitemoehybrid] [--repeats 7]
 
 Rows:
   prefill scan      `ssd.chunked_scan_grouped` (SSD, the fallback) vs `ssd.recurrent_scan`
