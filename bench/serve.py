@@ -13,7 +13,10 @@ weights, made in a temp dir), against, one at a time on an otherwise idle benchm
       to die on the first long chat (the failure is caught and recorded), so also
   (d) vLLM with `--no-enable-prefix-caching`.
   vLLM needs `--gpu-memory-utilization` lowered on this machine (it reserves that fraction
-  of the NUMA node's memory and refuses to start when less is free); otherwise default flags.
+  of the NUMA node's memory and refuses to start when less is free), and `--dtype float32`:
+  with `auto` it downcasts our fp32 checkpoint to its CPU platform's first dtype, bf16, which
+  is emulated (slow) on CPUs without native bf16, while our app serves fp32; otherwise
+  default flags.
 
 Per turn: TTFT p50/p99 over the conversations (time to the first streamed content), prompt
 tokens, `usage.prompt_tokens_details.cached_tokens`; per mode: output tokens/s (all
@@ -256,7 +259,7 @@ def measure_vllm(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) 
     for mode, extra in (("c", []), ("d", ["--no-enable-prefix-caching"])):
         port = free_port()
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", VLLM_MEMORY_FRACTION, *extra]
+                "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", VLLM_MEMORY_FRACTION, "--dtype", "float32", *extra]
         server = ServerProcess(f"vllm ({mode})", argv, vllm_env(), tmp, tmp / f"vllm-{mode}.log",
                                f"http://127.0.0.1:{port}/health")
         rec: dict = {"command": argv}
