@@ -114,8 +114,8 @@ class MambaMixer(nn.Module):
         if self.fast.scan is not None:  # the recurrence skips each row's padding; the SSD scans run it
             scan, final = recurrent_scan(self.fast.scan, x, step, c.A, B, C, ssm[slots], lengths)
         else:
-            ssd = chunked_scan_grouped if self.fast.on else chunked_scan
-            scan, final = ssd(x, step, c.A, B, C, _scan_chunk(s.chunk_size, longest), ssm[slots])
+            ssd_scan = chunked_scan_grouped if self.fast.on else chunked_scan
+            scan, final = ssd_scan(x, step, c.A, B, C, _scan_chunk(s.chunk_size, longest), ssm[slots])
         ssm[slots] = final.to(ssm.dtype)
         scan = (scan + x * c.D[:, None]).reshape(k, longest, s.intermediate)
         y[rows[valid]] = scan[valid].to(y.dtype)
