@@ -30,6 +30,7 @@ from bench.engine import checkpoint_dir
 from workers.checkpoint import Arch, Preset
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape, MambaShape
+from workers.model.fast_path import FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.kernels import decode_kernels
 from workers.model.loader import read_model_config
@@ -72,14 +73,16 @@ def scan_row(shape: MambaShape, seqs: int, tokens: int, repeats: int, short: int
         lengths[1:] = short
         dt[1:, short:] = 0.0  # padding, as the mixer fills it
     chunk = min(shape.chunk_size, max(16, 1 << (tokens - 1).bit_length()))  # as the mixer picks it
-    sides = {
-        "reference": lambda: chunked_scan_grouped(x, dt, A, B, C, chunk, s0),
-        "fast": lambda: recurrent_scan(x, dt, A, B, C, chunk, s0, lengths=lengths),
-    }
+    kernel = scan_kernels()
+    sides = {"reference": lambda: chunked_scan_grouped(x, dt, A, B, C, chunk, s0)}
+    if kernel is not None:
+        sides["fast"] = lambda: recurrent_scan(kernel, x, dt, A, B, C, s0, lengths=lengths)
     times = _time(sides, repeats)
-    (y_ref, s_ref), (y, s) = sides["reference"](), sides["fast"]()
-    real = torch.arange(tokens)[None, :] < lengths[:, None]
-    err = max((y - y_ref)[real].abs().max().item(), (s - s_ref).abs().max().item())
+    err = None
+    if "fast" in sides:
+        (y_ref, s_ref), (y, s) = sides["reference"](), sides["fast"]()
+        real = torch.arange(tokens)[None, :] < lengths[:, None]
+        err = max((y - y_ref)[real].abs().max().item(), (s - s_ref).abs().max().item())
     kind = "prefill scan" if short is None else f"prefill scan, padded wave (rows 2.. have {short})"
     return {"kind": kind, "batch": seqs, "tokens": tokens, "max_abs_diff": err, **_sides(times)}
 
@@ -107,7 +110,7 @@ def prefill_attention_row(shape: AttentionShape, chunk: int, history: int, repea
 def attention_row(shape: AttentionShape, seqs: int, history: int, repeats: int) -> dict:
     torch.manual_seed(seqs + history)
     attn = Attention(shape.n_heads * shape.head_dim, shape).requires_grad_(False)
-    attn.kernels = decode_kernels()
+    attn.fast = FastPath(on=True, decode=decode_kernels())
     width = -(-(history + 1) // BLOCK_SIZE)
     kv = torch.randn(2, 1 + seqs * width, BLOCK_SIZE, shape.n_kv_heads, shape.head_dim)
     order = torch.randperm(seqs * width) + 1  # blocks scattered through the pool, as after churn
@@ -121,7 +124,7 @@ def attention_row(shape: AttentionShape, seqs: int, history: int, repeats: int) 
     batch = ForwardBatch(torch.zeros(seqs, dtype=torch.long), group.context_lens, group.context_lens, (), group)
     q = torch.randn(seqs, shape.n_heads, shape.head_dim)
     sides = {"reference": lambda: attn._decode(q, kv, batch)}
-    if attn.kernels is not None:
+    if attn.fast.decode is not None:
         sides["fast"] = lambda: attn._decode_paged(q, kv, batch)
     times = _time(sides, repeats)
     err = (sides["fast"]() - sides["reference"]()).abs().max().item() if "fast" in sides else None

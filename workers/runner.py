@@ -10,10 +10,12 @@ import torch
 
 from workers.cache.coordinator import PendingCopies
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout, MambaStateLayout, allocate_caches
+from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.hybrid_lm import HybridLM
 from workers.model.kernels import decode_kernels
 from workers.model.linear_tuning import LinearPlan, tune_linears
+from workers.model.scan_kernels import scan_kernels
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -27,9 +29,10 @@ class ModelRunner:
         fast_kernels: bool = True,
         linear_plan: LinearPlan | None = None,
     ):
-        """`fast_kernels`: decode through the fused CPU kernels when they build here (see
-        `workers.model.kernels`) and run the weight matmuls on the backends measured fastest
-        here (`workers.model.linear_tuning`); False runs the pure-torch reference path."""
+        """`fast_kernels`: run the fast path (`workers.model.fast_path`: the C++ kernels when
+        they build here, the pure-torch fast variants, and the weight matmuls on the backends
+        measured fastest here, `workers.model.linear_tuning`); False runs the pure-torch
+        reference path."""
         self.model = model
         self.device = device
         self.set_fast_kernels(fast_kernels, linear_plan)
@@ -37,12 +40,14 @@ class ModelRunner:
         self.caches = allocate_caches(kv_layout, state_layout, device)
 
     def set_fast_kernels(self, enabled: bool, linear_plan: LinearPlan | None = None) -> None:
-        """Switch between the fast path (fused CPU kernels when they build here; weight matmuls
-        on `linear_plan`, measured here when not given) and the reference path."""
-        fast = enabled and torch.device(self.device).type == "cpu"
-        self.kernels = decode_kernels() if fast else None
-        self.model.use_kernels(self.kernels)
-        self.linear_plan = (linear_plan or tune_linears(self.model)) if fast else None
+        """Switch between the fast path and the reference path. Turning it on builds (or finds
+        built) both C++ kernel modules and measures the weight matmuls (unless `linear_plan` is
+        given) here, at start-up, so that no forward on the engine thread ever compiles or
+        measures anything; a kernel that cannot be built is None and its reference runs."""
+        on = enabled and torch.device(self.device).type == "cpu"
+        self.fast = FastPath(on=True, decode=decode_kernels(), scan=scan_kernels()) if on else REFERENCE
+        self.model.use_fast_path(self.fast)
+        self.linear_plan = (linear_plan or tune_linears(self.model.blocks)) if on else None
         self.model.use_linear_plan(self.linear_plan)
 
     def apply_copies(self, copies: PendingCopies) -> None:
@@ -130,7 +135,7 @@ class ModelRunner:
         if not chunks:
             return None
         bs = self.block_size
-        if self.kernels is None:  # the reference updates contiguous slots in place: sort to find runs
+        if self.fast.decode is None:  # the reference updates contiguous slots in place: sort to find runs
             order = sorted(range(len(chunks)), key=lambda i: chunks[i].state_slot)
             rows, chunks = [rows[i] for i in order], [chunks[i] for i in order]
         # The fused kernels update any slots in place, so rows stay in batch order.

@@ -176,7 +176,8 @@ def our_logits(
     """Our model over `ids`, run as consecutive chunks of the given sizes through the runner
     (a chunk of 1 after the first token takes the decode path); logits of every position.
 
-    The block table is deliberately not in order, so paging arithmetic is exercised.
+    The block table is deliberately not in order, so paging arithmetic is exercised. The model
+    (often the shared session one) is left on the reference path afterwards.
     """
     chunks = chunks or [len(ids)]
     assert sum(chunks) == len(ids)
@@ -186,10 +187,13 @@ def our_logits(
     table = list(range(n_blocks + 2, 2, -1))  # [n+2, n+1, ..., 3]: reversed, skipping 1 and 2
     request = Request("ref", list(ids), GREEDY)
     out, start = [], 0
-    for n in chunks:
-        batch, _ = runner.build_batch([ScheduledChunk(request, start, n, table, state_slot=2)])
-        out.append(model.compute_logits(model(batch, runner.caches)))
-        start += n
+    try:
+        for n in chunks:
+            batch, _ = runner.build_batch([ScheduledChunk(request, start, n, table, state_slot=2)])
+            out.append(model.compute_logits(model(batch, runner.caches)))
+            start += n
+    finally:
+        runner.set_fast_kernels(False)
     return torch.cat(out).float()
 
 

@@ -22,9 +22,12 @@ from tests.engine.conftest import (
     run_engine,
 )
 from workers.checkpoint import Arch
+from workers.model import cpp_build
 from workers.model import kernels as kernel_module
+from workers.model import scan_kernels as scan_module
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape, MambaShape
+from workers.model.fast_path import FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch
 from workers.model.kernels import decode_kernels
 from workers.model.layers import GatedGroupRMSNorm, RMSNorm
@@ -33,6 +36,7 @@ from workers.model.ssd import chunked_scan, chunked_scan_grouped
 from workers.sampling import SamplingParams
 
 KERNELS = decode_kernels()
+FUSED = FastPath(on=True, decode=KERNELS)
 pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"kernels did not build: {kernel_module.build_failure()}")
 ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 
@@ -61,7 +65,7 @@ def test_mamba_decode_kernels_equal_reference(groups, dt_max):
     group = DecodeGroup(torch.arange(3), torch.zeros(3, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long), slots)
     ref_conv, ref_ssm = conv.clone(), ssm.clone()
     ref = mixer._decode(xbc, dt, ref_conv, ref_ssm, group)
-    mixer.kernels = KERNELS
+    mixer.fast = FUSED
     out = mixer._decode_fused(xbc, dt, conv, ssm, group)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ssm, ref_ssm, rtol=1e-5, atol=1e-5)
@@ -84,7 +88,7 @@ def test_paged_decode_attention_equals_reference(n_heads, n_kv_heads):
     batch = ForwardBatch(torch.zeros(5, dtype=torch.long), context_lens, torch.zeros(5, dtype=torch.long), (), group)
     q = torch.randn(5, n_heads, head_dim)
     ref = attn._decode(q, kv_cache, batch)
-    attn.kernels = KERNELS
+    attn.fast = FUSED
     torch.testing.assert_close(attn._decode_paged(q, kv_cache, batch), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -132,11 +136,14 @@ def test_engine_fused_equals_reference_with_scattered_slots(tiny, arch):
 
 def test_reference_path_when_kernels_cannot_build(monkeypatch):
     """No compiler on the machine: None with a reason, and the runner falls back to the reference."""
-    monkeypatch.setattr(kernel_module.shutil, "which", lambda name: None)
-    monkeypatch.setattr(kernel_module, "_put_pip_ninja_on_path", lambda: None)
-    monkeypatch.setattr(kernel_module, "_failure", None)
+    monkeypatch.setattr(cpp_build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpp_build, "_put_pip_ninja_on_path", lambda: None)
+    monkeypatch.setattr(cpp_build, "_failures", {})
     assert kernel_module.decode_kernels.__wrapped__() is None
     assert "ninja" in kernel_module.build_failure()
+    assert scan_module.build_failure() is None  # each source fails on its own
+    assert scan_module.scan_kernels.__wrapped__() is None
+    assert "ninja" in scan_module.build_failure()
 
 
 @pytest.mark.parametrize("groups", [1, 4])
@@ -147,7 +154,7 @@ def test_norm_kernels_equal_reference(groups):
     for norm in (plain, gated):
         norm.weight.data = torch.randn(64)
     refs = plain(x), gated(x, gate)
-    plain.kernels = gated.kernels = KERNELS
+    plain.fast = gated.fast = FUSED
     torch.testing.assert_close(plain(x), refs[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gated(x, gate), refs[1], rtol=1e-5, atol=1e-5)
 

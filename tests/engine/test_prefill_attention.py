@@ -15,6 +15,7 @@ from tests.engine.conftest import assert_logits_close, our_logits, prompt_of
 from workers.checkpoint import Arch
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape
+from workers.model.fast_path import FastPath
 from workers.model.forward_batch import ForwardBatch, PrefillSegment
 
 BLOCK = 4
@@ -68,7 +69,7 @@ def test_layer_forward_fast_equals_reference_on_a_chunk_after_history():
     h = torch.randn(n, s.n_heads * s.head_dim)
     batch = ForwardBatch(torch.zeros(n, dtype=torch.long), torch.arange(context, context + n), slots, (seg,), None)
     ref = layer(h, batch, kv.clone(), None)
-    layer.kernels = object()  # any module switches the fast path on; the split pass needs no kernel
+    layer.fast = FastPath(on=True)  # no kernel at all: the split pass is pure torch
     fast = layer(h, batch, kv.clone(), None)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
@@ -82,3 +83,17 @@ def test_chunked_prefill_on_the_fast_path_equals_one_shot_reference(tiny, arch):
     ref = our_logits(model, ids, fast_kernels=False)
     assert_logits_close(fast, ref)
     assert torch.equal(fast.argmax(-1), ref.argmax(-1))
+
+
+def test_split_prefill_gathers_only_the_history_blocks():
+    """The chunk's own K/V come from `k`, `v`: its blocks are never read. Entries past the
+    history's blocks that point nowhere valid change nothing (reading them would fail)."""
+    layer = _layer(8, 2, seed=4)
+    context, n = 13, 20  # history ends inside its 4th block; the chunk fills 5 more
+    q, k, v, kv, seg, _ = _chunk(layer, context, n, seed=9)
+    ref = layer._prefill(q, k, v, kv, seg)
+    history_blocks = -(-context // BLOCK)
+    nowhere = seg.block_table.clone()
+    nowhere[history_blocks:] = kv.shape[1] + 1000
+    fast = layer._prefill_split(q, k, v, kv, PrefillSegment(0, n, context, nowhere, 0))
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)

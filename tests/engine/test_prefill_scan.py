@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from workers.model import scan_kernels as scan_module
-from workers.model import ssd
 from workers.model.scan_kernels import scan_kernels
-from workers.model.ssd import chunked_scan, chunked_scan_grouped, recurrent_scan, recurrent_step
+from workers.model.ssd import chunked_scan, recurrent_scan, recurrent_step
 
 KERNEL = scan_kernels()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"scan kernel did not build: {scan_module.build_failure()}")
@@ -40,7 +39,7 @@ def test_recurrent_scan_equals_ssd_reference(b, length, h, p, g, n):
     x, dt, A, B, C, s0 = _inputs(b, length, h, p, g, n)
     before = s0.clone()
     y_ref, final_ref = chunked_scan(x, dt, A, B, C, 16, s0)
-    y, final = recurrent_scan(x, dt, A, B, C, 16, s0)
+    y, final = recurrent_scan(KERNEL, x, dt, A, B, C, s0)
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final, final_ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(s0, before)  # the caller's state is read, not written
@@ -53,7 +52,7 @@ def test_recurrent_scan_equals_token_by_token_recurrence(b, length, h, p, g, n):
     state, ys = s0.clone(), []
     for t in range(length):
         ys.append(recurrent_step(state, x[:, t], dt[:, t], A, B[:, t], C[:, t]))
-    y, final = recurrent_scan(x, dt, A, B, C, 16, s0)
+    y, final = recurrent_scan(KERNEL, x, dt, A, B, C, s0)
     torch.testing.assert_close(y, torch.stack(ys, dim=1), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final, state, rtol=1e-4, atol=1e-4)
 
@@ -67,12 +66,12 @@ def test_rows_stop_at_their_lengths_as_if_unpadded():
     x, dt, A, B, C, s0 = _inputs(2, 40, 4, 8, 2, 12)
     dt[1, 25:] = 0.0  # sequence 1 has 25 real tokens
     lengths = torch.tensor([40, 25])
-    y, final = recurrent_scan(x, dt, A, B, C, 16, s0, lengths=lengths)
-    y_short, final_short = recurrent_scan(x[1:, :25], dt[1:, :25], A, B[1:, :25], C[1:, :25], 16, s0[1:])
+    y, final = recurrent_scan(KERNEL, x, dt, A, B, C, s0, lengths=lengths)
+    y_short, final_short = recurrent_scan(KERNEL, x[1:, :25], dt[1:, :25], A, B[1:, :25], C[1:, :25], s0[1:])
     torch.testing.assert_close(final[1:], final_short, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y[1:, :25], y_short, rtol=1e-6, atol=1e-6)
     assert not y[1, 25:].any()
-    _, final_padded = recurrent_scan(x, dt, A, B, C, 16, s0)
+    _, final_padded = recurrent_scan(KERNEL, x, dt, A, B, C, s0)
     torch.testing.assert_close(final_padded, final, rtol=1e-6, atol=1e-6)
 
 
@@ -86,12 +85,3 @@ def test_kernel_rejects_non_fp32_or_mismatched_shapes():
         KERNEL.recurrent_scan(x, dt, A, B, C, s0[:, :2].contiguous(), full)
     with pytest.raises(RuntimeError, match="lengths"):
         KERNEL.recurrent_scan(x, dt, A, B, C, s0, torch.tensor([9]))
-
-
-def test_without_the_kernel_the_grouped_ssd_scan_runs(monkeypatch):
-    """No compiler here: `recurrent_scan` is the pure-torch grouped SSD scan, same result."""
-    monkeypatch.setattr(ssd, "scan_kernels", lambda: None)
-    x, dt, A, B, C, s0 = _inputs(2, 37, 8, 4, 2, 6)
-    y, final = recurrent_scan(x, dt, A, B, C, 16, s0)
-    y_grouped, final_grouped = chunked_scan_grouped(x, dt, A, B, C, 16, s0)
-    assert torch.equal(y, y_grouped) and torch.equal(final, final_grouped)

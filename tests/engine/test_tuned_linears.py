@@ -5,10 +5,14 @@ with and without bias, 2-D and 3-D inputs, and each call goes to its bucket's ba
 Model level: installing and removing a plan keeps the very same parameters (the verifier
 and the checkpoint see nothing else), and the engine on packed weights gives the same greedy
 tokens and logits within tolerance as the reference path, through prefills and decodes of
-different batch sizes.
+different batch sizes. Tuning: only the blocks' linears (not the LM head), one shape's packed
+copies at a time within `pass_bytes`, and the total budget ends even a single long bucket.
 """
 
 from __future__ import annotations
+
+import time
+import weakref
 
 import pytest
 import torch
@@ -16,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.engine.conftest import LogitRecorder, assert_logits_close, new_engine, our_logits, prompt_of, run_engine
+from workers.cache.layout import layouts_for
 from workers.checkpoint import Arch
+from workers.model import linear_tuning
 from workers.model.linear_tuning import (
     LinearBackend,
     LinearKey,
@@ -28,6 +34,7 @@ from workers.model.linear_tuning import (
     packing_available,
     tune_linears,
 )
+from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
@@ -72,7 +79,7 @@ def test_bucket_index_and_validation():
     assert [tuning.bucket_index(r) for r in (1, 2, 3, 4, 5, 8, 9, 1000)] == [0, 1, 2, 2, 3, 3, 3, 3]
     for bad in [dict(buckets=()), dict(buckets=(2, 4)), dict(buckets=(1, 4, 4)), dict(buckets=(1, 8, 4)),
                 dict(samples=0), dict(min_gain=0.9), dict(bucket_budget_s=0.0), dict(total_budget_s=0.0),
-                dict(pass_rows=-1)]:  # fmt: skip
+                dict(pass_rows=-1), dict(pass_bytes=0)]:  # fmt: skip
         with pytest.raises(ValueError):
             LinearTuning(**bad)
     with pytest.raises(ValueError):
@@ -103,27 +110,37 @@ def test_tuning_measures_every_fp32_shape_and_respects_the_margin():
 def test_install_and_remove_keep_the_same_parameters(tiny):
     model = tiny[Arch.GRANITEMOEHYBRID].ours
     before = dict(model.named_parameters())
-    model.use_linear_plan(LinearPlan.fixed(model, PACKED))
-    model.use_linear_plan(LinearPlan.fixed(model, PACKED))  # replaces, never wraps twice
-    tuned = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert tuned and all(type(m) is TunedLinear and m.packed is not None for m in tuned)
-    assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in before.items()}
-    model.use_linear_plan(None)
+    try:
+        model.use_linear_plan(LinearPlan.fixed(model, PACKED))
+        model.use_linear_plan(LinearPlan.fixed(model, PACKED))  # replaces, never wraps twice
+        tuned = [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
+        assert tuned and all(type(m) is TunedLinear and m.packed is not None for m in tuned)
+        assert type(model.lm_head) is nn.Linear  # compute_logits never calls it as a module
+        assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in before.items()}
+    finally:
+        model.use_linear_plan(None)
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
     assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in before.items()}
 
 
 @ARCHS
-def test_packed_model_logits_equal_reference(tiny, arch):
+def test_packed_model_logits_equal_reference(tiny, arch, monkeypatch):
     """Prefill 20 then decode one token at a time, every position's logits: packed vs F.linear."""
     model = tiny[arch].ours
     ids = prompt_of(30, seed=7)
     split = [20] + [1] * 10
     reference = our_logits(model, ids, split, fast_kernels=False)
+    calls = []
+
+    def counted(x, packed, bias):
+        calls.append(x.shape[0])
+        return packed_linear(x, packed, bias)
+
+    monkeypatch.setattr(linear_tuning, "packed_linear", counted)
     packed = our_logits(model, ids, split, linear_plan=LinearPlan.fixed(model, PACKED))
-    assert all(type(m) is TunedLinear for m in model.modules() if isinstance(m, nn.Linear))
+    assert 20 in calls and 1 in calls  # the prefill and the decodes ran on packed weights
     assert_logits_close(packed, reference)
-    model.use_linear_plan(None)
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))  # restored
 
 
 @ARCHS
@@ -145,3 +162,49 @@ def test_engine_on_packed_weights_equals_reference(tiny, arch):
     assert runs[0].tokens == runs[1].tokens
     for rid in prompts:
         assert_logits_close(recorders[0].stacked(rid), recorders[1].stacked(rid))
+
+
+def test_the_lm_head_is_neither_tuned_nor_packed(tiny):
+    """`compute_logits` multiplies the LM head's weight itself: timing or packing it would spend
+    start-up time and a copy of the largest weight for nothing."""
+    model = tiny[Arch.GRANITEMOEHYBRID].ours
+    head = LinearKey.of(model.lm_head)
+    assert all(LinearKey.of(m) != head for m in model.blocks.modules() if isinstance(m, nn.Linear))
+    kv, state = layouts_for(model.config, 8, 16, 3, torch.float32)
+    runner = ModelRunner(model, kv, state, "cpu", fast_kernels=True)
+    try:
+        assert runner.linear_plan.choices and head not in runner.linear_plan.choices
+        assert type(model.lm_head) is nn.Linear
+    finally:
+        runner.set_fast_kernels(False)
+
+
+def test_tuning_packs_one_shape_at_a_time_within_pass_bytes(monkeypatch):
+    """Measuring holds the packed copies of one shape at a time, at most `pass_bytes` of them,
+    and frees them before returning; every bucket of every shape is still measured."""
+    torch.manual_seed(1)
+    model = nn.Sequential(*(nn.Linear(40, 72) for _ in range(5)), *(nn.Linear(72, 40) for _ in range(5)))
+    live, peak = [0], [0]
+
+    def tracked(weight):
+        packed = pack_weight(weight)
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(packed, lambda: live.__setitem__(0, live[0] - 1))
+        return packed
+
+    monkeypatch.setattr(linear_tuning, "pack_weight", tracked)
+    plan = tune_linears(model, LinearTuning(buckets=(1, 4, 32), samples=3, pass_bytes=2 * 40 * 72 * 4))
+    assert peak[0] == 2 and live[0] == 0
+    assert len(plan.timings_us) == 2 and all(t for per_bucket in plan.timings_us.values() for t in per_bucket)
+
+
+def test_tuning_stops_inside_a_bucket_at_the_total_budget():
+    """A bucket allowed a million samples and a thousand seconds: the total budget still ends the
+    measuring (checked between timed calls, not only between buckets), each shape measured."""
+    model = nn.Sequential(nn.Linear(56, 24), nn.Linear(24, 56))
+    tuning = LinearTuning(buckets=(1,), samples=10**6, bucket_budget_s=1e3, total_budget_s=0.3)
+    start = time.perf_counter()
+    plan = tune_linears(model, tuning)
+    assert time.perf_counter() - start < 3.0
+    assert len(plan.timings_us) == 2 and all(t[0] for t in plan.timings_us.values())

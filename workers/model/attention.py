@@ -11,13 +11,12 @@ see exactly the cached history.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import AttentionShape
+from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import ForwardBatch
 from workers.model.layers import apply_rotary
 
@@ -29,7 +28,7 @@ class Attention(nn.Module):
         q_dim, kv_dim = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
         self.qkv = nn.Linear(hidden, q_dim + 2 * kv_dim, bias=shape.bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=shape.bias)
-        self.kernels: ModuleType | None = None  # fused decode kernels; None runs the reference
+        self.fast: FastPath = REFERENCE
 
     def forward(
         self,
@@ -53,12 +52,12 @@ class Attention(nn.Module):
         flat_v[batch.kv_slots] = v
 
         group = batch.decode
-        fused = self.kernels is not None and q.dtype == kv_cache.dtype == torch.float32
-        decode = self._decode_paged if fused else self._decode
+        fp32 = q.dtype == kv_cache.dtype == torch.float32
+        decode = self._decode_paged if self.fast.decode is not None and fp32 else self._decode
         if group is not None and group.covers_batch:  # a pure decode step, rows in order
             return self.o_proj(decode(q, kv_cache, batch).reshape(n, -1))
         out = torch.empty(n, s.n_heads, s.head_dim, dtype=h.dtype, device=h.device)
-        prefill = self._prefill_split if fused else self._prefill
+        prefill = self._prefill_split if self.fast.on and fp32 else self._prefill  # needs no kernel
         for seg in batch.prefills:
             rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
             out[rows] = prefill(q[rows], k[rows], v[rows], kv_cache, seg)
@@ -95,11 +94,18 @@ class Attention(nn.Module):
             keys:  [ history 0..context_len-1 | this chunk 0..n-1 ]
                      every query sees all        query i sees 0..i  (causal, square)
             out = (o_hist * exp(lse_hist - m) + o_new * exp(lse_new - m)) / (same weights summed)
+
+        Only the history's blocks are gathered (the chunk's own K/V are `k`, `v`):
+
+            block_table   [    7    |    2    |    9     |  4 ]    block_size 4
+            positions      0 1 2 3   4 5 6 7   8 9 10 11   12
+                           history 0..5 | chunk 6..12            context_len 6
+            gathered       table[: ceil(6 / 4)] = [7, 2], then positions 0..5 of them
         """
         if seg.context_len == 0:
             return self._prefill(q, k, v, kv_cache, seg)
         s = self.shape
-        hist = seg.block_table[None]
+        hist = seg.block_table[None, : -(-seg.context_len // kv_cache.shape[2])]
         keys = _gather(kv_cache[0], hist)[0, : seg.context_len]
         values = _gather(kv_cache[1], hist)[0, : seg.context_len]
         heads = [t.transpose(0, 1)[None] for t in (q, keys, values, k, v)]  # [1, heads, tokens, d]
@@ -114,7 +120,7 @@ class Attention(nn.Module):
         """`_decode` reading K/V blocks in place through the block tables (no padded copy of
         the batch's history each step): one pass with an online softmax per sequence and head."""
         group = batch.decode
-        return self.kernels.paged_decode_attention(
+        return self.fast.decode.paged_decode_attention(
             q.contiguous(), kv_cache[0], kv_cache[1], group.block_tables, group.context_lens + 1, self.shape.scale
         )
 

@@ -6,13 +6,12 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
 
 from workers.model.attention import Attention
 from workers.model.config import BlockSpec, HybridModelConfig, MixerKind
+from workers.model.fast_path import FastPath
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import MLP, RMSNorm, RotaryEmbedding
 from workers.model.linear_tuning import LinearPlan, install_tuned_linears, remove_tuned_linears
@@ -70,19 +69,21 @@ class HybridLM(nn.Module):
         attn = config.attention
         self.rotary = RotaryEmbedding(attn.rotary_dim, attn.rope_theta) if attn.rotary_dim else None
 
-    def use_kernels(self, kernels: ModuleType | None) -> None:
-        """Run the fused CPU kernels (`workers.model.kernels`: decode mixers, norms), or, with
-        None, the pure-torch reference path everywhere."""
+    def use_fast_path(self, fast: FastPath) -> None:
+        """Run what `fast` holds (`workers.model.fast_path`), or, with `fast_path.REFERENCE`, the
+        pure-torch reference path everywhere."""
         for module in self.modules():
-            if hasattr(module, "kernels"):
-                module.kernels = kernels
+            if hasattr(module, "fast"):
+                module.fast = fast
 
     def use_linear_plan(self, plan: LinearPlan | None) -> None:
-        """Run the weight matmuls on the plan's measured backends (`workers.model.linear_tuning`),
-        or, with None, on plain `F.linear` everywhere (the reference)."""
-        remove_tuned_linears(self)
+        """Run the blocks' weight matmuls on the plan's measured backends
+        (`workers.model.linear_tuning`), or, with None, on plain `F.linear` everywhere (the
+        reference). The LM head is not one of them: `compute_logits` multiplies its weight
+        (or the tied embedding) directly, once per sampled row."""
+        remove_tuned_linears(self.blocks)
         if plan is not None:
-            install_tuned_linears(self, plan)
+            install_tuned_linears(self.blocks, plan)
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states after the final norm, one row per token of the flat batch."""

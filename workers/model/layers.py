@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import MlpKind
+from workers.model.fast_path import REFERENCE, FastPath
 
 
 class RMSNorm(nn.Module):
@@ -16,11 +15,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.kernels: ModuleType | None = None  # fused CPU kernels (fp32); None runs the reference
+        self.fast: FastPath = REFERENCE  # fast.decode: the fused CPU kernels (fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dtype == torch.float32:
-            return self.kernels.rms_norm(x, self.weight, None, x.shape[-1], self.eps)
+        if self.fast.decode is not None and x.dtype == torch.float32:
+            return self.fast.decode.rms_norm(x, self.weight, None, x.shape[-1], self.eps)
         # One fused op in fp32, then the weight (as the reference: normalise, cast, scale).
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
@@ -33,11 +32,11 @@ class GatedGroupRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.group_size = size // n_groups
         self.eps = eps
-        self.kernels: ModuleType | None = None  # fused CPU kernels (fp32); None runs the reference
+        self.fast: FastPath = REFERENCE  # fast.decode: the fused CPU kernels (fp32)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dtype == gate.dtype == torch.float32:
-            return self.kernels.rms_norm(x, self.weight, gate, self.group_size, self.eps)
+        if self.fast.decode is not None and x.dtype == gate.dtype == torch.float32:
+            return self.fast.decode.rms_norm(x, self.weight, gate, self.group_size, self.eps)
         x32 = x.float() * F.silu(gate.float())
         grouped = F.rms_norm(x32.view(*x32.shape[:-1], -1, self.group_size), (self.group_size,), eps=self.eps)
         return self.weight * grouped.view(x32.shape).to(x.dtype)

@@ -17,7 +17,10 @@ backend for each row bucket, and the model's linears then dispatch on the number
 
 Only the fast path changes: the deterministic verifier multiplies `layer.weight` with
 `F.linear` itself, so its fixed-shape results never depend on what was measured here.
-A packed weight is a copy: install after the weights are loaded (the runner does).
+A packed weight is a copy: install after the weights are loaded (the runner does). Every
+weight whose plan picks the packed backend for some bucket keeps its packed copy beside
+the original, so the fast path holds up to one extra copy of those weights; measuring holds
+at most `pass_bytes` of packed copies (one shape at a time) on top.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class LinearTuning:
     samples: int = 25
     bucket_budget_s: float = 0.03  # stop sampling a bucket after this long (at least 3 samples)
     total_budget_s: float = 10.0  # all shapes and buckets; a loaded machine must not stall start-up
-    pass_rows: int = 16  # up to this many rows, time passes over all weights of a shape (see _ShapeBench)
+    pass_rows: int = 16  # up to this many rows, time passes over many weights of a shape (see _ShapeBench)
+    pass_bytes: int = 64 << 20  # the weights of one timed pass: well beyond the caches, bounded memory
     min_gain: float = 1.05  # a packed backend must beat F.linear by this factor to be chosen
 
     def __post_init__(self) -> None:
@@ -59,6 +63,8 @@ class LinearTuning:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.pass_rows < 0:
             raise ValueError(f"pass_rows must be >= 0, got {self.pass_rows}")
+        if self.pass_bytes < 1:
+            raise ValueError(f"pass_bytes must be >= 1, got {self.pass_bytes}")
         if self.bucket_budget_s <= 0 or self.total_budget_s <= 0:
             raise ValueError(f"time budgets must be > 0, got {self.bucket_budget_s}, {self.total_budget_s}")
         if self.min_gain < 1.0:
@@ -159,9 +165,11 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
 
     Bounded: at most `samples` interleaved timings and about `bucket_budget_s` per shape and
     bucket, buckets up to 256 rows (larger prefill chunks follow the last bucket: by then
-    both backends are compute-bound), and `total_budget_s` in all: buckets go smallest first
-    across all shapes (decode's are the ones that matter most), and a bucket left unmeasured
-    when the budget runs out takes the shape's previous choice.
+    both backends are compute-bound), and `total_budget_s` in all, checked between timed
+    calls. Shapes go one at a time (only one shape's packed copies exist at once, at most
+    `pass_bytes` of them), each with an even share of the time left; its buckets go smallest
+    first (decode's are the ones that matter most), and a bucket left unmeasured when its
+    share runs out takes the shape's previous choice.
     Other dtypes and devices, or a torch without oneDNN, keep the reference.
     """
     tuning = tuning or LinearTuning()
@@ -191,17 +199,20 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
 
 
 class _ShapeBench:
-    """The weights of one shape and their packed copies, timed on both backends.
+    """Weights of one shape and their packed copies, timed on both backends.
 
     In a forward pass every weight is read once, from memory rather than from the caches
     (the model is far bigger than the L3), which is what decides small batches: up to
-    `pass_rows` rows one timed call is a pass over all the model's weights of this shape, in
-    model order; beyond, the matmul is compute-bound and one weight stands for all.
+    `pass_rows` rows one timed call is a pass over the shape's weights in model order, as
+    many as fit in `pass_bytes` (enough to leave the caches behind, bounded in memory and
+    time on a big model); beyond, the matmul is compute-bound and one weight stands for all.
     """
 
-    def __init__(self, linears: list[nn.Linear]):
-        self.weights = [m.weight.detach() for m in linears]
-        self.biases = [None if m.bias is None else m.bias.detach() for m in linears]
+    def __init__(self, linears: list[nn.Linear], tuning: LinearTuning):
+        weight = linears[0].weight
+        fit = max(1, tuning.pass_bytes // (weight.numel() * weight.element_size()))
+        self.weights = [m.weight.detach() for m in linears[:fit]]
+        self.biases = [None if m.bias is None else m.bias.detach() for m in linears[:fit]]
         self.packs = [pack_weight(w) for w in self.weights]
 
     def run(self, backend: LinearBackend, x: torch.Tensor, n: int) -> None:
@@ -212,41 +223,52 @@ class _ShapeBench:
             for p, b in zip(self.packs[:n], self.biases[:n]):
                 packed_linear(x, p, b)
 
-    def measure(self, rows: int, tuning: LinearTuning) -> tuple[LinearBackend, Timings]:
+    def measure(self, rows: int, tuning: LinearTuning, stop: float) -> tuple[LinearBackend, Timings] | None:
+        """The faster backend for `rows` and the timings, or None when `stop` (a perf_counter
+        time) came before one timed call of each backend."""
         x = torch.randn(rows, self.weights[0].shape[1], dtype=self.weights[0].dtype)
         n = len(self.weights) if rows <= tuning.pass_rows else 1
         backends = (LinearBackend.TORCH, LinearBackend.ONEDNN_PACKED)
         best = {b: float("inf") for b in backends}
         for backend in backends:  # warm-up: first touch, oneDNN primitive creation
             self.run(backend, x, 1)
-        deadline = time.perf_counter() + tuning.bucket_budget_s
+        deadline = min(stop, time.perf_counter() + tuning.bucket_budget_s)
         for sample in range(tuning.samples):
+            if time.perf_counter() > stop:
+                break
             for backend in backends:  # interleaved: both see the same moments of a shared machine
                 start = time.perf_counter()
                 self.run(backend, x, n)
                 best[backend] = min(best[backend], (time.perf_counter() - start) / n)
             if sample >= 2 and time.perf_counter() > deadline:
                 break
+        if best[LinearBackend.ONEDNN_PACKED] == float("inf"):
+            return None
         gain = best[LinearBackend.TORCH] / best[LinearBackend.ONEDNN_PACKED]
         choice = LinearBackend.ONEDNN_PACKED if gain >= tuning.min_gain else LinearBackend.TORCH
         return choice, {b: t * 1e6 for b, t in best.items()}
 
 
 def _measure_all(pending: dict[LinearKey, list[nn.Linear]], tuning: LinearTuning):
-    benches = {key: _ShapeBench(linears) for key, linears in pending.items()}
-    picks: dict[LinearKey, list[LinearBackend]] = {key: [] for key in pending}
-    times: dict[LinearKey, list[Timings]] = {key: [] for key in pending}
+    results = {}
     stop = time.perf_counter() + tuning.total_budget_s
     with torch.inference_mode():
-        for rows in tuning.buckets:
-            for key, bench in benches.items():
-                if time.perf_counter() < stop:
-                    choice, us = bench.measure(rows, tuning)
-                else:
-                    choice, us = (picks[key][-1] if picks[key] else LinearBackend.TORCH), {}
-                picks[key].append(choice)
-                times[key].append(us)
-    return {key: (tuple(picks[key]), tuple(times[key])) for key in pending}
+        for done, (key, linears) in enumerate(pending.items()):
+            now = time.perf_counter()
+            share = now + max(0.0, stop - now) / (len(pending) - done)  # this shape's end
+            bench = _ShapeBench(linears, tuning) if now < share else None
+            picks: list[LinearBackend] = []
+            times: list[Timings] = []
+            for rows in tuning.buckets:
+                measured = None
+                if bench is not None and time.perf_counter() < share:
+                    measured = bench.measure(rows, tuning, share)
+                choice, us = measured or ((picks[-1] if picks else LinearBackend.TORCH), {})
+                picks.append(choice)
+                times.append(us)
+            del bench  # its packed copies: one shape's at a time
+            results[key] = (tuple(picks), tuple(times))
+    return results
 
 
 def install_tuned_linears(model: nn.Module, plan: LinearPlan) -> None:

@@ -6,8 +6,6 @@ so a chunk of a long prompt, a cache hit and a fresh prompt all run the same cod
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -15,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.config import MambaShape
+from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import ForwardBatch, PrefillSegment
 from workers.model.layers import GatedGroupRMSNorm
-from workers.model.ssd import chunked_scan, recurrent_scan, recurrent_step
+from workers.model.ssd import chunked_scan, chunked_scan_grouped, recurrent_scan, recurrent_step
 
 
 class MambaConstants(NamedTuple):
@@ -44,7 +43,7 @@ class MambaMixer(nn.Module):
         self.norm = GatedGroupRMSNorm(shape.intermediate, shape.n_groups, eps)
         self.out_proj = nn.Linear(shape.intermediate, hidden, bias=shape.proj_bias)
         self._constants: MambaConstants | None = None
-        self.kernels: ModuleType | None = None  # fused decode kernels; None runs the reference
+        self.fast: FastPath = REFERENCE
 
     @property
     def constants(self) -> MambaConstants:
@@ -63,7 +62,7 @@ class MambaMixer(nn.Module):
         s = self.shape
         gate, xbc, dt = self.in_proj(h).split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)
         group = batch.decode
-        decode = self._decode_fused if self.kernels is not None else self._decode
+        decode = self._decode_fused if self.fast.decode is not None else self._decode
         if group is not None and group.covers_batch:  # a pure decode step, rows in order
             y = decode(xbc, dt, conv, ssm, group).to(h.dtype)
         else:
@@ -111,17 +110,12 @@ class MambaMixer(nn.Module):
         x, B, C = self._split_xbc(out.transpose(1, 2))
         x = x.reshape(k, longest, s.n_heads, s.head_dim)
         step = torch.where(valid[:, :, None], self._time_step(dt[rows]), 0.0)
-        fast = self.kernels is not None  # the recurrence skips each row's padding; the reference runs it
-        scan_fn = functools.partial(recurrent_scan, lengths=lengths) if fast else chunked_scan
-        scan, final = scan_fn(
-            x,
-            step,
-            c.A,
-            B.reshape(k, longest, s.n_groups, s.d_state),
-            C.reshape(k, longest, s.n_groups, s.d_state),
-            _scan_chunk(s.chunk_size, longest),
-            ssm[slots],
-        )
+        B, C = B.reshape(k, longest, s.n_groups, s.d_state), C.reshape(k, longest, s.n_groups, s.d_state)
+        if self.fast.scan is not None:  # the recurrence skips each row's padding; the SSD scans run it
+            scan, final = recurrent_scan(self.fast.scan, x, step, c.A, B, C, ssm[slots], lengths)
+        else:
+            ssd_scan = chunked_scan_grouped if self.fast.on else chunked_scan
+            scan, final = ssd_scan(x, step, c.A, B, C, _scan_chunk(s.chunk_size, longest), ssm[slots])
         ssm[slots] = final.to(ssm.dtype)
         scan = (scan + x * c.D[:, None]).reshape(k, longest, s.intermediate)
         y[rows[valid]] = scan[valid].to(y.dtype)
@@ -133,7 +127,7 @@ class MambaMixer(nn.Module):
     def _decode_fused(self, xbc, dt, conv, ssm, group) -> torch.Tensor:
         """The same step as `_decode` in two fused kernels: conv and recurrence each make one pass
         over their states, in place at the sequences' slots (contiguous or not)."""
-        s, c, k = self.shape, self.constants, self.kernels
+        s, c, k = self.shape, self.constants, self.fast.decode
         batch = xbc.shape[0]
         bias = c.conv_bias if c.conv_bias is not None else torch.empty(0)
         xbc = k.conv_step(conv, group.state_slots, xbc.float().contiguous(), c.conv_weight, bias)

@@ -10,11 +10,10 @@ Shapes: b = sequences, l = tokens, h = heads, p = head dim, g = groups, n = stat
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-
-from workers.model.scan_kernels import scan_kernels
 
 
 @functools.lru_cache(maxsize=16)
@@ -171,24 +170,20 @@ def chunked_scan_grouped(
 
 
 def recurrent_scan(
+    kernel: ModuleType,  # `scan_kernels.scan_kernels()`, built by the runner at start-up
     x: torch.Tensor,  # [b, l, h, p]
     dt: torch.Tensor,  # [b, l, h], after softplus and clamping (0 on padding)
     A: torch.Tensor,  # [h]
     B: torch.Tensor,  # [b, l, g, n]
     C: torch.Tensor,  # [b, l, g, n]
-    chunk_size: int,
     initial_state: torch.Tensor,  # [b, h, p, n]
     lengths: torch.Tensor | None = None,  # [b] real tokens per row (the rest padded with dt = 0)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_scan`'s result computed as the recurrence, token by token, in the C++ kernel
     (`csrc/ssd_scan.cpp`: on a CPU the per-head state stays in cache, so this beats SSD's
-    matmuls and decay matrices); each row stops at its length, and y is 0 past it.
-    `chunk_size` only matters to the SSD fallback, which runs when the kernel cannot be built
-    here (and runs the padding, whose dt = 0 leaves the state unchanged)."""
-    kernel = scan_kernels()
-    if kernel is None:
-        return chunked_scan_grouped(x, dt, A, B, C, chunk_size, initial_state)
+    matmuls and decay matrices); each row stops at its length, and y is 0 past it. Without
+    the kernel (no compiler here) the mixer runs `chunked_scan_grouped` instead, which runs
+    the padding, whose dt = 0 leaves the state unchanged."""
     if lengths is None:
         lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
-    y, final = kernel.recurrent_scan(*(t.float().contiguous() for t in (x, dt, A, B, C, initial_state)), lengths)
-    return y, final
+    return kernel.recurrent_scan(*(t.float().contiguous() for t in (x, dt, A, B, C, initial_state)), lengths)

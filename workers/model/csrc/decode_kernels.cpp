@@ -1,5 +1,5 @@
 // Fused CPU kernels of the decode step (one token per sequence), built from source at start-up
-// by workers/model/kernels.py through torch's extension mechanism. Each kernel has a pure-torch
+// (ModelRunner.set_fast_kernels) by workers/model/kernels.py through torch's extension mechanism. Each kernel has a pure-torch
 // reference beside it (the eager path), and the tests hold them equal.
 //
 // All caches are updated in place at the sequences' own slots / blocks: no gather of the

@@ -1,7 +1,8 @@
 // The Mamba2 prefill scan as the plain recurrence, one (sequence, head) per task, built from
-// source at start-up by workers/model/scan_kernels.py. The pure-torch references beside it are
-// `ssd.chunked_scan` (the SSD formulation after ssd_minimal.py) and `ssd.recurrent_step`;
-// tests hold them equal.
+// source by workers/model/scan_kernels.py when the runner turns the fast path on (start-up,
+// ModelRunner.set_fast_kernels), never inside a forward. The pure-torch references beside it
+// are `ssd.chunked_scan` (the SSD formulation after ssd_minimal.py), `ssd.recurrent_step` and,
+// without a compiler, `ssd.chunked_scan_grouped`; tests hold them equal.
 //
 // Why the recurrence and not SSD on a CPU: SSD trades the sequential scan for matmuls that a
 // GPU runs well, at the price of [chunk x chunk] decay matrices per head and several

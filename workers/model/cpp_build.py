@@ -1,0 +1,90 @@
+"""Build a C++ CPU extension from one source file with the machine's own compiler.
+
+Torch's extension mechanism compiles it with -O3 -march=native -fopenmp; the build is cached
+per CPU (model and instruction-set flags), torch version and source under
+`~/.cache/hybridserve/kernels`, so a checkout shared by different machines never runs code
+built for another CPU. When the build cannot happen (no compiler, no ninja, a compiler or
+linker error), `build_cpu_extension` returns None and `build_failure(name)` says why; the
+callers (`kernels.py`, `scan_kernels.py`) cache the result, so each source builds, and fails,
+once per process and on its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_failures: dict[str, str] = {}
+
+
+def cpu_signature() -> str:
+    """CPU model and instruction-set flags (Linux /proc/cpuinfo; the platform string elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', '?')}|{fields.get('flags', '')}"
+
+
+def build_dir(name: str, source: Path) -> Path:
+    key = hashlib.sha256(f"{cpu_signature()}|{torch.__version__}|{source.read_bytes()!r}".encode()).hexdigest()[:16]
+    return Path.home() / ".cache" / "hybridserve" / "kernels" / f"{name}-{key}"
+
+
+def build_cpu_extension(name: str, source: Path, fallback: str) -> ModuleType | None:
+    """The compiled module, or None when it cannot be built here: the reason is logged (with
+    `fallback`, what runs instead) and kept for `build_failure(name)`."""
+    _put_pip_ninja_on_path()
+    if shutil.which("ninja") is None or shutil.which("c++") is None:
+        failure = "no ninja or c++ on PATH"
+    else:
+        try:
+            from torch.utils.cpp_extension import load
+
+            out = build_dir(name, source)
+            out.mkdir(parents=True, exist_ok=True)
+            module = load(
+                name=name,
+                sources=[str(source)],
+                build_directory=str(out),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+            _failures.pop(name, None)
+            return module
+        except (OSError, RuntimeError, ImportError, SystemExit) as e:  # compiler or linker failures
+            failure = f"{type(e).__name__}: {e}"
+    _failures[name] = failure
+    log.warning("%s unavailable (%s); running %s", name, failure, fallback)
+    return None
+
+
+def build_failure(name: str) -> str | None:
+    """Why the last `build_cpu_extension(name, ...)` returned None, if it did."""
+    return _failures.get(name)
+
+
+def _put_pip_ninja_on_path() -> None:
+    """The `ninja` wheel (a dependency) installs its binary next to the venv's interpreter, which
+    is not on PATH when the venv is not activated; torch's builder looks for it on PATH."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -1,0 +1,32 @@
+"""What the model runs instead of its pure-torch reference: one typed holder, set by the runner.
+
+    on       the fast variants that need no compiler: split prefill attention after cached
+             history (two flash passes, `Attention._prefill_split`) and, when `scan` is None,
+             the grouped SSD scan (`ssd.chunked_scan_grouped`)
+    decode   csrc/decode_kernels.cpp (`kernels.decode_kernels()`): decode mixers, paged decode
+             attention, norms; None runs their references
+    scan     csrc/ssd_scan.cpp (`scan_kernels.scan_kernels()`): the prefill recurrence
+
+The runner builds both kernel modules when it turns the fast path on (start-up), so the model
+forward never compiles anything; either may be None (no compiler here) without affecting the
+other or the pure-torch variants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class FastPath:
+    on: bool
+    decode: ModuleType | None = None
+    scan: ModuleType | None = None
+
+    def __post_init__(self) -> None:
+        if not self.on and (self.decode is not None or self.scan is not None):
+            raise ValueError("kernels given for the reference path (on=False)")
+
+
+REFERENCE = FastPath(on=False)
