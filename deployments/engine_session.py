@@ -100,17 +100,33 @@ class EngineSession:
         tokens = await self.aengine.call(local)
         return tokens is not None and _is_head(tokens, head)
 
-    async def forget(self, conversation_id: str, cache_salt: str) -> None:
+    async def forget(self, conversation_id: str, cache_salt: str, deleted: HeadRef | None = None) -> None:
+        """Drop the conversation's local ledger and heads; with `deleted` only if the ledger is
+        exactly that head (compared off the engine thread, like `holds`), not a re-created
+        conversation's. An older local copy of the deleted one stays until eviction, unused."""
         key = conversation_key(conversation_id, cache_salt)
 
+        def ledger(_e) -> tuple[int, int, list[int]] | None:
+            conv = self.cache.conversations.get(key)
+            return None if conv is None else (conv.version, conv.turn, list(conv.token_ids))
+
+        seen = None
+        if deleted is not None:
+            seen = await self.aengine.call(ledger)
+            if seen is None or seen[:2] != (deleted.version, deleted.turn) or not _is_head(seen[2], deleted):
+                return
+
         def drop(_e) -> None:
-            if key in self.cache.conversations:
+            if key in self.cache.conversations and (seen is None or ledger(_e) == seen):  # unchanged meanwhile
                 self.cache.delete(conversation_id, cache_salt)
 
         await self.aengine.call(drop)
 
-    async def held_heads(self) -> int:
-        return await self.aengine.call(lambda _e: len(self.cache.heads))
+    async def held_heads(self, conversation_id: str | None = None, cache_salt: str = "") -> int:
+        if conversation_id is None:
+            return await self.aengine.call(lambda _e: len(self.cache.heads))
+        key = conversation_key(conversation_id, cache_salt)
+        return await self.aengine.call(lambda _e: len(self.cache.heads.of_conversation(key)))
 
     async def adopt_ledger(self, conversation_id: str, cache_salt: str, head: HeadRef,
                            turns: list[LedgerTurn]) -> None:

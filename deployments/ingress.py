@@ -10,6 +10,7 @@ With API keys configured every /v1 route wants `Authorization: Bearer KEY`, and 
 scope is prefixed to the cache salt: another key never sees a conversation's state.
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -31,7 +32,7 @@ from deployments.api_models import ChatCompletionRequest
 from deployments.cache_access import cache_client_config
 from deployments.errors import APIError
 from deployments.metrics import ServeMetrics
-from deployments.protocol import ReplicaCall, TurnDelta, TurnDone, TurnFailed
+from deployments.protocol import HeadRef, ReplicaCall, TurnDelta, TurnDone, TurnFailed
 from deployments.settings import AppSettings
 from deployments.turns import TurnRun, first_error
 
@@ -313,16 +314,23 @@ class ChatIngress:
             raise errors.busy(conversation_id) from None
         except CacheError as e:
             raise errors.overloaded(f"cache service unavailable: {e}") from e
-        await self._forget_locally(conv, lease.head.owner_replica)
+        await self._forget_locally(conv, HeadRef.of(lease.head))
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
-    async def _forget_locally(self, conv: Conversation, owner: str) -> None:
-        """The owner's local copy frees its blocks now. Best effort: the conversation is gone from
-        the service already, and a stale copy is never used (workers check it against the head)."""
-        if not owner:
+    async def _forget_locally(self, conv: Conversation, deleted: HeadRef) -> None:
+        """The owner's local copy frees its blocks now. Best effort and bounded: the conversation
+        is gone from the service already, and a stale copy is never used (workers check it
+        against the head). With every replica at max_ongoing_requests the call would back off
+        for as long as they stay full; DELETE does not wait for that."""
+        if not deleted.owner:
             return
+        response = self.workers.forget.remote(ReplicaCall(deleted.owner), conv.id, conv.salt, deleted)
         try:
-            await self.workers.forget.remote(ReplicaCall(owner), conv.id, conv.salt)
+            await asyncio.wait_for(response, self.settings.forget_timeout_s)
+        except TimeoutError:
+            response.cancel()
+            log.warning("the owner of %s did not answer within %.1f s: its local copy stays until eviction",
+                        conv.id, self.settings.forget_timeout_s)
         except (RayError, BackPressureError) as e:
             log.warning("the owner of %s kept its local copy until eviction: %s", conv.id, e)
 

@@ -30,6 +30,13 @@ class HeadRef:
         return cls(head.version, head.turn, head.committed_tokens, head.tokens_sha256, head.owner_replica,
                    head.tier_version)
 
+    def same_state(self, other: "HeadRef") -> bool:
+        """The same committed turn (version, turn, tokens), whoever owns it and whatever the tier
+        holds. A conversation deleted and re-created under its id and salt starts again at
+        version 1: only its tokens tell it from the old one (identical tokens: identical state)."""
+        return (self.version, self.turn, self.committed_tokens, self.tokens_sha256) == (
+            other.version, other.turn, other.committed_tokens, other.tokens_sha256)
+
 
 @dataclass(frozen=True)
 class TurnJob:

@@ -20,7 +20,13 @@ that window would both see an idle pool and pick the same replica. So a choice c
 the moment it is made:
 
     choose_replicas(X) ─ X's first rank gets +1 ─┐   choose_replicas(Y) sees A busier: B
-                                                 └─ on_request_routed(X): Serve counts X now, -1
+                                                 └─ on_send_request(A): Serve counts X now, -1
+
+`on_send_request(replica)` is the one hook Serve calls for every request sent (with or without
+strict max_ongoing_requests; `on_request_routed` only runs on the strict path) and it bumps
+Serve's queue-length cache: so it takes back one choice of that replica, the oldest. A choice
+no request was sent for (cancelled while probing; its request went to a later rank) stops
+counting after CHOICE_TTL_S.
 
 The base router matches a choice to the request it was made for (by internal request id).
 Serve's `FIFOMixin` must not be used here: it hands a replica chosen for one conversation to
@@ -38,7 +44,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from deployments.protocol import ReplicaCall, TurnJob
 
-# A choice no request was routed for (cancelled while probing) stops counting after this.
+# A choice no request was sent for (cancelled while probing, or sent to a later rank) stops
+# counting after this.
 CHOICE_TTL_S = 2.0
 
 
@@ -85,8 +92,11 @@ class StickyConversationRouter(RequestRouter):
             self._chosen[request_id] = (ranks[0].replica_id, time.monotonic())
         return [[r] for r in ranks]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._chosen.pop(pending_request.metadata.internal_request_id, None)  # Serve's own count has it now
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)  # Serve's queue-length cache counts the request from now
+        mine = [(at, request_id) for request_id, (replica, at) in self._chosen.items() if replica == replica_id]
+        if mine:
+            del self._chosen[min(mine)[1]]
 
     def _chosen_counts(self) -> Counter[ReplicaID]:
         expired = time.monotonic() - CHOICE_TTL_S

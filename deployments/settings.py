@@ -37,6 +37,9 @@ class AppSettings(BaseModel):
     busy_wait_s: float = Field(30.0, ge=0, description="longest wait of a turn that asked to wait for its conversation")
     max_inflight: int = Field(64, ge=1, description="turns in flight at the ingress beyond which it answers 503")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies beyond this get 413")
+    forget_timeout_s: float = Field(
+        5.0, gt=0, le=300, description="DELETE: longest wait for the owner replica to free its local copy "
+                                       "(best effort: the answer is 200 either way, a stale copy is never used)")
     kv_cache_mb: int = Field(256, ge=1)
     head_cache_mb: int = Field(128, ge=1)
     max_model_len: int = Field(0, ge=0, description="0: the model's own limit")

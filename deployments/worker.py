@@ -137,23 +137,30 @@ class Worker:
         return {"running_requests": running, "free_kv_blocks": free}
 
     # -- state of deleted conversations ---------------------------------------------------------
-    async def forget(self, call: ReplicaCall, conversation_id: str, cache_salt: str) -> str:
-        """Drop a deleted conversation's local heads and ledger now rather than at eviction;
-        returns this replica's id (the router may have sent the call elsewhere: a no-op there)."""
+    async def forget(self, call: ReplicaCall, conversation_id: str, cache_salt: str, deleted: HeadRef) -> str:
+        """Drop a deleted conversation's local heads, ledger and pending export now rather than
+        at eviction, if they are the deleted head's: a conversation re-created under the same id
+        and salt may have committed its first turn here before this call arrived, and keeps its
+        head and its export. Returns this replica's id (the router may have sent the call
+        elsewhere: a no-op there)."""
         key = (conversation_id, cache_salt)
-        self._unexported.pop(key, None)
-        due = self._export_due.pop(key, None)
-        if due is not None:
-            due.cancel()
+        pending = self._unexported.get(key)
+        if pending is not None and pending.same_state(deleted):
+            del self._unexported[key]
+            due = self._export_due.pop(key, None)
+            if due is not None:
+                due.cancel()
         try:
-            await self.session.forget(conversation_id, cache_salt)
+            await self.session.forget(conversation_id, cache_salt, deleted)
         except ConversationBusyError as e:  # a turn of the re-created conversation already runs here
             log.warning("not forgetting %s: %s", conversation_id, e)
         return self.replica_id
 
-    async def held_heads(self, call: ReplicaCall) -> tuple[str, int]:
-        """(this replica, committed heads it holds): what DELETE frees, for operators and tests."""
-        return self.replica_id, await self.session.held_heads()
+    async def held_heads(self, call: ReplicaCall, conversation_id: str | None = None,
+                         cache_salt: str = "") -> tuple[str, int]:
+        """(this replica, committed heads it holds, of one conversation if given): what DELETE
+        frees, for operators and tests."""
+        return self.replica_id, await self.session.held_heads(conversation_id, cache_salt)
 
     # -- a turn -----------------------------------------------------------------------------
     async def run_turn(self, job: TurnJob) -> AsyncIterator[TurnEvent]:

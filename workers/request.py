@@ -84,7 +84,9 @@ class Request:
     # candidates decoded on the fast path; verify_due parks the request for a verify pass.
     num_verified: int = field(init=False)
     verify_due: bool = False
-    tile_window: int = 0  # set by the verifier: the state it committed is canonical for tiles of W
+    # Set by the verifier: the state it committed is canonical for tiles of W; reset to 0
+    # whenever a fast step moves num_computed_tokens past it.
+    tile_window: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

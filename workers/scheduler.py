@@ -137,6 +137,9 @@ class Scheduler:
         """Move the counters of everything that just ran (before new tokens are appended)."""
         for chunk in output.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+            # The fast path wrote state past the last verify pass: until another pass commits,
+            # nothing this request holds may be labelled canonical.
+            chunk.request.tile_window = 0
             if chunk.snapshot is not None:
                 chunk.request.aligned_len = chunk.snapshot[0]
 

@@ -25,6 +25,7 @@ from tests.conversation.helpers import (
     user,
 )
 from workers.checkpoint import Arch
+from workers.conversation.export import build_export, verify_export
 from workers.conversation.records import LedgerTurn
 from workers.errors import ConversationBusyError, ConversationNotFoundError, InvalidRequestError
 
@@ -83,6 +84,30 @@ def test_adopting_the_same_version_is_a_no_op_and_a_new_ledger_drops_stale_heads
     cc.adopt_ledger("c", "s", version=8, turns=[])
     with pytest.raises(ConversationNotFoundError):
         cc.describe("c", "s")
+
+
+def test_a_head_that_appears_while_a_rebuild_runs_is_never_overwritten(models):
+    """A rebuild replaces only the head it saw when it started (a fast-path head a canonical
+    rebuild supersedes), never one that appeared meanwhile. Every public path refuses a busy
+    conversation, so the busy mark is lifted by hand to install a head mid-rebuild: the
+    rebuild then fails alone and frees its state, and the installed head stays."""
+    original = new_cache(new_engine(models[Arch.BAMBA]))
+    run_turn(original, "c", "s", user("one"), greedy(6), "t1")
+    exported = build_export(original.snapshot_head("c", "s"))
+    rebuilt = new_cache(new_engine(models[Arch.BAMBA]))
+    adopt(original, rebuilt)
+    assert rebuilt.materialize_head("c", "s", "rebuild") is not None
+    conv = rebuilt.conversation_of("c", "s")
+    conv.in_flight = None
+    identity, layout = rebuilt.export_identity()
+    rebuilt.install_head("c", "s", verify_export(exported.header, dict(exported.chunks), identity, layout, set()))
+    conv.in_flight = "rebuild"
+    installed = head_of(rebuilt, "c", "s")
+    assert installed is not None
+    outputs = drive(rebuilt.engine)
+    assert outputs["rebuild"].error is not None and "already has a head" in outputs["rebuild"].error
+    assert head_of(rebuilt, "c", "s") is installed and len(rebuilt.heads) == 1
+    assert rebuilt.stats()["materialized"] == 0
 
 
 def test_adopt_and_materialize_refuse_bad_input_and_busy_conversations(models):

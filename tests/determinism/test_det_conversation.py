@@ -12,6 +12,7 @@ from workers.checkpoint import Arch
 from workers.conversation.cache import ConversationCache
 from workers.request import FinishReason
 from workers.conversation.export import build_export, verify_export
+from workers.conversation.prompt import build_turn_prompt
 from proto.contract import conversation_key
 from workers.sampling import SamplingParams
 
@@ -176,6 +177,28 @@ def test_a_canonical_materialization_rebuilds_the_lost_head_bit_for_bit(det_mode
     assert a_request.num_cached_tokens == b_request.num_cached_tokens == lost.aligned_len > 0, "both continue the head"
     assert len(a) == 12 and a == b
     assert _state_bytes(original, _head(original, 4)) == _state_bytes(rebuilt, _head(rebuilt, 4))
+
+
+@pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
+def test_a_canonical_rebuild_one_token_past_a_tile_boundary_is_bit_identical(det_models, arch):
+    """A rebuild runs the committed tokens but the last: P = committed - 1. With committed
+    = 2 (mod W), P = kW + 1 and the tile ending at kW leaves one prompt token over. It must
+    run in a tile too: on the fast path the head would hold fast-path K/V and Mamba state at
+    kW while being labelled canonical."""
+    original = _cache(det_models[arch])
+    prompt = build_turn_prompt(original.engine.tokenizer, [], [], TURN1).token_ids
+    max_tokens = (2 - len(prompt)) % W + W  # the reply crosses a tile boundary as well
+    _turn(original, TURN1, det_params(max_tokens=max_tokens), "t1")
+    lost = _head(original, 1)
+    assert lost.state_len % W == 1 and lost.state_len > W and lost.canonical_window == W
+    ledger = original.describe("c1", "s")
+
+    rebuilt = _cache(det_models[arch])
+    rebuilt.adopt_ledger("c1", "s", version=ledger["version"], turns=ledger["ledger"])
+    rebuild = lambda: rebuilt.materialize_head("c1", "s", "rebuild", canonical=True)  # noqa: E731
+    request, streamed = _run_with_load(rebuilt, rebuild, background_load(seed=3, max_requests=5))
+    assert streamed == [] and request.num_computed_tokens == lost.state_len
+    assert _state_bytes(rebuilt, _head(rebuilt, 1)) == _state_bytes(original, lost)
 
 
 def test_a_fast_path_head_serves_ordinary_turns_and_a_canonical_request_replaces_it(det_models):

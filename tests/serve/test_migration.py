@@ -10,7 +10,7 @@ import pytest
 from ray import serve
 
 from deployments.app import ChatIngress, Worker
-from deployments.protocol import ReplicaCall
+from deployments.protocol import HeadRef, ReplicaCall
 from deployments.settings import AppSettings
 from tests.serve.conftest import APP, app_args
 from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, tier_copy, user
@@ -86,14 +86,28 @@ async def test_graceful_shutdown_exports_heads_the_tier_lacks(stack, conv_id):
     assert reply.tokens == reference.tokens
 
 
-async def test_delete_frees_the_owners_local_heads(stack, conv_id):
-    await chat_turn(stack.client(), stack.model, [user("short lived")], conversation_id=conv_id, cache_salt="d")
+def _head_ref(state: dict) -> HeadRef:
+    h = state["head"]
+    return HeadRef(h["version"], h["turn"], h["committed_tokens"], h["tokens_sha256"], h["owner"], h["tier_version"])
+
+
+async def test_delete_frees_the_owners_local_heads_and_a_late_forget_spares_a_recreated_one(stack, conv_id):
+    """DELETE frees the owner's copy of the conversation. The owner's `forget` names the deleted
+    head: arriving after the conversation was re-created under the same id and salt (and its
+    first turn committed there), it leaves the new head alone."""
     workers = serve.get_deployment_handle("Worker", app_name=APP)
     async with stack.http() as http:
-        owner = (await conversation(http, conv_id, "d"))["head"]["owner"]
-        replica, before = await workers.held_heads.remote(ReplicaCall(owner))
-        assert replica == owner and before >= 1
+        await chat_turn(stack.client(), stack.model, [user("short lived")], conversation_id=conv_id, cache_salt="d")
+        old = _head_ref(await conversation(http, conv_id, "d"))
+        assert await workers.held_heads.remote(ReplicaCall(old.owner), conv_id, "d") == (old.owner, 1)
         deleted = await http.delete(f"/v1/conversations/{conv_id}", params={"cache_salt": "d"})
         assert deleted.status_code == 200, deleted.text
-        replica, after = await workers.held_heads.remote(ReplicaCall(owner))
-        assert replica == owner and after == before - 1
+        assert await workers.held_heads.remote(ReplicaCall(old.owner), conv_id, "d") == (old.owner, 0)
+
+        await chat_turn(stack.client(), stack.model, [user("born again")], conversation_id=conv_id, cache_salt="d")
+        new = _head_ref(await conversation(http, conv_id, "d"))
+        assert (new.version, new.turn) == (old.version, old.turn) and new.tokens_sha256 != old.tokens_sha256
+        assert await workers.forget.remote(ReplicaCall(new.owner), conv_id, "d", old) == new.owner
+        assert await workers.held_heads.remote(ReplicaCall(new.owner), conv_id, "d") == (new.owner, 1)
+        assert await workers.forget.remote(ReplicaCall(new.owner), conv_id, "d", new) == new.owner
+        assert await workers.held_heads.remote(ReplicaCall(new.owner), conv_id, "d") == (new.owner, 0)

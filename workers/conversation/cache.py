@@ -47,7 +47,7 @@ class ConversationCache:
         self.pending: dict[str, PendingTurn] = {}
         self._prepared: dict[str, PreparedTurn] = {}
         self._resolved = Resolutions()
-        self.materializing: dict[str, tuple[str, int, int]] = {}  # request id -> (key, turn, version)
+        self.materializing: dict[str, recovery.Materializing] = {}  # by request id
         self.counters: Counter[str] = Counter(
             {"hits": 0, "misses": 0, "tokens_reused": 0, "published": 0, "discarded": 0, "materialized": 0}
         )
@@ -79,6 +79,7 @@ class ConversationCache:
         history_messages = [m for t in conv.turns[:base] for m in t.messages]
         prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix).token_ids
         head = self.heads.find(key, base) if base else None
+        replacing = self.heads.find(key, base + 1, touch=False)  # a regenerated turn's old head
         request = self.engine.add_request(
             request_id,
             prompt,
@@ -91,7 +92,8 @@ class ConversationCache:
             self.counters["hits" if request.head else "misses"] += 1
         self.conversations[key] = conv
         conv.in_flight = request_id
-        self.pending[request_id] = PendingTurn(key, base, conv.version, tuple(suffix), len(committed), commit)
+        self.pending[request_id] = PendingTurn(
+            key, base, conv.version, tuple(suffix), len(committed), commit, replacing)
         return request
 
     def regenerate(
@@ -124,7 +126,8 @@ class ConversationCache:
         except BaseException:
             self._end_turn(conv, TurnOutcome.DISCARDED)  # the engine frees the prepared state
             raise
-        self._prepared[request.request_id] = PreparedTurn(record, request.prepared, request.num_cached_tokens)
+        self._prepared[request.request_id] = PreparedTurn(
+            record, request.prepared, request.num_cached_tokens, pending.replacing)
         request.prepared.on_expire = lambda state: self._expired(record)
         if pending.mode is CommitMode.AT_ONCE:
             try:
@@ -152,9 +155,9 @@ class ConversationCache:
         entry = self._entry(record, "commit")
         conv = self.conversations[record.conversation_key]
         turn = record.base_turn + 1
-        # A regenerated turn replaces the old head of that turn, only once the state has moved.
-        replaced = self.heads.find(conv.key, turn, touch=False)
-        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1, replacing=replaced)
+        # A regenerated turn replaces the head of that turn it saw begin (only once the state
+        # has moved); a head that appeared meanwhile makes the commit refuse, changing nothing.
+        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1, replacing=entry.replacing)
         for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > turn]:
             self.heads.drop(stale)  # heads of turns the new one cuts off
         # The state has moved; only now does the ledger change (pure list operations).

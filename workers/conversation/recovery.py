@@ -7,19 +7,24 @@ still contains stay valid (a head's state is a function of its tokens alone).
 state covers all but the last committed token, exactly what a turn leaves behind, so the
 next turn continues it as if nothing had been lost.
 
-Which path builds it (one rule, the engine's): a deterministic turn never continues a head
-the fast path made (the engine drops it and recomputes the prompt in tiles), so recovery for
-a deterministic turn materializes `canonical=True` (tiles: bit-identical to the lost head),
-for an ordinary turn on the fast path (equal to float rounding, see ARCHITECTURE.md).
+Which path builds it is the caller's choice: `canonical=True` runs the tokens in tiles
+(bit-identical to a head deterministic turns built), the default one fast prefill (equal to
+float rounding, see ARCHITECTURE.md). The engine's one rule makes either safe: a
+deterministic turn never continues a head the fast path made, it drops it and recomputes its
+prompt in tiles. That is also how the worker deployment recovers from the ledger: it adopts
+the ledger and starts the next turn without materializing, so that turn's whole prompt runs
+in tiles when it is deterministic and in one fast prefill otherwise.
 """
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proto.contract import conversation_key
+from workers.cache.heads import CommittedHead
 from workers.conversation.ledger import Conversation
 from workers.conversation.records import LedgerTurn
 from workers.errors import ConversationNotFoundError, InvalidRequestError
@@ -31,6 +36,16 @@ if TYPE_CHECKING:
 
 _PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
 _CANONICAL_PREFILL = SamplingParams(max_tokens=1, temperature=0.0, deterministic=True)
+
+
+@dataclass(frozen=True)
+class Materializing:
+    """A rebuild in flight: the head it becomes and the head it may replace."""
+
+    key: str
+    turn: int
+    version: int
+    replacing: CommittedHead | None  # the fast-path head a canonical rebuild supersedes
 
 
 def _validated(cc: ConversationCache, turns: Sequence[LedgerTurn]) -> list[LedgerTurn]:
@@ -98,17 +113,20 @@ def materialize_head(
         prefill_only=True,
     )
     conv.in_flight = request_id
-    cc.materializing[request_id] = (conv.key, conv.turn, conv.version)
+    # Only the head seen here may be replaced (None unless a canonical rebuild supersedes a
+    # fast-path head): one that appears meanwhile is never overwritten.
+    cc.materializing[request_id] = Materializing(conv.key, conv.turn, conv.version, held)
     return request
 
 
 def _materialized(cc: ConversationCache, request: Request) -> None:
-    key, turn, version = cc.materializing.pop(request.request_id)
-    conv = cc.conversations[key]
+    job = cc.materializing.pop(request.request_id)
+    conv = cc.conversations[job.key]
     conv.in_flight = None
     if request.prepared is None:
         return  # aborted or failed: nothing was kept
-    # A canonical rebuild replaces a fast-path head of the same turn (dropped only once moved).
-    cc.heads.commit(request.prepared, key, turn, version, replacing=cc.heads.find(key, turn, touch=False))
+    # `replacing` is dropped only once the state has moved; any other head of the turn makes
+    # commit refuse, and the engine then fails this request alone and frees its state.
+    cc.heads.commit(request.prepared, job.key, job.turn, job.version, replacing=job.replacing)
     cc.counters["materialized"] += 1
-    cc.retire_older_heads(key, turn)
+    cc.retire_older_heads(job.key, job.turn)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proto.contract import tokens_digest
-from workers.cache.heads import PreparedState
+from workers.cache.heads import CommittedHead, PreparedState
 from workers.conversation.ledger import Conversation
 from workers.conversation.records import CommitMode, Resolution, TurnCommit
 from workers.engine import LLMEngine
@@ -28,6 +28,7 @@ class PendingTurn:
     suffix: tuple[dict[str, Any], ...]
     start: int
     mode: CommitMode
+    replacing: CommittedHead | None  # the head of base_turn + 1 when the turn began (regenerate)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class PreparedTurn:
     record: TurnCommit
     state: PreparedState
     tokens_reused: int
+    replacing: CommittedHead | None
 
 
 class Resolutions:

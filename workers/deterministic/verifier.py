@@ -183,8 +183,12 @@ class Verifier:
             request.num_computed_tokens = done
             request.num_verified = request.num_tokens
             request.tile_window = self.config.window
-            # Still due: a prompt spanning further tiles (or no fast decode at all).
-            request.verify_due = request.num_tokens - 1 > done or not self.config.fast_decode
+            # Still due: a prompt spanning further tiles (or no fast decode at all). A
+            # prefill-only request ends without a fast step, so its tiles must cover the
+            # whole prompt: with P = kT + 1 its last token would otherwise run on the fast
+            # path and the head would hold fast-path state at kT.
+            target = request.num_tokens if request.prefill_only else request.num_tokens - 1
+            request.verify_due = done < target or not self.config.fast_decode
         with _threads(self.config.num_threads):
             states = [state_at(scan, lengths, self.d_conv) for scan in result.scans]
         for verdict in verdicts:
