@@ -23,10 +23,10 @@ from tests.conversation.helpers import (
     snapshot,
     user,
 )
+from tests.families import ARCHS
 from workers.checkpoint import Arch
 from workers.request import FinishReason
 
-ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 LONG = greedy(24, ignore_eos=True)  # the failed turn must still be decoding when it fails
 
 

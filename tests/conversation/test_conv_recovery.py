@@ -24,12 +24,11 @@ from tests.conversation.helpers import (
     snapshot,
     user,
 )
+from tests.families import ARCHS
 from workers.checkpoint import Arch
 from workers.conversation.export import build_export, verify_export
 from workers.conversation.records import LedgerTurn
 from workers.errors import ConversationBusyError, ConversationNotFoundError, InvalidRequestError
-
-ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 
 
 def adopt(src, dst, cid="c"):

@@ -27,11 +27,10 @@ from tests.conversation.helpers import (
     user,
 )
 from tests.conversation.test_conv_eviction import sizes
+from tests.families import ARCHS
 from workers.checkpoint import Arch
 from workers.conversation.export import ChunkKind, ExportedHead, build_export, verify_export
 from workers.errors import ConversationBusyError, ConversationNotFoundError, CorruptStateError, OutOfCacheError
-
-ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 
 
 def conversation(models, reference_engines, arch, turns: int = 2, **limits):

@@ -17,11 +17,11 @@ from tests.engine.conftest import (
     prompt_of,
     run_engine,
 )
+from tests.families import ARCHS
 from workers.checkpoint import Arch
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
 
-ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 LENGTHS = [1, 3, 8, 15, 16, 17, 20, 31, 32, 33, 40, 47, 5, 12, 25, 60]
 SEEDED = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, ignore_eos=True)
 

@@ -19,9 +19,8 @@ from tests.engine.conftest import (
     prompt_of,
     run_engine,
 )
-from workers.checkpoint import Arch
+from tests.families import ARCHS
 
-ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 
 # Splits of a 50-token prompt; block size 16 / Mamba chunk 16 boundaries at 16, 32, 48.
 SPLITS = [

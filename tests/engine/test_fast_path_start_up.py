@@ -8,10 +8,10 @@ fast path stands on its own: with neither kernel buildable, the pure-torch fast 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.engine.conftest import assert_logits_close, our_logits, prompt_of
+from tests.families import ARCHS
 from workers import runner as runner_module
 from workers.cache.layout import layouts_for
 from workers.checkpoint import Arch
@@ -25,8 +25,6 @@ from workers.request import Request
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 from workers.scheduler import ScheduledChunk
-
-ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 
 
 def test_kernels_are_built_at_start_up_not_in_a_forward(tiny, monkeypatch):

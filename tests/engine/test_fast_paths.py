@@ -21,7 +21,7 @@ from tests.engine.conftest import (
     prompt_of,
     run_engine,
 )
-from workers.checkpoint import Arch
+from tests.families import ARCHS
 from workers.model import cpp_build
 from workers.model import kernels as kernel_module
 from workers.model import scan_kernels as scan_module
@@ -38,7 +38,6 @@ from workers.sampling import SamplingParams
 KERNELS = decode_kernels()
 FUSED = FastPath(on=True, decode=KERNELS)
 pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"kernels did not build: {kernel_module.build_failure()}")
-ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 
 
 def _random_mixer(groups: int, dt_max: float, seed: int) -> MambaMixer:

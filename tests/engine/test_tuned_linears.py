@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.engine.conftest import LogitRecorder, assert_logits_close, new_engine, our_logits, prompt_of, run_engine
+from tests.families import ARCHS
 from workers.cache.layout import layouts_for
 from workers.checkpoint import Arch
 from workers.model import linear_tuning
@@ -38,7 +39,6 @@ from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
-ARCHS = pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
 PACKED, TORCH = LinearBackend.ONEDNN_PACKED, LinearBackend.TORCH
 
 
