@@ -1,7 +1,8 @@
 """Weight matmuls on measured backends (`workers.model.linear_tuning`) against plain F.linear.
 
-Layer level: a packed oneDNN linear equals F.linear within fp32 tolerance for 1..300 rows,
-with and without bias, 2-D and 3-D inputs, and each call goes to its bucket's backend.
+Layer level: each packed backend (oneDNN, the panel kernel) equals F.linear within fp32
+tolerance for 1..300 rows, with and without bias, 2-D, 3-D and strided inputs, on shapes that
+fill panels exactly and partly, and each call goes to its bucket's backend.
 Model level: installing and removing a plan keeps the very same parameters (the verifier
 and the checkpoint see nothing else), and the engine on packed weights gives the same greedy
 tokens and logits within tolerance as the reference path, through prefills and decodes of
@@ -30,16 +31,28 @@ from workers.model.linear_tuning import (
     LinearPlan,
     LinearTuning,
     TunedLinear,
+    available_backends,
+    pack_for,
     pack_weight,
     packed_linear,
     packing_available,
+    run_packed,
     tune_linears,
 )
+from workers.model.panel_gemm import panel_kernels
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
-PACKED, TORCH = LinearBackend.ONEDNN_PACKED, LinearBackend.TORCH
+PACKED, PANELS, TORCH = LinearBackend.ONEDNN_PACKED, LinearBackend.PANELS, LinearBackend.TORCH
+# The panel kernel builds with the machine's compiler (always there in CI); the test fails
+# rather than skips if it cannot be built, so a broken kernel source cannot pass unnoticed.
+PACKED_BACKENDS = pytest.mark.parametrize("backend", [PACKED, PANELS], ids=lambda b: b.value)
+
+
+def test_every_backend_is_available_here():
+    assert panel_kernels() is not None, "the panel GEMM kernel did not build"
+    assert available_backends() == (TORCH, PACKED, PANELS)
 
 
 def _linear(out_features: int, in_features: int, bias: bool, seed: int) -> nn.Linear:
@@ -47,30 +60,54 @@ def _linear(out_features: int, in_features: int, bias: bool, seed: int) -> nn.Li
     return nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
 
 
+@PACKED_BACKENDS
+@pytest.mark.parametrize("out_features", [96, 100])  # 6 full panels of 16; 6 and a part of 4
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 8, 40, 300])
-def test_packed_linear_equals_reference(bias, rows):
-    linear = _linear(96, 80, bias, seed=rows)
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 13, 40, 300])  # panel row groups of 6: 1, 2 and 3 groups
+def test_packed_linear_equals_reference(backend, out_features, bias, rows):
+    linear = _linear(out_features, 80, bias, seed=rows)
     tuning = LinearTuning()
-    tuned = TunedLinear(linear, (PACKED,) * len(tuning.buckets), tuning)
+    tuned = TunedLinear(linear, (backend,) * len(tuning.buckets), tuning)
     x = torch.randn(rows, 80) * 2
-    assert tuned.backend_for(rows) is PACKED
+    assert tuned.backend_for(rows) is backend
     torch.testing.assert_close(tuned(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-4)
     x3 = x.view(1, rows, 80)  # leading dimensions are rows too
     torch.testing.assert_close(tuned(x3), F.linear(x3, linear.weight, linear.bias), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(rows, 160)[:, ::2]  # a column slice: not contiguous
+    torch.testing.assert_close(tuned(strided), F.linear(strided, linear.weight, linear.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_panel_kernel_rejects_what_it_cannot_multiply():
+    """Wrong widths, dtypes or panel counts are errors, never a read past the weight."""
+    linear = _linear(40, 24, True, seed=3)
+    panels = pack_for(PANELS, linear.weight)
+    assert panels.shape == (3, 24, 16) and torch.all(panels[2, :, 8:] == 0)  # 40 = 2 full panels + 8 columns
+    with pytest.raises(RuntimeError, match="features"):
+        run_packed(PANELS, torch.randn(2, 25), panels, linear.bias, 40)
+    with pytest.raises(RuntimeError, match="fp32"):
+        run_packed(PANELS, torch.randn(2, 24, dtype=torch.float64), panels, linear.bias, 40)
+    with pytest.raises(RuntimeError, match="out_features"):
+        run_packed(PANELS, torch.randn(2, 24), panels, None, 64)
 
 
 def test_each_call_runs_its_buckets_backend():
-    """TORCH for 1 and 3-4 rows, packed for 2 and for anything beyond 4 (the last bucket)."""
+    """PANELS for 1 row, oneDNN for 2, TORCH for 3-4, oneDNN beyond 4 (the last bucket); one
+    packed copy per packed backend."""
     linear = _linear(64, 48, True, seed=0)
     tuning = LinearTuning(buckets=(1, 2, 4, 8))
-    tuned = TunedLinear(linear, (TORCH, PACKED, TORCH, PACKED), tuning)
-    packed = pack_weight(linear.weight)
-    for rows, backend in [(1, TORCH), (2, PACKED), (3, TORCH), (4, TORCH), (5, PACKED), (8, PACKED), (100, PACKED)]:
+    tuned = TunedLinear(linear, (PANELS, PACKED, TORCH, PACKED), tuning)
+    assert set(tuned.packs) == {PANELS, PACKED}
+    packed, panels = pack_weight(linear.weight), pack_for(PANELS, linear.weight)
+    expected_of = {
+        TORCH: lambda x: F.linear(x, linear.weight, linear.bias),
+        PACKED: lambda x: packed_linear(x, packed, linear.bias),
+        PANELS: lambda x: run_packed(PANELS, x, panels, linear.bias, 64),
+    }
+    cases = [(1, PANELS), (2, PACKED), (3, TORCH), (4, TORCH), (5, PACKED), (8, PACKED), (100, PACKED)]
+    for rows, backend in cases:
         x = torch.randn(rows, 48)
-        expected = F.linear(x, linear.weight, linear.bias) if backend is TORCH else packed_linear(x, packed, linear.bias)
         assert tuned.backend_for(rows) is backend
-        assert torch.equal(tuned(x), expected), rows
+        assert torch.equal(tuned(x), expected_of[backend](x)), rows
     assert tuned(torch.randn(0, 48)).shape == (0, 64)  # an empty batch is F.linear's
 
 
@@ -97,7 +134,7 @@ def test_tuning_measures_every_fp32_shape_and_respects_the_margin():
     bf16 = LinearKey.of(model[3])
     assert plan.choices[bf16] == (TORCH,) * 3 and bf16 not in plan.timings_us
     for key in keys - {bf16}:
-        assert all(t[b] > 0 for t in plan.timings_us[key] for b in (TORCH, PACKED))
+        assert all(t[b] > 0 for t in plan.timings_us[key] for b in (TORCH, PACKED, PANELS))
     # Nothing beats F.linear by a factor of a million: the margin keeps the reference.
     strict = tune_linears(model, LinearTuning(buckets=(1, 4, 32), samples=3, min_gain=1e6))
     assert all(c == (TORCH,) * 3 for c in strict.choices.values())
@@ -114,7 +151,7 @@ def test_install_and_remove_keep_the_same_parameters(tiny):
         model.use_linear_plan(LinearPlan.fixed(model, PACKED))
         model.use_linear_plan(LinearPlan.fixed(model, PACKED))  # replaces, never wraps twice
         tuned = [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
-        assert tuned and all(type(m) is TunedLinear and m.packed is not None for m in tuned)
+        assert tuned and all(type(m) is TunedLinear and set(m.packs) == {PACKED} for m in tuned)
         assert type(model.lm_head) is nn.Linear  # compute_logits never calls it as a module
         assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in before.items()}
     finally:
@@ -123,8 +160,9 @@ def test_install_and_remove_keep_the_same_parameters(tiny):
     assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in before.items()}
 
 
+@PACKED_BACKENDS
 @ARCHS
-def test_packed_model_logits_equal_reference(tiny, arch, monkeypatch):
+def test_packed_model_logits_equal_reference(tiny, arch, backend, monkeypatch):
     """Prefill 20 then decode one token at a time, every position's logits: packed vs F.linear."""
     model = tiny[arch].ours
     ids = prompt_of(30, seed=7)
@@ -132,25 +170,26 @@ def test_packed_model_logits_equal_reference(tiny, arch, monkeypatch):
     reference = our_logits(model, ids, split, fast_kernels=False)
     calls = []
 
-    def counted(x, packed, bias):
-        calls.append(x.shape[0])
-        return packed_linear(x, packed, bias)
+    def counted(b, x, packed, bias, out_features):
+        calls.append((b, x.shape[0]))
+        return run_packed(b, x, packed, bias, out_features)
 
-    monkeypatch.setattr(linear_tuning, "packed_linear", counted)
-    packed = our_logits(model, ids, split, linear_plan=LinearPlan.fixed(model, PACKED))
-    assert 20 in calls and 1 in calls  # the prefill and the decodes ran on packed weights
+    monkeypatch.setattr(linear_tuning, "run_packed", counted)
+    packed = our_logits(model, ids, split, linear_plan=LinearPlan.fixed(model, backend))
+    assert (backend, 20) in calls and (backend, 1) in calls  # the prefill and the decodes ran packed
     assert_logits_close(packed, reference)
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))  # restored
 
 
+@PACKED_BACKENDS
 @ARCHS
-def test_engine_on_packed_weights_equals_reference(tiny, arch):
+def test_engine_on_packed_weights_equals_reference(tiny, arch, backend):
     """Requests of different lengths: prefill batches and decode batches of 6 down to 1 rows."""
     prompts = {f"r{i}": prompt_of(4 + 9 * i, seed=i) for i in range(6)}
     params = {rid: SamplingParams(max_tokens=2 + 3 * i, temperature=0.0, ignore_eos=True)
               for i, rid in enumerate(prompts)}  # fmt: skip
     runs, recorders = [], []
-    for plan in (LinearPlan.fixed(tiny[arch].ours, PACKED), None):
+    for plan in (LinearPlan.fixed(tiny[arch].ours, backend), None):
         engine = new_engine(tiny[arch].path)
         if plan is None:
             engine.runner.set_fast_kernels(False)
@@ -180,22 +219,22 @@ def test_the_lm_head_is_neither_tuned_nor_packed(tiny):
 
 
 def test_tuning_packs_one_shape_at_a_time_within_pass_bytes(monkeypatch):
-    """Measuring holds the packed copies of one shape at a time, at most `pass_bytes` of them,
-    and frees them before returning; every bucket of every shape is still measured."""
+    """Measuring holds the packed copies of one shape at a time, at most `pass_bytes` of them per
+    packed backend, and frees them before returning; every bucket of every shape is still measured."""
     torch.manual_seed(1)
     model = nn.Sequential(*(nn.Linear(40, 72) for _ in range(5)), *(nn.Linear(72, 40) for _ in range(5)))
-    live, peak = [0], [0]
+    live, peak = {PACKED: 0, PANELS: 0}, {PACKED: 0, PANELS: 0}
 
-    def tracked(weight):
-        packed = pack_weight(weight)
-        live[0] += 1
-        peak[0] = max(peak[0], live[0])
-        weakref.finalize(packed, lambda: live.__setitem__(0, live[0] - 1))
+    def tracked(backend, weight):
+        packed = pack_for(backend, weight)
+        live[backend] += 1
+        peak[backend] = max(peak[backend], live[backend])
+        weakref.finalize(packed, lambda: live.__setitem__(backend, live[backend] - 1))
         return packed
 
-    monkeypatch.setattr(linear_tuning, "pack_weight", tracked)
+    monkeypatch.setattr(linear_tuning, "pack_for", tracked)
     plan = tune_linears(model, LinearTuning(buckets=(1, 4, 32), samples=3, pass_bytes=2 * 40 * 72 * 4))
-    assert peak[0] == 2 and live[0] == 0
+    assert peak == {PACKED: 2, PANELS: 2} and live == {PACKED: 0, PANELS: 0}
     assert len(plan.timings_us) == 2 and all(t for per_bucket in plan.timings_us.values() for t in per_bucket)
 
 

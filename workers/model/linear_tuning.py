@@ -1,15 +1,18 @@
 """Weight matmuls on the fastest backend this CPU has for each weight shape and batch size.
 
-`F.linear` (MKL sgemm on the weight as loaded) is the reference. oneDNN can reorder a weight
-once into its blocked layout and then multiply small batches near memory bandwidth, where
-sgemm at 2-64 rows is several times slower; at one row sgemm's gemv is often the faster one,
-and which wins depends on the shape and the CPU (AVX2 here, AVX-512/AMX elsewhere). So the
-choice is measured, never assumed: at start-up every distinct weight shape is timed on each
-backend for each row bucket, and the model's linears then dispatch on the number of rows.
+`F.linear` (MKL sgemm on the weight as loaded) is the reference. Two backends multiply a copy
+of the weight packed once at start-up: oneDNN's blocked layout, and our own few-row kernel
+(`csrc/panel_gemm.cpp`: 16-column k-major panels, every loaded weight vector used by all the
+rows, built at start-up). At decode's 1-16 rows a linear is a pass over its weight and what
+counts is streaming it at memory bandwidth, where sgemm is several times slower; at prefill's
+hundreds of rows it is compute-bound and sgemm or oneDNN win. Which wins depends on the shape
+and the CPU (AVX2 here, AVX-512/AMX elsewhere), so the choice is measured, never assumed: at
+start-up every distinct weight shape is timed on each backend for each row bucket, and the
+model's linears then dispatch on the number of rows.
 
     rows of x:     1    2    3-4  5-8  ...  129-256  >256
     bucket:        1    2    4    8    ...  256      256 (the last bucket covers the rest)
-    choice:      TORCH PACKED ...            (per weight shape, measured here)
+    choice:      PANELS ...        ONEDNN_PACKED TORCH  (per weight shape, measured here)
 
     plan = tune_linears(model)             # measured once per process per shape, then cached
     install_tuned_linears(model, plan)     # nn.Linear -> TunedLinear (same parameters)
@@ -17,10 +20,10 @@ backend for each row bucket, and the model's linears then dispatch on the number
 
 Only the fast path changes: the deterministic verifier multiplies `layer.weight` with
 `F.linear` itself, so its fixed-shape results never depend on what was measured here.
-A packed weight is a copy: install after the weights are loaded (the runner does). Every
-weight whose plan picks the packed backend for some bucket keeps its packed copy beside
-the original, so the fast path holds up to one extra copy of those weights; measuring holds
-at most `pass_bytes` of packed copies (one shape at a time) on top.
+A packed weight is a copy: install after the weights are loaded (the runner does). A weight
+keeps one packed copy per packed backend its plan picks for some bucket (at most two beside
+the original; typically panels for decode's buckets, and oneDNN or none for prefill's);
+measuring holds at most `pass_bytes` of packed copies per packed backend (one shape at a time).
 """
 
 from __future__ import annotations
@@ -36,12 +39,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model.panel_gemm import panel_kernels
+
 log = logging.getLogger(__name__)
 
 
 class LinearBackend(Enum):
     TORCH = "torch"  # F.linear on the weight as loaded: the reference
     ONEDNN_PACKED = "onednn_packed"  # oneDNN matmul on the weight reordered once into its blocked layout
+    PANELS = "panels"  # csrc/panel_gemm.cpp on the weight packed into 16-column panels
+
+    @property
+    def packed(self) -> bool:
+        return self is not LinearBackend.TORCH
 
 
 @dataclass(frozen=True)
@@ -135,6 +145,35 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def available_backends() -> tuple[LinearBackend, ...]:
+    """The backends this process can run: the reference, oneDNN when torch has it, the panel
+    kernel when it builds here (built on first call: the runner calls at start-up)."""
+    found = [LinearBackend.TORCH]
+    if packing_available():
+        found.append(LinearBackend.ONEDNN_PACKED)
+    if panel_kernels() is not None:
+        found.append(LinearBackend.PANELS)
+    return tuple(found)
+
+
+def pack_for(backend: LinearBackend, weight: torch.Tensor) -> torch.Tensor:
+    """`backend`'s packed copy of `weight`."""
+    if backend is LinearBackend.ONEDNN_PACKED:
+        return pack_weight(weight)
+    if backend is LinearBackend.PANELS:
+        with torch.no_grad():
+            return panel_kernels().pack_panels(weight.detach())
+    raise ValueError(f"{backend} multiplies the weight as loaded")
+
+
+def run_packed(
+    backend: LinearBackend, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    if backend is LinearBackend.PANELS:
+        return panel_kernels().panel_linear(x, packed, out_features, bias)
+    return packed_linear(x, packed, bias)
+
+
 class TunedLinear(nn.Linear):
     """An nn.Linear (the same weight and bias parameters) that runs each call on its plan's
     backend for that many rows."""
@@ -144,19 +183,20 @@ class TunedLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.tuning, self.choices = tuning, choices
-        self.packed = pack_weight(self.weight) if LinearBackend.ONEDNN_PACKED in choices else None
+        self.packs = {b: pack_for(b, self.weight) for b in dict.fromkeys(choices) if b.packed}
 
     def backend_for(self, rows: int) -> LinearBackend:
         return self.choices[self.tuning.bucket_index(rows)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.packed is not None and rows and self.backend_for(rows) is LinearBackend.ONEDNN_PACKED:
-            return packed_linear(x, self.packed, self.bias)
+        backend = self.backend_for(rows) if rows else LinearBackend.TORCH
+        if backend.packed:
+            return run_packed(backend, x, self.packs[backend], self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
 
-# (key, number of weights, tuning, threads) -> per-bucket choices and timings: once per process.
+# (key, number of weights, tuning, threads, backends) -> per-bucket choices and timings: once per process.
 _measured: dict[tuple, tuple[tuple[LinearBackend, ...], tuple[Timings, ...]]] = {}
 
 
@@ -170,7 +210,7 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
     `pass_bytes` of them), each with an even share of the time left; its buckets go smallest
     first (decode's are the ones that matter most), and a bucket left unmeasured when its
     share runs out takes the shape's previous choice.
-    Other dtypes and devices, or a torch without oneDNN, keep the reference.
+    Other dtypes and devices, or a process with no packed backend, keep the reference.
     """
     tuning = tuning or LinearTuning()
     threads = torch.get_num_threads()
@@ -178,28 +218,29 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
     for m in _linears(model):
         by_shape.setdefault(LinearKey.of(m), []).append(m)
     fixed = (LinearBackend.TORCH,) * len(tuning.buckets)
+    backends = available_backends()
     tunable = {
         key: linears
         for key, linears in by_shape.items()
-        if packing_available() and key.dtype == torch.float32 and linears[0].weight.device.type == "cpu"
+        if len(backends) > 1 and key.dtype == torch.float32 and linears[0].weight.device.type == "cpu"
     }
-    pending = {key: ls for key, ls in tunable.items() if (key, len(ls), tuning, threads) not in _measured}
+    pending = {key: ls for key, ls in tunable.items() if (key, len(ls), tuning, threads, backends) not in _measured}
     if pending:
         start = time.perf_counter()
-        for key, result in _measure_all(pending, tuning).items():
-            _measured[(key, len(pending[key]), tuning, threads)] = result
-        plan = LinearPlan(tuning, {k: _measured[(k, len(pending[k]), tuning, threads)][0] for k in pending})
+        for key, result in _measure_all(pending, tuning, backends).items():
+            _measured[(key, len(pending[key]), tuning, threads, backends)] = result
+        plan = LinearPlan(tuning, {k: _measured[(k, len(pending[k]), tuning, threads, backends)][0] for k in pending})
         log.info("linear backends: %d shapes measured in %.1f s, %d threads\n  %s",
                  len(pending), time.perf_counter() - start, threads, "\n  ".join(plan.describe()))  # fmt: skip
     choices = {key: fixed for key in by_shape}
     timings = {}
     for key, linears in tunable.items():
-        choices[key], timings[key] = _measured[(key, len(linears), tuning, threads)]
+        choices[key], timings[key] = _measured[(key, len(linears), tuning, threads, backends)]
     return LinearPlan(tuning, choices, timings)
 
 
 class _ShapeBench:
-    """Weights of one shape and their packed copies, timed on both backends.
+    """Weights of one shape and their packed copies, timed on every backend.
 
     In a forward pass every weight is read once, from memory rather than from the caches
     (the model is far bigger than the L3), which is what decides small batches: up to
@@ -208,55 +249,59 @@ class _ShapeBench:
     time on a big model); beyond, the matmul is compute-bound and one weight stands for all.
     """
 
-    def __init__(self, linears: list[nn.Linear], tuning: LinearTuning):
+    def __init__(self, linears: list[nn.Linear], tuning: LinearTuning, backends: tuple[LinearBackend, ...]):
         weight = linears[0].weight
         fit = max(1, tuning.pass_bytes // (weight.numel() * weight.element_size()))
+        self.backends = backends
+        self.out_features = weight.shape[0]
         self.weights = [m.weight.detach() for m in linears[:fit]]
         self.biases = [None if m.bias is None else m.bias.detach() for m in linears[:fit]]
-        self.packs = [pack_weight(w) for w in self.weights]
+        self.packs = {b: [pack_for(b, w) for w in self.weights] for b in backends if b.packed}
 
     def run(self, backend: LinearBackend, x: torch.Tensor, n: int) -> None:
         if backend is LinearBackend.TORCH:
             for w, b in zip(self.weights[:n], self.biases[:n]):
                 F.linear(x, w, b)
         else:
-            for p, b in zip(self.packs[:n], self.biases[:n]):
-                packed_linear(x, p, b)
+            for p, b in zip(self.packs[backend][:n], self.biases[:n]):
+                run_packed(backend, x, p, b, self.out_features)
 
     def measure(self, rows: int, tuning: LinearTuning, stop: float) -> tuple[LinearBackend, Timings] | None:
-        """The faster backend for `rows` and the timings, or None when `stop` (a perf_counter
+        """The fastest backend for `rows` and the timings, or None when `stop` (a perf_counter
         time) came before one timed call of each backend."""
         x = torch.randn(rows, self.weights[0].shape[1], dtype=self.weights[0].dtype)
         n = len(self.weights) if rows <= tuning.pass_rows else 1
-        backends = (LinearBackend.TORCH, LinearBackend.ONEDNN_PACKED)
-        best = {b: float("inf") for b in backends}
-        for backend in backends:  # warm-up: first touch, oneDNN primitive creation
+        best = {b: float("inf") for b in self.backends}
+        for backend in self.backends:  # warm-up: first touch, oneDNN primitive creation
             self.run(backend, x, 1)
         deadline = min(stop, time.perf_counter() + tuning.bucket_budget_s)
         for sample in range(tuning.samples):
             if time.perf_counter() > stop:
                 break
-            for backend in backends:  # interleaved: both see the same moments of a shared machine
+            for backend in self.backends:  # interleaved: all see the same moments of a shared machine
                 start = time.perf_counter()
                 self.run(backend, x, n)
                 best[backend] = min(best[backend], (time.perf_counter() - start) / n)
             if sample >= 2 and time.perf_counter() > deadline:
                 break
-        if best[LinearBackend.ONEDNN_PACKED] == float("inf"):
+        if any(t == float("inf") for t in best.values()):
             return None
-        gain = best[LinearBackend.TORCH] / best[LinearBackend.ONEDNN_PACKED]
-        choice = LinearBackend.ONEDNN_PACKED if gain >= tuning.min_gain else LinearBackend.TORCH
+        fastest = min((b for b in self.backends if b.packed), key=best.__getitem__)
+        gain = best[LinearBackend.TORCH] / best[fastest]
+        choice = fastest if gain >= tuning.min_gain else LinearBackend.TORCH
         return choice, {b: t * 1e6 for b, t in best.items()}
 
 
-def _measure_all(pending: dict[LinearKey, list[nn.Linear]], tuning: LinearTuning):
+def _measure_all(
+    pending: dict[LinearKey, list[nn.Linear]], tuning: LinearTuning, backends: tuple[LinearBackend, ...]
+):
     results = {}
     stop = time.perf_counter() + tuning.total_budget_s
     with torch.inference_mode():
         for done, (key, linears) in enumerate(pending.items()):
             now = time.perf_counter()
             share = now + max(0.0, stop - now) / (len(pending) - done)  # this shape's end
-            bench = _ShapeBench(linears, tuning) if now < share else None
+            bench = _ShapeBench(linears, tuning, backends) if now < share else None
             picks: list[LinearBackend] = []
             times: list[Timings] = []
             for rows in tuning.buckets:

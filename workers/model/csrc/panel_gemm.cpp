@@ -1,5 +1,5 @@
 // Weight matmuls for few rows (decode), streaming each weight once at memory bandwidth.
-// Built from source at start-up by workers/model/panel_gemm.py; the tuning in
+// Built from source at start-up (workers/model/panel_gemm.py); the tuning in
 // workers/model/linear_tuning.py picks it per weight shape and row bucket only where it measures
 // faster than F.linear and oneDNN, which stay the reference and the other choice.
 //
