@@ -110,22 +110,40 @@ def _rotated(sides: list[Side], r: int) -> list[Side]:
     return sides[k:] + sides[:k]
 
 
-def _agreement(outputs: dict[Side, list[list[int]]]) -> dict[str, dict[str, float]]:
+def _agreement(outputs: dict[Side, list[list[int]]], never_sampled: frozenset[int]) -> dict[str, dict[str, float]]:
+    """Greedy agreement of each peer with ours, per sequence.
+
+    Our engine never samples control tokens (the tokenizer's `never_sample_token_ids`: a chat
+    server must not emit a turn marker as text); `transformers` and vLLM do when greedy picks
+    one, and from there the two sequences go different ways by policy, not by arithmetic. So
+    beside the strict figure, `until_peer_control_token` counts a sequence as agreeing when it
+    is equal up to the peer's first control token, and `peer_sampled_control` says how often
+    that happened (random `bench` weights pick control tokens often enough to matter).
+    """
     ours = outputs[Side.OURS]
-    return {
-        side.value: {
-            "first_token": sum(a[0] == b[0] for a, b in zip(ours, theirs)) / len(ours),
+
+    def until_control(theirs: list[int]) -> int:
+        return next((i for i, t in enumerate(theirs) if t in never_sampled), len(theirs))
+
+    result = {}
+    for side, theirs in outputs.items():
+        if side is Side.OURS:
+            continue
+        cut = [until_control(t) for t in theirs]
+        result[side.value] = {
+            "first_token": sum(a[:1] == b[:1] for a, b in zip(ours, theirs)) / len(ours),
             "all_tokens": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
+            "until_peer_control_token": sum(a[:n] == b[:n] for a, b, n in zip(ours, theirs, cut)) / len(ours),
+            "peer_sampled_control": sum(n < len(t) for t, n in zip(theirs, cut)) / len(ours),
         }
-        for side, theirs in outputs.items()
-        if side is not Side.OURS
-    }
+    return result
 
 
 def bench_arch(arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int, with_vllm: bool) -> dict:
     sides = _sides(arch, model_dir, plan, threads, with_vllm)
     names = list(sides)
     vllm_info = sides[Side.VLLM].info if Side.VLLM in sides else None
+    never_sampled = frozenset(sides[Side.OURS].engine.tokenizer.never_sample_ids)
     try:
         for c in plan.concurrency:  # warm-up at every batch shape, every side, before measuring
             for side in names:
@@ -141,7 +159,7 @@ def bench_arch(arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int,
                     prompts = make_prompts(c, plan.prompt_len, seed + 1000 * c + r)
                     got, outputs = _measure(sides, _rotated(names, r), prompts, plan.new_tokens, r, bar)
                     runs += got
-                    agreement.setdefault(str(c), _agreement(outputs))
+                    agreement.setdefault(str(c), _agreement(outputs, never_sampled))
             for i, history in enumerate(plan.long_histories):
                 prompts = make_prompts(plan.long_concurrency, history, seed + history)
                 got, _ = _measure(sides, _rotated(long_sides, i), prompts, plan.long_new_tokens, 0, bar)

@@ -92,8 +92,17 @@ def _family_section(name: str, family: dict, threads: int) -> list[str]:
     out += ["### Targets", "", *_targets(family), ""]
     agreement = family["agreement_with_ours"]
     out += [
-        "Greedy agreement with ours (share of sequences whose N tokens are all equal): "
-        + "; ".join(f"c={c}: " + ", ".join(f"{side} {a['all_tokens']:.2f}" for side, a in by.items()) for c, by in agreement.items()),
+        "Greedy agreement with ours, share of sequences whose N tokens are all equal (in brackets: equal up to "
+        "the peer's first control token, which our engine never samples; and the share of sequences where the peer "
+        "sampled one): "
+        + "; ".join(
+            f"c={c}: " + ", ".join(
+                f"{side} {a['all_tokens']:.2f} ({a.get('until_peer_control_token', float('nan')):.2f}; "
+                f"{a.get('peer_sampled_control', float('nan')):.2f})"
+                for side, a in by.items()
+            )
+            for c, by in agreement.items()
+        ),
         "",
         f"Runs with less than {CONTENDED_FRACTION:.0%} of {threads} cores (machine shared): {len(contended)} of "
         f"{len(family['runs']) + len(family['long_context_runs'])} (CPU/wall below; vLLM's CPU time is its subprocess's).",
