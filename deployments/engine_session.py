@@ -77,6 +77,7 @@ class EngineSession:
             max_model_len=settings.max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=settings.max_num_seqs),
             cache=CacheConfig(kv_cache_bytes=settings.kv_cache_mb << 20, head_cache_bytes=settings.head_cache_mb << 20),
+            weight_quantization=settings.weight_quantization,
         )
         engine = LLMEngine(config)
         self.cache = ConversationCache(engine, retain_turns=1)

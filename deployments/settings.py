@@ -12,6 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from workers.config import WeightQuantization
+
 
 class TierExport(str, enum.Enum):
     """When a worker copies a freshly committed head to the cache service's state tier."""
@@ -46,6 +48,9 @@ class AppSettings(BaseModel):
     max_num_seqs: int = Field(16, ge=1)
     torch_threads: int = Field(1, ge=1, description="torch threads per worker replica")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where the engines run (cuda on GPU pods)")
+    weight_quantization: WeightQuantization = Field(
+        WeightQuantization.NONE, description="int8: weight-only int8 linears on CPU (faster decode, measured accuracy "
+                                             "cost; see bench/results/engine.md); none: the weights as loaded")
     # Secrets come as files (mounted Kubernetes Secrets), read when a replica starts, so they
     # never appear in the application's config.
     api_keys_file: str = Field("", description="file of bearer tokens, one per line, added to api_keys")

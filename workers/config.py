@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -11,6 +12,20 @@ from workers.deterministic.config import DeterministicConfig
 
 # Weight/activation dtypes the model runs in (Mamba states stay fp32 in all of them).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class WeightQuantization(str, Enum):
+    """How the fast path stores the blocks' linear weights (`workers.model.linear_tuning`).
+
+    NONE  the weights as loaded (the reference and the default)
+    INT8  weight-only int8, one fp32 scale per output channel, multiplied in fp32 by the panel
+          kernel: a quarter of the weight bytes per decode step, at a measured accuracy cost
+          (`bench.engine` reports it in its own rows). The reference path, the deterministic
+          verifier and the LM head keep the fp32 weights, which stay loaded.
+    """
+
+    NONE = "none"
+    INT8 = "int8"
 
 
 @dataclass(frozen=True)
@@ -57,8 +72,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     deterministic: DeterministicConfig = field(default_factory=DeterministicConfig)
+    weight_quantization: WeightQuantization = WeightQuantization.NONE
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
             raise ValueError(f"dtype {self.dtype} is not supported: choose one of {names}")
+        quantization = WeightQuantization(self.weight_quantization)  # a bad name is a ValueError here
+        if quantization is not WeightQuantization.NONE and (self.dtype != torch.float32 or self.device != "cpu"):
+            raise ValueError(
+                f"weight_quantization={quantization.value} runs on fp32 CPU engines only, not {self.dtype} on {self.device}"
+            )
+        object.__setattr__(self, "weight_quantization", quantization)

@@ -88,7 +88,9 @@ class LLMEngine:
         )
         # A request longer than the whole pool could never run: cap the length limit there.
         self.max_model_len = min(model_limit, self.kv_layout.usable_blocks * cache.block_size)
-        self.runner = ModelRunner(self.model, self.kv_layout, self.state_layout, config.device)
+        self.runner = ModelRunner(
+            self.model, self.kv_layout, self.state_layout, config.device, weight_quantization=config.weight_quantization
+        )
         kv, states = KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout)
         heads = HeadManager(kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s)
         self.caches = CacheCoordinator(kv, states, heads, self.runner.copy_slots)
@@ -344,7 +346,8 @@ class LLMEngine:
     @functools.cached_property
     def identity(self) -> ModelIdentity:
         """What a foreign head's state must match (hashes the weights once)."""
-        return model_identity(self.config.model, self.config.dtype, self.config.device)
+        config = self.config
+        return model_identity(config.model, config.dtype, config.device, config.weight_quantization.value)
 
     def check_integrity(self) -> None:
         self.caches.check_integrity()

@@ -40,12 +40,14 @@ def device_kind(device: str) -> str:
     return f"{device}:{platform.machine()}:{_cpu_model()}"
 
 
-def model_identity(model_dir: Path | str, dtype: torch.dtype, device: str) -> ModelIdentity:
+def model_identity(model_dir: Path | str, dtype: torch.dtype, device: str, weight_quantization: str = "none") -> ModelIdentity:
+    """`weight_quantization` other than "none" is part of the dtype: int8 weights compute other
+    states than fp32 ones, so heads never move between engines that differ in it."""
     model_dir = Path(model_dir)
     return ModelIdentity(
         weights_digest=_file_digest(sorted(model_dir.glob("*.safetensors"))),
         config_digest=_file_digest([model_dir / "config.json"]),
-        dtype=str(dtype),
+        dtype=str(dtype) if weight_quantization == "none" else f"{dtype}/{weight_quantization} weights",
         torch_version=torch.__version__,
         device_kind=device_kind(device),
     )

@@ -14,7 +14,8 @@ from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.hybrid_lm import HybridLM
 from workers.model.kernels import decode_kernels
-from workers.model.linear_tuning import LinearPlan, tune_linears
+from workers.config import WeightQuantization
+from workers.model.linear_tuning import LinearPlan, int8_plan, tune_linears
 from workers.model.scan_kernels import scan_kernels
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -28,13 +29,15 @@ class ModelRunner:
         device: str,
         fast_kernels: bool = True,
         linear_plan: LinearPlan | None = None,
+        weight_quantization: WeightQuantization = WeightQuantization.NONE,
     ):
         """`fast_kernels`: run the fast path (`workers.model.fast_path`: the C++ kernels when
         they build here, the pure-torch fast variants, and the weight matmuls on the backends
-        measured fastest here, `workers.model.linear_tuning`); False runs the pure-torch
-        reference path."""
+        measured fastest here, `workers.model.linear_tuning`, or with INT8 weight quantization
+        on int8 panels); False runs the pure-torch reference path (fp32 weights)."""
         self.model = model
         self.device = device
+        self.weight_quantization = weight_quantization
         self.set_fast_kernels(fast_kernels, linear_plan)
         self.block_size = kv_layout.block_size
         self.caches = allocate_caches(kv_layout, state_layout, device)
@@ -47,8 +50,13 @@ class ModelRunner:
         on = enabled and torch.device(self.device).type == "cpu"
         self.fast = FastPath(on=True, decode=decode_kernels(), scan=scan_kernels()) if on else REFERENCE
         self.model.use_fast_path(self.fast)
-        self.linear_plan = (linear_plan or tune_linears(self.model.blocks)) if on else None
+        self.linear_plan = (linear_plan or self._plan_linears()) if on else None
         self.model.use_linear_plan(self.linear_plan)
+
+    def _plan_linears(self) -> LinearPlan:
+        if self.weight_quantization is WeightQuantization.INT8:
+            return int8_plan(self.model.blocks)
+        return tune_linears(self.model.blocks)
 
     def apply_copies(self, copies: PendingCopies) -> None:
         """Copy-on-write of tail blocks, copies and zeroing of Mamba states, before the step runs."""

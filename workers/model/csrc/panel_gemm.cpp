@@ -18,18 +18,29 @@
 // Summation order: per output, k ascending in fp32 FMAs, like a plain dot product; results
 // differ from MKL/oneDNN in the last bits (the fast path's documented tolerance), never in
 // which rows or columns they cover.
+//
+// Int8 weights (the engine's weight-only int8 mode, `linear_tuning.quantize_int8`): the same
+// panels with one signed byte per weight and a scale per output column (weight = scale * q).
+// A k-step is then 16 bytes instead of 64, a quarter of the memory traffic; the bytes are
+// widened to fp32 in registers and the scale applied once per output. With more rows than
+// one group, each panel is widened once into an fp32 scratch panel (L1/L2) and the fp32 path
+// runs on it, so the widening is not repeated per group.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
 typedef float vec8 __attribute__((vector_size(32)));
+typedef signed char int8x8 __attribute__((vector_size(8)));
 constexpr int64_t kPanel = 16;   // output columns per panel: two vec8 per row
 constexpr int64_t kRowGroup = 6;  // rows whose accumulators (2 x 6 = 12 vectors) stay in registers
+constexpr int64_t kLine = 64;     // bytes per cache line
 
 inline vec8 load8(const float* p) {
   vec8 v;
@@ -39,16 +50,34 @@ inline vec8 load8(const float* p) {
 
 inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Rows [0, R) of x times one panel: out[r, 0..width) for the panel's `width` (<= 16) columns.
-// `next`: the panel to fetch into the caches meanwhile (one 64-byte line per k), or null.
-template <int R>
-inline void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t K, const float* bias,
-                       float* out, int64_t out_stride, int64_t width, const float* next) {
+// One k-step of a panel as two vec8: fp32 as stored, int8 widened in registers (the scale is
+// applied once per output at the end, not per product).
+inline void load_step(const float* p, vec8& lo, vec8& hi) {
+  lo = load8(p);
+  hi = load8(p + 8);
+}
+
+inline void load_step(const int8_t* p, vec8& lo, vec8& hi) {
+  int8x8 a, b;
+  std::memcpy(&a, p, sizeof(a));
+  std::memcpy(&b, p + 8, sizeof(b));
+  lo = __builtin_convertvector(a, vec8);
+  hi = __builtin_convertvector(b, vec8);
+}
+
+// Rows [0, R) of x times one panel: out[r, c] = scale[c] * (x[r] . panel[:, c]) + bias[c] for
+// the panel's `width` (<= 16) columns; scale and bias may be null. `next`: the panel to fetch
+// into the caches meanwhile (one line per kLine bytes of panel), or null.
+template <int R, typename T>
+void panel_rows(const float* x, int64_t x_stride, const T* panel, int64_t K, const float* scale, const float* bias,
+                float* out, int64_t out_stride, int64_t width, const T* next) {
+  constexpr int64_t steps_per_line = kLine / (kPanel * sizeof(T));
   vec8 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = vec8{};
   for (int64_t k = 0; k < K; ++k) {
-    if (next) __builtin_prefetch(next + k * kPanel, 0, 3);
-    const vec8 w0 = load8(panel + k * kPanel), w1 = load8(panel + k * kPanel + 8);
+    if (next && k % steps_per_line == 0) __builtin_prefetch(next + k * kPanel, 0, 3);
+    vec8 w0, w1;
+    load_step(panel + k * kPanel, w0, w1);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * x_stride + k];
       lo[r] += xv * w0;
@@ -60,30 +89,48 @@ inline void panel_rows(const float* x, int64_t x_stride, const float* panel, int
     store8(row, lo[r]);
     store8(row + 8, hi[r]);
     float* o = out + r * out_stride;
-    for (int64_t c = 0; c < width; ++c) o[c] = bias ? row[c] + bias[c] : row[c];
+    for (int64_t c = 0; c < width; ++c) {
+      const float v = scale ? row[c] * scale[c] : row[c];
+      o[c] = bias ? v + bias[c] : v;
+    }
   }
 }
 
-using PanelRowsFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t,
-                             const float*);
-constexpr PanelRowsFn kPanelRows[kRowGroup + 1] = {nullptr,          panel_rows<1>, panel_rows<2>, panel_rows<3>,
-                                                   panel_rows<4>, panel_rows<5>, panel_rows<6>};
+template <typename T>
+using PanelRowsFn = void (*)(const float*, int64_t, const T*, int64_t, const float*, const float*, float*, int64_t,
+                             int64_t, const T*);
 
-}  // namespace
+template <typename T>
+constexpr PanelRowsFn<T> kPanelRows[kRowGroup + 1] = {nullptr,          panel_rows<1, T>, panel_rows<2, T>,
+                                                      panel_rows<3, T>, panel_rows<4, T>, panel_rows<5, T>,
+                                                      panel_rows<6, T>};
 
-// weight [N, K] fp32  ->  panels [ceil(N/16), K, 16], zero-padded past N.
-torch::Tensor pack_panels(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack_panels wants a 2-d fp32 weight");
-  auto w = weight.contiguous();
+// All M rows of x times one panel, in row groups as even as possible (8 = 4 + 4, not 6 + 2: a
+// small group has too few independent accumulator chains to hide the FMA latency). The last
+// group prefetches `next`.
+template <typename T>
+void panel_all_rows(const float* x, int64_t M, int64_t K, const T* panel, const float* scale, const float* bias,
+                    float* out, int64_t N, int64_t width, const T* next) {
+  const int64_t groups = (M + kRowGroup - 1) / kRowGroup;
+  for (int64_t g = 0, r = 0; g < groups; ++g) {
+    const int64_t rows = (M - r) / (groups - g);
+    kPanelRows<T>[rows](x + r * K, K, panel, K, scale, bias, out + r * N, N, width, g + 1 == groups ? next : nullptr);
+    r += rows;
+  }
+}
+
+// weight [N, K]  ->  panels [ceil(N/16), K, 16] of the same dtype, zero-padded past N.
+template <typename T>
+torch::Tensor pack(const torch::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
   auto packed = torch::zeros({panels, K, kPanel}, w.options());
-  const float* w_p = w.data_ptr<float>();
-  float* p_p = packed.data_ptr<float>();
+  const T* w_p = w.data_ptr<T>();
+  T* p_p = packed.data_ptr<T>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t c = 0; c < kPanel && j * kPanel + c < N; ++c) {
-        const float* src = w_p + (j * kPanel + c) * K;
-        float* dst = p_p + j * K * kPanel + c;
+        const T* src = w_p + (j * kPanel + c) * K;
+        T* dst = p_p + j * K * kPanel + c;
         for (int64_t k = 0; k < K; ++k) dst[k * kPanel] = src[k];
       }
     }
@@ -91,50 +138,84 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return packed;
 }
 
-// x [..., K] fp32, panels from pack_panels, out_features N, bias [N] or None  ->  [..., N]
+}  // namespace
+
+// weight [N, K] fp32 or int8  ->  panels [ceil(N/16), K, 16] of the same dtype, zero-padded past N.
+torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_panels wants a 2-d weight");
+  auto w = weight.contiguous();
+  if (w.scalar_type() == torch::kInt8) return pack<int8_t>(w);
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32, "pack_panels wants an fp32 or int8 weight");
+  return pack<float>(w);
+}
+
+// x [..., K] fp32, panels from pack_panels, out_features N, bias [N] or None, and for int8
+// panels the per-output scales [N] (weight = scale * int8)  ->  [..., N] fp32
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
-                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && panels.scalar_type() == torch::kFloat32,
-              "panel_linear wants fp32");
+                           c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scales) {
+  const bool int8 = panels.scalar_type() == torch::kInt8;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && (int8 || panels.scalar_type() == torch::kFloat32),
+              "panel_linear wants fp32 inputs and fp32 or int8 panels");
   TORCH_CHECK(panels.is_contiguous() && panels.dim() == 3 && panels.size(2) == kPanel);
   const int64_t K = panels.size(1), N = out_features, num_panels = panels.size(0);
   TORCH_CHECK(x.size(-1) == K, "panel_linear: x has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(num_panels == (N + kPanel - 1) / kPanel, "panel_linear: panels do not match out_features");
+  TORCH_CHECK(int8 == scales.has_value(), "panel_linear: int8 panels need their scales, fp32 panels have none");
   auto xc = x.contiguous();
   const int64_t M = xc.numel() / K;
   auto out_sizes = xc.sizes().vec();
   out_sizes.back() = N;
   auto out = torch::empty(out_sizes, xc.options());
-  torch::Tensor bc;
+  torch::Tensor bc, sc;
   if (bias.has_value()) {
     bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == torch::kFloat32 && bc.numel() == N);
+    TORCH_CHECK(bc.scalar_type() == torch::kFloat32 && bc.numel() == N, "panel_linear: bias must be fp32 [N]");
+  }
+  if (int8) {
+    sc = scales->contiguous();
+    TORCH_CHECK(sc.scalar_type() == torch::kFloat32 && sc.numel() == N, "panel_linear: scales must be fp32 [N]");
   }
   const float* x_p = xc.data_ptr<float>();
-  const float* p_p = panels.data_ptr<float>();
   const float* b_p = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  const float* s_p = sc.defined() ? sc.data_ptr<float>() : nullptr;
   float* o_p = out.data_ptr<float>();
   // Enough panels per task that a thread streams a long run; few enough that both threads work.
   const int64_t grain = std::max<int64_t>(1, num_panels / (2 * at::get_num_threads()));
-  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const float* panel = p_p + j * K * kPanel;
-      const int64_t col = j * kPanel, width = std::min(kPanel, N - col);
-      // Rows in groups as even as possible (8 = 4 + 4, not 6 + 2): a small group has too few
-      // independent accumulator chains to hide the FMA latency.
-      const int64_t groups = (M + kRowGroup - 1) / kRowGroup;
-      for (int64_t g = 0, r = 0; g < groups; ++g) {
-        const int64_t rows = (M - r) / (groups - g);
-        const float* next = g + 1 == groups && j + 1 < end ? panel + K * kPanel : nullptr;
-        kPanelRows[rows](x_p + r * K, K, panel, K, b_p ? b_p + col : nullptr, o_p + r * N + col, N, width, next);
-        r += rows;
+  if (!int8) {
+    const float* p_p = panels.data_ptr<float>();
+    at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t col = j * kPanel, width = std::min(kPanel, N - col);
+        const float* next = j + 1 < end ? p_p + (j + 1) * K * kPanel : nullptr;
+        panel_all_rows<float>(x_p, M, K, p_p + j * K * kPanel, nullptr, b_p ? b_p + col : nullptr, o_p + col, N,
+                              width, next);
       }
+    });
+    return out;
+  }
+  const int8_t* p_p = panels.data_ptr<int8_t>();
+  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened;  // more rows than one group: widen each panel once, then run fp32
+    if (M > kRowGroup) widened.resize(K * kPanel);
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t col = j * kPanel, width = std::min(kPanel, N - col);
+      const int8_t* panel = p_p + j * K * kPanel;
+      const int8_t* next = j + 1 < end ? panel + K * kPanel : nullptr;
+      const float* scale = s_p + col;
+      const float* b = b_p ? b_p + col : nullptr;
+      if (M <= kRowGroup) {
+        panel_all_rows<int8_t>(x_p, M, K, panel, scale, b, o_p + col, N, width, next);
+        continue;
+      }
+      for (int64_t i = 0; i < K * kPanel; ++i) widened[i] = static_cast<float>(panel[i]);
+      panel_all_rows<float>(x_p, M, K, widened.data(), scale, b, o_p + col, N, width, nullptr);
     }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_panels", &pack_panels, "pack a [N, K] weight into [ceil(N/16), K, 16] panels");
-  m.def("panel_linear", &panel_linear, "x @ W.T (+ bias) over packed panels, for few rows");
+  m.def("pack_panels", &pack_panels, "pack a [N, K] fp32 or int8 weight into [ceil(N/16), K, 16] panels");
+  m.def("panel_linear", &panel_linear, "x @ W.T (+ bias) over packed panels (int8: times per-output scales)",
+        py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias"), py::arg("scales") = py::none());
 }
