@@ -7,8 +7,10 @@ the same prompts and the same thread count, runs alternated in one invocation:
     per family (vLLM runs GraniteMoeHybrid and NemotronH; Bamba is ours vs transformers):
       decode, prefill and end-to-end tokens/s at concurrency 1, 8, 32 (quick: 1, 8)
       decode tokens/s at long context: 2k and 8k tokens of history, concurrency 8 (quick: 2k)
-    this machine's fp32 matmul roofline for the model (`bench.roofline`), each figure as a
-    fraction of it
+    this machine's roofline for the model (`bench.roofline`: bytes at the measured bandwidth,
+    flops at the measured fp32 peak), each figure as a fraction of it
+    ours with weight-only int8 (`ours-int8`, in the same alternation) in rows of its own against
+    ours on fp32, with its accuracy (`bench.int8_accuracy`); never against the fp32 peers
 
 Every side generates greedily exactly N new tokens per sequence (ignore EOS) and is timed at
 the same events (`bench.engine_sides`):
@@ -37,11 +39,12 @@ from tqdm import tqdm
 from bench.common import RESULTS_DIR, environment_info, write_results
 from bench.engine_report import markdown, plot
 from bench.engine_sides import OursRunner, Run, Side, TransformersRunner, VllmRunner, make_prompts
+from bench.int8_accuracy import logit_error
 from bench.peer import vllm_runs
 from bench.roofline import roofline
 from workers.checkpoint import Arch, Preset, make_model, preset_shape
 from workers.cache.layout import layouts_for
-from workers.config import SchedulerConfig
+from workers.config import SchedulerConfig, WeightQuantization
 from workers.model.loader import read_model_config
 
 # Targets of the engine issue: ours / vLLM-CPU (fp32 both), and the older one against transformers.
@@ -78,7 +81,7 @@ def checkpoint_dir(arch: Arch, preset: Preset, seed: int, model_dir: Path | None
     return out
 
 
-def _sides(arch: Arch, model_dir: Path, plan: Plan, threads: int, with_vllm: bool) -> dict[Side, object]:
+def _sides(arch: Arch, model_dir: Path, plan: Plan, threads: int, with_vllm: bool, with_int8: bool) -> dict[Side, object]:
     longest = max(plan.long_histories, default=0) + plan.long_new_tokens
     kv, _ = layouts_for(read_model_config(model_dir), 1, 16, 1, torch.float32)
     kv_bytes = max(512 << 20, 2 * plan.long_concurrency * longest * kv.block_bytes // 16)  # the long rows fit
@@ -87,6 +90,8 @@ def _sides(arch: Arch, model_dir: Path, plan: Plan, threads: int, with_vllm: boo
     if with_vllm and vllm_runs(arch):
         max_len = max(longest, plan.prompt_len + plan.new_tokens) + 64
         sides[Side.VLLM] = VllmRunner(model_dir, threads, max_model_len=max_len)
+    if with_int8:
+        sides[Side.OURS_INT8] = OursRunner(model_dir, threads, kv_bytes, WeightQuantization.INT8)
     torch.set_num_threads(threads)  # the engine sets it too; make sure every in-process side uses the same
     return sides
 
@@ -139,8 +144,10 @@ def _agreement(outputs: dict[Side, list[list[int]]], never_sampled: frozenset[in
     return result
 
 
-def bench_arch(arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int, with_vllm: bool) -> dict:
-    sides = _sides(arch, model_dir, plan, threads, with_vllm)
+def bench_arch(
+    arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int, with_vllm: bool, with_int8: bool = True
+) -> dict:
+    sides = _sides(arch, model_dir, plan, threads, with_vllm, with_int8)
     names = list(sides)
     vllm_info = sides[Side.VLLM].info if Side.VLLM in sides else None
     never_sampled = frozenset(sides[Side.OURS].engine.tokenizer.never_sample_ids)
@@ -151,7 +158,7 @@ def bench_arch(arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int,
         runs: list[Run] = []
         agreement: dict[str, dict] = {}
         long_runs: list[Run] = []
-        long_sides = [s for s in names if s is not Side.TRANSFORMERS]
+        long_sides = [s for s in names if s in (Side.OURS, Side.VLLM)]
         total = len(plan.concurrency) * plan.repeats * len(names) + len(plan.long_histories) * len(long_sides)
         with tqdm(total=total, desc=f"engine bench {arch.value}", unit="run") as bar:
             for c in plan.concurrency:
@@ -165,9 +172,10 @@ def bench_arch(arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int,
                 got, _ = _measure(sides, _rotated(long_sides, i), prompts, plan.long_new_tokens, 0, bar)
                 long_runs += got
         ours_model = sides[Side.OURS].engine.model
-        counts = list(plan.concurrency) + [min(c * plan.prompt_len, PREFILL_BUDGET) for c in plan.concurrency]
-        roof = roofline(ours_model, counts + [plan.long_concurrency])
+        forwards = [(c, c) for c in plan.concurrency] + [_prefill_forward(c, plan) for c in plan.concurrency]
+        roof = roofline(ours_model, forwards, sides[Side.OURS].engine.state_layout.slot_bytes)
         parameters = sum(p.numel() for p in ours_model.parameters())
+        accuracy = logit_error(model_dir, make_prompts(8, plan.prompt_len, seed + 5), threads) if with_int8 else None
     finally:
         for side in sides.values():
             side.close()
@@ -177,11 +185,12 @@ def bench_arch(arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int,
             "arch": arch.value, "preset": Preset.BENCH.value, "parameters": parameters, "dtype": "float32",
             "hidden_size": shape.hidden_size, "layer_pattern": shape.layer_pattern, "checkpoint": str(model_dir),
         },  # fmt: skip
-        "sides": [s.value for s in names],
+        "sides": [s.value for s in names if s is not Side.OURS_INT8],  # the like-for-like tables' columns
         "vllm": vllm_info,
         "roofline": roof,
         "summary": summarize(runs, long_runs, plan, roof),
         "agreement_with_ours": agreement,
+        "int8_accuracy": accuracy,
         "runs": [r.as_dict() for r in runs],
         "long_context_runs": [r.as_dict() | {"history": r.prompt_tokens // r.concurrency} for r in long_runs],
     }
@@ -197,7 +206,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(runs: list[Run], long_runs: list[Run], plan: Plan, roof: dict) -> dict:
-    sides = sorted({r.side for r in runs}, key=list(Side).index)
+    # The fp32 sides, compared like for like; ours-int8 has its own rows (`_int8_summary`).
+    sides = sorted({r.side for r in runs} - {Side.OURS_INT8}, key=list(Side).index)
     out: dict = {}
     for metric in ("decode_tokens_per_s", "prefill_tokens_per_s", "e2e_tokens_per_s"):
         per_side = {s.value: {str(c): _median(runs, s, metric, concurrency=c) for c in plan.concurrency} for s in sides}
@@ -222,14 +232,33 @@ def summarize(runs: list[Run], long_runs: list[Run], plan: Plan, roof: dict) -> 
         long = out["long_context_decode_tokens_per_s"]
         out["long_context_ratio_vs_vllm"] = {str(h): _ratio(long["ours"][str(h)], long["vllm"][str(h)]) for h in plan.long_histories}
     out["targets"] = _targets(out, plan, sides)
+    if any(r.side is Side.OURS_INT8 for r in runs):
+        out["int8"] = _int8_summary(runs, plan)
     return out
+
+
+def _int8_summary(runs: list[Run], plan: Plan) -> dict:
+    """Ours with int8 weights against ours on fp32 weights, per metric and concurrency."""
+    out: dict = {}
+    for metric in ("decode_tokens_per_s", "prefill_tokens_per_s", "e2e_tokens_per_s"):
+        out[metric] = {}
+        for c in plan.concurrency:
+            int8, fp32 = _median(runs, Side.OURS_INT8, metric, concurrency=c), _median(runs, Side.OURS, metric, concurrency=c)
+            out[metric][str(c)] = {"int8": int8, "fp32": fp32, "int8_over_fp32": _ratio(int8, fp32)}
+    return out
+
+
+def _prefill_forward(c: int, plan: Plan) -> tuple[int, int]:
+    """(tokens, sequences) of one of our prefill steps for c prompts: up to the token budget."""
+    tokens = min(c * plan.prompt_len, PREFILL_BUDGET)
+    return tokens, max(1, tokens // plan.prompt_len)
 
 
 def _fraction(metric: str, value: float | None, c: int, plan: Plan, roof: dict) -> float | None:
     if value is None:
         return None
     decode_ceiling = roof[str(c)]["tokens_per_s"]
-    prefill_ceiling = roof[str(min(c * plan.prompt_len, PREFILL_BUDGET))]["tokens_per_s"]
+    prefill_ceiling = roof[str(_prefill_forward(c, plan)[0])]["tokens_per_s"]
     if metric == "decode_tokens_per_s":
         return value / decode_ceiling
     if metric == "prefill_tokens_per_s":
@@ -273,9 +302,10 @@ METHOD = {
     "transformers: second streamer.put); t_end = generation done",
     "long_context": "concurrency 8, prompts of 2k/8k random tokens, decode tokens/s after every sequence has its "
     "first token; transformers is not run there",
-    "roofline": "bench.roofline: best time of F.linear over every weight of the model for M tokens, same threads; "
-    "decode at concurrency c uses M = c, prefill M = min(c * prompt_len, our 2048-token step budget); e2e floor = "
-    "prefill floor + decode floor",
+    "roofline": "bench.roofline: floor of a forward of M tokens over S sequences = max((linear weight bytes + "
+    "2 * S * Mamba state bytes) / measured read bandwidth, 2 * M * linear parameters / measured fp32 peak), same "
+    "threads; decode at concurrency c is (c, c), prefill (min(c * prompt_len, our 2048-token step budget), that "
+    "over prompt_len); e2e floor = prefill floor + decode floor",
     "cpu_seconds": "process CPU time of each window beside wall time; CPU/wall well below the thread count means "
     "the machine was shared during the run",
 }
@@ -286,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 8, 16 new tokens, 2k long context")
     parser.add_argument("--arch", type=Arch, choices=list(Arch), action="append", help="default: all three")
     parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM-CPU side out")
+    parser.add_argument("--no-int8", action="store_true", help="leave out our weight-only int8 rows")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=None, help="measured runs per side and concurrency")
     parser.add_argument("--new-tokens", type=int, default=None)
@@ -306,13 +337,14 @@ def main(argv: list[str] | None = None) -> dict:
     name = "engine.quick" if args.quick else "engine"
     for arch in archs:  # results are rewritten after every family, so a long run keeps what it measured
         model_dir = checkpoint_dir(arch, Preset.BENCH, args.seed, None)
-        families[arch.value] = bench_arch(arch, plan, model_dir, args.threads, args.seed, not args.no_vllm)
+        families[arch.value] = bench_arch(arch, plan, model_dir, args.threads, args.seed, not args.no_vllm, not args.no_int8)
         results = {
             "benchmark": "engine",
             "environment": env,
             "load_average_at_end": list(os.getloadavg()),
             "wall_seconds": time.perf_counter() - started,
-            "settings": asdict(plan) | {"threads": args.threads, "quick": args.quick, "with_vllm": not args.no_vllm},
+            "settings": asdict(plan)
+            | {"threads": args.threads, "quick": args.quick, "with_vllm": not args.no_vllm, "with_int8": not args.no_int8},
             "method": METHOD,
             "targets": TARGETS,
             "families": families,

@@ -39,6 +39,8 @@ def _metric_table(family: dict, metric: str) -> str:
 def _long_table(family: dict) -> str:
     s = family["summary"]
     long = s["long_context_decode_tokens_per_s"]
+    if "ours" not in long:
+        return "No long-context rows in this run (`--long-histories` with no lengths)."
     sides = list(long)
     headers = ["history tokens"] + [f"{side} decode tok/s" for side in sides]
     if "long_context_ratio_vs_vllm" in s:
@@ -86,9 +88,20 @@ def _family_section(name: str, family: dict, threads: int) -> list[str]:
         f"fp32. {peer}",
         "",
     ]
+    machine = family["roofline"].get("machine")
+    if machine:
+        out += [
+            f"Roofline inputs measured here: read bandwidth {machine['read_gb_s']:.1f} GB/s (probes: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in machine["read_probes_gb_s"].items())
+            + f"), fp32 peak {machine['peak_gflops']:.0f} GFLOPS (probes: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in machine["peak_probes_gflops"].items())
+            + f"); linear weights {machine['weight_bytes'] / 2**20:.0f} MiB, Mamba state "
+            f"{machine['state_bytes_per_sequence'] / 2**20:.1f} MiB per sequence.",
+            "",
+        ]
     for metric, title in METRICS:
         out += [f"### {title}", "", _metric_table(family, metric)]
-    out += ["### Decode at long context (concurrency 8)", "", _long_table(family)]
+    out += ["### Decode at long context (concurrency 8)", "", _long_table(family), ""]
     out += ["### Targets", "", *_targets(family), ""]
     agreement = family["agreement_with_ours"]
     out += [
@@ -100,9 +113,12 @@ def _family_section(name: str, family: dict, threads: int) -> list[str]:
                 f"{side} {a['all_tokens']:.2f} ({a.get('until_peer_control_token', float('nan')):.2f}; "
                 f"{a.get('peer_sampled_control', float('nan')):.2f})"
                 for side, a in by.items()
+                if side != "ours-int8"
             )
             for c, by in agreement.items()
         ),
+        "",
+        *_int8_section(family),
         "",
         f"Runs with less than {CONTENDED_FRACTION:.0%} of {threads} cores (machine shared): {len(contended)} of "
         f"{len(family['runs']) + len(family['long_context_runs'])} (CPU/wall below; vLLM's CPU time is its subprocess's).",
@@ -114,6 +130,31 @@ def _family_section(name: str, family: dict, threads: int) -> list[str]:
         "",
     ]
     return out
+
+
+def _int8_section(family: dict) -> list[str]:
+    int8 = family["summary"].get("int8")
+    if not int8:
+        return []
+    rows = ["| metric | concurrency | ours int8 tok/s | ours fp32 tok/s | int8 / fp32 |", "| :-- | --: | --: | --: | --: |"]
+    for metric, title in METRICS:
+        for c, v in int8[metric].items():
+            rows.append(f"| {title.split(' (')[0]} | {c} | {format_number(v['int8'])} | {format_number(v['fp32'])} | {_x(v['int8_over_fp32'])} |")
+    acc = family.get("int8_accuracy") or {}
+    greedy = "; ".join(f"c={c}: {by['ours-int8']['all_tokens']:.2f}" for c, by in family["agreement_with_ours"].items() if "ours-int8" in by)
+    return [
+        "### Weight-only int8 (`weight_quantization=int8`): its own rows, not a like-for-like comparison with fp32 peers",
+        "",
+        *rows,
+        "",
+        f"Accuracy against our fp32 weights (`bench.int8_accuracy`, teacher-forced over {acc.get('positions', '?')} prompt "
+        f"positions): max |logit error| {acc.get('max_abs_logit_error', float('nan')):.3f} "
+        f"({acc.get('max_scaled_logit_error', float('nan')):.3f} of the logits' std), greedy next token equal at "
+        f"{acc.get('top1_agreement', float('nan')):.1%} of positions; free-running greedy sequences all equal: {greedy}. "
+        "The `bench` checkpoints have random weights, a worst case for quantization (no outlier structure, small "
+        "logit margins).",
+        "",
+    ]
 
 
 def markdown(results: dict) -> str:
@@ -128,8 +169,10 @@ def markdown(results: dict) -> str:
         f"{env.get('transformers', '?')}. Load average at start / end: {env['load_average_1_5_15m']} / "
         f"{results['load_average_at_end']}.",
         "",
-        "Roofline = this machine's fp32 matmul floor for the model's weights at the same tokens per forward "
-        "(`bench.roofline`); '% roofline' is the share of that ceiling a side reaches.",
+        "Roofline = the tokens/s of a forward that only moved its bytes (every weight, each sequence's Mamba "
+        "state in and out) at this machine's measured read bandwidth and did its matmul flops at the measured "
+        "fp32 peak, whichever is slower (`bench.roofline`); '% roofline' is the share of that ceiling a side "
+        "reaches. Measured per family below.",
         "",
     ]
     for name, family in results["families"].items():
@@ -153,7 +196,7 @@ def plot(results: dict, path: Path) -> None:
         for side in family["sides"]:
             ax.plot([int(c) for c in cs], [s[side][c] or 0 for c in cs], marker=markers.get(side, "x"), label=side)
         roof = family["roofline"]
-        ax.plot([int(c) for c in cs], [roof[c]["tokens_per_s"] for c in cs], "k--", alpha=0.5, label="fp32 matmul roofline")
+        ax.plot([int(c) for c in cs], [roof[c]["tokens_per_s"] for c in cs], "k--", alpha=0.5, label="roofline (bandwidth / fp32 peak)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks([int(c) for c in cs], cs)

@@ -22,7 +22,7 @@ import torch
 
 from bench.peer import VllmPeer
 from workers.checkpoint.tokens import ORDINARY_TOKEN_IDS, PAD_TOKEN_ID
-from workers.config import CacheConfig, EngineConfig
+from workers.config import CacheConfig, EngineConfig, WeightQuantization
 from workers.engine import LLMEngine
 from workers.sampling import SamplingParams
 
@@ -31,6 +31,7 @@ class Side(str, Enum):
     OURS = "ours"
     TRANSFORMERS = "transformers"
     VLLM = "vllm"
+    OURS_INT8 = "ours-int8"  # weight-only int8: reported on its own, never against the fp32 peers
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,18 @@ def _run(side: Side, prompts, generated: int, decode_tokens: int, t0: _Clock, fi
 
 
 class OursRunner:
-    side = Side.OURS
-
-    def __init__(self, model_dir: Path, threads: int, kv_cache_bytes: int = 512 << 20):
-        config = EngineConfig(model=str(model_dir), num_threads=threads, cache=CacheConfig(kv_cache_bytes=kv_cache_bytes))
+    def __init__(
+        self,
+        model_dir: Path,
+        threads: int,
+        kv_cache_bytes: int = 512 << 20,
+        weight_quantization: WeightQuantization = WeightQuantization.NONE,
+    ):
+        config = EngineConfig(
+            model=str(model_dir), num_threads=threads, cache=CacheConfig(kv_cache_bytes=kv_cache_bytes),
+            weight_quantization=weight_quantization,
+        )  # fmt: skip
+        self.side = Side.OURS if weight_quantization is WeightQuantization.NONE else Side.OURS_INT8
         self.engine = LLMEngine(config)
         self._next_id = 0
 
@@ -130,7 +139,7 @@ class OursRunner:
         self.engine.check_integrity()
         outputs = [tokens[rid] for rid in ids]
         generated = sum(len(t) for t in outputs)
-        return _run(Side.OURS, prompts, generated, generated - produced_before_first, t0, first, end), outputs
+        return _run(self.side, prompts, generated, generated - produced_before_first, t0, first, end), outputs
 
     def close(self) -> None:
         pass
