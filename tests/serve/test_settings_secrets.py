@@ -44,3 +44,19 @@ async def test_the_started_cache_service_requires_the_shared_secret_from_the_fil
                 await anonymous.stats()
     finally:
         service.stop()
+
+
+def test_weight_quantization_is_validated_and_reaches_the_engine(tmp_path):
+    from deployments.engine_session import EngineSession
+    from workers.checkpoint import Arch, Preset, make_model
+    from workers.config import WeightQuantization
+
+    with pytest.raises(ValidationError):
+        AppSettings(weight_quantization="int4")
+    model_dir = make_model(tmp_path / "model", Arch.BAMBA, Preset.TINY, seed=4)
+    session = EngineSession(str(model_dir), AppSettings(weight_quantization="int8"))
+    try:
+        assert session.aengine.engine.config.weight_quantization is WeightQuantization.INT8
+        assert "int8" in session.identity.dtype  # exports say so: no head moves to an fp32 replica
+    finally:
+        session.shutdown()
