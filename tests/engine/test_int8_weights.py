@@ -125,3 +125,15 @@ def test_int8_needs_fp32_on_cpu():
     with pytest.raises(ValueError):
         EngineConfig(model="m", weight_quantization="int4")
     assert EngineConfig(model="m", weight_quantization="int8").weight_quantization is WeightQuantization.INT8
+
+
+def test_without_the_panel_kernel_tuning_skips_it_and_int8_is_refused(tiny, monkeypatch):
+    """A machine that cannot build the kernel: tuning chooses among F.linear and oneDNN, and the
+    int8 mode fails at start-up with the reason instead of silently running fp32."""
+    from workers.model import linear_tuning
+
+    monkeypatch.setattr(linear_tuning, "panel_kernels", lambda: None)
+    monkeypatch.setattr(linear_tuning, "panel_build_failure", lambda: "no c++ on PATH")
+    assert LinearBackend.PANELS not in linear_tuning.available_backends()
+    with pytest.raises(RuntimeError, match="no c\\+\\+ on PATH"):
+        int8_plan(tiny[Arch.BAMBA].ours.blocks)
