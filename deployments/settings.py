@@ -10,7 +10,7 @@ import enum
 import hashlib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workers.config import WeightQuantization
 
@@ -62,6 +62,13 @@ class AppSettings(BaseModel):
         if isinstance(value, str):  # `serve run ... api_keys=k1,k2`
             return tuple(k for k in value.split(",") if k)
         return value
+
+    @model_validator(mode="after")
+    def _int8_on_cpu(self) -> AppSettings:
+        # Refused here, at build time, rather than by every replica's engine at start-up.
+        if self.weight_quantization is not WeightQuantization.NONE and self.device != "cpu":
+            raise ValueError(f"weight_quantization={self.weight_quantization.value} runs on device cpu only")
+        return self
 
     @property
     def auth_enabled(self) -> bool:

@@ -347,7 +347,7 @@ class LLMEngine:
     def identity(self) -> ModelIdentity:
         """What a foreign head's state must match (hashes the weights once)."""
         config = self.config
-        return model_identity(config.model, config.dtype, config.device, config.weight_quantization.value)
+        return model_identity(config.model, config.dtype, config.device, config.weight_quantization)
 
     def check_integrity(self) -> None:
         self.caches.check_integrity()

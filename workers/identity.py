@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from proto.contract import ModelIdentity
+from workers.config import WeightQuantization
 
 
 def _file_digest(paths: list[Path]) -> str:
@@ -40,14 +41,16 @@ def device_kind(device: str) -> str:
     return f"{device}:{platform.machine()}:{_cpu_model()}"
 
 
-def model_identity(model_dir: Path | str, dtype: torch.dtype, device: str, weight_quantization: str = "none") -> ModelIdentity:
-    """`weight_quantization` other than "none" is part of the dtype: int8 weights compute other
-    states than fp32 ones, so heads never move between engines that differ in it."""
+def model_identity(
+    model_dir: Path | str, dtype: torch.dtype, device: str, weight_quantization: WeightQuantization
+) -> ModelIdentity:
+    """A weight quantization is part of the dtype: int8 weights compute other states than fp32
+    ones, so heads never move between engines that differ in it."""
     model_dir = Path(model_dir)
     return ModelIdentity(
         weights_digest=_file_digest(sorted(model_dir.glob("*.safetensors"))),
         config_digest=_file_digest([model_dir / "config.json"]),
-        dtype=str(dtype) if weight_quantization == "none" else f"{dtype}/{weight_quantization} weights",
+        dtype=str(dtype) if weight_quantization is WeightQuantization.NONE else f"{dtype}/{weight_quantization.value} weights",
         torch_version=torch.__version__,
         device_kind=device_kind(device),
     )

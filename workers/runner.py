@@ -10,11 +10,11 @@ import torch
 
 from workers.cache.coordinator import PendingCopies
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout, MambaStateLayout, allocate_caches
+from workers.config import WeightQuantization
 from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.hybrid_lm import HybridLM
 from workers.model.kernels import decode_kernels
-from workers.config import WeightQuantization
 from workers.model.linear_tuning import LinearPlan, int8_plan, tune_linears
 from workers.model.scan_kernels import scan_kernels
 from workers.scheduler import ScheduledChunk, SchedulerOutput
@@ -50,6 +50,12 @@ class ModelRunner:
         on = enabled and torch.device(self.device).type == "cpu"
         self.fast = FastPath(on=True, decode=decode_kernels(), scan=scan_kernels()) if on else REFERENCE
         self.model.use_fast_path(self.fast)
+        if on and linear_plan is not None and linear_plan.quantized != (self.weight_quantization is WeightQuantization.INT8):
+            # An int8 plan on an fp32 engine would compute int8 states under an fp32 identity
+            # (and its heads could move to fp32 replicas); an fp32 plan on an int8 engine would
+            # silently drop the mode.
+            kind = "int8" if linear_plan.quantized else "fp32"
+            raise ValueError(f"{kind} linear plan for weight_quantization={self.weight_quantization.value}")
         self.linear_plan = (linear_plan or self._plan_linears()) if on else None
         self.model.use_linear_plan(self.linear_plan)
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from workers.cache.layout import layouts_for
 from workers.checkpoint import NEVER_SAMPLE_TOKEN_IDS, Arch, Preset, build_random_model, make_model, write_tokenizer
 from workers.checkpoint.metadata import ServingMetadata
-from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+from workers.config import CacheConfig, EngineConfig, SchedulerConfig, WeightQuantization
 from workers.engine import LLMEngine
 from workers.model.hybrid_lm import HybridLM
 from workers.model.linear_tuning import LinearPlan
@@ -49,11 +49,13 @@ def new_engine(
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 0,
     dtype: torch.dtype = torch.float32,
+    weight_quantization: WeightQuantization = WeightQuantization.NONE,
 ) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
             dtype=dtype,
+            weight_quantization=weight_quantization,
             max_model_len=max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             cache=CacheConfig(
@@ -183,7 +185,8 @@ def our_logits(
     assert sum(chunks) == len(ids)
     n_blocks = -(-len(ids) // block_size)
     kv, state = layouts_for(model.config, n_blocks + 3, block_size, 3, torch.float32)
-    runner = ModelRunner(model, kv, state, "cpu", fast_kernels=fast_kernels, linear_plan=linear_plan)
+    quantization = WeightQuantization.INT8 if linear_plan is not None and linear_plan.quantized else WeightQuantization.NONE
+    runner = ModelRunner(model, kv, state, "cpu", fast_kernels, linear_plan, weight_quantization=quantization)
     table = list(range(n_blocks + 2, 2, -1))  # [n+2, n+1, ..., 3]: reversed, skipping 1 and 2
     request = Request("ref", list(ids), GREEDY)
     out, start = [], 0

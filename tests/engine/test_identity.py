@@ -1,5 +1,6 @@
 """The neutral contract: stable names and digests, and a model identity that changes with
-everything that makes a head's bits differ (weights, config, dtype, torch, device kind)."""
+everything that makes a head's bits differ (weights, config, dtype and weight quantization, torch,
+device kind)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 
 from proto.contract import ModelIdentity, chunk_digest, conversation_key, tokens_digest
 from workers.checkpoint import Arch
+from workers.config import WeightQuantization
 from workers.identity import model_identity
+
+NONE = WeightQuantization.NONE
 
 
 def test_names_and_digests_are_stable():
@@ -23,19 +27,20 @@ def test_names_and_digests_are_stable():
 
 def test_model_identity_covers_weights_config_dtype_and_machine(tiny, tmp_path):
     path = tiny[Arch.BAMBA].path
-    base = model_identity(path, torch.float32, "cpu")
-    assert base == model_identity(path, torch.float32, "cpu")
+    base = model_identity(path, torch.float32, "cpu", NONE)
+    assert base == model_identity(path, torch.float32, "cpu", NONE)
     assert base.torch_version == torch.__version__ and base.device_kind.startswith("cpu:")
-    assert model_identity(path, torch.bfloat16, "cpu") != base
+    assert model_identity(path, torch.bfloat16, "cpu", NONE) != base
+    assert model_identity(path, torch.float32, "cpu", WeightQuantization.INT8) != base
     copy = tmp_path / "copy"
     shutil.copytree(path, copy)
     (copy / "config.json").write_text((copy / "config.json").read_text().replace("}", ' , "extra": 1}', 1))
-    assert model_identity(copy, torch.float32, "cpu").config_digest != base.config_digest
+    assert model_identity(copy, torch.float32, "cpu", NONE).config_digest != base.config_digest
     weights = next(copy.glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    assert model_identity(copy, torch.float32, "cpu").weights_digest != base.weights_digest
+    assert model_identity(copy, torch.float32, "cpu", NONE).weights_digest != base.weights_digest
     for field in dataclasses.fields(ModelIdentity):
         other = dataclasses.replace(base, **{field.name: "x"})
         assert other.digest != base.digest and ModelIdentity.from_dict(other.to_dict()) == other

@@ -24,9 +24,9 @@ from torch import nn
 from tests.engine.conftest import LOGIT_TOL, assert_logits_close, new_engine, our_logits, prompt_of, run_engine
 from tests.families import ARCHS
 from workers.checkpoint import Arch
-from workers.config import CacheConfig, EngineConfig, SchedulerConfig, WeightQuantization
-from workers.engine import LLMEngine
-from workers.model.linear_tuning import LinearBackend, int8_plan, pack_for, quantize_int8, run_packed
+from workers.config import EngineConfig, WeightQuantization
+from workers.model.linear_backends import LinearBackend, pack_for, quantize_int8, run_packed
+from workers.model.linear_tuning import LinearPlan, int8_plan
 from workers.sampling import SamplingParams
 
 INT8 = LinearBackend.PANELS_INT8
@@ -88,20 +88,9 @@ def test_int8_model_equals_the_reference_on_dequantized_weights(tiny, arch):
     assert 10 * LOGIT_TOL < scaled < 0.5, scaled
 
 
-def _int8_engine(model_dir) -> LLMEngine:
-    reference = new_engine(model_dir)  # the test helper's settings, with int8 weights on top
-    return LLMEngine(EngineConfig(
-        model=reference.config.model,
-        scheduler=SchedulerConfig(max_num_seqs=reference.config.scheduler.max_num_seqs),
-        cache=CacheConfig(kv_cache_bytes=reference.config.cache.kv_cache_bytes,
-                          head_cache_bytes=reference.config.cache.head_cache_bytes),
-        weight_quantization=WeightQuantization.INT8,
-    ))  # fmt: skip
-
-
 def test_an_int8_engine_keeps_fp32_where_it_promises(tiny):
     path = tiny[Arch.GRANITEMOEHYBRID].path
-    fp32, int8 = new_engine(path), _int8_engine(path)
+    fp32, int8 = new_engine(path), new_engine(path, weight_quantization=WeightQuantization.INT8)
     assert int8.identity != fp32.identity and "int8" in int8.identity.dtype
     blocks = [m for m in int8.model.blocks.modules() if isinstance(m, nn.Linear)]
     assert blocks and all(m.backend_for(r) is INT8 for m in blocks for r in (1, 8, 300))
@@ -119,6 +108,37 @@ def test_an_int8_engine_keeps_fp32_where_it_promises(tiny):
     int8.check_integrity()
 
 
+def test_a_plan_must_match_the_engines_weight_quantization(tiny):
+    """An int8 plan on an fp32 engine would compute int8 states under an fp32 identity; an fp32
+    plan on an int8 engine would drop the mode: both are refused."""
+    path = tiny[Arch.GRANITEMOEHYBRID].path
+    fp32, int8 = new_engine(path), new_engine(path, weight_quantization=WeightQuantization.INT8)
+    with pytest.raises(ValueError, match="int8 linear plan for weight_quantization=none"):
+        fp32.runner.set_fast_kernels(True, int8_plan(fp32.model.blocks))
+    with pytest.raises(ValueError, match="fp32 linear plan for weight_quantization=int8"):
+        int8.runner.set_fast_kernels(True, LinearPlan.fixed(int8.model.blocks, LinearBackend.PANELS))
+
+
+@pytest.mark.parametrize("backend", [LinearBackend.PANELS, INT8], ids=lambda b: b.value)
+def test_every_row_gets_the_same_bits_at_any_batch_size(backend):
+    """Row groups, widened int8 panels and blocks of rows change which rows run together, never
+    a row's arithmetic: 100 rows in one call equal 100 one-row calls bit for bit."""
+    torch.manual_seed(5)
+    linear = nn.Linear(64, 40).requires_grad_(False)
+    packed = pack_for(backend, linear.weight)
+    x = torch.randn(100, 64)
+    together = run_packed(backend, x, packed, linear.bias, 40)
+    alone = torch.cat([run_packed(backend, x[i : i + 1], packed, linear.bias, 40) for i in range(100)])
+    assert torch.equal(together, alone)
+
+
+def test_a_weight_with_inf_or_nan_is_not_quantized():
+    w = torch.randn(4, 8)
+    w[2, 3] = float("inf")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize_int8(w)
+
+
 def test_int8_needs_fp32_on_cpu():
     with pytest.raises(ValueError, match="fp32 CPU"):
         EngineConfig(model="m", dtype=torch.bfloat16, weight_quantization=WeightQuantization.INT8)
@@ -130,10 +150,10 @@ def test_int8_needs_fp32_on_cpu():
 def test_without_the_panel_kernel_tuning_skips_it_and_int8_is_refused(tiny, monkeypatch):
     """A machine that cannot build the kernel: tuning chooses among F.linear and oneDNN, and the
     int8 mode fails at start-up with the reason instead of silently running fp32."""
-    from workers.model import linear_tuning
+    from workers.model import linear_backends, linear_tuning
 
-    monkeypatch.setattr(linear_tuning, "panel_kernels", lambda: None)
+    monkeypatch.setattr(linear_backends, "panel_kernels", lambda: None)
     monkeypatch.setattr(linear_tuning, "panel_build_failure", lambda: "no c++ on PATH")
-    assert LinearBackend.PANELS not in linear_tuning.available_backends()
+    assert LinearBackend.PANELS not in linear_backends.available_backends()
     with pytest.raises(RuntimeError, match="no c\\+\\+ on PATH"):
         int8_plan(tiny[Arch.BAMBA].ours.blocks)

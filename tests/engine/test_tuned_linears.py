@@ -25,20 +25,16 @@ from tests.families import ARCHS
 from workers.cache.layout import layouts_for
 from workers.checkpoint import Arch
 from workers.model import linear_tuning
-from workers.model.linear_tuning import (
+from workers.model.linear_backends import (
     LinearBackend,
-    LinearKey,
-    LinearPlan,
-    LinearTuning,
-    TunedLinear,
     available_backends,
     pack_for,
     pack_weight,
     packed_linear,
     packing_available,
     run_packed,
-    tune_linears,
 )
+from workers.model.linear_tuning import LinearKey, LinearPlan, LinearTuning, TunedLinear, choose, tune_linears
 from workers.model.panel_gemm import panel_kernels
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
@@ -88,6 +84,8 @@ def test_panel_kernel_rejects_what_it_cannot_multiply():
         run_packed(PANELS, torch.randn(2, 24, dtype=torch.float64), panels, linear.bias, 40)
     with pytest.raises(RuntimeError, match="out_features"):
         run_packed(PANELS, torch.randn(2, 24), panels, None, 64)
+    with pytest.raises(RuntimeError, match="empty weight"):
+        run_packed(PANELS, torch.randn(2, 0), pack_for(PANELS, torch.randn(40, 0)), None, 40)
 
 
 def test_each_call_runs_its_buckets_backend():
@@ -109,6 +107,19 @@ def test_each_call_runs_its_buckets_backend():
         assert tuned.backend_for(rows) is backend
         assert torch.equal(tuned(x), expected_of[backend](x)), rows
     assert tuned(torch.randn(0, 48)).shape == (0, 64)  # an empty batch is F.linear's
+
+
+def test_the_choice_needs_a_margin_over_the_reference_and_over_a_held_copy():
+    """`choose`: a packed backend beats F.linear by min_gain or F.linear stays; and a shape that
+    already holds one packed copy switches to another only for a min_gain speed-up (each
+    packed backend costs a copy of the weights)."""
+    t = {TORCH: 100.0, PACKED: 90.0, PANELS: 60.0}
+    assert choose(t, None, 1.05) is PANELS
+    assert choose({TORCH: 100.0, PACKED: 97.0, PANELS: 98.0}, None, 1.05) is TORCH  # 3% is noise
+    assert choose({TORCH: 100.0, PACKED: 62.0, PANELS: 60.0}, PACKED, 1.05) is PACKED  # keep the held copy
+    assert choose({TORCH: 100.0, PACKED: 70.0, PANELS: 60.0}, PACKED, 1.05) is PANELS  # 17% earns a 2nd copy
+    assert choose({TORCH: 100.0, PACKED: 99.0, PANELS: 60.0}, PACKED, 1.05) is PANELS
+    assert choose({TORCH: 100.0}, None, 1.05) is TORCH
 
 
 def test_bucket_index_and_validation():

@@ -53,6 +53,8 @@ def test_weight_quantization_is_validated_and_reaches_the_engine(tmp_path):
 
     with pytest.raises(ValidationError):
         AppSettings(weight_quantization="int4")
+    with pytest.raises(ValidationError, match="cpu only"):
+        AppSettings(weight_quantization="int8", device="cuda:0")
     model_dir = make_model(tmp_path / "model", Arch.BAMBA, Preset.TINY, seed=4)
     session = EngineSession(str(model_dir), AppSettings(weight_quantization="int8"))
     try:

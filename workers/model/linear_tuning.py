@@ -34,29 +34,16 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model import linear_backends
+from workers.model.linear_backends import LinearBackend, Packed, available_backends, pack_for, run_packed
 from workers.model.panel_gemm import build_failure as panel_build_failure
-from workers.model.panel_gemm import panel_kernels
 
 log = logging.getLogger(__name__)
-
-
-class LinearBackend(Enum):
-    TORCH = "torch"  # F.linear on the weight as loaded: the reference
-    ONEDNN_PACKED = "onednn_packed"  # oneDNN matmul on the weight reordered once into its blocked layout
-    PANELS = "panels"  # csrc/panel_gemm.cpp on the weight packed into 16-column panels
-    # The same kernel on the weight quantized to int8 (`quantize_int8`): other numbers, so never
-    # a tuning candidate; only the engine's weight_quantization=int8 installs it (`int8_plan`).
-    PANELS_INT8 = "panels_int8"
-
-    @property
-    def packed(self) -> bool:
-        return self is not LinearBackend.TORCH
 
 
 @dataclass(frozen=True)
@@ -65,7 +52,7 @@ class LinearTuning:
     # Timed calls per backend and bucket, interleaved so all backends see the same moments
     # of a shared machine; the median counts (see _ShapeBench.measure).
     samples: int = 25
-    bucket_budget_s: float = 0.03  # stop sampling a bucket after this long (at least 3 samples)
+    bucket_budget_s: float = 0.03  # stop sampling a bucket after this long (at least MIN_ROUNDS rounds)
     total_budget_s: float = 10.0  # all shapes and buckets; a loaded machine must not stall start-up
     pass_rows: int = 16  # up to this many rows, time passes over many weights of a shape (see _ShapeBench)
     pass_bytes: int = 64 << 20  # the weights of one timed pass: well beyond the caches, bounded memory
@@ -127,6 +114,11 @@ class LinearPlan:
         keys = {LinearKey.of(m) for m in _linears(model)}
         return LinearPlan(tuning, {k: (backend,) * len(tuning.buckets) for k in keys})
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any weight runs on int8 panels (the engine's int8 mode)."""
+        return any(LinearBackend.PANELS_INT8 in per_bucket for per_bucket in self.choices.values())
+
     def describe(self) -> list[str]:
         """One line per weight shape: the backend of each bucket."""
         lines = []
@@ -136,73 +128,10 @@ class LinearPlan:
         return lines
 
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in oneDNN's blocked layout (a copy; no batch-size hint, so one pack serves all)."""
-    with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def available_backends() -> tuple[LinearBackend, ...]:
-    """The backends this process can run: the reference, oneDNN when torch has it, the panel
-    kernel when it builds here (built on first call: the runner calls at start-up)."""
-    found = [LinearBackend.TORCH]
-    if packing_available():
-        found.append(LinearBackend.ONEDNN_PACKED)
-    if panel_kernels() is not None:
-        found.append(LinearBackend.PANELS)
-    return tuple(found)
-
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: weight ~= scale[:, None] * q, |q| <= 127, with
-    scale = max |row| / 127 (so the largest weight of each row is exact and every weight is
-    within scale / 2). An all-zero row has scale 0 and q 0."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (w / safe[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-Packed = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # int8 panels travel with their scales
-
-
-def pack_for(backend: LinearBackend, weight: torch.Tensor) -> Packed:
-    """`backend`'s packed copy of `weight`."""
-    with torch.no_grad():
-        if backend is LinearBackend.ONEDNN_PACKED:
-            return pack_weight(weight)
-        if backend is LinearBackend.PANELS:
-            return panel_kernels().pack_panels(weight.detach())
-        if backend is LinearBackend.PANELS_INT8:
-            q, scale = quantize_int8(weight)
-            return panel_kernels().pack_panels(q), scale
-    raise ValueError(f"{backend} multiplies the weight as loaded")
-
-
-def run_packed(
-    backend: LinearBackend, x: torch.Tensor, packed: Packed, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    if backend is LinearBackend.PANELS:
-        return panel_kernels().panel_linear(x, packed, out_features, bias)
-    if backend is LinearBackend.PANELS_INT8:
-        panels, scale = packed
-        return panel_kernels().panel_linear(x, panels, out_features, bias, scale)
-    return packed_linear(x, packed, bias)
-
-
 def int8_plan(model: nn.Module, tuning: LinearTuning | None = None) -> LinearPlan:
     """Every fp32 linear of `model` on int8 panels, at every row count (one numerical model for
     prefill and decode). Raises at start-up when the panel kernel cannot be built here."""
-    if panel_kernels() is None:
+    if linear_backends.panel_kernels() is None:
         raise RuntimeError(f"weight_quantization=int8 needs the panel kernel, which did not build: {panel_build_failure()}")
     tuning = tuning or LinearTuning()
     plan = LinearPlan.fixed(model, LinearBackend.PANELS_INT8, tuning)
@@ -291,8 +220,16 @@ class _ShapeBench:
         fit = max(1, tuning.pass_bytes // (weight.numel() * weight.element_size()))
         self.backends = backends
         self.out_features = weight.shape[0]
-        self.weights = [m.weight.detach() for m in linears[:fit]]
-        self.biases = [None if m.bias is None else m.bias.detach() for m in linears[:fit]]
+        # A pass holds `fit` weights: the shape's own, then copies of them when the model has
+        # few of this shape, so every pass leaves the caches behind (a shape with four 1 MB
+        # weights would otherwise be timed out of the L3, where backends rank differently).
+        # At most MAX_PASS_COPIES weights per pass come from copies: tiny weights (far below a
+        # megabyte) stay cheap to time, at the price of being timed nearer the caches.
+        originals = [(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in linears]
+        fit = min(fit, max(len(originals), MAX_PASS_COPIES))
+        chosen = [originals[i % len(originals)] for i in range(fit)]
+        self.weights = [w if i < len(originals) else w.clone() for i, (w, _) in enumerate(chosen)]
+        self.biases = [b for _, b in chosen]
         self.packs = {b: [pack_for(b, w) for w in self.weights] for b in backends if b.packed}
 
     def run(self, backend: LinearBackend, x: torch.Tensor, n: int) -> None:
@@ -303,9 +240,11 @@ class _ShapeBench:
             for p, b in zip(self.packs[backend][:n], self.biases[:n]):
                 run_packed(backend, x, p, b, self.out_features)
 
-    def measure(self, rows: int, tuning: LinearTuning, stop: float) -> tuple[LinearBackend, Timings] | None:
-        """The fastest backend for `rows` and the timings, or None when `stop` (a perf_counter
-        time) came before one timed call of each backend."""
+    def measure(
+        self, rows: int, tuning: LinearTuning, stop: float, held: LinearBackend | None
+    ) -> tuple[LinearBackend, Timings] | None:
+        """The backend for `rows` (`choose`) and the timings, or None when `stop` (a
+        perf_counter time) came before one timed call of each backend."""
         x = torch.randn(rows, self.weights[0].shape[1], dtype=self.weights[0].dtype)
         n = len(self.weights) if rows <= tuning.pass_rows else 1
         samples: dict[LinearBackend, list[float]] = {b: [] for b in self.backends}
@@ -315,22 +254,42 @@ class _ShapeBench:
         for sample in range(tuning.samples):
             if time.perf_counter() > stop:
                 break
-            for backend in self.backends:  # interleaved: all see the same moments of a shared machine
+            # Interleaved, so all see the same moments of a shared machine, and in a rotating
+            # order, so none always runs right after the same neighbour.
+            k = sample % len(self.backends)
+            for backend in self.backends[k:] + self.backends[:k]:
                 start = time.perf_counter()
                 self.run(backend, x, n)
                 samples[backend].append((time.perf_counter() - start) / n)
-            if sample >= 2 and time.perf_counter() > deadline:
+            if sample + 1 >= MIN_ROUNDS and time.perf_counter() > deadline:
                 break
-        if not samples[self.backends[-1]]:
+        if any(not times for times in samples.values()):
             return None
         # The median of the rounds: on a shared machine a preempted call (a thread descheduled
-        # inside a parallel region costs milliseconds) can land on any backend, and the median
-        # ignores it as long as most rounds ran clean.
+        # inside a parallel region costs milliseconds) can land on any backend; the median of
+        # at least MIN_ROUNDS rounds ignores it as long as most rounds ran clean.
         typical = {b: statistics.median(times) for b, times in samples.items()}
-        fastest = min((b for b in self.backends if b.packed), key=typical.__getitem__)
-        gain = typical[LinearBackend.TORCH] / typical[fastest]
-        choice = fastest if gain >= tuning.min_gain else LinearBackend.TORCH
-        return choice, {b: t * 1e6 for b, t in typical.items()}
+        return choose(typical, held, tuning.min_gain), {b: t * 1e6 for b, t in typical.items()}
+
+
+MIN_ROUNDS = 5  # rounds per bucket before its time budget may end it
+MAX_PASS_COPIES = 64  # weights per timed pass when a shape's own are too few to fill pass_bytes
+
+
+def choose(typical: Mapping[LinearBackend, float], held: LinearBackend | None, min_gain: float) -> LinearBackend:
+    """The backend for one bucket from typical times (lower is faster).
+
+    A packed backend must beat F.linear by `min_gain`. `held` is the packed backend the shape
+    already chose for a smaller bucket: another packed backend replaces it only when it is
+    `min_gain` faster, since each packed backend a shape uses keeps a copy of its weights.
+    """
+    packed = [b for b in typical if b.packed]
+    if not packed:
+        return LinearBackend.TORCH
+    fastest = min(packed, key=typical.__getitem__)
+    if held in typical and fastest is not held and typical[held] <= typical[fastest] * min_gain:
+        fastest = held
+    return fastest if typical[LinearBackend.TORCH] >= typical[fastest] * min_gain else LinearBackend.TORCH
 
 
 def _measure_all(
@@ -348,7 +307,8 @@ def _measure_all(
             for rows in tuning.buckets:
                 measured = None
                 if bench is not None and time.perf_counter() < share:
-                    measured = bench.measure(rows, tuning, share)
+                    held = next((p for p in picks if p.packed), None)
+                    measured = bench.measure(rows, tuning, share, held)
                 choice, us = measured or ((picks[-1] if picks else LinearBackend.TORCH), {})
                 picks.append(choice)
                 times.append(us)

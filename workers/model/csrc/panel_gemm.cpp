@@ -11,7 +11,7 @@
 //
 // and for each panel the rows' 16 outputs sit in registers (two 8-wide vectors per row) while
 // k runs: one pass over the panel per group of up to kRowGroup rows (a second group re-reads
-// the panel from L1/L2, not from memory). Threads take contiguous runs of panels, so each
+// the panel from the caches while it fits in L2: K x 64 bytes, K up to ~8k here). Threads take contiguous runs of panels, so each
 // streams one region. The vector type is GCC's portable extension: -march=native turns it into
 // AVX2/AVX-512 (or pairs of SSE) instructions.
 //
@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -41,6 +42,7 @@ typedef signed char int8x8 __attribute__((vector_size(8)));
 constexpr int64_t kPanel = 16;   // output columns per panel: two vec8 per row
 constexpr int64_t kRowGroup = 6;  // rows whose accumulators (2 x 6 = 12 vectors) stay in registers
 constexpr int64_t kLine = 64;     // bytes per cache line
+constexpr int64_t kRowBlock = 48;  // rows per block (8 groups of 6): 48 x K fp32 stay in L2 (K up to ~4k)
 
 inline vec8 load8(const float* p) {
   vec8 v;
@@ -138,6 +140,32 @@ torch::Tensor pack(const torch::Tensor& w) {
   return packed;
 }
 
+// One block of rows (x_p, M rows) times every panel, both threads taking contiguous runs of panels.
+template <typename T>
+void rows_times_panels(const float* x_p, int64_t M, int64_t K, const T* p_p, int64_t num_panels, int64_t N,
+                       const float* s_p, const float* b_p, float* o_p) {
+  // Enough panels per task that a thread streams a long run; few enough that both threads work.
+  const int64_t grain = std::max<int64_t>(1, num_panels / (2 * at::get_num_threads()));
+  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+    // int8 with more rows than one group: widen each panel once, then run the fp32 groups on it.
+    const bool widen = !std::is_same<T, float>::value && M > kRowGroup;
+    std::vector<float> widened(widen ? K * kPanel : 0);
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t col = j * kPanel, width = std::min(kPanel, N - col);
+      const T* panel = p_p + j * K * kPanel;
+      const T* next = j + 1 < end ? panel + K * kPanel : nullptr;
+      const float* scale = s_p ? s_p + col : nullptr;
+      const float* bias = b_p ? b_p + col : nullptr;
+      if (!widen) {
+        panel_all_rows<T>(x_p, M, K, panel, scale, bias, o_p + col, N, width, next);
+        continue;
+      }
+      for (int64_t i = 0; i < K * kPanel; ++i) widened[i] = static_cast<float>(panel[i]);
+      panel_all_rows<float>(x_p, M, K, widened.data(), scale, bias, o_p + col, N, width, nullptr);
+    }
+  });
+}
+
 }  // namespace
 
 // weight [N, K] fp32 or int8  ->  panels [ceil(N/16), K, 16] of the same dtype, zero-padded past N.
@@ -150,14 +178,18 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 }
 
 // x [..., K] fp32, panels from pack_panels, out_features N, bias [N] or None, and for int8
-// panels the per-output scales [N] (weight = scale * int8)  ->  [..., N] fp32
+// panels the per-output scales [N] (weight = scale * int8)  ->  [..., N] fp32.
+// N is not recorded in the panels (only ceil(N/16) is): callers pass the N they packed.
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                            c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scales) {
   const bool int8 = panels.scalar_type() == torch::kInt8;
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && (int8 || panels.scalar_type() == torch::kFloat32),
               "panel_linear wants fp32 inputs and fp32 or int8 panels");
-  TORCH_CHECK(panels.is_contiguous() && panels.dim() == 3 && panels.size(2) == kPanel);
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear runs on CPU tensors only");
+  TORCH_CHECK(panels.is_contiguous() && panels.dim() == 3 && panels.size(2) == kPanel,
+              "panel_linear: panels must be a contiguous [ceil(N/16), K, 16] tensor from pack_panels");
   const int64_t K = panels.size(1), N = out_features, num_panels = panels.size(0);
+  TORCH_CHECK(K > 0 && N > 0, "panel_linear: empty weight (K = ", K, ", N = ", N, ")");
   TORCH_CHECK(x.size(-1) == K, "panel_linear: x has ", x.size(-1), " features, the weight ", K);
   TORCH_CHECK(num_panels == (N + kPanel - 1) / kPanel, "panel_linear: panels do not match out_features");
   TORCH_CHECK(int8 == scales.has_value(), "panel_linear: int8 panels need their scales, fp32 panels have none");
@@ -169,48 +201,29 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t out_fe
   torch::Tensor bc, sc;
   if (bias.has_value()) {
     bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == torch::kFloat32 && bc.numel() == N, "panel_linear: bias must be fp32 [N]");
+    TORCH_CHECK(bc.device().is_cpu() && bc.scalar_type() == torch::kFloat32 && bc.numel() == N,
+                "panel_linear: bias must be a CPU fp32 [N]");
   }
   if (int8) {
     sc = scales->contiguous();
-    TORCH_CHECK(sc.scalar_type() == torch::kFloat32 && sc.numel() == N, "panel_linear: scales must be fp32 [N]");
+    TORCH_CHECK(sc.device().is_cpu() && sc.scalar_type() == torch::kFloat32 && sc.numel() == N,
+                "panel_linear: scales must be a CPU fp32 [N]");
   }
   const float* x_p = xc.data_ptr<float>();
   const float* b_p = bc.defined() ? bc.data_ptr<float>() : nullptr;
   const float* s_p = sc.defined() ? sc.data_ptr<float>() : nullptr;
   float* o_p = out.data_ptr<float>();
-  // Enough panels per task that a thread streams a long run; few enough that both threads work.
-  const int64_t grain = std::max<int64_t>(1, num_panels / (2 * at::get_num_threads()));
-  if (!int8) {
-    const float* p_p = panels.data_ptr<float>();
-    at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) {
-        const int64_t col = j * kPanel, width = std::min(kPanel, N - col);
-        const float* next = j + 1 < end ? p_p + (j + 1) * K * kPanel : nullptr;
-        panel_all_rows<float>(x_p, M, K, p_p + j * K * kPanel, nullptr, b_p ? b_p + col : nullptr, o_p + col, N,
-                              width, next);
-      }
-    });
-    return out;
-  }
-  const int8_t* p_p = panels.data_ptr<int8_t>();
-  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened;  // more rows than one group: widen each panel once, then run fp32
-    if (M > kRowGroup) widened.resize(K * kPanel);
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t col = j * kPanel, width = std::min(kPanel, N - col);
-      const int8_t* panel = p_p + j * K * kPanel;
-      const int8_t* next = j + 1 < end ? panel + K * kPanel : nullptr;
-      const float* scale = s_p + col;
-      const float* b = b_p ? b_p + col : nullptr;
-      if (M <= kRowGroup) {
-        panel_all_rows<int8_t>(x_p, M, K, panel, scale, b, o_p + col, N, width, next);
-        continue;
-      }
-      for (int64_t i = 0; i < K * kPanel; ++i) widened[i] = static_cast<float>(panel[i]);
-      panel_all_rows<float>(x_p, M, K, widened.data(), scale, b, o_p + col, N, width, nullptr);
+  // Blocks of kRowBlock rows, one after the other: each block's rows stay in L2 while every
+  // panel passes over them (without it a 2,048-row prefill would re-read all of x from memory
+  // once per panel). Each row's arithmetic is the same at any M, so blocking changes no bit.
+  for (int64_t r = 0; r < M; r += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, M - r);
+    if (int8) {
+      rows_times_panels<int8_t>(x_p + r * K, rows, K, panels.data_ptr<int8_t>(), num_panels, N, s_p, b_p, o_p + r * N);
+    } else {
+      rows_times_panels<float>(x_p + r * K, rows, K, panels.data_ptr<float>(), num_panels, N, s_p, b_p, o_p + r * N);
     }
-  });
+  }
   return out;
 }
 

@@ -1,0 +1,100 @@
+"""The ways a linear layer's weight can be multiplied on the fast path, and their packed copies.
+
+    TORCH          F.linear on the weight as loaded (MKL sgemm): the reference
+    ONEDNN_PACKED  oneDNN on a copy of the weight in its blocked layout
+    PANELS         csrc/panel_gemm.cpp on a copy packed into 16-column k-major panels
+    PANELS_INT8    the same kernel on the weight quantized to int8 + per-channel scales: other
+                   numbers, so never a tuning candidate (the engine's int8 mode installs it)
+
+    packed = pack_for(backend, weight)                   # a copy (int8: panels and scales)
+    y = run_packed(backend, x, packed, bias, out_features)
+
+`linear_tuning.py` decides which backend each weight shape and batch size uses.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from workers.model.panel_gemm import panel_kernels
+
+
+class LinearBackend(Enum):
+    TORCH = "torch"  # F.linear on the weight as loaded: the reference
+    ONEDNN_PACKED = "onednn_packed"  # oneDNN matmul on the weight reordered once into its blocked layout
+    PANELS = "panels"  # csrc/panel_gemm.cpp on the weight packed into 16-column panels
+    # The same kernel on the weight quantized to int8 (`quantize_int8`): other numbers, so never
+    # a tuning candidate; only the engine's weight_quantization=int8 installs it (`int8_plan`).
+    PANELS_INT8 = "panels_int8"
+
+    @property
+    def packed(self) -> bool:
+        return self is not LinearBackend.TORCH
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout (a copy; no batch-size hint, so one pack serves all)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def available_backends() -> tuple[LinearBackend, ...]:
+    """The backends this process can run: the reference, oneDNN when torch has it, the panel
+    kernel when it builds here (built on first call: the runner calls at start-up)."""
+    found = [LinearBackend.TORCH]
+    if packing_available():
+        found.append(LinearBackend.ONEDNN_PACKED)
+    if panel_kernels() is not None:
+        found.append(LinearBackend.PANELS)
+    return tuple(found)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: weight ~= scale[:, None] * q, |q| <= 127, with
+    scale = max |row| / 127 (so the largest weight of each row is exact and every weight is
+    within scale / 2). An all-zero row has scale 0 and q 0; a non-finite weight is an error
+    (its row would silently turn to NaN)."""
+    w = weight.detach().float()
+    if not torch.isfinite(w).all():
+        raise ValueError("cannot quantize a weight holding inf or NaN")
+    scale = w.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (w / safe[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+Packed = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # int8 panels travel with their scales
+
+
+def pack_for(backend: LinearBackend, weight: torch.Tensor) -> Packed:
+    """`backend`'s packed copy of `weight`."""
+    with torch.no_grad():
+        if backend is LinearBackend.ONEDNN_PACKED:
+            return pack_weight(weight)
+        if backend is LinearBackend.PANELS:
+            return panel_kernels().pack_panels(weight.detach())
+        if backend is LinearBackend.PANELS_INT8:
+            q, scale = quantize_int8(weight)
+            return panel_kernels().pack_panels(q), scale
+    raise ValueError(f"{backend} multiplies the weight as loaded")
+
+
+def run_packed(
+    backend: LinearBackend, x: torch.Tensor, packed: Packed, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    if backend is LinearBackend.PANELS:
+        return panel_kernels().panel_linear(x, packed, out_features, bias)
+    if backend is LinearBackend.PANELS_INT8:
+        panels, scale = packed
+        return panel_kernels().panel_linear(x, panels, out_features, bias, scale)
+    return packed_linear(x, packed, bias)
