@@ -41,7 +41,7 @@ from bench.engine_report import markdown, plot
 from bench.engine_sides import OursRunner, Run, Side, TransformersRunner, VllmRunner, make_prompts
 from bench.int8_accuracy import logit_error
 from bench.peer import vllm_runs
-from bench.roofline import roofline
+from bench.roofline import forward_key, roofline
 from workers.checkpoint import Arch, Preset, make_model, preset_shape
 from workers.cache.layout import layouts_for
 from workers.config import SchedulerConfig, WeightQuantization
@@ -91,7 +91,7 @@ def _sides(arch: Arch, model_dir: Path, plan: Plan, threads: int, with_vllm: boo
         max_len = max(longest, plan.prompt_len + plan.new_tokens) + 64
         sides[Side.VLLM] = VllmRunner(model_dir, threads, max_model_len=max_len)
     if with_int8:
-        sides[Side.OURS_INT8] = OursRunner(model_dir, threads, kv_bytes, WeightQuantization.INT8)
+        sides[Side.OURS_INT8] = OursRunner(model_dir, threads, weight_quantization=WeightQuantization.INT8)  # no long rows
     torch.set_num_threads(threads)  # the engine sets it too; make sure every in-process side uses the same
     return sides
 
@@ -121,9 +121,11 @@ def _agreement(outputs: dict[Side, list[list[int]]], never_sampled: frozenset[in
     Our engine never samples control tokens (the tokenizer's `never_sample_token_ids`: a chat
     server must not emit a turn marker as text); `transformers` and vLLM do when greedy picks
     one, and from there the two sequences go different ways by policy, not by arithmetic. So
-    beside the strict figure, `until_peer_control_token` counts a sequence as agreeing when it
-    is equal up to the peer's first control token, and `peer_sampled_control` says how often
-    that happened (random `bench` weights pick control tokens often enough to matter).
+    beside the strict figure, `until_peer_control_token` is the share of sequences equal up to
+    the peer's first control token, among those with at least one token before it (an empty
+    prefix compares nothing), `peer_sampled_control` how often the peer sampled one, and
+    `tokens_compared` the mean length of the compared prefixes (random `bench` weights pick
+    control tokens often enough to matter).
     """
     ours = outputs[Side.OURS]
 
@@ -135,11 +137,13 @@ def _agreement(outputs: dict[Side, list[list[int]]], never_sampled: frozenset[in
         if side is Side.OURS:
             continue
         cut = [until_control(t) for t in theirs]
+        compared = [(a[:n], b[:n]) for a, b, n in zip(ours, theirs, cut) if n > 0]
         result[side.value] = {
             "first_token": sum(a[:1] == b[:1] for a, b in zip(ours, theirs)) / len(ours),
             "all_tokens": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
-            "until_peer_control_token": sum(a[:n] == b[:n] for a, b, n in zip(ours, theirs, cut)) / len(ours),
+            "until_peer_control_token": sum(a == b for a, b in compared) / len(compared) if compared else None,
             "peer_sampled_control": sum(n < len(t) for t, n in zip(theirs, cut)) / len(ours),
+            "tokens_compared": sum(cut) / len(ours),
         }
     return result
 
@@ -257,8 +261,8 @@ def _prefill_forward(c: int, plan: Plan) -> tuple[int, int]:
 def _fraction(metric: str, value: float | None, c: int, plan: Plan, roof: dict) -> float | None:
     if value is None:
         return None
-    decode_ceiling = roof[str(c)]["tokens_per_s"]
-    prefill_ceiling = roof[str(_prefill_forward(c, plan)[0])]["tokens_per_s"]
+    decode_ceiling = roof[forward_key(c, c)]["tokens_per_s"]
+    prefill_ceiling = roof[forward_key(*_prefill_forward(c, plan))]["tokens_per_s"]
     if metric == "decode_tokens_per_s":
         return value / decode_ceiling
     if metric == "prefill_tokens_per_s":

@@ -18,6 +18,10 @@ def _x(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
+def _share(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
 def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.0f}%"
 
@@ -105,13 +109,13 @@ def _family_section(name: str, family: dict, threads: int) -> list[str]:
     out += ["### Targets", "", *_targets(family), ""]
     agreement = family["agreement_with_ours"]
     out += [
-        "Greedy agreement with ours, share of sequences whose N tokens are all equal (in brackets: equal up to "
-        "the peer's first control token, which our engine never samples; and the share of sequences where the peer "
-        "sampled one): "
+        "Greedy agreement with ours, share of sequences whose N tokens are all equal (in brackets: share equal up to "
+        "the peer's first control token, which our engine never samples, among sequences with a token before it; the "
+        "share of sequences where the peer sampled one; mean tokens compared): "
         + "; ".join(
             f"c={c}: " + ", ".join(
-                f"{side} {a['all_tokens']:.2f} ({a.get('until_peer_control_token', float('nan')):.2f}; "
-                f"{a.get('peer_sampled_control', float('nan')):.2f})"
+                f"{side} {a['all_tokens']:.2f} ({_share(a.get('until_peer_control_token'))}; "
+                f"{_share(a.get('peer_sampled_control'))}; {a.get('tokens_compared', float('nan')):.1f} tokens)"
                 for side, a in by.items()
                 if side != "ours-int8"
             )
@@ -196,7 +200,7 @@ def plot(results: dict, path: Path) -> None:
         for side in family["sides"]:
             ax.plot([int(c) for c in cs], [s[side][c] or 0 for c in cs], marker=markers.get(side, "x"), label=side)
         roof = family["roofline"]
-        ax.plot([int(c) for c in cs], [roof[c]["tokens_per_s"] for c in cs], "k--", alpha=0.5, label="roofline (bandwidth / fp32 peak)")
+        ax.plot([int(c) for c in cs], [roof[f"{c}/{c}"]["tokens_per_s"] for c in cs], "k--", alpha=0.5, label="roofline (bandwidth / fp32 peak)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks([int(c) for c in cs], cs)

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from workers.cache.layout import layouts_for
-from workers.model.linear_tuning import LinearPlan, int8_plan, tune_linears
+from workers.config import WeightQuantization
+from workers.model.linear_tuning import int8_plan, tune_linears
 from workers.model.loader import load_model
 from workers.request import Request
 from workers.runner import ModelRunner
@@ -45,16 +46,15 @@ def logit_error(model_dir: Path, prompts: list[list[int]], threads: int) -> dict
     model = load_model(model_dir, torch.float32, "cpu")
     longest = max(len(p) for p in prompts)
     kv, state = layouts_for(model.config, -(-longest // _BLOCK) + 1, _BLOCK, 1, torch.float32)
-    plans: dict[str, LinearPlan] = {"fp32": tune_linears(model.blocks), "int8": int8_plan(model.blocks)}
-    logits: dict[str, list[torch.Tensor]] = {}
-    runner = ModelRunner(model, kv, state, "cpu", fast_kernels=True, linear_plan=plans["fp32"])
-    try:
-        for name, plan in plans.items():
-            runner.set_fast_kernels(True, plan)
-            logits[name] = [_prompt_logits(runner, p) for p in prompts]
-    finally:
-        runner.set_fast_kernels(False)
-    fp32, int8 = torch.cat(logits["fp32"]), torch.cat(logits["int8"])
+    plans = {WeightQuantization.NONE: tune_linears(model.blocks), WeightQuantization.INT8: int8_plan(model.blocks)}
+    logits: dict[WeightQuantization, list[torch.Tensor]] = {}
+    for mode, plan in plans.items():
+        runner = ModelRunner(model, kv, state, "cpu", True, plan, weight_quantization=mode)
+        try:
+            logits[mode] = [_prompt_logits(runner, p) for p in prompts]
+        finally:
+            runner.set_fast_kernels(False)
+    fp32, int8 = torch.cat(logits[WeightQuantization.NONE]), torch.cat(logits[WeightQuantization.INT8])
     error = (int8 - fp32).abs()
     return {
         "positions": fp32.shape[0],

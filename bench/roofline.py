@@ -4,17 +4,20 @@ matmuls' arithmetic at the measured fp32 peak, whichever takes longer.
 
     forward of M tokens over S sequences:
       bytes  = every linear weight once + each sequence's Mamba state read and written once
-      flops  = 2 · M · (parameters of the linears)
+      flops  = 2 · M · (parameters of the blocks' linears) + 2 · S · (LM head parameters)
+               (logits only for the row each sequence samples from)
       floor  = max(bytes / read bandwidth, flops / peak)          ceiling = M / floor
 
 Both machine figures are measured here, with the benchmark's threads, as the best of a few
 probes (a figure any code reached on this machine is attainable, so the best one is the ceiling):
 
-    read bandwidth  a streaming pass over buffers far larger than the L3: torch's sum, and
+    read bandwidth  a streaming pass over at least 512 MB: torch's sum over one buffer, and
                     the panel kernel's one-row matmul over the model's own packed weights
                     (it reads each weight once and writes a few hundred floats)
-    fp32 peak       matmuls whose operands stay in the caches: MKL sgemm at 256 rows and the
-                    panel kernel at 16 rows
+    fp32 peak       the best measured matmul rate (operands hot in the caches): MKL sgemm at
+                    256 x 512 x 512 and 1024 x 1024 x 1024, the panel kernel at 16 rows. A
+                    measured attainable peak, not the datasheet's: a kernel beating every
+                    probe would show above 100%
 
 K/V reads of attention are left out: at the benchmark's 128-token prompts they are about 1% of
 a decode step's bytes (the long-context rows, where they dominate, report no roofline).
@@ -59,7 +62,9 @@ def read_bandwidth(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, f
     if kernels is not None:
         packed = [(kernels.pack_panels(w.float()), w.shape[0]) for w in weights]
         rows = [torch.randn(1, w.shape[1]) for w in weights]
-        passes = max(1, STREAM_BYTES // sum(p.numel() * 4 for p, _ in packed))  # beyond the L3 too
+        # Enough passes for 512 MB; a model smaller than the L3 would be read from it after the
+        # first pass (the bench models are 8x larger than this CPU's 32 MB L3).
+        passes = max(1, STREAM_BYTES // sum(p.numel() * 4 for p, _ in packed))
 
         def one_row_pass() -> None:
             for _ in range(passes):
@@ -74,7 +79,9 @@ def read_bandwidth(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, f
 def fp32_peak(repeats: int = 20) -> dict[str, float]:
     """GFLOPS of each compute probe, operands hot in the caches."""
     x, w = torch.randn(256, 512), torch.randn(512, 512)
-    probes = {"mkl_256_rows": 2 * 256 * 512 * 512 / _best_seconds(lambda: F.linear(x, w), repeats) / 1e9}
+    probes = {"mkl_256x512x512": 2 * 256 * 512 * 512 / _best_seconds(lambda: F.linear(x, w), repeats) / 1e9}
+    big = torch.randn(1024, 1024)
+    probes["mkl_1024x1024x1024"] = 2 * 1024**3 / _best_seconds(lambda: F.linear(big, big), max(3, repeats // 4)) / 1e9
     kernels = panel_kernels()
     if kernels is not None:
         x16, p = torch.randn(16, 512), kernels.pack_panels(torch.randn(1024, 512))
@@ -83,14 +90,21 @@ def fp32_peak(repeats: int = 20) -> dict[str, float]:
     return probes
 
 
+def forward_key(tokens: int, sequences: int) -> str:
+    """The roofline entry of a forward of `tokens` tokens over `sequences` sequences."""
+    return f"{tokens}/{sequences}"
+
+
 def roofline(
     model: nn.Module, forwards: list[tuple[int, int]], state_bytes_per_sequence: int
 ) -> dict[str, object]:
-    """{"machine": the probes and the ceilings used, "<M>": {"floor_s", "tokens_per_s", "bound"}}
-    for each forward of (M tokens, S sequences)."""
+    """{"machine": the probes and the ceilings used, forward_key(M, S): {"floor_s", "tokens_per_s",
+    "bound"}} for each forward of (M tokens, S sequences)."""
     weights = linear_weights(model)
+    head = getattr(model, "lm_head", None)
+    head_params = head.weight.numel() if isinstance(head, nn.Linear) else 0
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    params = sum(w.numel() for w in weights)
+    block_params = sum(w.numel() for w in weights) - head_params
     with torch.inference_mode():
         bandwidth, peak = read_bandwidth(weights), fp32_peak()
     gb_s, gflops = max(bandwidth.values()), max(peak.values())
@@ -102,9 +116,9 @@ def roofline(
     }
     for tokens, sequences in sorted(set(forwards)):
         memory_s = (weight_bytes + 2 * sequences * state_bytes_per_sequence) / (gb_s * 1e9)
-        compute_s = 2 * tokens * params / (gflops * 1e9)
+        compute_s = 2 * (tokens * block_params + sequences * head_params) / (gflops * 1e9)
         floor = max(memory_s, compute_s)
-        out[str(tokens)] = {
+        out[forward_key(tokens, sequences)] = {
             "floor_s": floor,
             "tokens_per_s": tokens / floor,
             "bound": "memory" if memory_s >= compute_s else "compute",
