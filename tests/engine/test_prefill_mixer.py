@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from workers.model import scan_kernels as scan_module
-from workers.model.config import MambaShape
+from workers.model.config import MambaShape, MlpKind
 from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import PrefillSegment
+from workers.model.layers import MLP
 from workers.model.mamba_mixer import MambaMixer
 from workers.model.scan_kernels import scan_kernels
 
@@ -109,3 +110,18 @@ def test_fused_prefill_rejects_shared_slots_and_bad_rows():
         KERNEL.prefill_conv(xbc, conv, starts, counts, torch.tensor([1, 4]), c.conv_weight, c.conv_bias)
     with pytest.raises(RuntimeError, match="fp32"):
         KERNEL.prefill_conv(xbc.double(), conv, starts, counts, torch.tensor([1, 2]), c.conv_weight, c.conv_bias)
+
+
+@pytest.mark.parametrize("kind", [MlpKind.SWIGLU, MlpKind.RELU2])
+def test_mlp_fast_activation_equals_reference(kind):
+    """SwiGLU's fused `silu_mul` (and squared ReLU's in-place ops) against the reference MLP,
+    with widths that are not a multiple of the vector width and inputs deep in silu's tails."""
+    torch.manual_seed(3)
+    mlp = MLP(kind, 24, 37, bias=True).requires_grad_(False)
+    x = torch.randn(50, 24) * 8
+    ref = mlp(x)
+    mlp.fast = FastPath(on=True, scan=KERNEL)
+    torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(9, 2 * 37 + 3)[:, 3:] * 30  # strided rows, as a column slice
+    gate, up = gate_up.split(37, dim=-1)
+    torch.testing.assert_close(KERNEL.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)

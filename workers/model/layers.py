@@ -45,7 +45,8 @@ class GatedGroupRMSNorm(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (Bamba, Granite) or squared-ReLU (Nemotron-H) feed-forward.
 
-    SwiGLU keeps gate and up in one matrix so a single matmul serves both.
+    SwiGLU keeps gate and up in one matrix so a single matmul serves both; on the fast path its
+    activation is one C++ pass over that matmul's rows (`silu_mul` in csrc/ssd_scan.cpp).
     """
 
     def __init__(self, kind: MlpKind, hidden: int, intermediate: int, bias: bool):
@@ -55,12 +56,16 @@ class MLP(nn.Module):
         up_rows = 2 * intermediate if kind is MlpKind.SWIGLU else intermediate
         self.up = nn.Linear(hidden, up_rows, bias=bias)
         self.down = nn.Linear(intermediate, hidden, bias=bias)
+        self.fast: FastPath = REFERENCE  # fast.scan: the fused SwiGLU activation (fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.up(x)
         if self.kind is MlpKind.SWIGLU:
-            gate, up = self.up(x).split(self.intermediate, dim=-1)
+            if self.fast.scan is not None and up.dtype == torch.float32:
+                return self.down(self.fast.scan.silu_mul(up))
+            gate, up = up.split(self.intermediate, dim=-1)
             return self.down(F.silu(gate) * up)
-        return self.down(torch.square(F.relu(self.up(x))))
+        return self.down(F.relu(up, inplace=True).square_())  # up is this call's own tensor
 
 
 class RotaryEmbedding:

@@ -105,7 +105,7 @@ inline void scan_head_rows(const HeadRun& r, float* state, int64_t dstate, int64
   }
 }
 
-// silu(v) = v * sigmoid(v) over a row, in place. With AVX2 + FMA (what -march=native gives on
+// silu(v) = v * sigmoid(v) over a row. With AVX2 + FMA (what -march=native gives on
 // the CPUs we run on) eight lanes at a time through Cephes' expf polynomial (relative error
 // ~2e-7): GCC keeps std::exp a scalar library call, and will not if-convert the clamps of a
 // portable version without -fno-trapping-math, which would change every kernel of the build.
@@ -127,21 +127,24 @@ inline __m256 exp_nonpositive(__m256 v) {  // exp(v) for v <= 0
   return _mm256_mul_ps(mantissa, _mm256_castsi256_ps(bits));
 }
 
-inline void silu_inplace(float* row, int64_t count) {
+// out[c] = silu(v[c]) * factor[c] (factor may be null: 1); out may be v.
+inline void silu_row(const float* v, const float* factor, float* out, int64_t count) {
   const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
   int64_t c = 0;
   for (; c + 8 <= count; c += 8) {
-    const __m256 v = _mm256_loadu_ps(row + c);
-    const __m256 e = exp_nonpositive(_mm256_or_ps(v, sign));  // exp(-|v|): never overflows
-    // sigmoid(v) = 1 / (1 + e) for v >= 0, e / (1 + e) below
-    const __m256 numerator = _mm256_blendv_ps(one, e, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
-    _mm256_storeu_ps(row + c, _mm256_div_ps(_mm256_mul_ps(v, numerator), _mm256_add_ps(one, e)));
+    const __m256 x = _mm256_loadu_ps(v + c);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));  // exp(-|x|): never overflows
+    // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below
+    const __m256 numerator = _mm256_blendv_ps(one, e, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+    __m256 r = _mm256_div_ps(_mm256_mul_ps(x, numerator), _mm256_add_ps(one, e));
+    if (factor) r = _mm256_mul_ps(r, _mm256_loadu_ps(factor + c));
+    _mm256_storeu_ps(out + c, r);
   }
-  for (; c < count; ++c) row[c] = row[c] / (1.0f + std::exp(-row[c]));
+  for (; c < count; ++c) out[c] = v[c] / (1.0f + std::exp(-v[c])) * (factor ? factor[c] : 1.0f);
 }
 #else
-inline void silu_inplace(float* row, int64_t count) {
-  for (int64_t c = 0; c < count; ++c) row[c] = row[c] / (1.0f + std::exp(-row[c]));
+inline void silu_row(const float* v, const float* factor, float* out, int64_t count) {
+  for (int64_t c = 0; c < count; ++c) out[c] = v[c] / (1.0f + std::exp(-v[c])) * (factor ? factor[c] : 1.0f);
 }
 #endif
 
@@ -278,7 +281,7 @@ torch::Tensor prefill_conv(torch::Tensor xbc, torch::Tensor conv_cache, torch::T
 #pragma omp simd
           for (int64_t c = 0; c < nc; ++c) o[c] += w[c] * in[c];
         }
-        silu_inplace(o, nc);
+        silu_row(o, nullptr, o, nc);
       }
       for (int64_t j = 0; j < kept; ++j) {  // the new history: the last K-1 inputs
         const float* in = input(count - kept + j);
@@ -338,8 +341,24 @@ void prefill_scan(torch::Tensor xbc, torch::Tensor dt_raw, torch::Tensor dt_bias
   });
 }
 
+// The SwiGLU activation of an MLP: gate_up [N, 2I] (gate | up per row, the one matmul's output)
+//   -> silu(gate) * up [N, I] in one pass, no intermediate tensors.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({rows, inner}, gate_up.options().memory_format(torch::MemoryFormat::Contiguous));
+  const float* in_p = gate_up.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(inner, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_row(in_p + r * stride, in_p + r * stride + inner, out_p + r * inner, inner);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("recurrent_scan", &recurrent_scan, "Mamba2 prefill scan as the recurrence, state kept in cache");
   m.def("prefill_conv", &prefill_conv, "causal depthwise conv + SiLU of prefill segments, conv states in place");
   m.def("prefill_scan", &prefill_scan, "Mamba2 scan of prefill segments on flat rows, SSM states in place");
+  m.def("silu_mul", &silu_mul, "SwiGLU activation: silu(gate) * up of [gate | up] rows");
 }
