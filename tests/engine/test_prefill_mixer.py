@@ -19,7 +19,7 @@ from workers.model import scan_kernels as scan_module
 from workers.model.config import MambaShape, MlpKind
 from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import PrefillSegment
-from workers.model.layers import MLP
+from workers.model.layers import MLP, GatedGroupRMSNorm
 from workers.model.mamba_mixer import MambaMixer
 from workers.model.scan_kernels import scan_kernels
 
@@ -125,3 +125,16 @@ def test_mlp_fast_activation_equals_reference(kind):
     gate_up = torch.randn(9, 2 * 37 + 3)[:, 3:] * 30  # strided rows, as a column slice
     gate, up = gate_up.split(37, dim=-1)
     torch.testing.assert_close(KERNEL.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_gated_norm_kernel_equals_reference(groups):
+    """`gated_rms_norm` (gate rows strided, read in place) against GatedGroupRMSNorm's reference."""
+    torch.manual_seed(groups)
+    norm = GatedGroupRMSNorm(40, groups, 1e-5).requires_grad_(False)
+    norm.weight.data = torch.randn(40)
+    proj = torch.randn(33, 40 + 40 + 5) * 6
+    x, gate = torch.randn(33, 40), proj[:, 40:80]  # a column slice of a wider matrix, as in the mixer
+    ref = norm(x, gate)
+    norm.fast = FastPath(on=True, scan=KERNEL)
+    torch.testing.assert_close(norm(x, gate), ref, rtol=1e-5, atol=1e-5)

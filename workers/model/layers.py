@@ -32,9 +32,11 @@ class GatedGroupRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.group_size = size // n_groups
         self.eps = eps
-        self.fast: FastPath = REFERENCE  # fast.decode: the fused CPU kernels (fp32)
+        self.fast: FastPath = REFERENCE  # fast.scan / fast.decode: the fused CPU kernels (fp32)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.fast.scan is not None and x.dtype == gate.dtype == torch.float32:  # gate read in place
+            return self.fast.scan.gated_rms_norm(x, gate, self.weight.detach(), self.group_size, self.eps)
         if self.fast.decode is not None and x.dtype == gate.dtype == torch.float32:
             return self.fast.decode.rms_norm(x, self.weight, gate, self.group_size, self.eps)
         x32 = x.float() * F.silu(gate.float())

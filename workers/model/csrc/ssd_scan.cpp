@@ -356,9 +356,42 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Mamba2's output norm (GatedGroupRMSNorm): RMSNorm over groups of channels of x * silu(gate),
+// times weight. x [N, D], gate [N, D] (rows may be strided: a column slice of the in_proj
+// output, read in place), weight [D] -> out [N, D]; one pass per row, silu eight lanes wide.
+torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor gate, torch::Tensor weight, int64_t group_size, double eps) {
+  check_rows(x, "x");
+  check_rows(gate, "gate");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32, "weight must be contiguous fp32");
+  const int64_t rows = x.size(0), size = x.size(1);
+  TORCH_CHECK(gate.size(0) == rows && gate.size(1) == size && weight.numel() == size, "x / gate / weight shapes");
+  TORCH_CHECK(group_size > 0 && size % group_size == 0, "group_size must divide the channels");
+  auto out = torch::empty({rows, size}, x.options().memory_format(torch::MemoryFormat::Contiguous));
+  const float *x_p = x.data_ptr<float>(), *g_p = gate.data_ptr<float>(), *w_p = weight.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), gs = gate.stride(0);
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(size, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* o = out_p + r * size;
+      silu_row(g_p + r * gs, x_p + r * xs, o, size);  // silu(gate) * x
+      for (int64_t g0 = 0; g0 < size; g0 += group_size) {
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t c = g0; c < g0 + group_size; ++c) squares += o[c] * o[c];
+        const float scale = 1.0f / std::sqrt(squares / static_cast<float>(group_size) + epsilon);
+#pragma omp simd
+        for (int64_t c = g0; c < g0 + group_size; ++c) o[c] = o[c] * scale * w_p[c];
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("recurrent_scan", &recurrent_scan, "Mamba2 prefill scan as the recurrence, state kept in cache");
   m.def("prefill_conv", &prefill_conv, "causal depthwise conv + SiLU of prefill segments, conv states in place");
   m.def("prefill_scan", &prefill_scan, "Mamba2 scan of prefill segments on flat rows, SSM states in place");
   m.def("silu_mul", &silu_mul, "SwiGLU activation: silu(gate) * up of [gate | up] rows");
+  m.def("gated_rms_norm", &gated_rms_norm, "Mamba2 output norm: grouped RMSNorm of x * silu(gate), times weight");
 }
