@@ -112,9 +112,9 @@ def test_fused_prefill_rejects_shared_slots_and_bad_rows():
         KERNEL.prefill_conv(xbc.double(), conv, starts, counts, torch.tensor([1, 2]), c.conv_weight, c.conv_bias)
 
 
-@pytest.mark.parametrize("kind", [MlpKind.SWIGLU, MlpKind.RELU2])
+@pytest.mark.parametrize("kind", [MlpKind.SWIGLU, MlpKind.RELU2])  # up width 37: a vector tail
 def test_mlp_fast_activation_equals_reference(kind):
-    """SwiGLU's fused `silu_mul` (and squared ReLU's in-place ops) against the reference MLP,
+    """The fused activations (`silu_mul`, `relu2_`) against the reference MLP,
     with widths that are not a multiple of the vector width and inputs deep in silu's tails."""
     torch.manual_seed(3)
     mlp = MLP(kind, 24, 37, bias=True).requires_grad_(False)

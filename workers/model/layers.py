@@ -47,8 +47,8 @@ class GatedGroupRMSNorm(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (Bamba, Granite) or squared-ReLU (Nemotron-H) feed-forward.
 
-    SwiGLU keeps gate and up in one matrix so a single matmul serves both; on the fast path its
-    activation is one C++ pass over that matmul's rows (`silu_mul` in csrc/ssd_scan.cpp).
+    SwiGLU keeps gate and up in one matrix so a single matmul serves both; on the fast path either
+    activation is one C++ pass over that matmul's rows (`silu_mul`, `relu2_` in csrc/ssd_scan.cpp).
     """
 
     def __init__(self, kind: MlpKind, hidden: int, intermediate: int, bias: bool):
@@ -58,7 +58,7 @@ class MLP(nn.Module):
         up_rows = 2 * intermediate if kind is MlpKind.SWIGLU else intermediate
         self.up = nn.Linear(hidden, up_rows, bias=bias)
         self.down = nn.Linear(intermediate, hidden, bias=bias)
-        self.fast: FastPath = REFERENCE  # fast.scan: the fused SwiGLU activation (fp32)
+        self.fast: FastPath = REFERENCE  # fast.scan: the fused activations (fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up(x)
@@ -67,7 +67,9 @@ class MLP(nn.Module):
                 return self.down(self.fast.scan.silu_mul(up))
             gate, up = up.split(self.intermediate, dim=-1)
             return self.down(F.silu(gate) * up)
-        return self.down(F.relu(up, inplace=True).square_())  # up is this call's own tensor
+        if self.fast.scan is not None and up.dtype == torch.float32 and up.is_contiguous():
+            return self.down(self.fast.scan.relu2_(up))  # in place: up is this call's own tensor
+        return self.down(torch.square(F.relu(up)))
 
 
 class RotaryEmbedding:
