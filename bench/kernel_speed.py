@@ -48,7 +48,12 @@ FULL = {
     "prefill_attention": [(2048, 2048), (2048, 6144), (64, 8192)],  # (chunk, history)
     "attention": [(8, 2048), (8, 8192), (1, 8192), (32, 2048)],
 }
-QUICK = {"scan": [(1, 2048), (8, 128)], "mixer": [(8, 128)], "prefill_attention": [(2048, 6144)], "attention": [(8, 2048), (1, 8192)]}
+QUICK = {
+    "scan": [(1, 2048), (8, 128)],
+    "mixer": [(8, 128)],
+    "prefill_attention": [(2048, 6144)],
+    "attention": [(8, 2048), (1, 8192)],
+}
 
 
 def _time(sides: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, dict[str, float]]:
@@ -98,7 +103,8 @@ def mixer_row(shape: MambaShape, hidden: int, seqs: int, tokens: int, repeats: i
     mixer = MambaMixer(hidden, shape, 1e-5).requires_grad_(False)
     for p in mixer.parameters():
         p.data = torch.randn_like(p) * 0.1
-    _, xbc, dt = torch.randn(seqs * tokens, shape.in_proj_dim).split([shape.intermediate, shape.conv_dim, shape.n_heads], -1)
+    proj = torch.randn(seqs * tokens, shape.in_proj_dim)
+    _, xbc, dt = proj.split([shape.intermediate, shape.conv_dim, shape.n_heads], -1)  # strided, as in forward
     segs = [PrefillSegment(i * tokens, tokens, 0, torch.zeros(1, dtype=torch.long), 2 * i + 1) for i in range(seqs)]
     conv = torch.randn(2 * seqs + 1, shape.conv_dim, shape.d_conv - 1)
     ssm = torch.randn(2 * seqs + 1, shape.n_heads, shape.head_dim, shape.d_state) * 0.1

@@ -121,7 +121,8 @@ def test_fresh_prompts_batched_equal_reference():
         start += n
     assert attention_module._fresh_runs(tuple(segs)) == [(0, 3, 6), (23, 2, 5)]
     h = torch.randn(start, s.n_heads * s.head_dim, generator=g)
-    batch = ForwardBatch(torch.zeros(start, dtype=torch.long), torch.cat(positions), torch.cat(slots), tuple(segs), None)
+    ids = torch.zeros(start, dtype=torch.long)
+    batch = ForwardBatch(ids, torch.cat(positions), torch.cat(slots), tuple(segs), None)
     ref = layer(h, batch, kv.clone(), None)
     layer.fast = FastPath(on=True)
     torch.testing.assert_close(layer(h, batch, kv.clone(), None), ref, rtol=1e-5, atol=1e-5)
