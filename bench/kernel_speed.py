@@ -5,6 +5,9 @@
 Rows:
   prefill scan      `ssd.chunked_scan_grouped` (SSD, the fallback) vs `ssd.recurrent_scan`
                     (C++ recurrence), one Mamba layer, runs of sequences x tokens
+  prefill mixer     `MambaMixer._prefill` on the reference path (padded wave, conv1d, SSD scan) vs
+                    `MambaMixer._prefill_fused` (prefill_conv + prefill_scan on the flat rows), one
+                    Mamba layer between its in_proj and its norm, runs of sequences x tokens
   prefill attention `Attention._prefill` (history + chunk gathered, one masked SDPA) vs
                     `Attention._prefill_split` (history and causal chunk, merged by log-sum-exp),
                     one layer, a chunk of tokens after a history
@@ -30,20 +33,27 @@ from bench.engine import checkpoint_dir
 from workers.checkpoint import Arch, Preset
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape, MambaShape
-from workers.model.fast_path import FastPath
+from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.kernels import decode_kernels
 from workers.model.loader import read_model_config
+from workers.model.mamba_mixer import MambaMixer
 from workers.model.scan_kernels import scan_kernels
 from workers.model.ssd import chunked_scan_grouped, recurrent_scan
 
 BLOCK_SIZE = 16
 FULL = {
     "scan": [(1, 2048), (8, 128), (1, 8192), (8, 2048)],
+    "mixer": [(8, 128), (1, 2048), (8, 512)],
     "prefill_attention": [(2048, 2048), (2048, 6144), (64, 8192)],  # (chunk, history)
     "attention": [(8, 2048), (8, 8192), (1, 8192), (32, 2048)],
 }
-QUICK = {"scan": [(1, 2048), (8, 128)], "prefill_attention": [(2048, 6144)], "attention": [(8, 2048), (1, 8192)]}
+QUICK = {
+    "scan": [(1, 2048), (8, 128)],
+    "mixer": [(8, 128)],
+    "prefill_attention": [(2048, 6144)],
+    "attention": [(8, 2048), (1, 8192)],
+}
 
 
 def _time(sides: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, dict[str, float]]:
@@ -85,6 +95,36 @@ def scan_row(shape: MambaShape, seqs: int, tokens: int, repeats: int, short: int
         err = max((y - y_ref)[real].abs().max().item(), (s - s_ref).abs().max().item())
     kind = "prefill scan" if short is None else f"prefill scan, padded wave (rows 2.. have {short})"
     return {"kind": kind, "batch": seqs, "tokens": tokens, "max_abs_diff": err, **_sides(times)}
+
+
+def mixer_row(shape: MambaShape, hidden: int, seqs: int, tokens: int, repeats: int) -> dict:
+    """One Mamba layer's prefill from its in_proj rows to y (states from non-zero slots, in place)."""
+    torch.manual_seed(seqs * tokens)
+    mixer = MambaMixer(hidden, shape, 1e-5).requires_grad_(False)
+    for p in mixer.parameters():
+        p.data = torch.randn_like(p) * 0.1
+    proj = torch.randn(seqs * tokens, shape.in_proj_dim)
+    _, xbc, dt = proj.split([shape.intermediate, shape.conv_dim, shape.n_heads], -1)  # strided, as in forward
+    segs = [PrefillSegment(i * tokens, tokens, 0, torch.zeros(1, dtype=torch.long), 2 * i + 1) for i in range(seqs)]
+    conv = torch.randn(2 * seqs + 1, shape.conv_dim, shape.d_conv - 1)
+    ssm = torch.randn(2 * seqs + 1, shape.n_heads, shape.head_dim, shape.d_state) * 0.1
+    kernel = scan_kernels()
+
+    def run(fast: FastPath):
+        y, c, s = torch.empty(seqs * tokens, shape.intermediate), conv.clone(), ssm.clone()
+        mixer.fast = fast
+        (mixer._prefill_fused if fast.scan is not None else mixer._prefill)(xbc, dt, c, s, segs, y)
+        return y, s
+
+    sides = {"reference": lambda: run(REFERENCE)}
+    if kernel is not None:
+        sides["fast"] = lambda: run(FastPath(on=True, scan=kernel))
+    times = _time(sides, repeats)
+    err = None
+    if "fast" in sides:
+        (y_ref, s_ref), (y, s) = sides["reference"](), sides["fast"]()
+        err = max((y - y_ref).abs().max().item(), (s - s_ref).abs().max().item())
+    return {"kind": "prefill mixer", "batch": seqs, "tokens": tokens, "max_abs_diff": err, **_sides(times)}
 
 
 def prefill_attention_row(shape: AttentionShape, chunk: int, history: int, repeats: int) -> dict:
@@ -180,6 +220,7 @@ def main() -> None:
     env = environment_info() | built
     rows = [scan_row(config.mamba, b, t, repeats) for b, t in plan["scan"]]
     rows.append(scan_row(config.mamba, 8, 2048 if not args.quick else 512, repeats, short=32))
+    rows += [mixer_row(config.mamba, config.hidden_size, b, t, repeats) for b, t in plan["mixer"]]
     rows += [prefill_attention_row(config.attention, n, t, repeats) for n, t in plan["prefill_attention"]]
     rows += [attention_row(config.attention, b, t, repeats) for b, t in plan["attention"]]
     name = "kernels.quick" if args.quick else "kernels"

@@ -13,6 +13,7 @@ import torch
 
 from tests.engine.conftest import assert_logits_close, our_logits, prompt_of
 from workers.checkpoint import Arch
+from workers.model import attention as attention_module
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape
 from workers.model.fast_path import FastPath
@@ -97,3 +98,31 @@ def test_split_prefill_gathers_only_the_history_blocks():
     nowhere[history_blocks:] = kv.shape[1] + 1000
     fast = layer._prefill_split(q, k, v, kv, PrefillSegment(0, n, context, nowhere, 0))
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_prompts_batched_equal_reference():
+    """Adjacent fresh prompts of one length run as one batched attention (`_prefill_fresh`);
+    a prompt after history, a lone length and a run after it stay per segment. Every row equals
+    the reference's per-segment path."""
+    layer = _layer(8, 2, seed=5)
+    s = layer.shape
+    lengths = [(6, 0), (6, 0), (6, 0), (5, 9), (5, 0), (5, 0), (3, 0)]  # (tokens, cached history)
+    g = torch.Generator().manual_seed(11)
+    kv = torch.randn(2, 64, BLOCK, s.n_kv_heads, s.head_dim, generator=g)
+    segs, slots, positions, start, next_block = [], [], [], 0, 1
+    for i, (n, context) in enumerate(lengths):
+        blocks = -(-(context + n) // BLOCK)
+        table = torch.arange(next_block, next_block + blocks)
+        next_block += blocks
+        pos = torch.arange(context, context + n)
+        segs.append(PrefillSegment(start, n, context, table, i))
+        slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+        positions.append(pos)
+        start += n
+    assert attention_module._fresh_runs(tuple(segs)) == [(0, 3, 6), (23, 2, 5)]
+    h = torch.randn(start, s.n_heads * s.head_dim, generator=g)
+    ids = torch.zeros(start, dtype=torch.long)
+    batch = ForwardBatch(ids, torch.cat(positions), torch.cat(slots), tuple(segs), None)
+    ref = layer(h, batch, kv.clone(), None)
+    layer.fast = FastPath(on=True)
+    torch.testing.assert_close(layer(h, batch, kv.clone(), None), ref, rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ from torch import nn
 
 from workers.model.config import AttentionShape
 from workers.model.fast_path import REFERENCE, FastPath
-from workers.model.forward_batch import ForwardBatch
+from workers.model.forward_batch import ForwardBatch, PrefillSegment
 from workers.model.layers import apply_rotary
 
 
@@ -58,7 +58,14 @@ class Attention(nn.Module):
             return self.o_proj(decode(q, kv_cache, batch).reshape(n, -1))
         out = torch.empty(n, s.n_heads, s.head_dim, dtype=h.dtype, device=h.device)
         prefill = self._prefill_split if self.fast.on and fp32 else self._prefill  # needs no kernel
+        batched: set[int] = set()  # token_start of the segments already attended in a run
+        for first, count, length in _fresh_runs(batch.prefills) if self.fast.on else []:
+            rows = slice(first, first + count * length)
+            out[rows] = self._prefill_fresh(q[rows], k[rows], v[rows], count, length)
+            batched.update(range(first, first + count * length, length))
         for seg in batch.prefills:
+            if seg.token_start in batched:
+                continue
             rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
             out[rows] = prefill(q[rows], k[rows], v[rows], kv_cache, seg)
         if group is not None:
@@ -86,6 +93,16 @@ class Attention(nn.Module):
             enable_gqa=s.n_heads != s.n_kv_heads,
         )
         return out[0].transpose(0, 1)
+
+    def _prefill_fresh(self, q, k, v, count: int, length: int) -> torch.Tensor:
+        """`_prefill` of `count` fresh prompts of `length` tokens each, adjacent rows, as one
+        batched causal SDPA over views of the rows (no per-prompt call, no copies in)."""
+        s = self.shape
+        heads = [t.view(count, length, t.shape[1], s.head_dim).transpose(1, 2) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(
+            *heads, is_causal=True, scale=s.scale, enable_gqa=s.n_heads != s.n_kv_heads
+        )  # fmt: skip
+        return out.transpose(1, 2).reshape(count * length, s.n_heads, s.head_dim)
 
     def _prefill_split(self, q, k, v, kv_cache, seg) -> torch.Tensor:
         """`_prefill` without the [chunk x history+chunk] mask: a chunk after cached history is
@@ -140,6 +157,26 @@ class Attention(nn.Module):
             enable_gqa=s.n_heads != s.n_kv_heads,
         )
         return out[:, :, 0, :]
+
+
+def _fresh_runs(segments: tuple[PrefillSegment, ...]) -> list[tuple[int, int, int]]:
+    """Runs of at least two adjacent fresh prompts (no cached history) of one length, as
+    (first row, prompts, length): each is one batched attention call.
+
+        rows:   [ A 128 | B 128 | C 128 | D 40 (history) | E 64 | F 64 ]
+        runs:     (0, 3, 128)                              (424, 2, 64)
+    """
+    runs: list[tuple[int, int, int]] = []
+    for seg in segments:
+        if seg.context_len != 0:
+            continue
+        if runs:
+            first, count, length = runs[-1]
+            if seg.num_tokens == length and seg.token_start == first + count * length:
+                runs[-1] = (first, count + 1, length)
+                continue
+        runs.append((seg.token_start, 1, seg.num_tokens))
+    return [run for run in runs if run[1] > 1]
 
 
 def _flash(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

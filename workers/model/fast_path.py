@@ -5,7 +5,8 @@
              the grouped SSD scan (`ssd.chunked_scan_grouped`)
     decode   csrc/decode_kernels.cpp (`kernels.decode_kernels()`): decode mixers, paged decode
              attention, norms; None runs their references
-    scan     csrc/ssd_scan.cpp (`scan_kernels.scan_kernels()`): the prefill recurrence
+    scan     csrc/ssd_scan.cpp (`scan_kernels.scan_kernels()`): the Mamba prefill (conv + recurrence
+             on the flat rows, states in place), the Mamba output norm, the MLP activations
 
 The runner builds both kernel modules when it turns the fast path on (start-up), so the model
 forward never compiles anything; either may be None (no compiler here) without affecting the

@@ -49,9 +49,11 @@ class Block(nn.Module):
         return h
 
     def _residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """h + r * x in one op, into h: the residual stream is the forward's own tensor (made by
+        the embedding), read by nothing else once its block's norm has run."""
         if self.residual_multiplier == 1.0:
-            return h + x
-        return torch.add(h, x, alpha=self.residual_multiplier)  # h + r * x in one op
+            return h.add_(x)
+        return h.add_(x, alpha=self.residual_multiplier)
 
 
 class HybridLM(nn.Module):

@@ -32,9 +32,11 @@ class GatedGroupRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.group_size = size // n_groups
         self.eps = eps
-        self.fast: FastPath = REFERENCE  # fast.decode: the fused CPU kernels (fp32)
+        self.fast: FastPath = REFERENCE  # fast.scan / fast.decode: the fused CPU kernels (fp32)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.fast.scan is not None and x.dtype == gate.dtype == torch.float32:  # gate read in place
+            return self.fast.scan.gated_rms_norm(x, gate, self.weight.detach(), self.group_size, self.eps)
         if self.fast.decode is not None and x.dtype == gate.dtype == torch.float32:
             return self.fast.decode.rms_norm(x, self.weight, gate, self.group_size, self.eps)
         x32 = x.float() * F.silu(gate.float())
@@ -45,7 +47,8 @@ class GatedGroupRMSNorm(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (Bamba, Granite) or squared-ReLU (Nemotron-H) feed-forward.
 
-    SwiGLU keeps gate and up in one matrix so a single matmul serves both.
+    SwiGLU keeps gate and up in one matrix so a single matmul serves both; on the fast path either
+    activation is one C++ pass over that matmul's rows (`silu_mul`, `relu2_` in csrc/ssd_scan.cpp).
     """
 
     def __init__(self, kind: MlpKind, hidden: int, intermediate: int, bias: bool):
@@ -55,12 +58,18 @@ class MLP(nn.Module):
         up_rows = 2 * intermediate if kind is MlpKind.SWIGLU else intermediate
         self.up = nn.Linear(hidden, up_rows, bias=bias)
         self.down = nn.Linear(intermediate, hidden, bias=bias)
+        self.fast: FastPath = REFERENCE  # fast.scan: the fused activations (fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.up(x)
         if self.kind is MlpKind.SWIGLU:
-            gate, up = self.up(x).split(self.intermediate, dim=-1)
+            if self.fast.scan is not None and up.dtype == torch.float32:
+                return self.down(self.fast.scan.silu_mul(up))
+            gate, up = up.split(self.intermediate, dim=-1)
             return self.down(F.silu(gate) * up)
-        return self.down(torch.square(F.relu(self.up(x))))
+        if self.fast.scan is not None and up.dtype == torch.float32 and up.is_contiguous():
+            return self.down(self.fast.scan.relu2_(up))  # in place: up is this call's own tensor
+        return self.down(torch.square(F.relu(up)))
 
 
 class RotaryEmbedding:

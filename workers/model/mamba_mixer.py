@@ -67,8 +67,10 @@ class MambaMixer(nn.Module):
             y = decode(xbc, dt, conv, ssm, group).to(h.dtype)
         else:
             y = torch.empty(h.shape[0], s.intermediate, dtype=h.dtype, device=h.device)
+            fused = self.fast.scan is not None and xbc.dtype == conv.dtype == ssm.dtype == torch.float32
+            prefill = self._prefill_fused if fused else self._prefill
             for wave in _waves(batch.prefills):
-                self._prefill(xbc, dt, conv, ssm, wave, y)
+                prefill(xbc, dt, conv, ssm, wave, y)
             if group is not None:
                 rows = group.token_index
                 y[rows] = decode(xbc[rows], dt[rows], conv, ssm, group).to(y.dtype)
@@ -119,6 +121,25 @@ class MambaMixer(nn.Module):
         ssm[slots] = final.to(ssm.dtype)
         scan = (scan + x * c.D[:, None]).reshape(k, longest, s.intermediate)
         y[rows[valid]] = scan[valid].to(y.dtype)
+        for seg in segs:
+            if seg.snapshot_slot is not None:
+                conv[seg.snapshot_slot] = conv[seg.state_slot]
+                ssm[seg.snapshot_slot] = ssm[seg.state_slot]
+
+    def _prefill_fused(self, xbc, dt, conv, ssm, segs: list[PrefillSegment], y: torch.Tensor) -> None:
+        """`_prefill` in two C++ passes over the flat rows (`csrc/ssd_scan.cpp`): no padded wave.
+
+            flat rows:  [ seg 0: t t t t t | seg 1: t t | seg 2: t t t t ]     (in_proj output, read in place)
+            prefill_conv  conv + silu per row from [conv state | rows]; conv state of each slot <- last K-1 inputs
+            prefill_scan  recurrence per (segment, head) from the slot's SSM state, in place; y rows = scan + D x
+        """
+        s, c, kernel = self.shape, self.constants, self.fast.scan
+        starts = torch.tensor([seg.token_start for seg in segs])
+        counts = torch.tensor([seg.num_tokens for seg in segs])
+        slots = torch.tensor([seg.state_slot for seg in segs])
+        bias = c.conv_bias if c.conv_bias is not None else torch.empty(0)
+        out = kernel.prefill_conv(xbc, conv, starts, counts, slots, c.conv_weight, bias)
+        kernel.prefill_scan(out, dt, c.dt_bias, c.A, c.D, ssm, starts, counts, slots, s.dt_min, s.dt_max, y)
         for seg in segs:
             if seg.snapshot_slot is not None:
                 conv[seg.snapshot_slot] = conv[seg.state_slot]

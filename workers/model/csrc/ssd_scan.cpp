@@ -15,12 +15,170 @@
 //
 // which is fewer flops than SSD's four matmuls and no memory traffic beyond reading the inputs.
 // Padding is not run at all (`lengths`); the SSD fallback runs it with dt = 0 instead.
+//
+// `prefill_conv` and `prefill_scan` are the mixer's whole prefill on the flat token batch
+// (MambaMixer._prefill_fused): they read the in_proj output rows in place, update the conv and
+// SSM states in place at each segment's slot, and write y rows in place, so the padded wave,
+// its gather/scatter copies and the torch conv1d of MambaMixer._prefill never exist.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// One head's recurrence over tokens 0..count-1 for state rows [p_begin, p_end):
+//   state[p, :] = decay_t * state[p, :] + (step_t * x_t[p]) * B_t[:];  y_t[p] = state[p, :] . C_t[:] + skip * x_t[p]
+// Inputs of token t sit at base + t * stride (the callers' layouts differ: a padded [b, L, ...]
+// wave or the flat in_proj rows); `state` points at row 0 of the head, [p, n] contiguous.
+struct HeadRun {
+  const float* step;  // after softplus and clamping
+  int64_t step_stride;
+  const float* x;
+  int64_t x_stride;
+  const float* B;
+  const float* C;
+  int64_t bc_stride;
+  float* y;
+  int64_t y_stride;
+  float A;
+  float skip;  // D, or 0 (recurrent_scan leaves the skip to its caller)
+};
+
+inline void scan_head_rows(const HeadRun& r, float* state, int64_t dstate, int64_t p_begin, int64_t p_end,
+                           int64_t count) {
+  for (int64_t t = 0; t < count; ++t) {
+    const float step = r.step[t * r.step_stride];
+    const float decay = std::exp(step * r.A);
+    const float* xv = r.x + t * r.x_stride;
+    const float* Bv = r.B + t * r.bc_stride;
+    const float* Cv = r.C + t * r.bc_stride;
+    float* yv = r.y + t * r.y_stride;
+    int64_t p = p_begin;
+    // Four rows at a time: four independent sums, so the FMA latency chain of one row's
+    // dot product with C does not serialise the pass.
+    for (; p + 4 <= p_end; p += 4) {
+      float* r0 = state + p * dstate;
+      float *r1 = r0 + dstate, *r2 = r1 + dstate, *r3 = r2 + dstate;
+      const float d0 = step * xv[p], d1 = step * xv[p + 1], d2 = step * xv[p + 2], d3 = step * xv[p + 3];
+      float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t n = 0; n < dstate; ++n) {
+        const float bn = Bv[n], cn = Cv[n];
+        const float v0 = r0[n] * decay + d0 * bn, v1 = r1[n] * decay + d1 * bn;
+        const float v2 = r2[n] * decay + d2 * bn, v3 = r3[n] * decay + d3 * bn;
+        r0[n] = v0;
+        r1[n] = v1;
+        r2[n] = v2;
+        r3[n] = v3;
+        a0 += v0 * cn;
+        a1 += v1 * cn;
+        a2 += v2 * cn;
+        a3 += v3 * cn;
+      }
+      yv[p] = a0 + r.skip * xv[p];
+      yv[p + 1] = a1 + r.skip * xv[p + 1];
+      yv[p + 2] = a2 + r.skip * xv[p + 2];
+      yv[p + 3] = a3 + r.skip * xv[p + 3];
+    }
+    for (; p < p_end; ++p) {
+      float* row = state + p * dstate;
+      const float dx = step * xv[p];
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t n = 0; n < dstate; ++n) {
+        const float v = row[n] * decay + dx * Bv[n];
+        row[n] = v;
+        acc += v * Cv[n];
+      }
+      yv[p] = acc + r.skip * xv[p];
+    }
+  }
+}
+
+// silu(v) = v * sigmoid(v) over a row. With AVX2 + FMA (what -march=native gives on
+// the CPUs we run on) eight lanes at a time through Cephes' expf polynomial (relative error
+// ~2e-7): GCC keeps std::exp a scalar library call, and will not if-convert the clamps of a
+// portable version without -fno-trapping-math, which would change every kernel of the build.
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_nonpositive(__m256 v) {  // exp(v) for v <= 0
+  v = _mm256_max_ps(v, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.3981999507e-3f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(8.3334519073e-3f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(4.1665795894e-2f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.6666665459e-1f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 mantissa = _mm256_add_ps(_mm256_fmadd_ps(poly, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(mantissa, _mm256_castsi256_ps(bits));
+}
+
+// out[c] = silu(v[c]) * factor[c] (factor may be null: 1); out may be v.
+inline void silu_row(const float* v, const float* factor, float* out, int64_t count) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  int64_t c = 0;
+  for (; c + 8 <= count; c += 8) {
+    const __m256 x = _mm256_loadu_ps(v + c);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));  // exp(-|x|): never overflows
+    // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below
+    const __m256 numerator = _mm256_blendv_ps(one, e, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+    __m256 r = _mm256_div_ps(_mm256_mul_ps(x, numerator), _mm256_add_ps(one, e));
+    if (factor) r = _mm256_mul_ps(r, _mm256_loadu_ps(factor + c));
+    _mm256_storeu_ps(out + c, r);
+  }
+  for (; c < count; ++c) out[c] = v[c] / (1.0f + std::exp(-v[c])) * (factor ? factor[c] : 1.0f);
+}
+#else
+inline void silu_row(const float* v, const float* factor, float* out, int64_t count) {
+  for (int64_t c = 0; c < count; ++c) out[c] = v[c] / (1.0f + std::exp(-v[c])) * (factor ? factor[c] : 1.0f);
+}
+#endif
+
+// torch.nn.functional.softplus with beta = 1, threshold = 20.
+inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+
+struct Segments {
+  std::vector<int64_t> start, count, slot;
+};
+
+// starts / counts / slots [k]: segment i is flat rows start[i] .. start[i]+count[i]-1, its state in slot[i].
+Segments read_segments(const torch::Tensor& starts, const torch::Tensor& counts, const torch::Tensor& slots,
+                       int64_t rows, int64_t num_slots) {
+  TORCH_CHECK(starts.numel() == counts.numel() && starts.numel() == slots.numel(), "one start, count, slot per segment");
+  auto s = starts.contiguous().to(torch::kLong), c = counts.contiguous().to(torch::kLong),
+       l = slots.contiguous().to(torch::kLong);
+  Segments seg;
+  seg.start.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
+  seg.count.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  seg.slot.assign(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
+  for (size_t i = 0; i < seg.start.size(); ++i) {
+    TORCH_CHECK(seg.start[i] >= 0 && seg.count[i] >= 0 && seg.start[i] + seg.count[i] <= rows, "segment rows out of range");
+    TORCH_CHECK(seg.slot[i] >= 0 && seg.slot[i] < num_slots, "state slot out of range");
+    for (size_t j = 0; j < i; ++j) TORCH_CHECK(seg.slot[j] != seg.slot[i], "segments of one call need distinct slots");
+  }
+  return seg;
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1, name,
+              " must be fp32 rows [tokens, channels] with unit channel stride");
+}
+
+}  // namespace
 
 // x [b, L, h, p], dt [b, L, h] (after softplus and clamping), A [h], B/C [b, L, g, n],
 // initial_state [b, h, p, n], lengths [b] (tokens of each row; the rest is padding, skipped)
@@ -58,60 +216,204 @@ std::vector<torch::Tensor> recurrent_scan(torch::Tensor x, torch::Tensor dt, tor
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads, g = h / per_group;
-      float* st = s_p + i * hdim * dstate;  // updated in place: the clone is the final state
-      for (int64_t t = 0; t < len_p[b]; ++t) {
-        const int64_t token = b * length + t;
-        const float step = dt_p[token * heads + h];
-        const float decay = std::exp(step * a_p[h]);
-        const float* xv = x_p + (token * heads + h) * hdim;
-        const float* Bv = b_p + (token * groups + g) * dstate;
-        const float* Cv = c_p + (token * groups + g) * dstate;
-        float* yv = y_p + (token * heads + h) * hdim;
-        int64_t p = 0;
-        // Four rows at a time: four independent sums, so the FMA latency chain of one row's
-        // dot product with C does not serialise the pass.
-        for (; p + 4 <= hdim; p += 4) {
-          float* r0 = st + p * dstate;
-          float *r1 = r0 + dstate, *r2 = r1 + dstate, *r3 = r2 + dstate;
-          const float d0 = step * xv[p], d1 = step * xv[p + 1], d2 = step * xv[p + 2], d3 = step * xv[p + 3];
-          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-          for (int64_t n = 0; n < dstate; ++n) {
-            const float bn = Bv[n], cn = Cv[n];
-            const float v0 = r0[n] * decay + d0 * bn, v1 = r1[n] * decay + d1 * bn;
-            const float v2 = r2[n] * decay + d2 * bn, v3 = r3[n] * decay + d3 * bn;
-            r0[n] = v0;
-            r1[n] = v1;
-            r2[n] = v2;
-            r3[n] = v3;
-            a0 += v0 * cn;
-            a1 += v1 * cn;
-            a2 += v2 * cn;
-            a3 += v3 * cn;
-          }
-          yv[p] = a0;
-          yv[p + 1] = a1;
-          yv[p + 2] = a2;
-          yv[p + 3] = a3;
-        }
-        for (; p < hdim; ++p) {
-          float* row = st + p * dstate;
-          const float dx = step * xv[p];
-          float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t n = 0; n < dstate; ++n) {
-            const float v = row[n] * decay + dx * Bv[n];
-            row[n] = v;
-            acc += v * Cv[n];
-          }
-          yv[p] = acc;
-        }
-      }
+      const int64_t first = b * length;  // token 0 of row b
+      const HeadRun run{dt_p + first * heads + h, heads,
+                        x_p + (first * heads + h) * hdim, heads * hdim,
+                        b_p + (first * groups + g) * dstate, c_p + (first * groups + g) * dstate, groups * dstate,
+                        y_p + (first * heads + h) * hdim, heads * hdim,
+                        a_p[h], 0.0f};
+      // updated in place: the clone is the final state
+      scan_head_rows(run, s_p + i * hdim * dstate, dstate, 0, hdim, len_p[b]);
     }
   });
   return {y, state};
 }
 
+// Causal depthwise conv + SiLU of prefill segments on the flat token rows, conv states in place.
+//   xbc [N, C] (rows may be strided: a column slice of the in_proj output), conv_cache [S, C, K-1]
+//   (the last K-1 inputs of each slot, oldest first), weight [C, K], bias [C] or empty
+//   -> out [N, C]: silu(conv) on the segments' rows (other rows left uninitialised)
+//
+//     conv input of segment i:  [ cache[slot i] (K-1) | xbc rows start .. start+count-1 ]
+//     out row start+t         = silu(bias + sum_k w[k] * input[t + k])
+//     cache[slot i] afterwards = the last K-1 entries of that input
+torch::Tensor prefill_conv(torch::Tensor xbc, torch::Tensor conv_cache, torch::Tensor starts, torch::Tensor counts,
+                           torch::Tensor slots, torch::Tensor weight, torch::Tensor bias) {
+  check_rows(xbc, "xbc");
+  TORCH_CHECK(conv_cache.is_contiguous() && conv_cache.scalar_type() == torch::kFloat32 && conv_cache.dim() == 3,
+              "conv_cache must be contiguous fp32 [slots, channels, K-1]");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2, "weight [C, K] fp32");
+  const int64_t rows = xbc.size(0), channels = xbc.size(1), width = weight.size(1), kept = width - 1;
+  TORCH_CHECK(weight.size(0) == channels && conv_cache.size(1) == channels && conv_cache.size(2) == kept, "conv shapes");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == channels && bias.scalar_type() == torch::kFloat32), "bias [C] fp32");
+  const Segments seg = read_segments(starts, counts, slots, rows, conv_cache.size(0));
+  auto bias_c = bias.contiguous();
+  auto out = torch::empty({rows, channels}, xbc.options().memory_format(torch::MemoryFormat::Contiguous));
+  const int64_t x_stride = xbc.stride(0);
+  const float* x_p = xbc.data_ptr<float>();
+  const float* w_p = weight.data_ptr<float>();
+  const float* b_p = bias_c.numel() ? bias_c.data_ptr<float>() : nullptr;
+  float* cache_p = conv_cache.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  constexpr int64_t kBlock = 64;  // channels per task: vector width x a few, weights in registers/L1
+  const int64_t blocks = (channels + kBlock - 1) / kBlock;
+  const int64_t k = static_cast<int64_t>(seg.start.size());
+  at::parallel_for(0, k * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wt(width * kBlock), hist(kept * kBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / blocks, c0 = (task % blocks) * kBlock, nc = std::min(kBlock, channels - c0);
+      const int64_t start = seg.start[i], count = seg.count[i];
+      float* cache = cache_p + seg.slot[i] * channels * kept;
+      for (int64_t c = 0; c < nc; ++c) {  // transposed: [k][channel], unit stride over channels
+        for (int64_t j = 0; j < width; ++j) wt[j * kBlock + c] = w_p[(c0 + c) * width + j];
+        for (int64_t j = 0; j < kept; ++j) hist[j * kBlock + c] = cache[(c0 + c) * kept + j];
+      }
+      // input(t) for t in [-(K-1), count): the cached history, then the segment's rows
+      auto input = [&](int64_t t) -> const float* {
+        return t < 0 ? hist.data() + (t + kept) * kBlock : x_p + (start + t) * x_stride + c0;
+      };
+      for (int64_t t = 0; t < count; ++t) {
+        float* o = out_p + (start + t) * channels + c0;
+        for (int64_t c = 0; c < nc; ++c) o[c] = b_p ? b_p[c0 + c] : 0.0f;
+        for (int64_t j = 0; j < width; ++j) {
+          const float* in = input(t - kept + j);
+          const float* w = wt.data() + j * kBlock;
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) o[c] += w[c] * in[c];
+        }
+        silu_row(o, nullptr, o, nc);
+      }
+      for (int64_t j = 0; j < kept; ++j) {  // the new history: the last K-1 inputs
+        const float* in = input(count - kept + j);
+        for (int64_t c = 0; c < nc; ++c) cache[(c0 + c) * kept + j] = in[c];
+      }
+    }
+  });
+  return out;
+}
+
+// The SSM scan of prefill segments on the flat token rows, states in place, D skip included.
+//   xbc [N, I + 2*G*N] (prefill_conv's output: x | B | C per row), dt_raw [N, H] (may be strided),
+//   dt_bias / A / D [H], ssm_cache [S, H, P, N], y [N, H*P] (written at the segments' rows)
+//   dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max) as MambaMixer._time_step
+//
+// Tasks are (segment, head, half of the head's rows): a half state (32 x 128 fp32 = 16 KB at
+// the bench shape) stays in L1 for the whole segment, and 2 x heads x segments tasks balance.
+void prefill_scan(torch::Tensor xbc, torch::Tensor dt_raw, torch::Tensor dt_bias, torch::Tensor A, torch::Tensor D,
+                  torch::Tensor ssm_cache, torch::Tensor starts, torch::Tensor counts, torch::Tensor slots,
+                  double dt_min, double dt_max, torch::Tensor y) {
+  check_rows(xbc, "xbc");
+  check_rows(dt_raw, "dt_raw");
+  check_rows(y, "y");
+  for (const auto& t : {dt_bias, A, D, ssm_cache}) {
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat32, "prefill_scan wants contiguous fp32 parameters and cache");
+  }
+  TORCH_CHECK(ssm_cache.dim() == 4, "ssm_cache [slots, heads, head_dim, d_state]");
+  const int64_t rows = xbc.size(0), heads = ssm_cache.size(1), hdim = ssm_cache.size(2), dstate = ssm_cache.size(3);
+  const int64_t inner = heads * hdim, groups = (xbc.size(1) - inner) / (2 * dstate);
+  TORCH_CHECK(groups >= 1 && heads % groups == 0 && xbc.size(1) == inner + 2 * groups * dstate, "xbc columns");
+  TORCH_CHECK(dt_raw.size(0) == rows && dt_raw.size(1) == heads && y.size(0) == rows && y.size(1) == inner, "dt / y shapes");
+  TORCH_CHECK(dt_bias.numel() == heads && A.numel() == heads && D.numel() == heads, "one dt_bias, A, D per head");
+  const Segments seg = read_segments(starts, counts, slots, rows, ssm_cache.size(0));
+  const int64_t per_group = heads / groups, xs = xbc.stride(0), ds = dt_raw.stride(0), ys = y.stride(0);
+  const float *x_p = xbc.data_ptr<float>(), *dt_p = dt_raw.data_ptr<float>(), *bias_p = dt_bias.data_ptr<float>();
+  const float *a_p = A.data_ptr<float>(), *d_p = D.data_ptr<float>();
+  float *cache_p = ssm_cache.data_ptr<float>(), *y_p = y.data_ptr<float>();
+  const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
+  const int64_t halves = hdim >= 8 ? 2 : 1, half = (hdim / halves + 3) / 4 * 4;  // 4-row aligned split
+  const int64_t k = static_cast<int64_t>(seg.start.size());
+  at::parallel_for(0, k * heads * halves, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> step;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / (heads * halves), h = (task / halves) % heads, part = task % halves;
+      const int64_t g = h / per_group, start = seg.start[i], count = seg.count[i];
+      step.resize(count);
+      for (int64_t t = 0; t < count; ++t) {
+        step[t] = std::min(std::max(softplus(dt_p[(start + t) * ds + h] + bias_p[h]), lo), hi);
+      }
+      const float* row0 = x_p + start * xs;
+      const HeadRun run{step.data(), 1, row0 + h * hdim, xs,
+                        row0 + inner + g * dstate, row0 + inner + (groups + g) * dstate, xs,
+                        y_p + start * ys + h * hdim, ys, a_p[h], d_p[h]};
+      const int64_t p_begin = std::min(part * half, hdim), p_end = part + 1 == halves ? hdim : std::min(p_begin + half, hdim);
+      scan_head_rows(run, cache_p + (seg.slot[i] * heads + h) * hdim * dstate, dstate, p_begin, p_end, count);
+    }
+  });
+}
+
+// The SwiGLU activation of an MLP: gate_up [N, 2I] (gate | up per row, the one matmul's output)
+//   -> silu(gate) * up [N, I] in one pass, no intermediate tensors.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({rows, inner}, gate_up.options().memory_format(torch::MemoryFormat::Contiguous));
+  const float* in_p = gate_up.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(inner, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_row(in_p + r * stride, in_p + r * stride + inner, out_p + r * inner, inner);
+  });
+  return out;
+}
+
+// The squared-ReLU activation of Nemotron-H's MLP, in place on the up matmul's output (one pass
+// instead of relu_ and square_): x [N, I] contiguous fp32 -> x = relu(x)^2, returned.
+torch::Tensor relu2_(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "relu2_ wants contiguous fp32");
+  float* p = x.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 16384, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= end; i += 8) {  // max(0, v): a NaN passes through, as in torch's relu
+      const __m256 v = _mm256_max_ps(_mm256_setzero_ps(), _mm256_loadu_ps(p + i));
+      _mm256_storeu_ps(p + i, _mm256_mul_ps(v, v));
+    }
+#endif
+    for (; i < end; ++i) {
+      const float v = p[i] > 0.0f ? p[i] : 0.0f;
+      p[i] = v * v;
+    }
+  });
+  return x;
+}
+
+// Mamba2's output norm (GatedGroupRMSNorm): RMSNorm over groups of channels of x * silu(gate),
+// times weight. x [N, D], gate [N, D] (rows may be strided: a column slice of the in_proj
+// output, read in place), weight [D] -> out [N, D]; one pass per row, silu eight lanes wide.
+torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor gate, torch::Tensor weight, int64_t group_size, double eps) {
+  check_rows(x, "x");
+  check_rows(gate, "gate");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32, "weight must be contiguous fp32");
+  const int64_t rows = x.size(0), size = x.size(1);
+  TORCH_CHECK(gate.size(0) == rows && gate.size(1) == size && weight.numel() == size, "x / gate / weight shapes");
+  TORCH_CHECK(group_size > 0 && size % group_size == 0, "group_size must divide the channels");
+  auto out = torch::empty({rows, size}, x.options().memory_format(torch::MemoryFormat::Contiguous));
+  const float *x_p = x.data_ptr<float>(), *g_p = gate.data_ptr<float>(), *w_p = weight.data_ptr<float>();
+  float* out_p = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), gs = gate.stride(0);
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(size, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* o = out_p + r * size;
+      silu_row(g_p + r * gs, x_p + r * xs, o, size);  // silu(gate) * x
+      for (int64_t g0 = 0; g0 < size; g0 += group_size) {
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t c = g0; c < g0 + group_size; ++c) squares += o[c] * o[c];
+        const float scale = 1.0f / std::sqrt(squares / static_cast<float>(group_size) + epsilon);
+#pragma omp simd
+        for (int64_t c = g0; c < g0 + group_size; ++c) o[c] = o[c] * scale * w_p[c];
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("recurrent_scan", &recurrent_scan, "Mamba2 prefill scan as the recurrence, state kept in cache");
+  m.def("prefill_conv", &prefill_conv, "causal depthwise conv + SiLU of prefill segments, conv states in place");
+  m.def("prefill_scan", &prefill_scan, "Mamba2 scan of prefill segments on flat rows, SSM states in place");
+  m.def("silu_mul", &silu_mul, "SwiGLU activation: silu(gate) * up of [gate | up] rows");
+  m.def("relu2_", &relu2_, "squared ReLU in place");
+  m.def("gated_rms_norm", &gated_rms_norm, "Mamba2 output norm: grouped RMSNorm of x * silu(gate), times weight");
 }

@@ -1,0 +1,140 @@
+"""The Mamba mixer's fused prefill (`MambaMixer._prefill_fused`: `prefill_conv` + `prefill_scan`
+in csrc/ssd_scan.cpp, on the flat rows) against its pure-torch reference (`_prefill` on the
+reference path: padded wave, torch conv1d, the SSD scan).
+
+Segments of one wave have different lengths (shorter than the conv window too), start from
+non-zero conv and SSM states, sit at out-of-order slots and rows that are not the batch's
+first; the other slots and the rows of no segment must be left as they were. The engine
+level (fast engine == reference engine == transformers) runs in test_fast_paths.py and
+test_model_vs_transformers.py, whose prefills go through this path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.model import scan_kernels as scan_module
+from workers.model.config import MambaShape, MlpKind
+from workers.model.fast_path import REFERENCE, FastPath
+from workers.model.forward_batch import PrefillSegment
+from workers.model.layers import MLP, GatedGroupRMSNorm
+from workers.model.mamba_mixer import MambaMixer
+from workers.model.scan_kernels import scan_kernels
+
+KERNEL = scan_kernels()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"scan kernel did not build: {scan_module.build_failure()}")
+
+NO_TABLE = torch.zeros(1, dtype=torch.long)  # the mixer never reads block tables
+
+
+def _mixer(head_dim: int, groups: int, conv_bias: bool, dt_max: float, seed: int) -> MambaMixer:
+    torch.manual_seed(seed)
+    shape = MambaShape(
+        n_heads=8, head_dim=head_dim, n_groups=groups, d_state=24, d_conv=4, chunk_size=16,
+        conv_bias=conv_bias, proj_bias=False, dt_min=0.01, dt_max=dt_max,
+    )  # fmt: skip
+    mixer = MambaMixer(32, shape, 1e-6)
+    for p in mixer.parameters():
+        p.data = torch.randn_like(p) * 0.5
+    return mixer.requires_grad_(False)
+
+
+def _run(mixer, fast, in_proj_rows, conv, ssm, segs, num_rows):
+    s = mixer.shape
+    _, xbc, dt = in_proj_rows.split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)  # strided views, as in forward
+    conv, ssm = conv.clone(), ssm.clone()
+    y = torch.full((num_rows, s.intermediate), 7.0)
+    mixer.fast = fast
+    (mixer._prefill_fused if fast.scan is not None else mixer._prefill)(xbc, dt, conv, ssm, segs, y)
+    return y, conv, ssm
+
+
+@pytest.mark.parametrize(
+    "head_dim,groups,conv_bias,dt_max",
+    [(16, 2, True, float("inf")), (6, 1, False, 0.3), (12, 4, True, 2.0), (64, 8, False, float("inf"))],
+)
+def test_fused_prefill_equals_reference(head_dim, groups, conv_bias, dt_max):
+    mixer = _mixer(head_dim, groups, conv_bias, dt_max, seed=head_dim + groups)
+    s = mixer.shape
+    # rows: 3 unused | seg A 40 | 2 unused | seg B 1 | seg C 2 | seg D 17 | 4 unused
+    segs = [
+        PrefillSegment(3, 40, 0, NO_TABLE, state_slot=5),
+        PrefillSegment(45, 1, 9, NO_TABLE, state_slot=0),  # shorter than the conv window
+        PrefillSegment(46, 2, 3, NO_TABLE, state_slot=7),
+        PrefillSegment(48, 17, 30, NO_TABLE, state_slot=2),
+    ]
+    rows = 69
+    proj = torch.randn(rows, s.in_proj_dim) * 3  # silu and softplus far into both tails
+    proj[10, s.intermediate + s.conv_dim] = 30.0  # softplus above its threshold of 20
+    conv, ssm = torch.randn(9, s.conv_dim, s.d_conv - 1), torch.randn(9, s.n_heads, s.head_dim, s.d_state)
+    y_ref, conv_ref, ssm_ref = _run(mixer, REFERENCE, proj, conv, ssm, segs, rows)
+    y, conv_out, ssm_out = _run(mixer, FastPath(on=True, scan=KERNEL), proj, conv, ssm, segs, rows)
+
+    seg_rows = torch.cat([torch.arange(g.token_start, g.token_start + g.num_tokens) for g in segs])
+    torch.testing.assert_close(y[seg_rows], y_ref[seg_rows], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ssm_out, ssm_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conv_out, conv_ref, rtol=0, atol=0)  # copies of inputs: exact
+    untouched = [i for i in range(9) if i not in (5, 0, 7, 2)]
+    assert torch.equal(ssm_out[untouched], ssm[untouched]) and torch.equal(conv_out[untouched], conv[untouched])
+    other_rows = torch.ones(rows, dtype=torch.bool)
+    other_rows[seg_rows] = False
+    assert (y[other_rows] == 7.0).all()
+
+
+def test_fused_conv_silu_matches_torch_at_extremes():
+    """The conv output's SiLU (a vectorised exp) against torch's on values from -100 to 100."""
+    channels = 37  # not a multiple of the vector width
+    xbc = torch.linspace(-100, 100, 50 * channels).reshape(50, channels)
+    weight = torch.zeros(channels, 4)
+    weight[:, -1] = 1.0  # the conv passes the current input through
+    cache = torch.zeros(2, channels, 3)
+    one = torch.tensor([0])
+    out = KERNEL.prefill_conv(xbc, cache, one, torch.tensor([50]), torch.tensor([1]), weight, torch.empty(0))
+    torch.testing.assert_close(out, F.silu(xbc), rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(cache[1], xbc[-3:].T)  # the last three inputs, oldest first
+    assert not cache[0].any()
+
+
+def test_fused_prefill_rejects_shared_slots_and_bad_rows():
+    mixer = _mixer(16, 2, True, float("inf"), seed=1)
+    s, c = mixer.shape, mixer.constants
+    xbc, conv = torch.randn(10, s.conv_dim), torch.zeros(4, s.conv_dim, s.d_conv - 1)
+    starts, counts = torch.tensor([0, 5]), torch.tensor([5, 5])
+    with pytest.raises(RuntimeError, match="distinct slots"):
+        KERNEL.prefill_conv(xbc, conv, starts, counts, torch.tensor([1, 1]), c.conv_weight, c.conv_bias)
+    with pytest.raises(RuntimeError, match="out of range"):
+        KERNEL.prefill_conv(xbc, conv, starts, torch.tensor([5, 6]), torch.tensor([1, 2]), c.conv_weight, c.conv_bias)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        KERNEL.prefill_conv(xbc, conv, starts, counts, torch.tensor([1, 4]), c.conv_weight, c.conv_bias)
+    with pytest.raises(RuntimeError, match="fp32"):
+        KERNEL.prefill_conv(xbc.double(), conv, starts, counts, torch.tensor([1, 2]), c.conv_weight, c.conv_bias)
+
+
+@pytest.mark.parametrize("kind", [MlpKind.SWIGLU, MlpKind.RELU2])  # up width 37: a vector tail
+def test_mlp_fast_activation_equals_reference(kind):
+    """The fused activations (`silu_mul`, `relu2_`) against the reference MLP,
+    with widths that are not a multiple of the vector width and inputs deep in silu's tails."""
+    torch.manual_seed(3)
+    mlp = MLP(kind, 24, 37, bias=True).requires_grad_(False)
+    x = torch.randn(50, 24) * 8
+    ref = mlp(x)
+    mlp.fast = FastPath(on=True, scan=KERNEL)
+    torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(9, 2 * 37 + 3)[:, 3:] * 30  # strided rows, as a column slice
+    gate, up = gate_up.split(37, dim=-1)
+    torch.testing.assert_close(KERNEL.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_gated_norm_kernel_equals_reference(groups):
+    """`gated_rms_norm` (gate rows strided, read in place) against GatedGroupRMSNorm's reference."""
+    torch.manual_seed(groups)
+    norm = GatedGroupRMSNorm(40, groups, 1e-5).requires_grad_(False)
+    norm.weight.data = torch.randn(40)
+    proj = torch.randn(33, 40 + 40 + 5) * 6
+    x, gate = torch.randn(33, 40), proj[:, 40:80]  # a column slice of a wider matrix, as in the mixer
+    ref = norm(x, gate)
+    norm.fast = FastPath(on=True, scan=KERNEL)
+    torch.testing.assert_close(norm(x, gate), ref, rtol=1e-5, atol=1e-5)
