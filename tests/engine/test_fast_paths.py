@@ -82,7 +82,7 @@ def test_mamba_decode_kernels_equal_reference(groups, dt_max):
     assert torch.equal(ssm_k[others], ssm[others]) and not torch.equal(ssm_k[slots], ssm[slots])
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (8, 2), (4, 1), (6, 2)])
 def test_paged_decode_attention_equals_reference(n_heads, n_kv_heads):
     torch.manual_seed(n_heads * 10 + n_kv_heads)
     head_dim, block_size = 16, 4

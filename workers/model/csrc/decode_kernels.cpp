@@ -179,6 +179,60 @@ torch::Tensor mamba_decode(torch::Tensor zxbcdt, torch::Tensor conv_cache, torch
   return out;
 }
 
+// One block of n keys for the J query heads that share a kv head (J = 0: per_kv at run time),
+// folded into their online softmax. Each key and value is loaded once for all J heads, and the
+// J dot products are independent chains of 8-lane partial sums (not one latency-bound chain).
+template <int J>
+void attend_block(const float* q, const float* keys, const float* values, int64_t n, int64_t dim, int64_t stride,
+                  int64_t per_kv, float scale, float* acc, float* best, float* total, float* score) {
+  constexpr int64_t L = 8;
+  const int64_t nj = J ? J : per_kv, body = dim - dim % L;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* key = keys + t * stride;
+    for (int64_t j = 0; j < nj; ++j) {
+      const float* qv = q + j * dim;
+      float part[L] = {};
+      for (int64_t e0 = 0; e0 < body; e0 += L) {
+        for (int64_t l = 0; l < L; ++l) part[l] += qv[e0 + l] * key[e0 + l];
+      }
+      float dot = 0.0f;
+      for (int64_t l = 0; l < L; ++l) dot += part[l];
+      for (int64_t e = body; e < dim; ++e) dot += qv[e] * key[e];
+      score[j * n + t] = dot * scale;
+    }
+  }
+  for (int64_t j = 0; j < nj; ++j) {
+    float* s = score + j * n;
+    float top = s[0];
+    for (int64_t t = 1; t < n; ++t) top = std::max(top, s[t]);
+    if (top > best[j]) {  // rescale what was accumulated against the new maximum
+      const float r = std::exp(best[j] - top);
+      total[j] *= r;
+      float* a = acc + j * dim;
+#pragma omp simd
+      for (int64_t e = 0; e < dim; ++e) a[e] *= r;
+      best[j] = top;
+    }
+    const float m = best[j];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = fast_exp(s[t] - m);
+      sum += s[t];
+    }
+    total[j] += sum;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* value = values + t * stride;
+    for (int64_t j = 0; j < nj; ++j) {
+      const float w = score[j * n + t];
+      float* a = acc + j * dim;
+#pragma omp simd
+      for (int64_t e = 0; e < dim; ++e) a[e] += w * value[e];
+    }
+  }
+}
+
 // Attention of one query token per sequence over its paged K/V, read in place by block table.
 //   q [B, Hq, d]; k_cache/v_cache [num_blocks, block_size, Hkv, d]; block_tables [B, max_blocks];
 //   num_keys [B] (keys 0..num_keys-1 are visible)  ->  out [B, Hq, d]
@@ -186,8 +240,8 @@ torch::Tensor mamba_decode(torch::Tensor zxbcdt, torch::Tensor conv_cache, torch
 // new key and value are first written to its slot (which the attention then reads).
 // q, k_new, v_new may be views with any row stride (channels contiguous).
 //
-// Online softmax one block of keys at a time: the block's scores, its maximum, one rescale of
-// the accumulator when the maximum grows, then the block's weights in one vectorised exp.
+// Online softmax one block of keys at a time (`attend_block`): the block's scores, its maximum,
+// one rescale of the accumulator when the maximum grows, the block's weights in one vectorised exp.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor num_keys, double scale,
                                      c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
@@ -231,8 +285,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     vn_stride = v_new->stride(0);
   }
 
+  auto attend = per_kv == 1 ? attend_block<1> : per_kv == 2 ? attend_block<2> : per_kv == 4 ? attend_block<4>
+               : per_kv == 8 ? attend_block<8> : attend_block<0>;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(per_kv * dim), best(per_kv), total(per_kv), score(block_size);
+    std::vector<float> acc(per_kv * dim), best(per_kv), total(per_kv), score(per_kv * block_size);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kv_heads, kvh = i % kv_heads;
       if (append) {  // this (sequence, kv head)'s own slice of its slot: no other task touches it
@@ -246,42 +302,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       const float* qb = q_p + b * q_stride + kvh * per_kv * dim;
       const int64_t keys = len_p[b];
       for (int64_t start = 0; start < keys; start += block_size) {
-        const int64_t n = std::min(block_size, keys - start);
         const int64_t base = table_p[b * width + start / block_size] * block_size * token_stride + kvh * dim;
-        for (int64_t j = 0; j < per_kv; ++j) {
-          const float* qv = qb + j * dim;
-          float top = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < n; ++t) {
-            const float* key = k_p + base + t * token_stride;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t e = 0; e < dim; ++e) dot += qv[e] * key[e];
-            score[t] = dot * sc;
-            top = std::max(top, score[t]);
-          }
-          float* a = acc.data() + j * dim;
-          if (top > best[j]) {  // rescale what was accumulated against the new maximum
-            const float r = std::exp(best[j] - top);
-            total[j] *= r;
-#pragma omp simd
-            for (int64_t e = 0; e < dim; ++e) a[e] *= r;
-            best[j] = top;
-          }
-          const float m = best[j];
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            score[t] = fast_exp(score[t] - m);
-            sum += score[t];
-          }
-          total[j] += sum;
-          for (int64_t t = 0; t < n; ++t) {
-            const float* value = v_p + base + t * token_stride;
-            const float w = score[t];
-#pragma omp simd
-            for (int64_t e = 0; e < dim; ++e) a[e] += w * value[e];
-          }
-        }
+        attend(qb, k_p + base, v_p + base, std::min(block_size, keys - start), dim, token_stride, per_kv, sc,
+               acc.data(), best.data(), total.data(), score.data());
       }
       for (int64_t j = 0; j < per_kv; ++j) {
         float* o = out_p + (b * q_heads + kvh * per_kv + j) * dim;
