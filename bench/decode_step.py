@@ -45,14 +45,16 @@ def _time_steps(engine: LLMEngine, steps: int) -> tuple[float, float]:
 
 def measure(arch: Arch, concurrency: int, threads: int, repeats: int, steps: int, tuned: bool) -> dict:
     model_dir = checkpoint_dir(arch, Preset.BENCH, 0, None)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_threads=threads, cache=CacheConfig(kv_cache_bytes=256 << 20)))
+    config = EngineConfig(model=str(model_dir), num_threads=threads, cache=CacheConfig(kv_cache_bytes=256 << 20))
+    engine = LLMEngine(config)
     runner = engine.runner
     measured: LinearPlan | None = runner.linear_plan  # measured once, at start-up
     new_tokens = 2 * repeats * steps + 8  # never finishes while timed: every step is a full decode batch
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(concurrency, PROMPT_TOKENS, seed=0)):
         engine.add_request(f"r{i}", prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()
     best = {"fast": [float("inf")] * 2, "reference": [float("inf")] * 2}
     with torch.inference_mode():
@@ -113,7 +115,10 @@ def main() -> None:
         for arch in args.arch
         for c in args.concurrency
     ]
-    data = {"environment": env, "repeats": args.repeats, "steps": args.steps, "tuned_linears": args.tuned_linears, "rows": rows}
+    data = {
+        "environment": env, "repeats": args.repeats, "steps": args.steps,
+        "tuned_linears": args.tuned_linears, "rows": rows,
+    }  # fmt: skip
     json_path, md_path = write_results("decode_step", data, markdown(rows, env, args.tuned_linears), args.results_dir)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")

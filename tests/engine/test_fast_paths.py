@@ -115,7 +115,8 @@ def test_paged_decode_attention_writes_this_steps_kv(n_heads, n_kv_heads):
     group = DecodeGroup(torch.arange(4), context_lens, tables, torch.arange(4), covers_batch=True)
     batch = ForwardBatch(torch.zeros(4, dtype=torch.long), context_lens, slots, (), group)
     qkv = torch.randn(4, (n_heads + 2 * n_kv_heads) * head_dim) * 3
-    q, k, v = (t.view(4, -1, head_dim) for t in qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1))
+    widths = [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
+    q, k, v = (t.view(4, -1, head_dim) for t in qkv.split(widths, -1))
     ref_cache = kv_cache.clone()
     ref_cache[0].view(-1, n_kv_heads, head_dim)[slots] = k
     ref_cache[1].view(-1, n_kv_heads, head_dim)[slots] = v
