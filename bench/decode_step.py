@@ -49,7 +49,7 @@ def measure(arch: Arch, concurrency: int, threads: int, repeats: int, steps: int
     engine = LLMEngine(config)
     runner = engine.runner
     measured: LinearPlan | None = runner.linear_plan  # measured once, at start-up
-    new_tokens = 2 * repeats * steps + 8  # never finishes while timed: every step is a full decode batch
+    new_tokens = 2 * repeats * (steps + 1) + 8  # never finishes while timed: every step is a full decode batch
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(concurrency, PROMPT_TOKENS, seed=0)):
         engine.add_request(f"r{i}", prompt, params)
@@ -65,6 +65,7 @@ def measure(arch: Arch, concurrency: int, threads: int, repeats: int, steps: int
                     runner.model.use_linear_plan(None)
                 engine.step()  # the first step after a switch is not timed
                 cpu, wall = _time_steps(engine, steps)
+                assert len(scheduler.running) == concurrency, "a request finished while timed"
                 best[side] = [min(best[side][0], cpu), min(best[side][1], wall)]
     for request_id in list(engine.scheduler.requests):
         engine.abort(request_id)
