@@ -95,9 +95,11 @@ class ModelRunner:
         self.apply_copies(step.copies)
         batch, sample_rows = self.build_batch(step.chunks)
         hidden = self.model(batch, self.caches)
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
 
-    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, torch.Tensor]:
+    def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """The step's flat batch, and the rows whose logits are sampled (None: every row, in
+        order, as in a pure decode step, so no gather)."""
         ids: list[int] = []
         positions: list[int] = []
         kv_slots: list[int] = []
@@ -127,6 +129,8 @@ class ModelRunner:
             prefills=tuple(prefills),
             decode=self._decode_group(decode_rows, decode_chunks, covers_batch=not prefills),
         )
+        if sample_rows == list(range(len(ids))):
+            return batch, None
         return batch, torch.tensor(sample_rows, device=self.device, dtype=torch.long)
 
     def _segments(self, row: int, chunk: ScheduledChunk) -> list[PrefillSegment]:

@@ -27,10 +27,11 @@ from workers.model import kernels as kernel_module
 from workers.model import scan_kernels as scan_module
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape, MambaShape
-from workers.model.fast_path import FastPath
+from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch
 from workers.model.kernels import decode_kernels
-from workers.model.layers import GatedGroupRMSNorm, RMSNorm
+from workers.model.config import MlpKind
+from workers.model.layers import MLP, GatedGroupRMSNorm, RMSNorm
 from workers.model.mamba_mixer import MambaMixer
 from workers.model.ssd import chunked_scan, chunked_scan_grouped
 from workers.sampling import SamplingParams
@@ -54,26 +55,34 @@ def _random_mixer(groups: int, dt_max: float, seed: int) -> MambaMixer:
 
 @pytest.mark.parametrize("groups,dt_max", [(1, float("inf")), (4, 0.3)])
 def test_mamba_decode_kernels_equal_reference(groups, dt_max):
+    """One kernel from the in_proj rows (read with a row stride, as a view) to y, and to the
+    gated norm of y: equal to the reference's y and `mixer.norm(y, gate)`."""
     mixer = _random_mixer(groups, dt_max, seed=groups)
     s = mixer.shape
     slots = torch.tensor([7, 2, 5])  # out of order, not a run
     conv = torch.randn(9, s.conv_dim, s.d_conv - 1)
     ssm = torch.randn(9, s.n_heads, s.head_dim, s.d_state)
-    xbc, dt = torch.randn(3, s.conv_dim), torch.randn(3, s.n_heads) * 3  # softplus on both sides of 20
-    dt[0, 0] = 25.0
+    zxbcdt = (torch.randn(3, s.in_proj_dim + 5) * 3)[:, 2 : 2 + s.in_proj_dim]  # rows strided
+    zxbcdt[:, -s.n_heads :] *= 3  # softplus on both sides of 20
+    zxbcdt[0, -s.n_heads] = 25.0
+    zxbcdt[1, s.intermediate] = -120.0  # silu far out on both sides
+    zxbcdt[2, 0] = 95.0
     group = DecodeGroup(torch.arange(3), torch.zeros(3, dtype=torch.long), torch.zeros(3, 1, dtype=torch.long), slots)
     ref_conv, ref_ssm = conv.clone(), ssm.clone()
-    ref = mixer._decode(xbc, dt, ref_conv, ref_ssm, group)
+    ref = mixer._decode(zxbcdt, ref_conv, ref_ssm, group)
+    ref_normed = mixer.norm(ref, zxbcdt[:, : s.intermediate])
     mixer.fast = FUSED
-    out = mixer._decode_fused(xbc, dt, conv, ssm, group)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ssm, ref_ssm, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(conv, ref_conv, rtol=0, atol=0)  # a shift and a copy: exact
+    for norm, expected in ((False, ref), (True, ref_normed)):
+        conv_k, ssm_k = conv.clone(), ssm.clone()
+        out = mixer._decode_fused(zxbcdt, conv_k, ssm_k, group, norm=norm)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ssm_k, ref_ssm, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(conv_k, ref_conv, rtol=0, atol=0)  # a shift and a copy: exact
     others = [i for i in range(9) if i not in slots.tolist()]
-    assert torch.equal(ssm[others], ref_ssm[others]) and not torch.equal(ssm[slots], ssm[slots].clone().zero_())
+    assert torch.equal(ssm_k[others], ssm[others]) and not torch.equal(ssm_k[slots], ssm[slots])
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (8, 2), (4, 1), (6, 2)])
 def test_paged_decode_attention_equals_reference(n_heads, n_kv_heads):
     torch.manual_seed(n_heads * 10 + n_kv_heads)
     head_dim, block_size = 16, 4
@@ -89,6 +98,59 @@ def test_paged_decode_attention_equals_reference(n_heads, n_kv_heads):
     ref = attn._decode(q, kv_cache, batch)
     attn.fast = FUSED
     torch.testing.assert_close(attn._decode_paged(q, kv_cache, batch), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(8, 2), (4, 1)])
+def test_paged_decode_attention_writes_this_steps_kv(n_heads, n_kv_heads):
+    """The fused decode step writes each sequence's new K/V (views of the qkv rows) at its slot,
+    then attends over it: same cache bytes and outputs as the reference's write-then-attend."""
+    torch.manual_seed(n_heads)
+    head_dim, block_size = 16, 4
+    shape = AttentionShape(n_heads, n_kv_heads, head_dim, 0, 0.0, head_dim**-0.5, False)
+    attn = Attention(32, shape)
+    kv_cache = torch.randn(2, 20, block_size, n_kv_heads, head_dim) * 2
+    context_lens = torch.tensor([0, 3, 4, 9])
+    tables = (torch.randperm(19)[:16] + 1).view(4, 4)  # out of order; a written block is its sequence's own
+    slots = tables[torch.arange(4), context_lens // block_size] * block_size + context_lens % block_size
+    group = DecodeGroup(torch.arange(4), context_lens, tables, torch.arange(4), covers_batch=True)
+    batch = ForwardBatch(torch.zeros(4, dtype=torch.long), context_lens, slots, (), group)
+    qkv = torch.randn(4, (n_heads + 2 * n_kv_heads) * head_dim) * 3
+    widths = [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
+    q, k, v = (t.view(4, -1, head_dim) for t in qkv.split(widths, -1))
+    ref_cache = kv_cache.clone()
+    ref_cache[0].view(-1, n_kv_heads, head_dim)[slots] = k
+    ref_cache[1].view(-1, n_kv_heads, head_dim)[slots] = v
+    ref = attn._decode(q, ref_cache, batch)
+    attn.fast = FUSED
+    out = attn._decode_paged(q, kv_cache, batch, k, v)
+    assert torch.equal(kv_cache, ref_cache)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_residual_norm_and_mlp_activation_kernels_equal_reference():
+    """`RMSNorm.residual` (add in place, then the norm) and both MLP activations, fused vs reference."""
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    h, delta = torch.randn(5, 64) * 3, torch.randn(5, 64)
+    for alpha in (1.0, 0.22):
+        ref_h, ref_x = norm.residual(h.clone(), delta, alpha)
+        norm.fast = FUSED
+        fused_h = h.clone()
+        out_h, out_x = norm.residual(fused_h, delta, alpha)
+        norm.fast = REFERENCE
+        assert out_h is fused_h  # the stream is updated in place
+        torch.testing.assert_close(out_h, ref_h, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out_x, ref_x, rtol=1e-5, atol=1e-5)
+    for kind in MlpKind:
+        mlp = MLP(kind, 32, 48, bias=False)
+        x = torch.randn(6, 32) * 4
+        x[0, :] = 60.0  # silu and relu far out on both sides
+        x[1, :] = -60.0
+        with torch.inference_mode():
+            ref = mlp(x)
+            mlp.fast = FUSED
+            torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-4)
 
 
 @ARCHS

@@ -46,14 +46,19 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
 
+        group = batch.decode
+        fp32 = q.dtype == kv_cache.dtype == torch.float32
+        fused = self.fast.decode is not None and fp32
+        if group is not None and group.covers_batch and fused:
+            # A pure decode step: each sequence's K/V written to its slot and attended in one kernel.
+            return self.o_proj(self._decode_paged(q, kv_cache, batch, k, v).reshape(n, -1))
+
         flat_k = kv_cache[0].view(-1, s.n_kv_heads, s.head_dim)
         flat_v = kv_cache[1].view(-1, s.n_kv_heads, s.head_dim)
         flat_k[batch.kv_slots] = k
         flat_v[batch.kv_slots] = v
 
-        group = batch.decode
-        fp32 = q.dtype == kv_cache.dtype == torch.float32
-        decode = self._decode_paged if self.fast.decode is not None and fp32 else self._decode
+        decode = self._decode_paged if fused else self._decode
         if group is not None and group.covers_batch:  # a pure decode step, rows in order
             return self.o_proj(decode(q, kv_cache, batch).reshape(n, -1))
         out = torch.empty(n, s.n_heads, s.head_dim, dtype=h.dtype, device=h.device)
@@ -133,12 +138,15 @@ class Attention(nn.Module):
         out = (o_hist * w_hist + o_new * w_new) / (w_hist + w_new)
         return out[0].transpose(0, 1).to(q.dtype)
 
-    def _decode_paged(self, q, kv_cache, batch: ForwardBatch) -> torch.Tensor:
+    def _decode_paged(self, q, kv_cache, batch: ForwardBatch, k=None, v=None) -> torch.Tensor:
         """`_decode` reading K/V blocks in place through the block tables (no padded copy of
-        the batch's history each step): one pass with an online softmax per sequence and head."""
+        the batch's history each step): one pass with an online softmax per sequence and head.
+        With `k`, `v` (this step's, one row per sequence), the kernel first writes them to
+        `batch.kv_slots`, as `forward` does for the reference."""
         group = batch.decode
+        new = {} if k is None else {"k_new": k, "v_new": v, "kv_slots": batch.kv_slots}
         return self.fast.decode.paged_decode_attention(
-            q.contiguous(), kv_cache[0], kv_cache[1], group.block_tables, group.context_lens + 1, self.shape.scale
+            q, kv_cache[0], kv_cache[1], group.block_tables, group.num_keys, self.shape.scale, **new
         )
 
     def _decode(self, q, kv_cache, batch: ForwardBatch) -> torch.Tensor:

@@ -11,6 +11,7 @@ run as one matmul; only the sequence mixers (attention, Mamba) look at sequence 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -39,6 +40,12 @@ class DecodeGroup:
     snapshot_rows: torch.Tensor | None = None  # rows whose state is also copied, after the step,
     snapshot_slots: torch.Tensor | None = None  # into these slots
     covers_batch: bool = False  # token_index == 0..B-1 and nothing else runs: no gather/scatter of rows
+
+    @cached_property
+    def num_keys(self) -> torch.Tensor:
+        """[B] keys each sequence's query sees (its history and itself): made once per step,
+        read by every attention layer."""
+        return self.context_lens + 1
 
 
 @dataclass(frozen=True)

@@ -35,25 +35,19 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(hidden, config.norm_eps) if spec.has_ffn else None
         self.ffn = MLP(config.mlp_kind, hidden, config.mlp_intermediate, config.mlp_bias) if spec.has_ffn else None
 
-    def forward(self, h, batch: ForwardBatch, caches: ModelCaches, rope) -> torch.Tensor:
-        x = self.norm(h)
+    def forward(self, h, x, batch: ForwardBatch, caches: ModelCaches, rope, next_norm: RMSNorm):
+        """(h, norm(h)) in, (h', next_norm(h')) out: each residual add and the norm after it run
+        as one step (`RMSNorm.residual`), the next block's input norm included."""
         if self.kind is MixerKind.MAMBA:
             x = self.mixer(x, batch, caches.conv[self.cache_index], caches.ssm[self.cache_index])
         elif self.kind is MixerKind.ATTENTION:
             x = self.mixer(x, batch, caches.kv[self.cache_index], rope)
         else:
             x = self.mixer(x)
-        h = self._residual(h, x)
         if self.ffn is not None:
-            h = self._residual(h, self.ffn(self.ffn_norm(h)))
-        return h
-
-    def _residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """h + r * x in one op, into h: the residual stream is the forward's own tensor (made by
-        the embedding), read by nothing else once its block's norm has run."""
-        if self.residual_multiplier == 1.0:
-            return h.add_(x)
-        return h.add_(x, alpha=self.residual_multiplier)
+            h, x = self.ffn_norm.residual(h, x, self.residual_multiplier)
+            x = self.ffn(x)
+        return next_norm.residual(h, x, self.residual_multiplier)
 
 
 class HybridLM(nn.Module):
@@ -68,6 +62,8 @@ class HybridLM(nn.Module):
         )
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The norm after each block: the next block's input norm, the final norm after the last.
+        self._next_norms = tuple(b.norm for b in self.blocks[1:]) + (self.final_norm,)
         attn = config.attention
         self.rotary = RotaryEmbedding(attn.rotary_dim, attn.rope_theta) if attn.rotary_dim else None
 
@@ -93,9 +89,10 @@ class HybridLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             h = h * self.config.embedding_multiplier
         rope = self.rotary.cos_sin(batch.positions, h.dtype) if self.rotary else None
-        for block in self.blocks:
-            h = block(h, batch, caches, rope)
-        return self.final_norm(h)
+        x = self.blocks[0].norm(h)
+        for block, next_norm in zip(self.blocks, self._next_norms):
+            h, x = block(h, x, batch, caches, rope, next_norm)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -7,10 +7,13 @@ and the decode mixers, decode attention and norms run their pure-torch reference
 always there and which the tests compare against.
 
     kernels = decode_kernels()          # the module, or None (reason in `build_failure()`)
-    kernels.conv_step(conv_cache, slots, xbc, weight, bias)            -> silu(conv) [B, C]
-    kernels.ssm_step(ssm_cache, slots, x, dt_raw, dt_bias, A, B, C, D, dt_min, dt_max) -> y [B, H, P]
-    kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, num_keys, scale) -> [B, Hq, d]
-    kernels.rms_norm(x, weight, gate | None, group_size, eps)          -> [.., size]
+    kernels.mamba_decode(zxbcdt, conv_cache, ssm_cache, slots, conv_w, conv_b, dt_bias, A, D,
+                         dt_min, dt_max, norm_w | empty, norm_group, eps)  -> [B, I] (normed with norm_w)
+    kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, num_keys, scale
+                                   [, k_new, v_new, kv_slots])              -> [B, Hq, d]
+    kernels.rms_norm(x, weight, gate | None, group_size, eps)               -> [.., size]
+    kernels.add_rms_norm(h, delta, alpha, weight, eps)  -> norm(h += alpha * delta), h in place
+    kernels.mlp_activation(up, gated)                   -> silu(gate) * up | relu(up)^2 (in place)
 """
 
 from __future__ import annotations

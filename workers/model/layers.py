@@ -23,6 +23,15 @@ class RMSNorm(nn.Module):
         # One fused op in fp32, then the weight (as the reference: normalise, cast, scale).
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
+    def residual(self, h: torch.Tensor, delta: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream `h + alpha * delta` and this norm of it. The fused kernel adds in
+        place (the forward owns `h`: the embedding's output or an earlier sum) and normalises
+        in the same pass over the row."""
+        if self.fast.decode is not None and h.dtype == delta.dtype == torch.float32 and h.dim() == 2:
+            return h, self.fast.decode.add_rms_norm(h, delta, alpha, self.weight, self.eps)
+        h = h + delta if alpha == 1.0 else torch.add(h, delta, alpha=alpha)  # h + alpha * delta in one op
+        return h, self(h)
+
 
 class GatedGroupRMSNorm(nn.Module):
     """RMSNorm over groups of channels of `x * silu(gate)` (Mamba2's output norm)."""
@@ -48,7 +57,8 @@ class MLP(nn.Module):
     """SwiGLU (Bamba, Granite) or squared-ReLU (Nemotron-H) feed-forward.
 
     SwiGLU keeps gate and up in one matrix so a single matmul serves both; on the fast path either
-    activation is one C++ pass over that matmul's rows (`silu_mul`, `relu2_` in csrc/ssd_scan.cpp).
+    activation is one C++ pass over that matmul's rows (`mlp_activation` in csrc/decode_kernels.cpp,
+    at every row count).
     """
 
     def __init__(self, kind: MlpKind, hidden: int, intermediate: int, bias: bool):
@@ -58,18 +68,16 @@ class MLP(nn.Module):
         up_rows = 2 * intermediate if kind is MlpKind.SWIGLU else intermediate
         self.up = nn.Linear(hidden, up_rows, bias=bias)
         self.down = nn.Linear(intermediate, hidden, bias=bias)
-        self.fast: FastPath = REFERENCE  # fast.scan: the fused activations (fp32)
+        self.fast: FastPath = REFERENCE  # fast.decode: the activation in one kernel (fp32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up = self.up(x)
+        if self.fast.decode is not None and x.dtype == torch.float32:
+            # silu(gate) * up, or relu(x)^2 in place on the up projection's fresh output
+            return self.down(self.fast.decode.mlp_activation(self.up(x), self.kind is MlpKind.SWIGLU))
         if self.kind is MlpKind.SWIGLU:
-            if self.fast.scan is not None and up.dtype == torch.float32:
-                return self.down(self.fast.scan.silu_mul(up))
-            gate, up = up.split(self.intermediate, dim=-1)
+            gate, up = self.up(x).split(self.intermediate, dim=-1)
             return self.down(F.silu(gate) * up)
-        if self.fast.scan is not None and up.dtype == torch.float32 and up.is_contiguous():
-            return self.down(self.fast.scan.relu2_(up))  # in place: up is this call's own tensor
-        return self.down(torch.square(F.relu(up)))
+        return self.down(torch.square(F.relu(self.up(x))))
 
 
 class RotaryEmbedding:

@@ -60,25 +60,33 @@ class MambaMixer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
         s = self.shape
-        gate, xbc, dt = self.in_proj(h).split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)
+        zxbcdt = self.in_proj(h)  # | gate | xBC | dt |
         group = batch.decode
-        decode = self._decode_fused if self.fast.decode is not None else self._decode
-        if group is not None and group.covers_batch:  # a pure decode step, rows in order
-            y = decode(xbc, dt, conv, ssm, group).to(h.dtype)
+        fused = self.fast.decode is not None
+        if group is not None and group.covers_batch and fused and zxbcdt.dtype == torch.float32:
+            # A pure decode step in fp32: conv, recurrence and the gated norm in one kernel.
+            y = self._decode_fused(zxbcdt, conv, ssm, group, norm=True)
         else:
-            y = torch.empty(h.shape[0], s.intermediate, dtype=h.dtype, device=h.device)
-            fused = self.fast.scan is not None and xbc.dtype == conv.dtype == ssm.dtype == torch.float32
-            prefill = self._prefill_fused if fused else self._prefill
-            for wave in _waves(batch.prefills):
-                prefill(xbc, dt, conv, ssm, wave, y)
-            if group is not None:
-                rows = group.token_index
-                y[rows] = decode(xbc[rows], dt[rows], conv, ssm, group).to(y.dtype)
+            gate = zxbcdt[:, : s.intermediate]
+            decode = self._decode_fused if fused else self._decode
+            if group is not None and group.covers_batch:
+                y = decode(zxbcdt, conv, ssm, group).to(h.dtype)
+            else:
+                y = torch.empty(h.shape[0], s.intermediate, dtype=h.dtype, device=h.device)
+                _, xbc, dt = zxbcdt.split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)
+                in_place = self.fast.scan is not None and xbc.dtype == conv.dtype == ssm.dtype == torch.float32
+                prefill = self._prefill_fused if in_place else self._prefill
+                for wave in _waves(batch.prefills):
+                    prefill(xbc, dt, conv, ssm, wave, y)
+                if group is not None:
+                    rows = group.token_index
+                    y[rows] = decode(zxbcdt[rows], conv, ssm, group).to(y.dtype)
+            y = self.norm(y, gate)
         if group is not None and group.snapshot_rows is not None:
             src = group.state_slots[group.snapshot_rows]
             conv[group.snapshot_slots] = conv[src]
             ssm[group.snapshot_slots] = ssm[src]
-        return self.out_proj(self.norm(y, gate))
+        return self.out_proj(y)
 
     def _time_step(self, dt: torch.Tensor) -> torch.Tensor:
         dt = F.softplus(dt.float() + self.constants.dt_bias)
@@ -145,32 +153,21 @@ class MambaMixer(nn.Module):
                 conv[seg.snapshot_slot] = conv[seg.state_slot]
                 ssm[seg.snapshot_slot] = ssm[seg.state_slot]
 
-    def _decode_fused(self, xbc, dt, conv, ssm, group) -> torch.Tensor:
-        """The same step as `_decode` in two fused kernels: conv and recurrence each make one pass
-        over their states, in place at the sequences' slots (contiguous or not)."""
-        s, c, k = self.shape, self.constants, self.fast.decode
-        batch = xbc.shape[0]
-        bias = c.conv_bias if c.conv_bias is not None else torch.empty(0)
-        xbc = k.conv_step(conv, group.state_slots, xbc.float().contiguous(), c.conv_weight, bias)
-        x, B, C = (t.contiguous() for t in self._split_xbc(xbc))
-        y = k.ssm_step(
-            ssm,
-            group.state_slots,
-            x.view(batch, s.n_heads, s.head_dim),
-            dt.float().contiguous(),
-            c.dt_bias,
-            c.A,
-            B.view(batch, s.n_groups, s.d_state),
-            C.view(batch, s.n_groups, s.d_state),
-            c.D,
-            s.dt_min,
-            s.dt_max,
-        )
-        return y.view(batch, s.intermediate)
-
-    def _decode(self, xbc, dt, conv, ssm, group) -> torch.Tensor:
-        """Reference decode step (pure torch)."""
+    def _decode_fused(self, zxbcdt, conv, ssm, group, norm: bool = False) -> torch.Tensor:
+        """`_decode` in one kernel reading the in_proj rows as they are: conv and recurrence make
+        one pass over their states, in place at the sequences' slots (contiguous or not); with
+        `norm`, the gated norm too (what `self.norm(y, gate)` returns, in fp32)."""
         s, c = self.shape, self.constants
+        return self.fast.decode.mamba_decode(
+            zxbcdt.float(), conv, ssm, group.state_slots,
+            c.conv_weight, c.conv_bias if c.conv_bias is not None else _EMPTY, c.dt_bias, c.A, c.D,
+            s.dt_min, s.dt_max, self.norm.weight if norm else _EMPTY, self.norm.group_size, self.norm.eps,
+        )  # fmt: skip
+
+    def _decode(self, zxbcdt, conv, ssm, group) -> torch.Tensor:
+        """Reference decode step (pure torch): y before the gated norm."""
+        s, c = self.shape, self.constants
+        _, xbc, dt = zxbcdt.split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)
         batch = xbc.shape[0]
         if group.slot_run is not None:  # views: the recurrence updates the slots in place
             run = slice(group.slot_run, group.slot_run + batch)
@@ -195,6 +192,9 @@ class MambaMixer(nn.Module):
             ssm[group.state_slots] = state
         y = y + x * c.D[:, None]
         return y.reshape(batch, s.intermediate)
+
+
+_EMPTY = torch.empty(0)  # "none" for the kernel's optional tensors (conv bias, norm weight)
 
 
 def _waves(segments: tuple[PrefillSegment, ...]) -> list[list[PrefillSegment]]:

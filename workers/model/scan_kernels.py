@@ -11,7 +11,7 @@ the Mamba output norm the decode kernels' (or torch's), the MLP activations torc
     out = ext.prefill_conv(xbc, conv_cache, starts, counts, slots, weight, bias)     # conv + silu rows
     ext.prefill_scan(out, dt_raw, dt_bias, A, D, ssm_cache, starts, counts, slots, dt_min, dt_max, y)
                                     # (both: MambaMixer._prefill_fused; states updated in place)
-    ext.gated_rms_norm(x, gate, weight, group_size, eps)   ext.silu_mul(gate_up)   ext.relu2_(up)
+    ext.gated_rms_norm(x, gate, weight, group_size, eps)
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-// Fused CPU kernels of the decode step (one token per sequence), built from source at start-up
-// (ModelRunner.set_fast_kernels) by workers/model/kernels.py through torch's extension mechanism. Each kernel has a pure-torch
+// Fused CPU kernels of the decode step (one token per sequence) and of the per-layer glue around
+// the weight matmuls, built from source at start-up (ModelRunner.set_fast_kernels) by
+// workers/model/kernels.py through torch's extension mechanism. Each kernel has a pure-torch
 // reference beside it (the eager path), and the tests hold them equal.
 //
 // All caches are updated in place at the sequences' own slots / blocks: no gather of the
@@ -10,153 +11,300 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+// Floating-point operations never trap here (no FP exceptions are enabled), and saying so lets
+// the compiler turn the selects in fast_exp into vector blends: the activation, norm and softmax
+// loops vectorise. Declared after the includes, so only this file's own functions are affected.
+#pragma GCC optimize("no-trapping-math")
+
 namespace {
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+// exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by Cephes' degree-6
+// polynomial (about 1 ulp). Unlike std::exp it has no call and no errno, so loops over it
+// vectorise (8 lanes with AVX2): the activations and the softmax run it on whole rows.
+inline float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.3f ? 88.3f : x);  // 2^n stays a normal float, never inf (selects, not branches)
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln 2 in two parts: exact n * hi
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float silu(float v) { return v / (1.0f + fast_exp(-v)); }
 
 // torch.nn.functional.softplus with beta = 1, threshold = 20.
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
+void check_fp32(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, what, " must be float32");
+}
+
+// One group of `n` channels normalised: out = weight * v / sqrt(mean(v^2) + eps), where
+// v = x * silu(gate) with a gate, else x. `out` may alias `x`.
+inline void normalise_group(const float* x, const float* gate, const float* weight, float* out, int64_t n, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = gate ? x[j] * silu(gate[j]) : x[j];
+    out[j] = v;
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = weight[j] * (out[j] * inv);
+}
+
+// Work items per parallel task so that a task is worth a thread hand-off (~16k floats).
+inline int64_t grain_for(int64_t floats_per_item) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, floats_per_item)); }
+
 }  // namespace
 
-// Causal depthwise conv of one new input per sequence, then SiLU.
-//   conv_cache [S, C, K-1]  the last K-1 inputs of each slot, oldest first; shifted in place
-//   slots [B], xbc [B, C], weight [C, K], bias [C] or empty  ->  out [B, C]
-torch::Tensor conv_step(torch::Tensor conv_cache, torch::Tensor slots, torch::Tensor xbc, torch::Tensor weight,
-                        torch::Tensor bias) {
-  TORCH_CHECK(conv_cache.is_contiguous() && conv_cache.scalar_type() == torch::kFloat32);
-  TORCH_CHECK(xbc.is_contiguous() && xbc.scalar_type() == torch::kFloat32);
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kFloat32);
-  const int64_t batch = xbc.size(0), channels = xbc.size(1), width = weight.size(1), kept = width - 1;
-  TORCH_CHECK(conv_cache.size(1) == channels && conv_cache.size(2) == kept);
-  auto out = torch::empty_like(xbc);
+// The Mamba2 decode step of one layer, after in_proj, in one call: conv, recurrence, D skip
+// and (with `norm_weight`) the gated group norm. Reads the in_proj output row as it is:
+//
+//   zxbcdt [B, I + conv_dim + H]   row stride free, channels contiguous
+//          | gate (I) | x (I) | B (G*N) | C (G*N) | dt (H) |
+//                     \____ xBC: the conv's input _/
+//
+//   conv_cache [S, conv_dim, K-1] (oldest first; shifted in place), ssm_cache [S, H, P, N], slots [B]
+//   conv:   xBC <- silu(bias + sum_k w[k] * window[k])  over [cache | new input]
+//   ssm:    dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max)
+//           state <- exp(dt * A) * state + (dt * x) outer B;   y = state . C + D * x
+//   norm:   out = norm_weight * rmsnorm_group(y * silu(gate))   (skipped: out = y)
+// -> out [B, I]
+torch::Tensor mamba_decode(torch::Tensor zxbcdt, torch::Tensor conv_cache, torch::Tensor ssm_cache, torch::Tensor slots,
+                           torch::Tensor conv_weight, torch::Tensor conv_bias, torch::Tensor dt_bias, torch::Tensor A,
+                           torch::Tensor D, double dt_min, double dt_max, torch::Tensor norm_weight, int64_t norm_group,
+                           double eps) {
+  for (const auto& t : {zxbcdt, conv_cache, ssm_cache, conv_weight, dt_bias, A, D}) check_fp32(t, "mamba_decode input");
+  TORCH_CHECK(conv_cache.is_contiguous() && ssm_cache.is_contiguous() && conv_weight.is_contiguous());
+  TORCH_CHECK(zxbcdt.dim() == 2 && zxbcdt.stride(1) == 1, "zxbcdt must be [B, width] with contiguous channels");
+  const int64_t batch = zxbcdt.size(0), row_stride = zxbcdt.stride(0);
+  const int64_t heads = ssm_cache.size(1), hdim = ssm_cache.size(2), dstate = ssm_cache.size(3);
+  const int64_t inter = heads * hdim, conv_dim = conv_weight.size(0), width = conv_weight.size(1), kept = width - 1;
+  const int64_t groups = (conv_dim - inter) / (2 * dstate), per_group = heads / groups;
+  TORCH_CHECK(zxbcdt.size(1) == inter + conv_dim + heads, "zxbcdt width does not match the caches");
+  TORCH_CHECK(conv_cache.size(1) == conv_dim && conv_cache.size(2) == kept && slots.size(0) == batch);
+  const bool norm = norm_weight.numel() > 0;
+  TORCH_CHECK(!norm || (norm_weight.numel() == inter && inter % norm_group == 0));
+
   auto slot = slots.contiguous().to(torch::kLong);
+  auto xconv = torch::empty({batch, conv_dim}, zxbcdt.options());
+  auto out = torch::empty({batch, inter}, zxbcdt.options());
+  auto bias = conv_bias.numel() ? conv_bias.contiguous() : conv_bias;
+  auto wnorm = norm ? norm_weight.contiguous() : norm_weight;
   const int64_t* slot_p = slot.data_ptr<int64_t>();
-  float* cache_p = conv_cache.data_ptr<float>();
-  const float* x_p = xbc.data_ptr<float>();
-  const float* w_p = weight.data_ptr<float>();
-  const float* b_p = bias.numel() ? bias.contiguous().data_ptr<float>() : nullptr;
+  const float* in_p = zxbcdt.data_ptr<float>();
+  float* conv_p = conv_cache.data_ptr<float>();
+  float* ssm_p = ssm_cache.data_ptr<float>();
+  const float* w_p = conv_weight.data_ptr<float>();
+  const float* b_p = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const float *dtb_p = dt_bias.data_ptr<float>(), *a_p = A.data_ptr<float>(), *d_p = D.data_ptr<float>();
+  float* xc_p = xconv.data_ptr<float>();
   float* out_p = out.data_ptr<float>();
-  at::parallel_for(0, batch * channels, 256, [&](int64_t begin, int64_t end) {
+  const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max), e = static_cast<float>(eps);
+
+  // 1. conv of every channel, its history shifted in place.
+  at::parallel_for(0, batch * conv_dim, 16384, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / channels, c = i % channels;
-      float* hist = cache_p + (slot_p[b] * channels + c) * kept;
+      const int64_t b = i / conv_dim, c = i % conv_dim;
+      float* hist = conv_p + (slot_p[b] * conv_dim + c) * kept;
       const float* w = w_p + c * width;
-      const float x = x_p[i];
+      const float x = in_p[b * row_stride + inter + c];
       float acc = b_p ? b_p[c] : 0.0f;
       for (int64_t k = 0; k < kept; ++k) acc += hist[k] * w[k];
       acc += x * w[kept];
       for (int64_t k = 0; k + 1 < kept; ++k) hist[k] = hist[k + 1];
       if (kept > 0) hist[kept - 1] = x;
-      out_p[i] = silu(acc);
+      xc_p[i] = acc;
     }
   });
-  return out;
-}
+  // silu over the whole block at once (vectorises).
+  const int64_t conv_total = batch * conv_dim;
+#pragma omp simd
+  for (int64_t i = 0; i < conv_total; ++i) xc_p[i] = silu(xc_p[i]);
 
-// One step of the Mamba2 recurrence per sequence, in place in its slot, with the D skip:
-//   dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max)
-//   state <- exp(dt * A) * state + (dt * x) outer B;   y = state . C + D * x
-//   ssm_cache [S, H, P, N], slots [B], x [B, H, P], dt_raw [B, H], B/C [B, G, N]  ->  y [B, H, P]
-torch::Tensor ssm_step(torch::Tensor ssm_cache, torch::Tensor slots, torch::Tensor x, torch::Tensor dt_raw,
-                       torch::Tensor dt_bias, torch::Tensor A, torch::Tensor Bm, torch::Tensor Cm, torch::Tensor D,
-                       double dt_min, double dt_max) {
-  for (const auto& t : {ssm_cache, x, dt_raw, dt_bias, A, Bm, Cm, D}) {
-    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat32, "ssm_step wants contiguous fp32");
-  }
-  const int64_t batch = x.size(0), heads = x.size(1), hdim = x.size(2);
-  const int64_t groups = Bm.size(1), dstate = Bm.size(2), per_group = heads / groups;
-  TORCH_CHECK(ssm_cache.size(1) == heads && ssm_cache.size(2) == hdim && ssm_cache.size(3) == dstate);
-  auto y = torch::empty_like(x);
-  auto slot = slots.contiguous().to(torch::kLong);
-  const int64_t* slot_p = slot.data_ptr<int64_t>();
-  float* cache_p = ssm_cache.data_ptr<float>();
-  const float *x_p = x.data_ptr<float>(), *dt_p = dt_raw.data_ptr<float>(), *bias_p = dt_bias.data_ptr<float>();
-  const float *a_p = A.data_ptr<float>(), *b_p = Bm.data_ptr<float>(), *c_p = Cm.data_ptr<float>();
-  const float* d_p = D.data_ptr<float>();
-  float* y_p = y.data_ptr<float>();
-  const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
+  // 2. the recurrence of every (sequence, head): one read and one write of its state.
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / heads, h = i % heads, g = h / per_group;
-      const float dt = std::min(std::max(softplus(dt_p[i] + bias_p[h]), lo), hi);
+      const float* row_in = in_p + b * row_stride;
+      const float dt = std::min(std::max(softplus(row_in[inter + conv_dim + h] + dtb_p[h]), lo), hi);
       const float decay = std::exp(dt * a_p[h]);
-      const float* Bv = b_p + (b * groups + g) * dstate;
-      const float* Cv = c_p + (b * groups + g) * dstate;
-      const float* xv = x_p + i * hdim;
-      float* state = cache_p + (slot_p[b] * heads + h) * hdim * dstate;
-      float* yv = y_p + i * hdim;
+      const float* xv = xc_p + b * conv_dim + h * hdim;
+      const float* Bv = xc_p + b * conv_dim + inter + g * dstate;
+      const float* Cv = xc_p + b * conv_dim + inter + (groups + g) * dstate;
+      float* state = ssm_p + (slot_p[b] * heads + h) * hdim * dstate;
+      float* yv = out_p + b * inter + h * hdim;
       for (int64_t p = 0; p < hdim; ++p) {
-        float* row = state + p * dstate;
+        float* srow = state + p * dstate;
         const float dx = dt * xv[p];
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t n = 0; n < dstate; ++n) {
-          const float v = row[n] * decay + dx * Bv[n];
-          row[n] = v;
+          const float v = srow[n] * decay + dx * Bv[n];
+          srow[n] = v;
           acc += v * Cv[n];
         }
         yv[p] = acc + d_p[h] * xv[p];
       }
     }
   });
-  return y;
+
+  // 3. the gated group norm, in place in `out`.
+  if (norm) {
+    const float* wn_p = wnorm.data_ptr<float>();
+    const int64_t per_row = inter / norm_group;
+    at::parallel_for(0, batch * per_row, grain_for(norm_group), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / per_row, offset = (i % per_row) * norm_group;
+        float* y = out_p + b * inter + offset;
+        normalise_group(y, in_p + b * row_stride + offset, wn_p + offset, y, norm_group, e);
+      }
+    });
+  }
+  return out;
+}
+
+// One block of n keys for the J query heads that share a kv head (J = 0: per_kv at run time),
+// folded into their online softmax. Each key and value is loaded once for all J heads, and the
+// J dot products are independent chains of 8-lane partial sums (not one latency-bound chain).
+template <int J>
+void attend_block(const float* q, const float* keys, const float* values, int64_t n, int64_t dim, int64_t stride,
+                  int64_t per_kv, float scale, float* acc, float* best, float* total, float* score) {
+  constexpr int64_t L = 8;
+  const int64_t nj = J ? J : per_kv, body = dim - dim % L;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* key = keys + t * stride;
+    for (int64_t j = 0; j < nj; ++j) {
+      const float* qv = q + j * dim;
+      float part[L] = {};
+      for (int64_t e0 = 0; e0 < body; e0 += L) {
+        for (int64_t l = 0; l < L; ++l) part[l] += qv[e0 + l] * key[e0 + l];
+      }
+      float dot = 0.0f;
+      for (int64_t l = 0; l < L; ++l) dot += part[l];
+      for (int64_t e = body; e < dim; ++e) dot += qv[e] * key[e];
+      score[j * n + t] = dot * scale;
+    }
+  }
+  for (int64_t j = 0; j < nj; ++j) {
+    float* s = score + j * n;
+    float top = s[0];
+    for (int64_t t = 1; t < n; ++t) top = std::max(top, s[t]);
+    if (top > best[j]) {  // rescale what was accumulated against the new maximum
+      const float r = std::exp(best[j] - top);
+      total[j] *= r;
+      float* a = acc + j * dim;
+#pragma omp simd
+      for (int64_t e = 0; e < dim; ++e) a[e] *= r;
+      best[j] = top;
+    }
+    const float m = best[j];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = fast_exp(s[t] - m);
+      sum += s[t];
+    }
+    total[j] += sum;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* value = values + t * stride;
+    for (int64_t j = 0; j < nj; ++j) {
+      const float w = score[j * n + t];
+      float* a = acc + j * dim;
+#pragma omp simd
+      for (int64_t e = 0; e < dim; ++e) a[e] += w * value[e];
+    }
+  }
 }
 
 // Attention of one query token per sequence over its paged K/V, read in place by block table.
 //   q [B, Hq, d]; k_cache/v_cache [num_blocks, block_size, Hkv, d]; block_tables [B, max_blocks];
 //   num_keys [B] (keys 0..num_keys-1 are visible)  ->  out [B, Hq, d]
-// Online softmax over the keys: one pass, nothing materialised per sequence.
+// With k_new/v_new [B, Hkv, d] and kv_slots [B] (block * block_size + offset), each sequence's
+// new key and value are first written to its slot (which the attention then reads).
+// q, k_new, v_new may be views with any row stride (channels contiguous).
+//
+// Online softmax one block of keys at a time (`attend_block`): the block's scores, its maximum,
+// one rescale of the accumulator when the maximum grows, the block's weights in one vectorised exp.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor num_keys, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32);
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+                                     torch::Tensor block_tables, torch::Tensor num_keys, double scale,
+                                     c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
+                                     c10::optional<torch::Tensor> kv_slots) {
+  check_fp32(q, "q");
+  check_fp32(k_cache, "k_cache");
+  check_fp32(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, H, d], heads packed");
   const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), per_kv = q_heads / kv_heads;
+  const bool append = k_new.has_value();
+  TORCH_CHECK(append == v_new.has_value() && append == kv_slots.has_value());
   auto tables = block_tables.contiguous().to(torch::kLong);
   auto lens = num_keys.contiguous().to(torch::kLong);
-  auto out = torch::empty_like(q);
-  const int64_t width = tables.size(1);
+  auto out = torch::empty({batch, q_heads, dim}, q.options());
+  const int64_t width = tables.size(1), q_stride = q.stride(0);
   const int64_t* table_p = tables.data_ptr<int64_t>();
   const int64_t* len_p = lens.data_ptr<int64_t>();
-  const float *q_p = q.data_ptr<float>(), *k_p = k_cache.data_ptr<float>(), *v_p = v_cache.data_ptr<float>();
+  const float* q_p = q.data_ptr<float>();
+  float *k_p = k_cache.data_ptr<float>(), *v_p = v_cache.data_ptr<float>();
   float* out_p = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t token_stride = kv_heads * dim;
+
+  torch::Tensor slot;
+  const float *kn_p = nullptr, *vn_p = nullptr;
+  const int64_t* slot_p = nullptr;
+  int64_t kn_stride = 0, vn_stride = 0;
+  if (append) {
+    for (const auto& t : {*k_new, *v_new}) {
+      check_fp32(t, "k_new/v_new");
+      TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == dim && t.size(0) == batch && t.size(1) == kv_heads);
+    }
+    slot = kv_slots->contiguous().to(torch::kLong);
+    TORCH_CHECK(slot.numel() == batch);
+    slot_p = slot.data_ptr<int64_t>();
+    kn_p = k_new->data_ptr<float>();
+    vn_p = v_new->data_ptr<float>();
+    kn_stride = k_new->stride(0);
+    vn_stride = v_new->stride(0);
+  }
+
+  auto attend = per_kv == 1 ? attend_block<1> : per_kv == 2 ? attend_block<2> : per_kv == 4 ? attend_block<4>
+               : per_kv == 8 ? attend_block<8> : attend_block<0>;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(per_kv * dim), best(per_kv), total(per_kv), score(per_kv);
+    std::vector<float> acc(per_kv * dim), best(per_kv), total(per_kv), score(per_kv * block_size);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kv_heads, kvh = i % kv_heads;
+      if (append) {  // this (sequence, kv head)'s own slice of its slot: no other task touches it
+        const int64_t offset = slot_p[b] * token_stride + kvh * dim;
+        std::memcpy(k_p + offset, kn_p + b * kn_stride + kvh * dim, dim * sizeof(float));
+        std::memcpy(v_p + offset, vn_p + b * vn_stride + kvh * dim, dim * sizeof(float));
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(best.begin(), best.end(), -std::numeric_limits<float>::infinity());
       std::fill(total.begin(), total.end(), 0.0f);
-      const float* qb = q_p + (b * q_heads + kvh * per_kv) * dim;
-      for (int64_t t = 0; t < len_p[b]; ++t) {
-        const int64_t block = table_p[b * width + t / block_size];
-        const int64_t offset = (block * block_size + t % block_size) * token_stride + kvh * dim;
-        const float* key = k_p + offset;
-        const float* value = v_p + offset;
-        for (int64_t j = 0; j < per_kv; ++j) {
-          const float* qv = qb + j * dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t e = 0; e < dim; ++e) dot += qv[e] * key[e];
-          const float s = dot * sc;
-          float* a = acc.data() + j * dim;
-          if (s > best[j]) {  // rescale what was accumulated against the new maximum
-            const float r = std::exp(best[j] - s);
-            total[j] *= r;
-            for (int64_t e = 0; e < dim; ++e) a[e] *= r;
-            best[j] = s;
-          }
-          const float w = std::exp(s - best[j]);
-          total[j] += w;
-#pragma omp simd
-          for (int64_t e = 0; e < dim; ++e) a[e] += w * value[e];
-        }
+      const float* qb = q_p + b * q_stride + kvh * per_kv * dim;
+      const int64_t keys = len_p[b];
+      for (int64_t start = 0; start < keys; start += block_size) {
+        const int64_t base = table_p[b * width + start / block_size] * block_size * token_stride + kvh * dim;
+        attend(qb, k_p + base, v_p + base, std::min(block_size, keys - start), dim, token_stride, per_kv, sc,
+               acc.data(), best.data(), total.data(), score.data());
       }
       for (int64_t j = 0; j < per_kv; ++j) {
         float* o = out_p + (b * q_heads + kvh * per_kv + j) * dim;
@@ -170,40 +318,103 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 // RMSNorm over the last dimension in one pass per row: weight * x / sqrt(mean(x^2) + eps).
 // With `gate`, Mamba2's gated norm: x * silu(gate) first, normalised over groups of `group` channels.
+// x and gate may be views with any row stride (channels contiguous).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> gate, int64_t group,
                        double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32);
-  auto xc = x.contiguous();
-  const int64_t width = xc.size(-1), rows = xc.numel() / width;
+  check_fp32(x, "x");
+  check_fp32(weight, "weight");
+  auto xc = x.stride(-1) == 1 && x.dim() == 2 ? x : x.contiguous().view({-1, x.size(-1)});
+  const int64_t width = xc.size(-1), rows = xc.size(0), x_stride = xc.stride(0);
   TORCH_CHECK(width % group == 0 && weight.numel() == width);
-  auto gc = gate.has_value() ? gate->contiguous() : torch::Tensor();
-  TORCH_CHECK(!gc.defined() || (gc.scalar_type() == torch::kFloat32 && gc.numel() == xc.numel()));
-  auto out = torch::empty_like(xc);
-  const float *x_p = xc.data_ptr<float>(), *w_p = weight.contiguous().data_ptr<float>();
+  torch::Tensor gc;
+  int64_t g_stride = 0;
+  if (gate.has_value()) {
+    check_fp32(*gate, "gate");
+    gc = gate->stride(-1) == 1 && gate->dim() == 2 ? *gate : gate->contiguous().view({-1, width});
+    TORCH_CHECK(gc.size(0) == rows && gc.size(1) == width);
+    g_stride = gc.stride(0);
+  }
+  auto out = torch::empty({rows, width}, xc.options());
+  auto w = weight.contiguous();
+  const float *x_p = xc.data_ptr<float>(), *w_p = w.data_ptr<float>();
   const float* g_p = gc.defined() ? gc.data_ptr<float>() : nullptr;
   float* o_p = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows * (width / group), 16, [&](int64_t begin, int64_t end) {
+  const int64_t per_row = width / group;
+  at::parallel_for(0, rows * per_row, grain_for(group), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t offset = i * group;
-      float* o = o_p + offset;
-      float ss = 0.0f;
-      for (int64_t j = 0; j < group; ++j) {
-        const float v = g_p ? x_p[offset + j] * silu(g_p[offset + j]) : x_p[offset + j];
-        o[j] = v;
-        ss += v * v;
+      const int64_t r = i / per_row, offset = (i % per_row) * group;
+      normalise_group(x_p + r * x_stride + offset, g_p ? g_p + r * g_stride + offset : nullptr, w_p + offset,
+                 o_p + r * width + offset, group, e);
+    }
+  });
+  return out.view(x.sizes());
+}
+
+// The residual stream and the next norm in one pass per row:
+//   h <- h + alpha * delta   (in place)      returns weight * rmsnorm(h)
+// h [N, width] contiguous, delta [N, width] (row stride free, channels contiguous).
+torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor delta, double alpha, torch::Tensor weight, double eps) {
+  check_fp32(h, "h");
+  check_fp32(delta, "delta");
+  check_fp32(weight, "weight");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && delta.dim() == 2 && delta.stride(1) == 1);
+  TORCH_CHECK(delta.size(0) == h.size(0) && delta.size(1) == h.size(1) && weight.numel() == h.size(1));
+  const int64_t rows = h.size(0), width = h.size(1), d_stride = delta.stride(0);
+  auto out = torch::empty_like(h);
+  auto w = weight.contiguous();
+  float* h_p = h.data_ptr<float>();
+  const float *d_p = delta.data_ptr<float>(), *w_p = w.data_ptr<float>();
+  float* o_p = out.data_ptr<float>();
+  const float a = static_cast<float>(alpha), e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_for(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* hr = h_p + r * width;
+      const float* dr = d_p + r * d_stride;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) hr[j] = hr[j] + a * dr[j];
+      normalise_group(hr, nullptr, w_p, o_p + r * width, width, e);
+    }
+  });
+  return out;
+}
+
+// The MLP's activation on the up projection's output x [N, width]:
+//   gated (SwiGLU):   x = [gate | up] (width 2I)  ->  silu(gate) * up   [N, I]
+//   not gated:        relu(x)^2, in place on x   ->  x                [N, width]
+torch::Tensor mlp_activation(torch::Tensor x, bool gated) {
+  check_fp32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous());
+  const int64_t rows = x.size(0), width = x.size(1), out_width = gated ? width / 2 : width;
+  TORCH_CHECK(!gated || width % 2 == 0);
+  auto out = gated ? torch::empty({rows, out_width}, x.options()) : x;
+  const float* x_p = x.data_ptr<float>();
+  float* o_p = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_for(out_width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x_p + r * width;
+      float* o = o_p + r * out_width;
+      if (gated) {
+#pragma omp simd
+        for (int64_t j = 0; j < out_width; ++j) o[j] = silu(xr[j]) * xr[out_width + j];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < out_width; ++j) {
+          const float v = xr[j] > 0.0f ? xr[j] : 0.0f;
+          o[j] = v * v;
+        }
       }
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(group) + e);
-      const float* w = w_p + offset % width;
-      for (int64_t j = 0; j < group; ++j) o[j] = w[j] * (o[j] * inv);
     }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mamba_decode", &mamba_decode, "Mamba2 decode step after in_proj: conv, recurrence, gated norm, in place by slot");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V, read in place",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("num_keys"),
+        py::arg("scale"), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("kv_slots") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm (optionally gated, grouped) in one pass per row");
-  m.def("conv_step", &conv_step, "Mamba2 decode conv step, in place by slot");
-  m.def("ssm_step", &ssm_step, "Mamba2 decode recurrence step, in place by slot");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V, read in place");
+  m.def("add_rms_norm", &add_rms_norm, "residual add in place, then RMSNorm of the sum");
+  m.def("mlp_activation", &mlp_activation, "SwiGLU or squared ReLU on the up projection's output");
 }

@@ -341,42 +341,6 @@ void prefill_scan(torch::Tensor xbc, torch::Tensor dt_raw, torch::Tensor dt_bias
   });
 }
 
-// The SwiGLU activation of an MLP: gate_up [N, 2I] (gate | up per row, the one matmul's output)
-//   -> silu(gate) * up [N, I] in one pass, no intermediate tensors.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
-  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = torch::empty({rows, inner}, gate_up.options().memory_format(torch::MemoryFormat::Contiguous));
-  const float* in_p = gate_up.data_ptr<float>();
-  float* out_p = out.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(inner, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_row(in_p + r * stride, in_p + r * stride + inner, out_p + r * inner, inner);
-  });
-  return out;
-}
-
-// The squared-ReLU activation of Nemotron-H's MLP, in place on the up matmul's output (one pass
-// instead of relu_ and square_): x [N, I] contiguous fp32 -> x = relu(x)^2, returned.
-torch::Tensor relu2_(torch::Tensor x) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, "relu2_ wants contiguous fp32");
-  float* p = x.data_ptr<float>();
-  at::parallel_for(0, x.numel(), 16384, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-#if defined(__AVX2__) && defined(__FMA__)
-    for (; i + 8 <= end; i += 8) {  // max(0, v): a NaN passes through, as in torch's relu
-      const __m256 v = _mm256_max_ps(_mm256_setzero_ps(), _mm256_loadu_ps(p + i));
-      _mm256_storeu_ps(p + i, _mm256_mul_ps(v, v));
-    }
-#endif
-    for (; i < end; ++i) {
-      const float v = p[i] > 0.0f ? p[i] : 0.0f;
-      p[i] = v * v;
-    }
-  });
-  return x;
-}
-
 // Mamba2's output norm (GatedGroupRMSNorm): RMSNorm over groups of channels of x * silu(gate),
 // times weight. x [N, D], gate [N, D] (rows may be strided: a column slice of the in_proj
 // output, read in place), weight [D] -> out [N, D]; one pass per row, silu eight lanes wide.
@@ -413,7 +377,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("recurrent_scan", &recurrent_scan, "Mamba2 prefill scan as the recurrence, state kept in cache");
   m.def("prefill_conv", &prefill_conv, "causal depthwise conv + SiLU of prefill segments, conv states in place");
   m.def("prefill_scan", &prefill_scan, "Mamba2 scan of prefill segments on flat rows, SSM states in place");
-  m.def("silu_mul", &silu_mul, "SwiGLU activation: silu(gate) * up of [gate | up] rows");
-  m.def("relu2_", &relu2_, "squared ReLU in place");
   m.def("gated_rms_norm", &gated_rms_norm, "Mamba2 output norm: grouped RMSNorm of x * silu(gate), times weight");
 }
