@@ -61,7 +61,7 @@ class ModelRunner:
 
     def _plan_linears(self) -> LinearPlan:
         if self.weight_quantization is WeightQuantization.INT8:
-            return int8_plan(self.model.blocks)
+            return int8_plan(self.model.blocks, tune_linears(self.model.blocks))
         return tune_linears(self.model.blocks)
 
     def apply_copies(self, copies: PendingCopies) -> None:

@@ -26,7 +26,7 @@ from tests.families import ARCHS
 from workers.checkpoint import Arch
 from workers.config import EngineConfig, WeightQuantization
 from workers.model.linear_backends import LinearBackend, pack_for, quantize_int8, run_packed
-from workers.model.linear_tuning import LinearPlan, int8_plan
+from workers.model.linear_tuning import LinearKey, LinearPlan, int8_plan
 from workers.sampling import SamplingParams
 
 INT8 = LinearBackend.PANELS_INT8
@@ -72,7 +72,7 @@ def test_int8_model_equals_the_reference_on_dequantized_weights(tiny, arch):
     model = tiny[arch].ours
     ids = prompt_of(30, seed=3)
     split = [20] + [1] * 10
-    plan = int8_plan(model.blocks)
+    plan = int8_plan(model.blocks, max_rows=None)
     assert {c for per_bucket in plan.choices.values() for c in per_bucket} == {INT8}
     int8 = our_logits(model, ids, split, linear_plan=plan)
     twin = copy.deepcopy(model)
@@ -93,7 +93,9 @@ def test_an_int8_engine_keeps_fp32_where_it_promises(tiny):
     fp32, int8 = new_engine(path), new_engine(path, weight_quantization=WeightQuantization.INT8)
     assert int8.identity != fp32.identity and "int8" in int8.identity.dtype
     blocks = [m for m in int8.model.blocks.modules() if isinstance(m, nn.Linear)]
-    assert blocks and all(m.backend_for(r) is INT8 for m in blocks for r in (1, 8, 300))
+    assert blocks and all(m.backend_for(r) is INT8 for m in blocks for r in (1, 8, 64))
+    # Beyond INT8_MAX_ROWS (prompt chunks) the fp32 weights, on the backend tuned for them.
+    assert all(m.backend_for(300) is int8.runner.linear_plan.choices[LinearKey.of(m)][-1] is not INT8 for m in blocks)
     assert type(int8.model.lm_head) is nn.Linear  # the LM head stays fp32
     prompts = {f"r{i}": prompt_of(9 + 7 * i, seed=i) for i in range(4)}
     # Deterministic requests are verified by fp32 tiles on the weights as loaded: the int8

@@ -128,15 +128,35 @@ class LinearPlan:
         return lines
 
 
-def int8_plan(model: nn.Module, tuning: LinearTuning | None = None) -> LinearPlan:
-    """Every fp32 linear of `model` on int8 panels, at every row count (one numerical model for
-    prefill and decode). Raises at start-up when the panel kernel cannot be built here."""
+INT8_MAX_ROWS = 64  # the int8 mode's int8 weights serve batches up to this many rows
+
+
+def int8_plan(
+    model: nn.Module, fp32: LinearPlan | None = None, max_rows: int | None = INT8_MAX_ROWS
+) -> LinearPlan:
+    """The int8 mode's plan: every fp32 linear of `model` on int8 panels for batches of up to
+    `max_rows` rows, and beyond on `fp32`'s choice (F.linear without one); `max_rows=None`: int8
+    at every row count (what `bench.int8_accuracy` measures).
+
+    Why not int8 everywhere: int8 weights pay where a matmul streams its weight (decode, up to
+    a few dozen rows: 2.4x faster at one row here); a prefill chunk of hundreds of rows is
+    compute-bound, where int8 only adds widening work and sgemm/oneDNN are faster (measured
+    0.75x of fp32 at 1,024 rows). Prompts are thus processed on the fp32 weights, generated
+    tokens on int8. Raises at start-up when the panel kernel cannot be built here."""
     if linear_backends.panel_kernels() is None:
         raise RuntimeError(f"weight_quantization=int8 needs the panel kernel, which did not build: {panel_build_failure()}")
-    tuning = tuning or LinearTuning()
-    plan = LinearPlan.fixed(model, LinearBackend.PANELS_INT8, tuning)
+    tuning = fp32.tuning if fp32 is not None else LinearTuning()
     torch_only = (LinearBackend.TORCH,) * len(tuning.buckets)
-    choices = {key: c if key.dtype == torch.float32 else torch_only for key, c in plan.choices.items()}
+    choices = {}
+    for key in LinearPlan.fixed(model, LinearBackend.TORCH, tuning).choices:
+        beyond = fp32.choices.get(key, torch_only) if fp32 is not None else torch_only
+        if key.dtype != torch.float32:
+            choices[key] = torch_only
+            continue
+        choices[key] = tuple(
+            LinearBackend.PANELS_INT8 if max_rows is None or bucket <= max_rows else beyond[i]
+            for i, bucket in enumerate(tuning.buckets)
+        )
     return LinearPlan(tuning, choices)
 
 
