@@ -23,8 +23,10 @@ from workers.checkpoint import NEVER_SAMPLE_TOKEN_IDS, Arch, Preset, build_rando
 from workers.checkpoint.metadata import ServingMetadata
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig, WeightQuantization
 from workers.engine import LLMEngine
+from workers.model.config import MambaShape
 from workers.model.hybrid_lm import HybridLM
 from workers.model.linear_tuning import LinearPlan
+from workers.model.mamba_mixer import MambaMixer
 from workers.request import Request
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
@@ -277,3 +279,19 @@ def prompt_of(length: int, seed: int, vocab: int = 104, low: int = 6) -> list[in
     """A deterministic prompt of ordinary (never banned) token ids."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, min(vocab, 103), (length,), generator=g).tolist()
+
+
+def random_mamba_mixer(
+    *, groups: int, dt_max: float, seed: int, head_dim: int = 16, conv_bias: bool = True, dt_min: float = 0.001
+) -> MambaMixer:
+    """A small Mamba2 mixer (8 heads, d_state 24, hidden 32) with random parameters of scale 0.5,
+    for comparing a fast mixer path with its reference."""
+    torch.manual_seed(seed)
+    shape = MambaShape(
+        n_heads=8, head_dim=head_dim, n_groups=groups, d_state=24, d_conv=4, chunk_size=16,
+        conv_bias=conv_bias, proj_bias=False, dt_min=dt_min, dt_max=dt_max,
+    )  # fmt: skip
+    mixer = MambaMixer(32, shape, 1e-6)
+    for p in mixer.parameters():
+        p.data = torch.randn_like(p) * 0.5
+    return mixer.requires_grad_(False)

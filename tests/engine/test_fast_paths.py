@@ -19,6 +19,7 @@ from tests.engine.conftest import (
     new_engine,
     our_logits,
     prompt_of,
+    random_mamba_mixer,
     run_engine,
 )
 from tests.families import ARCHS
@@ -26,13 +27,12 @@ from workers.model import cpp_build
 from workers.model import kernels as kernel_module
 from workers.model import scan_kernels as scan_module
 from workers.model.attention import Attention
-from workers.model.config import AttentionShape, MambaShape
+from workers.model.config import AttentionShape
 from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch
 from workers.model.kernels import decode_kernels
 from workers.model.config import MlpKind
 from workers.model.layers import MLP, GatedGroupRMSNorm, RMSNorm
-from workers.model.mamba_mixer import MambaMixer
 from workers.model.ssd import chunked_scan, chunked_scan_grouped
 from workers.sampling import SamplingParams
 
@@ -41,23 +41,11 @@ FUSED = FastPath(on=True, decode=KERNELS)
 pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"kernels did not build: {kernel_module.build_failure()}")
 
 
-def _random_mixer(groups: int, dt_max: float, seed: int) -> MambaMixer:
-    torch.manual_seed(seed)
-    shape = MambaShape(
-        n_heads=8, head_dim=16, n_groups=groups, d_state=24, d_conv=4, chunk_size=16,
-        conv_bias=True, proj_bias=False, dt_min=0.001, dt_max=dt_max,
-    )  # fmt: skip
-    mixer = MambaMixer(32, shape, 1e-6)
-    for p in mixer.parameters():
-        p.data = torch.randn_like(p) * 0.5
-    return mixer.requires_grad_(False)
-
-
 @pytest.mark.parametrize("groups,dt_max", [(1, float("inf")), (4, 0.3)])
 def test_mamba_decode_kernels_equal_reference(groups, dt_max):
     """One kernel from the in_proj rows (read with a row stride, as a view) to y, and to the
     gated norm of y: equal to the reference's y and `mixer.norm(y, gate)`."""
-    mixer = _random_mixer(groups, dt_max, seed=groups)
+    mixer = random_mamba_mixer(groups=groups, dt_max=dt_max, seed=groups)
     s = mixer.shape
     slots = torch.tensor([7, 2, 5])  # out of order, not a run
     conv = torch.randn(9, s.conv_dim, s.d_conv - 1)
@@ -200,10 +188,10 @@ def test_reference_path_when_kernels_cannot_build(monkeypatch):
     monkeypatch.setattr(cpp_build.shutil, "which", lambda name: None)
     monkeypatch.setattr(cpp_build, "_put_pip_ninja_on_path", lambda: None)
     monkeypatch.setattr(cpp_build, "_failures", {})
-    assert kernel_module.decode_kernels.__wrapped__() is None
+    assert kernel_module.decode_kernels.build() is None
     assert "ninja" in kernel_module.build_failure()
     assert scan_module.build_failure() is None  # each source fails on its own
-    assert scan_module.scan_kernels.__wrapped__() is None
+    assert scan_module.scan_kernels.build() is None
     assert "ninja" in scan_module.build_failure()
 
 

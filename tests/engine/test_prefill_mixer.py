@@ -15,31 +15,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine.conftest import random_mamba_mixer
 from workers.model import scan_kernels as scan_module
-from workers.model.config import MambaShape, MlpKind
+from workers.model.config import MlpKind
 from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import PrefillSegment
 from workers.model.kernels import decode_kernels
 from workers.model.layers import MLP, GatedGroupRMSNorm
-from workers.model.mamba_mixer import MambaMixer
 from workers.model.scan_kernels import scan_kernels
 
 KERNEL = scan_kernels()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"scan kernel did not build: {scan_module.build_failure()}")
 
 NO_TABLE = torch.zeros(1, dtype=torch.long)  # the mixer never reads block tables
-
-
-def _mixer(head_dim: int, groups: int, conv_bias: bool, dt_max: float, seed: int) -> MambaMixer:
-    torch.manual_seed(seed)
-    shape = MambaShape(
-        n_heads=8, head_dim=head_dim, n_groups=groups, d_state=24, d_conv=4, chunk_size=16,
-        conv_bias=conv_bias, proj_bias=False, dt_min=0.01, dt_max=dt_max,
-    )  # fmt: skip
-    mixer = MambaMixer(32, shape, 1e-6)
-    for p in mixer.parameters():
-        p.data = torch.randn_like(p) * 0.5
-    return mixer.requires_grad_(False)
 
 
 def _run(mixer, fast, in_proj_rows, conv, ssm, segs, num_rows):
@@ -57,7 +45,9 @@ def _run(mixer, fast, in_proj_rows, conv, ssm, segs, num_rows):
     [(16, 2, True, float("inf")), (6, 1, False, 0.3), (12, 4, True, 2.0), (64, 8, False, float("inf"))],
 )
 def test_fused_prefill_equals_reference(head_dim, groups, conv_bias, dt_max):
-    mixer = _mixer(head_dim, groups, conv_bias, dt_max, seed=head_dim + groups)
+    mixer = random_mamba_mixer(
+        groups=groups, dt_max=dt_max, seed=head_dim + groups, head_dim=head_dim, conv_bias=conv_bias, dt_min=0.01
+    )
     s = mixer.shape
     # rows: 3 unused | seg A 40 | 2 unused | seg B 1 | seg C 2 | seg D 17 | 4 unused
     segs = [
@@ -99,7 +89,7 @@ def test_fused_conv_silu_matches_torch_at_extremes():
 
 
 def test_fused_prefill_rejects_shared_slots_and_bad_rows():
-    mixer = _mixer(16, 2, True, float("inf"), seed=1)
+    mixer = random_mamba_mixer(groups=2, dt_max=float("inf"), seed=1, dt_min=0.01)
     s, c = mixer.shape, mixer.constants
     xbc, conv = torch.randn(10, s.conv_dim), torch.zeros(4, s.conv_dim, s.d_conv - 1)
     starts, counts = torch.tensor([0, 5]), torch.tensor([5, 5])

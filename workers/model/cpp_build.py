@@ -73,6 +73,34 @@ def build_cpu_extension(name: str, source: Path, fallback: str) -> ModuleType | 
     return None
 
 
+class CpuExtension:
+    """One kernel source as a lazily built module: calling it builds (or finds built) the module
+    once per process and returns it, or None when it cannot be built here; `failure()` says why.
+
+        decode_kernels = CpuExtension("hybridserve_decode_kernels", source, "the pure-torch decode path")
+        module = decode_kernels()        # None: run the fallback named above
+    """
+
+    def __init__(self, name: str, source: Path, fallback: str):
+        self.name, self.source, self.fallback = name, source, fallback
+        self._built = False
+        self._module: ModuleType | None = None
+
+    def __call__(self) -> ModuleType | None:
+        if not self._built:
+            self._module = self.build()
+            self._built = True
+        return self._module
+
+    def build(self) -> ModuleType | None:
+        """Build (or find built) now, whatever an earlier call found; not remembered."""
+        return build_cpu_extension(self.name, self.source, self.fallback)
+
+    def failure(self) -> str | None:
+        """Why the build returned None, if it did."""
+        return build_failure(self.name)
+
+
 def build_failure(name: str) -> str | None:
     """Why the last `build_cpu_extension(name, ...)` returned None, if it did."""
     return _failures.get(name)

@@ -18,9 +18,7 @@ always there and which the tests compare against.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from types import ModuleType
 
 from workers.model import cpp_build
 
@@ -28,12 +26,6 @@ NAME = "hybridserve_decode_kernels"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_kernels.cpp"
 
 
-@functools.cache
-def decode_kernels() -> ModuleType | None:
-    """The compiled kernels, or None when they cannot be built here (logged once)."""
-    return cpp_build.build_cpu_extension(NAME, SOURCE, "the pure-torch decode path")
-
-
-def build_failure() -> str | None:
-    """Why `decode_kernels()` returned None, if it did."""
-    return cpp_build.build_failure(NAME)
+# Calling it builds the module once per process (or finds it built): the module, or None.
+decode_kernels = cpp_build.CpuExtension(NAME, SOURCE, "the pure-torch decode path")
+build_failure = decode_kernels.failure  # why decode_kernels() returned None, if it did

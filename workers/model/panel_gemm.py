@@ -12,9 +12,7 @@ the tuning chooses among the other two.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from types import ModuleType
 
 from workers.model import cpp_build
 
@@ -22,12 +20,6 @@ NAME = "hybridserve_panel_gemm"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "panel_gemm.cpp"
 
 
-@functools.cache
-def panel_kernels() -> ModuleType | None:
-    """The compiled kernel, or None when it cannot be built here (logged once)."""
-    return cpp_build.build_cpu_extension(NAME, SOURCE, "F.linear and oneDNN only")
-
-
-def build_failure() -> str | None:
-    """Why `panel_kernels()` returned None, if it did."""
-    return cpp_build.build_failure(NAME)
+# Calling it builds the module once per process (or finds it built): the module, or None.
+panel_kernels = cpp_build.CpuExtension(NAME, SOURCE, "F.linear and oneDNN only")
+build_failure = panel_kernels.failure  # why panel_kernels() returned None, if it did

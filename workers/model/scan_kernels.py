@@ -16,9 +16,7 @@ the Mamba output norm the decode kernels' (or torch's), the MLP activations torc
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from types import ModuleType
 
 from workers.model import cpp_build
 
@@ -26,12 +24,6 @@ NAME = "hybridserve_ssd_scan"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "ssd_scan.cpp"
 
 
-@functools.cache
-def scan_kernels() -> ModuleType | None:
-    """The compiled kernel, or None when it cannot be built here (logged once)."""
-    return cpp_build.build_cpu_extension(NAME, SOURCE, "the pure-torch grouped SSD scan")
-
-
-def build_failure() -> str | None:
-    """Why `scan_kernels()` returned None, if it did."""
-    return cpp_build.build_failure(NAME)
+# Calling it builds the module once per process (or finds it built): the module, or None.
+scan_kernels = cpp_build.CpuExtension(NAME, SOURCE, "the pure-torch grouped SSD scan")
+build_failure = scan_kernels.failure  # why scan_kernels() returned None, if it did
