@@ -55,7 +55,8 @@ constexpr int64_t kRowBlock = 48;  // rows per block (8 groups of 6): 48 x K fp3
 // Up to kBlockedRows rows, a panel is taken kStepBlock k-steps (32 x 16 fp32 = 2 KB) at a time
 // by every row group in turn (panel_all_rows). Measured (one thread, 238 MiB pass): 8 rows
 // 10-20% faster than whole-panel passes, 4-16 rows no slower; at 24-48 rows whole-panel passes
-// were 5-15% faster (the groups' compute dominates and the blocks' per-call work shows).
+// were 5-15% faster (the groups' compute dominates and the blocks' per-call work shows); there
+// the later groups fetch the next panel instead (24-48 rows: 5-11% faster per thread).
 constexpr int64_t kBlockedRows = 16;
 constexpr int64_t kStepBlock = 32;  // k-steps per panel block: 64 x 16 fp32 = 4 KB, in L1 with the rows' x
 
@@ -92,20 +93,43 @@ inline void load_step(const int8_t* p, vec8& lo, vec8& hi) {
 #endif
 }
 
+// Lines a row group fetches into the caches while it runs: the line at ahead + k * kPanel for
+// the steps k = phase, phase + every, ... (every: a multiple of the steps per line), while below
+// `limit`, the end of the thread's run. Into L1 for what the group itself reads next, into L2
+// for a later panel (it would push the current one out of L1).
+template <typename T>
+struct Prefetch {
+  const T* ahead = nullptr;  // null: none
+  const T* limit = nullptr;
+  int64_t every = 1;
+  int64_t phase = 0;
+  bool to_l2 = false;
+};
+
 // Rows [0, R) of x times k-steps [k0, k1) of one panel, accumulating into acc (two vec8 per
-// row, kept between blocks in an L1-resident tile). `ahead`: where to fetch into the caches
-// meanwhile, one line per kLine bytes of panel read, while below `limit` (null: none).
+// row, kept between blocks in an L1-resident tile), fetching what `pf` says meanwhile.
 template <int R, typename T>
-void panel_rows(const float* x, int64_t x_stride, const T* panel, int64_t k0, int64_t k1, vec8* acc, const T* ahead,
-                const T* limit) {
-  constexpr int64_t steps_per_line = kLine / (kPanel * sizeof(T));
+void panel_rows(const float* x, int64_t x_stride, const T* panel, int64_t k0, int64_t k1, vec8* acc,
+                const Prefetch<T>& pf) {
   vec8 lo[R], hi[R];
   for (int r = 0; r < R; ++r) {
     lo[r] = acc[2 * r];
     hi[r] = acc[2 * r + 1];
   }
+  // The first step at or after k0 that fetches (a counter, not a division per step).
+  int64_t fetch_at = pf.ahead ? k0 + ((pf.phase - k0) % pf.every + pf.every) % pf.every : k1;
   for (int64_t k = k0; k < k1; ++k) {
-    if (ahead && k % steps_per_line == 0 && ahead + k * kPanel < limit) __builtin_prefetch(ahead + k * kPanel, 0, 3);
+    if (k == fetch_at) {
+      const T* line = pf.ahead + k * kPanel;
+      if (line < pf.limit) {
+        if (pf.to_l2) {
+          __builtin_prefetch(line, 0, 2);
+        } else {
+          __builtin_prefetch(line, 0, 3);
+        }
+      }
+      fetch_at += pf.every;
+    }
     vec8 w0, w1;
     load_step(panel + k * kPanel, w0, w1);
     for (int r = 0; r < R; ++r) {
@@ -121,7 +145,7 @@ void panel_rows(const float* x, int64_t x_stride, const T* panel, int64_t k0, in
 }
 
 template <typename T>
-using PanelRowsFn = void (*)(const float*, int64_t, const T*, int64_t, int64_t, vec8*, const T*, const T*);
+using PanelRowsFn = void (*)(const float*, int64_t, const T*, int64_t, int64_t, vec8*, const Prefetch<T>&);
 
 template <typename T>
 constexpr PanelRowsFn<T> kPanelRows[kRowGroup + 1] = {nullptr,          panel_rows<1, T>, panel_rows<2, T>,
@@ -134,22 +158,34 @@ constexpr PanelRowsFn<T> kPanelRows[kRowGroup + 1] = {nullptr,          panel_ro
 // time and every group passes over that block while it is in L1, so the read from memory is
 // spread over the whole panel's work instead of bunched into the first group's pass (the
 // others then computing from L2 with the memory idle); the accumulators wait between blocks
-// in `acc`, exactly as they were, so no bit changes. Groups are as even as
-// possible (8 = 4 + 4, not 6 + 2: a small group has too few independent accumulator chains to
-// hide the FMA latency). Each output still sums its k in ascending order, block after block.
+// in `acc`, exactly as they were, so no bit changes. Beyond kBlockedRows each group passes
+// over the whole panel, and the later groups, computing from the caches, share out the fetch
+// of the next panel into L2 line by line, so the memory works while they compute and the next
+// first group finds its panel near. Groups are as even as possible (8 = 4 + 4, not 6 + 2: a
+// small group has too few independent accumulator chains to hide the FMA latency). Each
+// output sums its k in ascending order, whatever the blocking.
 template <typename T>
 void panel_all_rows(const float* x, int64_t M, int64_t K, const T* panel, const float* scale, const float* bias,
                     float* out, int64_t N, int64_t width, const T* limit) {
+  constexpr int64_t steps_per_line = kLine / (kPanel * sizeof(T));
   const int64_t groups = (M + kRowGroup - 1) / kRowGroup;
-  const T* ahead = limit ? panel + kPrefetchAhead / static_cast<int64_t>(sizeof(T)) : nullptr;
+  const bool blocked = M <= kBlockedRows;
+  Prefetch<T> first;
+  if (limit) first = {panel + kPrefetchAhead / static_cast<int64_t>(sizeof(T)), limit, steps_per_line, 0, false};
   vec8 acc[2 * kRowBlock];
   for (int64_t i = 0; i < 2 * M; ++i) acc[i] = vec8{};
-  const int64_t step_block = M <= kBlockedRows ? kStepBlock : K;
+  const int64_t step_block = blocked ? kStepBlock : K;
   for (int64_t k0 = 0; k0 < K; k0 += step_block) {
     const int64_t k1 = std::min(K, k0 + step_block);
     for (int64_t g = 0, r = 0; g < groups; ++g) {
       const int64_t rows = (M - r) / (groups - g);
-      kPanelRows<T>[rows](x + r * K, K, panel, k0, k1, acc + 2 * r, g == 0 ? ahead : nullptr, limit);
+      Prefetch<T> pf;
+      if (g == 0) {
+        pf = first;
+      } else if (!blocked && limit) {
+        pf = {panel + K * kPanel, limit, steps_per_line * (groups - 1), steps_per_line * (g - 1), true};
+      }
+      kPanelRows<T>[rows](x + r * K, K, panel, k0, k1, acc + 2 * r, pf);
       r += rows;
     }
   }
