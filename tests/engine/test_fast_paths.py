@@ -88,6 +88,31 @@ def test_paged_decode_attention_equals_reference(n_heads, n_kv_heads):
     torch.testing.assert_close(attn._decode_paged(q, kv_cache, batch), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(8, 2, 64), (8, 1, 20), (6, 2, 12), (8, 2, 24)])
+@pytest.mark.parametrize("batch_size", [1, 6])
+def test_paged_decode_attention_over_many_key_chunks_equals_reference(n_heads, n_kv_heads, head_dim, batch_size):
+    """Histories of several 64-key chunks (the online softmax rescales between them, the
+    largest scores late in some rows), head sizes with and without a part vector at the end,
+    one sequence (a task per kv head) and six (a task per sequence, all its kv heads)."""
+    torch.manual_seed(n_heads + head_dim + batch_size)
+    block_size = 16
+    shape = AttentionShape(n_heads, n_kv_heads, head_dim, 0, 0.0, head_dim**-0.5, False)
+    attn = Attention(32, shape)
+    kv_cache = torch.randn(2, 90, block_size, n_kv_heads, head_dim)
+    kv_cache[0, 40:50] *= 4  # late blocks with large keys: the running maximum grows chunk after chunk
+    context_lens = torch.tensor([200, 63, 64, 65, 129, 0][:batch_size])
+    width = 13
+    tables = torch.stack([torch.randperm(89)[:width] + 1 for _ in context_lens])
+    group = DecodeGroup(torch.arange(batch_size), context_lens, tables, torch.arange(batch_size))
+    batch = ForwardBatch(
+        torch.zeros(batch_size, dtype=torch.long), context_lens, torch.zeros(batch_size, dtype=torch.long), (), group
+    )
+    q = torch.randn(batch_size, n_heads, head_dim) * 2
+    ref = attn._decode(q, kv_cache, batch)
+    attn.fast = FUSED
+    torch.testing.assert_close(attn._decode_paged(q, kv_cache, batch), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(8, 2), (4, 1)])
 def test_paged_decode_attention_writes_this_steps_kv(n_heads, n_kv_heads):
     """The fused decode step writes each sequence's new K/V (views of the qkv rows) at its slot,

@@ -39,14 +39,16 @@ def cpu_signature() -> str:
     return f"{fields.get('model name', '?')}|{fields.get('flags', '')}"
 
 
-def build_dir(name: str, source: Path) -> Path:
-    key = hashlib.sha256(f"{cpu_signature()}|{torch.__version__}|{source.read_bytes()!r}".encode()).hexdigest()[:16]
+def build_dir(name: str, source: Path, flags: tuple[str, ...] = ()) -> Path:
+    identity = f"{cpu_signature()}|{torch.__version__}|{' '.join(flags)}|{source.read_bytes()!r}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "hybridserve" / "kernels" / f"{name}-{key}"
 
 
-def build_cpu_extension(name: str, source: Path, fallback: str) -> ModuleType | None:
+def build_cpu_extension(name: str, source: Path, fallback: str, flags: tuple[str, ...] = ()) -> ModuleType | None:
     """The compiled module, or None when it cannot be built here: the reason is logged (with
-    `fallback`, what runs instead) and kept for `build_failure(name)`."""
+    `fallback`, what runs instead) and kept for `build_failure(name)`. `flags`: compiler flags
+    of this module beyond the common ones (part of the build cache's key)."""
     _put_pip_ninja_on_path()
     if shutil.which("ninja") is None or shutil.which("c++") is None:
         failure = "no ninja or c++ on PATH"
@@ -54,13 +56,13 @@ def build_cpu_extension(name: str, source: Path, fallback: str) -> ModuleType | 
         try:
             from torch.utils.cpp_extension import load
 
-            out = build_dir(name, source)
+            out = build_dir(name, source, flags)
             out.mkdir(parents=True, exist_ok=True)
             module = load(
                 name=name,
                 sources=[str(source)],
                 build_directory=str(out),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
@@ -81,8 +83,8 @@ class CpuExtension:
         module = decode_kernels()        # None: run the fallback named above
     """
 
-    def __init__(self, name: str, source: Path, fallback: str):
-        self.name, self.source, self.fallback = name, source, fallback
+    def __init__(self, name: str, source: Path, fallback: str, flags: tuple[str, ...] = ()):
+        self.name, self.source, self.fallback, self.flags = name, source, fallback, flags
         self._built = False
         self._module: ModuleType | None = None
 
@@ -94,7 +96,7 @@ class CpuExtension:
 
     def build(self) -> ModuleType | None:
         """Build (or find built) now, whatever an earlier call found; not remembered."""
-        return build_cpu_extension(self.name, self.source, self.fallback)
+        return build_cpu_extension(self.name, self.source, self.fallback, self.flags)
 
     def failure(self) -> str | None:
         """Why the build returned None, if it did."""

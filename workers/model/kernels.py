@@ -27,5 +27,9 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_kernels.cpp"
 
 
 # Calling it builds the module once per process (or finds it built): the module, or None.
-decode_kernels = cpp_build.CpuExtension(NAME, SOURCE, "the pure-torch decode path")
+# Floating-point operations never trap here (no FP exceptions are enabled); saying so lets the
+# compiler turn the selects in fast_exp into vector blends, so the activation, norm and softmax
+# loops vectorise. A flag, not `#pragma GCC optimize`: functions under the pragma do not inline
+# the standard library's (std::max, std::min ... became calls in the inner loops).
+decode_kernels = cpp_build.CpuExtension(NAME, SOURCE, "the pure-torch decode path", flags=("-fno-trapping-math",))
 build_failure = decode_kernels.failure  # why decode_kernels() returned None, if it did
