@@ -88,21 +88,30 @@ def test_paged_decode_attention_equals_reference(n_heads, n_kv_heads):
     torch.testing.assert_close(attn._decode_paged(q, kv_cache, batch), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(8, 2, 64), (8, 1, 20), (6, 2, 12), (8, 2, 24)])
-@pytest.mark.parametrize("batch_size", [1, 6])
-def test_paged_decode_attention_over_many_key_chunks_equals_reference(n_heads, n_kv_heads, head_dim, batch_size):
-    """Histories of several 64-key chunks (the online softmax rescales between them, the
-    largest scores late in some rows), head sizes with and without a part vector at the end,
-    one sequence (a task per kv head) and six (a task per sequence, all its kv heads)."""
-    torch.manual_seed(n_heads + head_dim + batch_size)
-    block_size = 16
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim",
+    [(8, 2, 64), (8, 1, 20), (6, 2, 12), (8, 2, 24), (8, 4, 16), (6, 1, 16), (8, 1, 16), (4, 2, 4)],
+)
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("batch_size,threads", [(1, 2), (5, 2), (6, 2), (6, 1)])
+def test_paged_decode_attention_over_many_key_chunks_equals_reference(
+    n_heads, n_kv_heads, head_dim, block_size, batch_size, threads
+):
+    """Histories of several 64-key chunks, chunks starting inside blocks (block size 5), the
+    running maximum growing in a late chunk (sequence 0) or set in the first (sequence 1);
+    query heads per kv head 1-8 with and without a remainder after groups of four, head sizes
+    with and without a part vector; a task per kv head (1 or 5 sequences on 2 threads) and per
+    sequence (6 on 2 threads, 6 on 1)."""
+    torch.manual_seed(n_heads + head_dim + batch_size + block_size)
     shape = AttentionShape(n_heads, n_kv_heads, head_dim, 0, 0.0, head_dim**-0.5, False)
     attn = Attention(32, shape)
     kv_cache = torch.randn(2, 90, block_size, n_kv_heads, head_dim)
-    kv_cache[0, 40:50] *= 4  # late blocks with large keys: the running maximum grows chunk after chunk
-    context_lens = torch.tensor([200, 63, 64, 65, 129, 0][:batch_size])
-    width = 13
+    context_lens = torch.tensor([200, 140, 63, 64, 65, 0][:batch_size])  # keys: context_len + 1
+    width = -(-201 // block_size)
     tables = torch.stack([torch.randperm(89)[:width] + 1 for _ in context_lens])
+    kv_cache[0, tables[0, 150 // block_size :]] *= 4  # sequence 0's largest scores come late
+    if batch_size > 1:
+        kv_cache[0, tables[1, 0]] *= 6  # sequence 1's come first and are never beaten
     group = DecodeGroup(torch.arange(batch_size), context_lens, tables, torch.arange(batch_size))
     batch = ForwardBatch(
         torch.zeros(batch_size, dtype=torch.long), context_lens, torch.zeros(batch_size, dtype=torch.long), (), group
@@ -110,26 +119,50 @@ def test_paged_decode_attention_over_many_key_chunks_equals_reference(n_heads, n
     q = torch.randn(batch_size, n_heads, head_dim) * 2
     ref = attn._decode(q, kv_cache, batch)
     attn.fast = FUSED
-    torch.testing.assert_close(attn._decode_paged(q, kv_cache, batch), ref, rtol=1e-5, atol=1e-5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = attn._decode_paged(q, kv_cache, batch)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_rejects_what_would_read_outside_the_cache():
+    """A history longer than its block table, a block the cache does not have, or query heads
+    not a multiple of the kv heads: an error naming it, never a read past the cache."""
+    k_cache, v_cache = torch.randn(2, 6, 4, 2, 8).unbind(0)
+    q, tables = torch.randn(1, 4, 8), torch.tensor([[1, 2]])
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        KERNELS.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="names block 6 of 6"):
+        KERNELS.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[1, 6]]), torch.tensor([5]), 1.0)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        KERNELS.paged_decode_attention(torch.randn(1, 3, 8), k_cache, v_cache, tables, torch.tensor([5]), 1.0)
+    out = KERNELS.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([8]), 1.0)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(8, 2), (4, 1)])
-def test_paged_decode_attention_writes_this_steps_kv(n_heads, n_kv_heads):
+@pytest.mark.parametrize("batch_size", [1, 4])  # one thread: a task per kv head, then per sequence
+def test_paged_decode_attention_writes_this_steps_kv(n_heads, n_kv_heads, batch_size):
     """The fused decode step writes each sequence's new K/V (views of the qkv rows) at its slot,
     then attends over it: same cache bytes and outputs as the reference's write-then-attend."""
     torch.manual_seed(n_heads)
-    head_dim, block_size = 16, 4
+    head_dim, block_size, width = 16, 16, 9
     shape = AttentionShape(n_heads, n_kv_heads, head_dim, 0, 0.0, head_dim**-0.5, False)
     attn = Attention(32, shape)
-    kv_cache = torch.randn(2, 20, block_size, n_kv_heads, head_dim) * 2
-    context_lens = torch.tensor([0, 3, 4, 9])
-    tables = (torch.randperm(19)[:16] + 1).view(4, 4)  # out of order; a written block is its sequence's own
-    slots = tables[torch.arange(4), context_lens // block_size] * block_size + context_lens % block_size
-    group = DecodeGroup(torch.arange(4), context_lens, tables, torch.arange(4), covers_batch=True)
-    batch = ForwardBatch(torch.zeros(4, dtype=torch.long), context_lens, slots, (), group)
-    qkv = torch.randn(4, (n_heads + 2 * n_kv_heads) * head_dim) * 3
+    kv_cache = torch.randn(2, 40, block_size, n_kv_heads, head_dim) * 2
+    context_lens = torch.tensor([130, 0, 4, 9][:batch_size])  # 130: beyond two 64-key chunks
+    # out of order; a written block is its sequence's own
+    tables = (torch.randperm(39)[: batch_size * width] + 1).view(batch_size, width)
+    rows = torch.arange(batch_size)
+    slots = tables[rows, context_lens // block_size] * block_size + context_lens % block_size
+    group = DecodeGroup(rows, context_lens, tables, rows, covers_batch=True)
+    batch = ForwardBatch(torch.zeros(batch_size, dtype=torch.long), context_lens, slots, (), group)
+    qkv = torch.randn(batch_size, (n_heads + 2 * n_kv_heads) * head_dim) * 3
     widths = [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
-    q, k, v = (t.view(4, -1, head_dim) for t in qkv.split(widths, -1))
+    q, k, v = (t.view(batch_size, -1, head_dim) for t in qkv.split(widths, -1))
     ref_cache = kv_cache.clone()
     ref_cache[0].view(-1, n_kv_heads, head_dim)[slots] = k
     ref_cache[1].view(-1, n_kv_heads, head_dim)[slots] = v

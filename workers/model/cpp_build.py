@@ -1,7 +1,8 @@
 """Build a C++ CPU extension from one source file with the machine's own compiler.
 
-Torch's extension mechanism compiles it with -O3 -march=native -fopenmp; the build is cached
-per CPU (model and instruction-set flags), torch version and source under
+Torch's extension mechanism compiles it with -O3 -march=native -fopenmp (and the module's own
+flags, if any); the build is cached per CPU (model and instruction-set flags), torch version,
+flags and source under
 `~/.cache/hybridserve/kernels`, so a checkout shared by different machines never runs code
 built for another CPU. When the build cannot happen (no compiler, no ninja, a compiler or
 linker error), `build_cpu_extension` returns None and `build_failure(name)` says why; the

@@ -1,7 +1,7 @@
 """The fused CPU decode kernels (`csrc/decode_kernels.cpp`), built from source at start-up.
 
 Built by `cpp_build.build_cpu_extension` (the machine's own compiler, cached per CPU, torch
-version and source). The runner asks for them when it turns the fast path on, never the model
+version, flags and source). The runner asks for them when it turns the fast path on, never the model
 forward. When the build cannot happen (no compiler, no ninja), `decode_kernels()` returns None
 and the decode mixers, decode attention and norms run their pure-torch references, which are
 always there and which the tests compare against.

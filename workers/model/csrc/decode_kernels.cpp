@@ -359,11 +359,11 @@ void chunk_softmax(float* scores, int64_t nj, int64_t n, float* acc, int64_t dim
 // Online softmax kKeyChunk keys at a time, whatever blocks they sit in: the chunk's scores
 // (`chunk_scores`), its maximum, one rescale of the accumulator when the maximum grows, its
 // weights in one vectorised exp (`chunk_softmax`), then the weighted values (`chunk_values`).
-// The chunk's key rows are fetched into the caches as their addresses are worked out, so the
-// misses of a chunk overlap instead of following one another. With at least two sequences
-// per thread a task takes all kv heads of a sequence, so every K/V row [Hkv, d] is read whole
-// and in order (one kv head per task would read every other 256-byte piece); with fewer, a
-// task per (sequence, kv head) keeps both threads busy. Measured (8 sequences x 8k keys,
+// The chunk's keys are fetched into the caches as their addresses are worked out (a kv head's
+// piece of them at a time), so the misses of a chunk overlap instead of following one another.
+// When the sequences share out evenly, two or more per thread, a task takes all kv heads of a
+// sequence, so the pieces of each K/V row are all used within one task; otherwise a task per
+// (sequence, kv head) keeps the threads evenly busy. Measured (8 sequences x 8k keys,
 // 4 layers, one thread): 83 -> 39-43 ms against attend-one-block-at-a-time.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor num_keys, double scale,
@@ -376,6 +376,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, H, d], heads packed");
   const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), per_kv = q_heads / kv_heads;
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == dim,
+              "k_cache/v_cache must be [num_blocks, block_size, Hkv, d] with q's d");
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0, "query heads must be a multiple of kv heads");
   const bool append = k_new.has_value();
   TORCH_CHECK(append == v_new.has_value() && append == kv_slots.has_value());
   auto tables = block_tables.contiguous().to(torch::kLong);
@@ -384,6 +387,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t width = tables.size(1), q_stride = q.stride(0);
   const int64_t* table_p = tables.data_ptr<int64_t>();
   const int64_t* len_p = lens.data_ptr<int64_t>();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.numel() == batch,
+              "block_tables must be [B, max_blocks] and num_keys [B]");
+  for (int64_t b = 0; b < batch; ++b) {  // every key read lies in a block of the cache
+    TORCH_CHECK(len_p[b] >= 0 && len_p[b] <= width * block_size, "num_keys[", b, "] = ", len_p[b], " beyond its block table");
+    for (int64_t i = 0; i < (len_p[b] + block_size - 1) / block_size; ++i) {
+      const int64_t block = table_p[b * width + i];
+      TORCH_CHECK(block >= 0 && block < k_cache.size(0), "block_tables[", b, "] names block ", block, " of ", k_cache.size(0));
+    }
+  }
   const float* q_p = q.data_ptr<float>();
   float *k_p = k_cache.data_ptr<float>(), *v_p = v_cache.data_ptr<float>();
   float* out_p = out.data_ptr<float>();
@@ -408,9 +420,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     vn_stride = v_new->stride(0);
   }
 
-  // A task is one sequence's kv heads, all of them when there are enough sequences to share out
-  // (then each key and value row is read whole and in order), else one kv head each.
-  const int64_t task_heads = batch >= 2 * at::get_num_threads() ? kv_heads : 1;
+  // A task is one sequence's kv heads: all of them when the sequences share out evenly over the
+  // threads, two or more each (a chunk's K/V rows [Hkv, d] are then all used within the task,
+  // where one kv head per task reads every Hkv-th piece of each row), else one kv head.
+  const int64_t threads = at::get_num_threads();
+  const int64_t task_heads = batch >= 2 * threads && batch % threads == 0 ? kv_heads : 1;
   const int64_t tasks_per_seq = kv_heads / task_heads;
   at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     const int64_t nq = task_heads * per_kv;
@@ -435,9 +449,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           const int64_t at = (table_p[b * width + pos / block_size] * block_size + pos % block_size) * token_stride + h0 * dim;
           key_at[t] = k_p + at;
           value_at[t] = v_p + at;
-          for (int64_t e = 0; e < task_heads * dim; e += 16) __builtin_prefetch(key_at[t] + e, 0, 3);
+          for (int64_t e = 0; e < dim; e += 16) __builtin_prefetch(key_at[t] + e, 0, 3);
         }
         for (int64_t h = 0; h < task_heads; ++h) {
+          if (h + 1 < task_heads) {  // the next kv head's keys of the chunk, while this one is scored (L1-sized bursts)
+            for (int64_t t = 0; t < n; ++t) {
+              for (int64_t e = 0; e < dim; e += 16) __builtin_prefetch(key_at[t] + (h + 1) * dim + e, 0, 3);
+            }
+          }
           const int64_t j0 = h * per_kv;
           chunk_scores(q_p + b * q_stride + (h0 + h) * per_kv * dim, per_kv, dim, key_at, h * dim, n, sc, score.data());
           chunk_softmax(score.data(), per_kv, n, acc.data() + j0 * dim, dim, best.data() + j0, total.data() + j0);

@@ -58,7 +58,7 @@ constexpr int64_t kRowBlock = 48;  // rows per block (8 groups of 6): 48 x K fp3
 // were 5-15% faster (the groups' compute dominates and the blocks' per-call work shows); there
 // the later groups fetch the next panel instead (24-48 rows: 5-11% faster per thread).
 constexpr int64_t kBlockedRows = 16;
-constexpr int64_t kStepBlock = 32;  // k-steps per panel block: 64 x 16 fp32 = 4 KB, in L1 with the rows' x
+constexpr int64_t kStepBlock = 32;  // k-steps per panel block: 32 x 16 fp32 = 2 KB, in L1 with the rows' x
 
 inline vec8 load8(const float* p) {
   vec8 v;
@@ -169,10 +169,10 @@ void panel_all_rows(const float* x, int64_t M, int64_t K, const T* panel, const 
                     float* out, int64_t N, int64_t width, const T* limit) {
   constexpr int64_t steps_per_line = kLine / (kPanel * sizeof(T));
   const int64_t groups = (M + kRowGroup - 1) / kRowGroup;
-  const bool blocked = M <= kBlockedRows;
+  const bool blocked = groups > 1 && M <= kBlockedRows;  // one group: nothing to interleave
   Prefetch<T> first;
   if (limit) first = {panel + kPrefetchAhead / static_cast<int64_t>(sizeof(T)), limit, steps_per_line, 0, false};
-  vec8 acc[2 * kRowBlock];
+  vec8 acc[2 * kRowBlock];  // M <= kRowBlock: panel_linear passes row blocks of at most kRowBlock
   for (int64_t i = 0; i < 2 * M; ++i) acc[i] = vec8{};
   const int64_t step_block = blocked ? kStepBlock : K;
   for (int64_t k0 = 0; k0 < K; k0 += step_block) {
