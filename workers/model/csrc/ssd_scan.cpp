@@ -386,17 +386,27 @@ void prefill_scan(torch::Tensor xbc, torch::Tensor dt_raw, torch::Tensor dt_bias
   const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
   const int64_t halves = hdim >= 8 ? 2 : 1, half = (hdim / halves + 3) / 4 * 4;  // 4-row aligned split
   const int64_t k = static_cast<int64_t>(seg.start.size());
+  // The time steps of every segment row and head first, into [segment rows, heads]: one pass
+  // over the dt columns (a strided column of the in_proj output, a cache line per row), rather
+  // than each (segment, head, half) task reading its column a line per token.
+  std::vector<int64_t> first(k + 1, 0);  // segment i's rows in `steps`: first[i] .. first[i+1]-1
+  for (int64_t i = 0; i < k; ++i) first[i + 1] = first[i] + seg.count[i];
+  std::vector<float> steps(first[k] * heads);
+  at::parallel_for(0, k, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t t = 0; t < seg.count[i]; ++t) {
+        const float* raw = dt_p + (seg.start[i] + t) * ds;
+        float* out = steps.data() + (first[i] + t) * heads;
+        for (int64_t h = 0; h < heads; ++h) out[h] = std::min(std::max(softplus(raw[h] + bias_p[h]), lo), hi);
+      }
+    }
+  });
   at::parallel_for(0, k * heads * halves, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> step;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (heads * halves), h = (task / halves) % heads, part = task % halves;
       const int64_t g = h / per_group, start = seg.start[i], count = seg.count[i];
-      step.resize(count);
-      for (int64_t t = 0; t < count; ++t) {
-        step[t] = std::min(std::max(softplus(dt_p[(start + t) * ds + h] + bias_p[h]), lo), hi);
-      }
       const float* row0 = x_p + start * xs;
-      const HeadRun run{step.data(), 1, row0 + h * hdim, xs,
+      const HeadRun run{steps.data() + first[i] * heads + h, heads, row0 + h * hdim, xs,
                         row0 + inner + g * dstate, row0 + inner + (groups + g) * dstate, xs,
                         y_p + start * ys + h * hdim, ys, a_p[h], d_p[h]};
       const int64_t p_begin = std::min(part * half, hdim), p_end = part + 1 == halves ? hdim : std::min(p_begin + half, hdim);
