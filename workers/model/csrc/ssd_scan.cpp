@@ -82,6 +82,14 @@ inline void scan_head_rows(const HeadRun& r, float* state, int64_t dstate, int64
     // Four independent sums, so the FMA latency chain of one row's dot product with C does
     // not serialise the pass.
     if (dstate % 8 == 0) {
+      if (t + 1 < count) {  // the next token's rows sit a row stride away: no prefetcher sees them
+        const float *nb = Bv + r.bc_stride, *nc = Cv + r.bc_stride;
+        for (int64_t n = 0; n < dstate; n += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(nb + n), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(nc + n), _MM_HINT_T0);
+        }
+        _mm_prefetch(reinterpret_cast<const char*>(xv + r.x_stride + p_begin), _MM_HINT_T0);
+      }
       const __m256 vdecay = _mm256_set1_ps(decay);
       for (; p + 4 <= p_end; p += 4) {
         float* r0 = state + p * dstate;
