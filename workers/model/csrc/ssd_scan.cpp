@@ -335,22 +335,12 @@ torch::Tensor prefill_conv(torch::Tensor xbc, torch::Tensor conv_cache, torch::T
       };
       for (int64_t t = 0; t < count; ++t) {
         float* o = out_p + (start + t) * channels + c0;
-        int64_t c = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        for (; c + 8 <= nc; c += 8) {  // the sum stays in a register across the taps
-          __m256 acc = b_p ? _mm256_loadu_ps(b_p + c0 + c) : _mm256_setzero_ps();
-          for (int64_t j = 0; j < width; ++j) {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(wt.data() + j * kBlock + c), _mm256_loadu_ps(input(t - kept + j) + c), acc);
-          }
-          _mm256_storeu_ps(o + c, acc);
-        }
-#endif
-        for (int64_t c1 = c; c1 < nc; ++c1) o[c1] = b_p ? b_p[c0 + c1] : 0.0f;
-        for (int64_t j = 0; j < width && c < nc; ++j) {
+        for (int64_t c = 0; c < nc; ++c) o[c] = b_p ? b_p[c0 + c] : 0.0f;
+        for (int64_t j = 0; j < width; ++j) {
           const float* in = input(t - kept + j);
           const float* w = wt.data() + j * kBlock;
 #pragma omp simd
-          for (int64_t c1 = c; c1 < nc; ++c1) o[c1] += w[c1] * in[c1];
+          for (int64_t c = 0; c < nc; ++c) o[c] += w[c] * in[c];
         }
         silu_row(o, nullptr, o, nc);
       }
