@@ -241,6 +241,30 @@ def test_engine_fused_equals_reference_with_scattered_slots(tiny, arch):
         assert_logits_close(recorders[0].stacked(rid), recorders[1].stacked(rid))
 
 
+@ARCHS
+def test_fresh_slots_are_never_read_before_written(tiny, arch):
+    """Fresh prompts are not given zeroed Mamba slots (the first prefill segment starts from
+    zeros itself): with every slot full of NaN beforehand, both paths still give a clean
+    engine's tokens and logits, prompts chunked over several steps and short ones included."""
+    prompts = {f"r{i}": prompt_of(n, seed=i) for i, n in enumerate([1, 3, 40, 70])}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    clean = new_engine(tiny[arch].path, max_num_batched_tokens=48)
+    clean_recorder = LogitRecorder(clean)
+    expected = run_engine(clean, prompts, params)
+    for fast in (True, False):
+        engine = new_engine(tiny[arch].path, max_num_batched_tokens=48)
+        if not fast:
+            engine.runner.set_fast_kernels(False)
+        for conv, ssm in zip(engine.runner.caches.conv, engine.runner.caches.ssm):
+            conv.fill_(float("nan"))
+            ssm.fill_(float("nan"))
+        recorder = LogitRecorder(engine)
+        run = run_engine(engine, prompts, params)
+        assert run.tokens == expected.tokens
+        for rid in prompts:
+            assert_logits_close(recorder.stacked(rid), clean_recorder.stacked(rid))
+
+
 def test_reference_path_when_kernels_cannot_build(monkeypatch):
     """No compiler on the machine: None with a reason, and the runner falls back to the reference."""
     monkeypatch.setattr(cpp_build.shutil, "which", lambda name: None)

@@ -74,6 +74,40 @@ def test_fused_prefill_equals_reference(head_dim, groups, conv_bias, dt_max):
     assert (y[other_rows] == 7.0).all()
 
 
+@pytest.mark.parametrize("d_state", [24, 20])  # 20: not a multiple of the vector width
+def test_fresh_segments_never_read_their_slots(d_state):
+    """A sequence's first segment (context_len 0) starts from the zero state on both paths
+    whatever its slot holds, so the runner need not zero a fresh slot: garbage in the fresh
+    slots gives what zeroed slots give; a continuing segment beside them reads its slot."""
+    mixer = random_mamba_mixer(groups=2, dt_max=float("inf"), seed=d_state, head_dim=12, d_state=d_state, dt_min=0.01)
+    s = mixer.shape
+    # rows: seg A 30 (fresh) | seg B 5 (after 9 cached tokens) | seg C 2 (fresh, shorter than the conv window)
+    segs = [
+        PrefillSegment(0, 30, 0, NO_TABLE, state_slot=3),
+        PrefillSegment(30, 5, 9, NO_TABLE, state_slot=1),
+        PrefillSegment(35, 2, 0, NO_TABLE, state_slot=4),
+    ]
+    proj = torch.randn(37, s.in_proj_dim) * 3
+    conv, ssm = torch.randn(6, s.conv_dim, s.d_conv - 1) * 5, torch.randn(6, s.n_heads, s.head_dim, s.d_state) * 5
+    zeroed_conv, zeroed_ssm = conv.clone(), ssm.clone()
+    zeroed_conv[[3, 4]], zeroed_ssm[[3, 4]] = 0, 0
+    y_zero, conv_zero, ssm_zero = _run(mixer, REFERENCE, proj, zeroed_conv, zeroed_ssm, segs, 37)
+    for fast in (REFERENCE, FastPath(on=True, scan=KERNEL)):
+        y, conv_out, ssm_out = _run(mixer, fast, proj, conv, ssm, segs, 37)
+        torch.testing.assert_close(y, y_zero, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ssm_out, ssm_zero, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(conv_out, conv_zero, rtol=0, atol=0)
+    # Fresh flags given to the kernels directly, against the slots' own content (no flags).
+    _, xbc, dt = proj.split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)
+    starts, counts, slots = torch.tensor([0, 30, 35]), torch.tensor([30, 5, 2]), torch.tensor([3, 1, 4])
+    c = mixer.constants
+    with_flags = KERNEL.prefill_conv(xbc, conv.clone(), starts, counts, slots, c.conv_weight, c.conv_bias, torch.tensor([True, False, True]))
+    without = KERNEL.prefill_conv(xbc, zeroed_conv.clone(), starts, counts, slots, c.conv_weight, c.conv_bias)
+    torch.testing.assert_close(with_flags, without, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="one fresh flag per segment"):
+        KERNEL.prefill_conv(xbc, conv.clone(), starts, counts, slots, c.conv_weight, c.conv_bias, torch.tensor([True]))
+
+
 def test_fused_conv_silu_matches_torch_at_extremes():
     """The conv output's SiLU (a vectorised exp) against torch's on values from -100 to 100."""
     channels = 37  # not a multiple of the vector width

@@ -89,7 +89,12 @@ class CacheCoordinator:
         request.num_cached_tokens = 0
         request.aligned_len = 0
         if head is None:
-            self.pending.zero_slots.extend(held)
+            # A fast-path prompt's first segment (context_len 0) starts from zeros without
+            # reading its terminal slot (MambaMixer), so only what is read before it is written
+            # is zeroed: the aligned slot (a head keeps it even if no aligned position was
+            # reached) and a deterministic request's slots (its verify tiles read them).
+            zero = list(held) if request.deterministic else [slot for slot in (held.aligned,) if slot is not None]
+            self.pending.zero_slots.extend(zero)
             self.kv.grow(holder, request.num_computed_tokens + num_new_tokens)
             return True
         length = head.state_len

@@ -1,7 +1,9 @@
 """Mamba2 mixer over a flat batch: prompt runs use the chunked scan, decodes the recurrence.
 
 Every sequence starts from the conv and SSM state in its slot and leaves its new state there,
-so a chunk of a long prompt, a cache hit and a fresh prompt all run the same code.
+so a chunk of a long prompt, a cache hit and a fresh prompt all run the same code; a fresh
+prompt's first segment (context_len 0) starts from zeros instead and never reads its slot, so
+a new sequence's slot needs no zeroing first.
 """
 
 from __future__ import annotations
@@ -111,9 +113,14 @@ class MambaMixer(nn.Module):
         rows = torch.tensor([seg.token_start for seg in segs])[:, None] + torch.arange(longest)[None, :]
         rows = torch.where(valid, rows, 0)
         slots = torch.tensor([seg.state_slot for seg in segs])
+        # A sequence's first tokens start from the zero state whatever its slot holds (a fresh
+        # slot is not zeroed before the step).
+        fresh = torch.tensor([seg.context_len == 0 for seg in segs])
+        conv_in = torch.where(fresh[:, None, None], 0.0, conv[slots])
+        ssm_in = torch.where(fresh[:, None, None, None], 0.0, ssm[slots])
 
         # Causal depthwise conv over [cached d_conv-1 inputs | this run's inputs].
-        window = torch.cat([conv[slots], xbc[rows].transpose(1, 2).float()], dim=2)  # [k, conv_dim, d_conv-1+longest]
+        window = torch.cat([conv_in, xbc[rows].transpose(1, 2).float()], dim=2)  # [k, conv_dim, d_conv-1+longest]
         last = lengths[:, None] + torch.arange(s.d_conv - 1)[None, :]  # the last d_conv-1 real inputs
         conv[slots] = window.gather(2, last[:, None, :].expand(k, s.conv_dim, -1))
         out = F.silu(F.conv1d(window, c.conv_weight[:, None, :], c.conv_bias, groups=s.conv_dim))
@@ -122,10 +129,10 @@ class MambaMixer(nn.Module):
         step = torch.where(valid[:, :, None], self._time_step(dt[rows]), 0.0)
         B, C = B.reshape(k, longest, s.n_groups, s.d_state), C.reshape(k, longest, s.n_groups, s.d_state)
         if self.fast.scan is not None:  # the recurrence skips each row's padding; the SSD scans run it
-            scan, final = recurrent_scan(self.fast.scan, x, step, c.A, B, C, ssm[slots], lengths)
+            scan, final = recurrent_scan(self.fast.scan, x, step, c.A, B, C, ssm_in, lengths)
         else:
             ssd_scan = chunked_scan_grouped if self.fast.on else chunked_scan
-            scan, final = ssd_scan(x, step, c.A, B, C, _scan_chunk(s.chunk_size, longest), ssm[slots])
+            scan, final = ssd_scan(x, step, c.A, B, C, _scan_chunk(s.chunk_size, longest), ssm_in)
         ssm[slots] = final.to(ssm.dtype)
         scan = (scan + x * c.D[:, None]).reshape(k, longest, s.intermediate)
         y[rows[valid]] = scan[valid].to(y.dtype)
@@ -140,14 +147,17 @@ class MambaMixer(nn.Module):
             flat rows:  [ seg 0: t t t t t | seg 1: t t | seg 2: t t t t ]     (in_proj output, read in place)
             prefill_conv  conv + silu per row from [conv state | rows]; conv state of each slot <- last K-1 inputs
             prefill_scan  recurrence per (segment, head) from the slot's SSM state, in place; y rows = scan + D x
+
+        A fresh segment (a sequence's first tokens) starts both from zero without reading its slot.
         """
         s, c, kernel = self.shape, self.constants, self.fast.scan
         starts = torch.tensor([seg.token_start for seg in segs])
         counts = torch.tensor([seg.num_tokens for seg in segs])
         slots = torch.tensor([seg.state_slot for seg in segs])
+        fresh = torch.tensor([seg.context_len == 0 for seg in segs])
         bias = c.conv_bias if c.conv_bias is not None else torch.empty(0)
-        out = kernel.prefill_conv(xbc, conv, starts, counts, slots, c.conv_weight, bias)
-        kernel.prefill_scan(out, dt, c.dt_bias, c.A, c.D, ssm, starts, counts, slots, s.dt_min, s.dt_max, y)
+        out = kernel.prefill_conv(xbc, conv, starts, counts, slots, c.conv_weight, bias, fresh)
+        kernel.prefill_scan(out, dt, c.dt_bias, c.A, c.D, ssm, starts, counts, slots, s.dt_min, s.dt_max, y, fresh)
         for seg in segs:
             if seg.snapshot_slot is not None:
                 conv[seg.snapshot_slot] = conv[seg.state_slot]

@@ -8,9 +8,10 @@ the Mamba output norm the decode kernels' (or torch's), the MLP activations torc
 
     ext = scan_kernels()            # the module, or None (reason in `build_failure()`)
     y, final = ext.recurrent_scan(x, dt, A, B, C, initial_state, lengths)   # see ssd.recurrent_scan
-    out = ext.prefill_conv(xbc, conv_cache, starts, counts, slots, weight, bias)     # conv + silu rows
-    ext.prefill_scan(out, dt_raw, dt_bias, A, D, ssm_cache, starts, counts, slots, dt_min, dt_max, y)
-                                    # (both: MambaMixer._prefill_fused; states updated in place)
+    out = ext.prefill_conv(xbc, conv_cache, starts, counts, slots, weight, bias[, fresh])   # conv + silu rows
+    ext.prefill_scan(out, dt_raw, dt_bias, A, D, ssm_cache, starts, counts, slots, dt_min, dt_max, y[, fresh])
+                                    # (both: MambaMixer._prefill_fused; states updated in place;
+                                    #  fresh [k] bool: the segment starts from zeros, slot not read)
     ext.gated_rms_norm(x, gate, weight, group_size, eps)
 """
 

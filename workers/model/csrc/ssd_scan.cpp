@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -54,8 +55,19 @@ struct HeadRun {
   float skip;  // D, or 0 (recurrent_scan leaves the skip to its caller)
 };
 
+#if defined(__AVX2__) && defined(__FMA__)
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+#endif
+
+// `fresh`: the run starts from the zero state (a sequence's first tokens): `state` is written,
+// never read, so a fresh slot needs no zeroing before the step.
 inline void scan_head_rows(const HeadRun& r, float* state, int64_t dstate, int64_t p_begin, int64_t p_end,
-                           int64_t count) {
+                           int64_t count, bool fresh = false) {
+  if (fresh) std::memset(state + p_begin * dstate, 0, sizeof(float) * (p_end - p_begin) * dstate);
   for (int64_t t = 0; t < count; ++t) {
     const float step = r.step[t * r.step_stride];
     const float decay = std::exp(step * r.A);
@@ -64,8 +76,47 @@ inline void scan_head_rows(const HeadRun& r, float* state, int64_t dstate, int64
     const float* Cv = r.C + t * r.bc_stride;
     float* yv = r.y + t * r.y_stride;
     int64_t p = p_begin;
-    // Four rows at a time: four independent sums, so the FMA latency chain of one row's
-    // dot product with C does not serialise the pass.
+#if defined(__AVX2__) && defined(__FMA__)
+    // Four rows at a time, B and C loaded once for the four: the auto-vectorised loop reloaded
+    // B per row and spilled, and was load-port bound (1.1-1.5x slower, bench.kernel_speed).
+    // Four independent sums, so the FMA latency chain of one row's dot product with C does
+    // not serialise the pass.
+    if (dstate % 8 == 0) {
+      if (t + 1 < count) {  // the next token's rows sit a row stride away: no prefetcher sees them
+        const float *nb = Bv + r.bc_stride, *nc = Cv + r.bc_stride;
+        for (int64_t n = 0; n < dstate; n += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(nb + n), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(nc + n), _MM_HINT_T0);
+        }
+        _mm_prefetch(reinterpret_cast<const char*>(xv + r.x_stride + p_begin), _MM_HINT_T0);
+      }
+      const __m256 vdecay = _mm256_set1_ps(decay);
+      for (; p + 4 <= p_end; p += 4) {
+        float* r0 = state + p * dstate;
+        float *r1 = r0 + dstate, *r2 = r1 + dstate, *r3 = r2 + dstate;
+        const __m256 d0 = _mm256_set1_ps(step * xv[p]), d1 = _mm256_set1_ps(step * xv[p + 1]);
+        const __m256 d2 = _mm256_set1_ps(step * xv[p + 2]), d3 = _mm256_set1_ps(step * xv[p + 3]);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t n = 0; n < dstate; n += 8) {
+          const __m256 b = _mm256_loadu_ps(Bv + n), c = _mm256_loadu_ps(Cv + n);
+          const __m256 v0 = _mm256_fmadd_ps(d0, b, _mm256_mul_ps(_mm256_loadu_ps(r0 + n), vdecay));
+          const __m256 v1 = _mm256_fmadd_ps(d1, b, _mm256_mul_ps(_mm256_loadu_ps(r1 + n), vdecay));
+          const __m256 v2 = _mm256_fmadd_ps(d2, b, _mm256_mul_ps(_mm256_loadu_ps(r2 + n), vdecay));
+          const __m256 v3 = _mm256_fmadd_ps(d3, b, _mm256_mul_ps(_mm256_loadu_ps(r3 + n), vdecay));
+          _mm256_storeu_ps(r0 + n, v0);
+          _mm256_storeu_ps(r1 + n, v1);
+          _mm256_storeu_ps(r2 + n, v2);
+          _mm256_storeu_ps(r3 + n, v3);
+          a0 = _mm256_fmadd_ps(v0, c, a0);
+          a1 = _mm256_fmadd_ps(v1, c, a1);
+          a2 = _mm256_fmadd_ps(v2, c, a2);
+          a3 = _mm256_fmadd_ps(v3, c, a3);
+        }
+        const __m128 x4 = _mm_loadu_ps(xv + p);  // y = state . C + skip * x
+        _mm_storeu_ps(yv + p, _mm_fmadd_ps(_mm_set1_ps(r.skip), x4, sum4(a0, a1, a2, a3)));
+      }
+    }
+#endif
     for (; p + 4 <= p_end; p += 4) {
       float* r0 = state + p * dstate;
       float *r1 = r0 + dstate, *r2 = r1 + dstate, *r3 = r2 + dstate;
@@ -153,11 +204,13 @@ inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v));
 
 struct Segments {
   std::vector<int64_t> start, count, slot;
+  std::vector<uint8_t> fresh;  // starts from the zero state: the slot's old state is never read
 };
 
-// starts / counts / slots [k]: segment i is flat rows start[i] .. start[i]+count[i]-1, its state in slot[i].
+// starts / counts / slots [k]: segment i is flat rows start[i] .. start[i]+count[i]-1, its state in slot[i];
+// fresh [k] (bool, or None: no segment is fresh): segment i is a sequence's first tokens.
 Segments read_segments(const torch::Tensor& starts, const torch::Tensor& counts, const torch::Tensor& slots,
-                       int64_t rows, int64_t num_slots) {
+                       const std::optional<torch::Tensor>& fresh, int64_t rows, int64_t num_slots) {
   TORCH_CHECK(starts.numel() == counts.numel() && starts.numel() == slots.numel(), "one start, count, slot per segment");
   auto s = starts.contiguous().to(torch::kLong), c = counts.contiguous().to(torch::kLong),
        l = slots.contiguous().to(torch::kLong);
@@ -165,6 +218,12 @@ Segments read_segments(const torch::Tensor& starts, const torch::Tensor& counts,
   seg.start.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
   seg.count.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
   seg.slot.assign(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
+  seg.fresh.assign(seg.start.size(), 0);
+  if (fresh.has_value()) {
+    TORCH_CHECK(fresh->numel() == starts.numel(), "one fresh flag per segment");
+    auto f = fresh->contiguous().to(torch::kBool);
+    std::copy(f.data_ptr<bool>(), f.data_ptr<bool>() + f.numel(), seg.fresh.begin());
+  }
   for (size_t i = 0; i < seg.start.size(); ++i) {
     TORCH_CHECK(seg.start[i] >= 0 && seg.count[i] >= 0 && seg.start[i] + seg.count[i] <= rows, "segment rows out of range");
     TORCH_CHECK(seg.slot[i] >= 0 && seg.slot[i] < num_slots, "state slot out of range");
@@ -237,8 +296,10 @@ std::vector<torch::Tensor> recurrent_scan(torch::Tensor x, torch::Tensor dt, tor
 //     conv input of segment i:  [ cache[slot i] (K-1) | xbc rows start .. start+count-1 ]
 //     out row start+t         = silu(bias + sum_k w[k] * input[t + k])
 //     cache[slot i] afterwards = the last K-1 entries of that input
+//   fresh [k] bool or None: a fresh segment's cached inputs are zeros (its slot is not read)
 torch::Tensor prefill_conv(torch::Tensor xbc, torch::Tensor conv_cache, torch::Tensor starts, torch::Tensor counts,
-                           torch::Tensor slots, torch::Tensor weight, torch::Tensor bias) {
+                           torch::Tensor slots, torch::Tensor weight, torch::Tensor bias,
+                           std::optional<torch::Tensor> fresh) {
   check_rows(xbc, "xbc");
   TORCH_CHECK(conv_cache.is_contiguous() && conv_cache.scalar_type() == torch::kFloat32 && conv_cache.dim() == 3,
               "conv_cache must be contiguous fp32 [slots, channels, K-1]");
@@ -246,7 +307,7 @@ torch::Tensor prefill_conv(torch::Tensor xbc, torch::Tensor conv_cache, torch::T
   const int64_t rows = xbc.size(0), channels = xbc.size(1), width = weight.size(1), kept = width - 1;
   TORCH_CHECK(weight.size(0) == channels && conv_cache.size(1) == channels && conv_cache.size(2) == kept, "conv shapes");
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == channels && bias.scalar_type() == torch::kFloat32), "bias [C] fp32");
-  const Segments seg = read_segments(starts, counts, slots, rows, conv_cache.size(0));
+  const Segments seg = read_segments(starts, counts, slots, fresh, rows, conv_cache.size(0));
   auto bias_c = bias.contiguous();
   auto out = torch::empty({rows, channels}, xbc.options().memory_format(torch::MemoryFormat::Contiguous));
   const int64_t x_stride = xbc.stride(0);
@@ -266,7 +327,7 @@ torch::Tensor prefill_conv(torch::Tensor xbc, torch::Tensor conv_cache, torch::T
       float* cache = cache_p + seg.slot[i] * channels * kept;
       for (int64_t c = 0; c < nc; ++c) {  // transposed: [k][channel], unit stride over channels
         for (int64_t j = 0; j < width; ++j) wt[j * kBlock + c] = w_p[(c0 + c) * width + j];
-        for (int64_t j = 0; j < kept; ++j) hist[j * kBlock + c] = cache[(c0 + c) * kept + j];
+        for (int64_t j = 0; j < kept; ++j) hist[j * kBlock + c] = seg.fresh[i] ? 0.0f : cache[(c0 + c) * kept + j];
       }
       // input(t) for t in [-(K-1), count): the cached history, then the segment's rows
       auto input = [&](int64_t t) -> const float* {
@@ -296,12 +357,13 @@ torch::Tensor prefill_conv(torch::Tensor xbc, torch::Tensor conv_cache, torch::T
 //   xbc [N, I + 2*G*N] (prefill_conv's output: x | B | C per row), dt_raw [N, H] (may be strided),
 //   dt_bias / A / D [H], ssm_cache [S, H, P, N], y [N, H*P] (written at the segments' rows)
 //   dt = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max) as MambaMixer._time_step
+//   fresh [k] bool or None: a fresh segment starts from the zero state (its slot is not read)
 //
 // Tasks are (segment, head, half of the head's rows): a half state (32 x 128 fp32 = 16 KB at
 // the bench shape) stays in L1 for the whole segment, and 2 x heads x segments tasks balance.
 void prefill_scan(torch::Tensor xbc, torch::Tensor dt_raw, torch::Tensor dt_bias, torch::Tensor A, torch::Tensor D,
                   torch::Tensor ssm_cache, torch::Tensor starts, torch::Tensor counts, torch::Tensor slots,
-                  double dt_min, double dt_max, torch::Tensor y) {
+                  double dt_min, double dt_max, torch::Tensor y, std::optional<torch::Tensor> fresh) {
   check_rows(xbc, "xbc");
   check_rows(dt_raw, "dt_raw");
   check_rows(y, "y");
@@ -314,7 +376,7 @@ void prefill_scan(torch::Tensor xbc, torch::Tensor dt_raw, torch::Tensor dt_bias
   TORCH_CHECK(groups >= 1 && heads % groups == 0 && xbc.size(1) == inner + 2 * groups * dstate, "xbc columns");
   TORCH_CHECK(dt_raw.size(0) == rows && dt_raw.size(1) == heads && y.size(0) == rows && y.size(1) == inner, "dt / y shapes");
   TORCH_CHECK(dt_bias.numel() == heads && A.numel() == heads && D.numel() == heads, "one dt_bias, A, D per head");
-  const Segments seg = read_segments(starts, counts, slots, rows, ssm_cache.size(0));
+  const Segments seg = read_segments(starts, counts, slots, fresh, rows, ssm_cache.size(0));
   const int64_t per_group = heads / groups, xs = xbc.stride(0), ds = dt_raw.stride(0), ys = y.stride(0);
   const float *x_p = xbc.data_ptr<float>(), *dt_p = dt_raw.data_ptr<float>(), *bias_p = dt_bias.data_ptr<float>();
   const float *a_p = A.data_ptr<float>(), *d_p = D.data_ptr<float>();
@@ -322,21 +384,32 @@ void prefill_scan(torch::Tensor xbc, torch::Tensor dt_raw, torch::Tensor dt_bias
   const float lo = static_cast<float>(dt_min), hi = static_cast<float>(dt_max);
   const int64_t halves = hdim >= 8 ? 2 : 1, half = (hdim / halves + 3) / 4 * 4;  // 4-row aligned split
   const int64_t k = static_cast<int64_t>(seg.start.size());
+  // The time steps of every segment row and head first, into [segment rows, heads]: one pass
+  // over the dt columns (a strided column of the in_proj output, a cache line per row), rather
+  // than each (segment, head, half) task reading its column a line per token.
+  std::vector<int64_t> first(k + 1, 0);  // segment i's rows in `steps`: first[i] .. first[i+1]-1
+  for (int64_t i = 0; i < k; ++i) first[i + 1] = first[i] + seg.count[i];
+  std::vector<float> steps(first[k] * heads);
+  at::parallel_for(0, k, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t t = 0; t < seg.count[i]; ++t) {
+        const float* raw = dt_p + (seg.start[i] + t) * ds;
+        float* out = steps.data() + (first[i] + t) * heads;
+        for (int64_t h = 0; h < heads; ++h) out[h] = std::min(std::max(softplus(raw[h] + bias_p[h]), lo), hi);
+      }
+    }
+  });
   at::parallel_for(0, k * heads * halves, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> step;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (heads * halves), h = (task / halves) % heads, part = task % halves;
       const int64_t g = h / per_group, start = seg.start[i], count = seg.count[i];
-      step.resize(count);
-      for (int64_t t = 0; t < count; ++t) {
-        step[t] = std::min(std::max(softplus(dt_p[(start + t) * ds + h] + bias_p[h]), lo), hi);
-      }
       const float* row0 = x_p + start * xs;
-      const HeadRun run{step.data(), 1, row0 + h * hdim, xs,
+      const HeadRun run{steps.data() + first[i] * heads + h, heads, row0 + h * hdim, xs,
                         row0 + inner + g * dstate, row0 + inner + (groups + g) * dstate, xs,
                         y_p + start * ys + h * hdim, ys, a_p[h], d_p[h]};
       const int64_t p_begin = std::min(part * half, hdim), p_end = part + 1 == halves ? hdim : std::min(p_begin + half, hdim);
-      scan_head_rows(run, cache_p + (seg.slot[i] * heads + h) * hdim * dstate, dstate, p_begin, p_end, count);
+      scan_head_rows(run, cache_p + (seg.slot[i] * heads + h) * hdim * dstate, dstate, p_begin, p_end, count,
+                     seg.fresh[i]);
     }
   });
 }
@@ -375,7 +448,12 @@ torch::Tensor gated_rms_norm(torch::Tensor x, torch::Tensor gate, torch::Tensor 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("recurrent_scan", &recurrent_scan, "Mamba2 prefill scan as the recurrence, state kept in cache");
-  m.def("prefill_conv", &prefill_conv, "causal depthwise conv + SiLU of prefill segments, conv states in place");
-  m.def("prefill_scan", &prefill_scan, "Mamba2 scan of prefill segments on flat rows, SSM states in place");
+  m.def("prefill_conv", &prefill_conv, "causal depthwise conv + SiLU of prefill segments, conv states in place",
+        py::arg("xbc"), py::arg("conv_cache"), py::arg("starts"), py::arg("counts"), py::arg("slots"), py::arg("weight"),
+        py::arg("bias"), py::arg("fresh") = py::none());
+  m.def("prefill_scan", &prefill_scan, "Mamba2 scan of prefill segments on flat rows, SSM states in place",
+        py::arg("xbc"), py::arg("dt_raw"), py::arg("dt_bias"), py::arg("A"), py::arg("D"), py::arg("ssm_cache"),
+        py::arg("starts"), py::arg("counts"), py::arg("slots"), py::arg("dt_min"), py::arg("dt_max"), py::arg("y"),
+        py::arg("fresh") = py::none());
   m.def("gated_rms_norm", &gated_rms_norm, "Mamba2 output norm: grouped RMSNorm of x * silu(gate), times weight");
 }
