@@ -282,13 +282,14 @@ def prompt_of(length: int, seed: int, vocab: int = 104, low: int = 6) -> list[in
 
 
 def random_mamba_mixer(
-    *, groups: int, dt_max: float, seed: int, head_dim: int = 16, conv_bias: bool = True, dt_min: float = 0.001
+    *, groups: int, dt_max: float, seed: int, head_dim: int = 16, conv_bias: bool = True, dt_min: float = 0.001,
+    d_state: int = 24,
 ) -> MambaMixer:
-    """A small Mamba2 mixer (8 heads, d_state 24, hidden 32) with random parameters of scale 0.5,
-    for comparing a fast mixer path with its reference."""
+    """A small Mamba2 mixer (8 heads, d_state 24 unless given, hidden 32) with random parameters of
+    scale 0.5, for comparing a fast mixer path with its reference."""
     torch.manual_seed(seed)
     shape = MambaShape(
-        n_heads=8, head_dim=head_dim, n_groups=groups, d_state=24, d_conv=4, chunk_size=16,
+        n_heads=8, head_dim=head_dim, n_groups=groups, d_state=d_state, d_conv=4, chunk_size=16,
         conv_bias=conv_bias, proj_bias=False, dt_min=dt_min, dt_max=dt_max,
     )  # fmt: skip
     mixer = MambaMixer(32, shape, 1e-6)
