@@ -13,6 +13,12 @@ Rows:
                     one layer, a chunk of tokens after a history
   decode attention  `Attention._decode` (the batch's K/V gathered, masked SDPA) vs
                     `Attention._decode_paged` (blocks read in place), one layer, batch x history
+  decode mixer      `MambaMixer._decode` + its gated norm vs `_decode_fused` (`mamba_decode`: conv,
+                    recurrence and norm in one kernel, states in place at scattered slots), every
+                    Mamba layer of the model on its own state cache (as a decode step: the states
+                    come from memory), batch x 1 token; its SSM state traffic (read + written) in
+                    GB/s against two probes of this machine: a read (sum) and an in-place
+                    read + write (scale) of 512 MB
 
 Each figure is the minimum over repeats of process CPU time (what the two threads spent, which
 a shared machine inflates less than wall time) and of wall time, the two sides alternated.
@@ -32,7 +38,7 @@ from bench.common import RESULTS_DIR, environment_info, format_number, markdown_
 from bench.engine import checkpoint_dir
 from workers.checkpoint import Arch, Preset
 from workers.model.attention import Attention
-from workers.model.config import AttentionShape, MambaShape
+from workers.model.config import AttentionShape, HybridModelConfig, MambaShape
 from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.kernels import decode_kernels
@@ -47,12 +53,14 @@ FULL = {
     "mixer": [(8, 128), (1, 2048), (8, 512)],
     "prefill_attention": [(2048, 2048), (2048, 6144), (64, 8192)],  # (chunk, history)
     "attention": [(8, 2048), (8, 8192), (1, 8192), (32, 2048)],
+    "decode_mixer": [1, 8, 32],
 }
 QUICK = {
     "scan": [(1, 2048), (8, 128)],
     "mixer": [(8, 128)],
     "prefill_attention": [(2048, 6144)],
     "attention": [(8, 2048), (1, 8192)],
+    "decode_mixer": [8],
 }
 
 
@@ -171,6 +179,68 @@ def attention_row(shape: AttentionShape, seqs: int, history: int, repeats: int) 
     return {"kind": "decode attention", "batch": seqs, "tokens": history, "max_abs_diff": err, **_sides(times)}
 
 
+def memory_probes(repeats: int = 5) -> dict[str, float]:
+    """GB/s of a streaming read (sum) and of an in-place read + write (scale) of 512 MB: the two
+    bounds of a kernel that updates states in place."""
+    buffer = torch.randn(128 << 20)
+    read = rw = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        read = min(read, time.perf_counter() - start)
+        start = time.perf_counter()
+        buffer.mul_(1.0)
+        rw = min(rw, time.perf_counter() - start)
+    nbytes = buffer.numel() * 4
+    return {"read_gb_s": nbytes / read / 1e9, "read_write_gb_s": 2 * nbytes / rw / 1e9}
+
+
+def decode_mixer_row(config: HybridModelConfig, seqs: int, repeats: int, probes: dict[str, float]) -> dict:
+    """One decode step of every Mamba layer (one mixer's weights, each layer its own caches) from
+    the in_proj rows to the gated norm's output, slots scattered through a larger pool."""
+    shape, layers = config.mamba, len(config.mamba_layers)
+    g = torch.Generator().manual_seed(seqs)
+    mixer = MambaMixer(config.hidden_size, shape, 1e-5).requires_grad_(False)
+    for p in mixer.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    pool = seqs + seqs // 4 + 1
+    caches = [
+        (torch.randn(pool, shape.conv_dim, shape.d_conv - 1, generator=g),
+         torch.randn(pool, shape.n_heads, shape.head_dim, shape.d_state, generator=g) * 0.1)
+        for _ in range(layers)
+    ]  # fmt: skip
+    slots = torch.randperm(pool, generator=g)[:seqs]
+    group = DecodeGroup(torch.arange(seqs), torch.zeros(seqs, dtype=torch.long), torch.zeros(seqs, 1, dtype=torch.long),
+                        slots, covers_batch=True)  # fmt: skip
+    zxbcdt = torch.randn(seqs, shape.in_proj_dim + 3, generator=g)[:, 1 : 1 + shape.in_proj_dim]  # a strided view
+    gate = zxbcdt[:, : shape.intermediate]
+    fast = FastPath(on=True, decode=decode_kernels())
+
+    def reference(conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+        mixer.fast = REFERENCE
+        return mixer.norm(mixer._decode(zxbcdt, conv, ssm, group), gate)
+
+    def fused(conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+        mixer.fast = fast
+        return mixer._decode_fused(zxbcdt, conv, ssm, group, norm=True)
+
+    sides = {"reference": lambda: [reference(c, s) for c, s in caches]}
+    if fast.decode is not None:
+        sides["fast"] = lambda: [fused(c, s) for c, s in caches]
+    times = _time(sides, repeats)
+    row = {"kind": f"decode mixer, {layers} Mamba layers", "batch": seqs, "tokens": 1, "max_abs_diff": None}
+    if fast.decode is not None:
+        conv, ssm = caches[0]
+        (c1, s1), (c2, s2) = (conv.clone(), ssm.clone()), (conv.clone(), ssm.clone())
+        err = (fused(c2, s2) - reference(c1, s1)).abs().max().item()
+        row["max_abs_diff"] = max(err, (s2 - s1).abs().max().item())
+        state_bytes = 2 * seqs * layers * shape.n_heads * shape.head_dim * shape.d_state * 4  # read + written
+        gb_s = state_bytes / times["fast"]["wall_s"] / 1e9
+        row |= {"state_bytes": state_bytes, "state_gb_s": gb_s, **probes,
+                "fraction_of_read_write": gb_s / probes["read_write_gb_s"], "fraction_of_read": gb_s / probes["read_gb_s"]}  # fmt: skip
+    return row | _sides(times)
+
+
 def _sides(times: dict[str, dict[str, float]]) -> dict:
     out = {f"{side}_{k}": v for side, t in times.items() for k, v in t.items()}
     if "fast" in times:
@@ -201,6 +271,20 @@ def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool) -> str:
         "kernel", "sequences x tokens (prefill attention: chunk x history)",
         "reference ms", "fast ms", "speedup (CPU)", "max |diff|",
     ]  # fmt: skip
+    memory = [r for r in rows if "state_gb_s" in r]
+    if memory:
+        head_note = (
+            "\n\nDecode mixer, SSM state read + written per step at the fast side's wall time, against this "
+            f"machine's probes: in-place read + write {memory[0]['read_write_gb_s']:.1f} GB/s, read "
+            f"{memory[0]['read_gb_s']:.1f} GB/s (512 MB each, measured at start).\n\n"
+        )
+        lines = [
+            [r["batch"], f"{r['state_bytes'] / 1e6:,.0f}", f"{r['state_gb_s']:.1f}",
+             f"{r['fraction_of_read_write']:.0%}", f"{r['fraction_of_read']:.0%}"]
+            for r in memory
+        ]  # fmt: skip
+        memory_headers = ["sequences", "state MB per step", "GB/s", "of read + write", "of read"]
+        return head + markdown_table(headers, table, "llrrrr") + head_note + markdown_table(memory_headers, lines, "rrrrr")
     return head + markdown_table(headers, table, "llrrrr")
 
 
@@ -223,6 +307,8 @@ def main() -> None:
     rows += [mixer_row(config.mamba, config.hidden_size, b, t, repeats) for b, t in plan["mixer"]]
     rows += [prefill_attention_row(config.attention, n, t, repeats) for n, t in plan["prefill_attention"]]
     rows += [attention_row(config.attention, b, t, repeats) for b, t in plan["attention"]]
+    probes = memory_probes()
+    rows += [decode_mixer_row(config, b, repeats, probes) for b in plan["decode_mixer"]]
     name = "kernels.quick" if args.quick else "kernels"
     data = {"environment": env, "arch": args.arch.value, "repeats": repeats, "rows": rows}
     json_path, md_path = write_results(name, data, markdown(rows, env, args.arch, args.quick), args.results_dir)

@@ -285,8 +285,8 @@ def random_mamba_mixer(
     *, groups: int, dt_max: float, seed: int, head_dim: int = 16, conv_bias: bool = True, dt_min: float = 0.001,
     d_state: int = 24,
 ) -> MambaMixer:
-    """A small Mamba2 mixer (8 heads, d_state 24 unless given, hidden 32) with random parameters of scale 0.5,
-    for comparing a fast mixer path with its reference."""
+    """A small Mamba2 mixer (8 heads, d_state 24 unless given, hidden 32) with random parameters of
+    scale 0.5, for comparing a fast mixer path with its reference."""
     torch.manual_seed(seed)
     shape = MambaShape(
         n_heads=8, head_dim=head_dim, n_groups=groups, d_state=d_state, d_conv=4, chunk_size=16,
