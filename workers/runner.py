@@ -104,6 +104,10 @@ class ModelRunner:
         order, as in a pure decode step, so no gather)."""
         if chunks and self.fast.decode is not None and all(c.num_tokens == 1 and c.start > 0 for c in chunks):
             return self._decode_batch(chunks), None
+        return self._mixed_batch(chunks)
+
+    def _mixed_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """Any step (prefill segments and a decode group); the reference of `_decode_batch`."""
         ids: list[int] = []
         positions: list[int] = []
         kv_slots: list[int] = []
