@@ -5,31 +5,47 @@ characters are held back, so a stop string that completes over several tokens is
 partly streamed; nothing past a matched stop string is ever emitted. A trailing incomplete
 UTF-8 sequence (decoded as U+FFFD) is held back while the request runs, since the next token
 may complete it, and emitted as decoded at the finish: the deltas always add up to the text.
+
+Each token costs two decodes of a short window of ids, not a decode of the whole output:
+
+    ids:   [ t0 t1 ... | t7 t8 | t9 t10 ]
+                       ^prefix ^read    ^len(ids)
+    text = stable + decode(ids[prefix:])[len(decode(ids[prefix:read])):]
+           stable = the text of ids[:read]
+
+The window starts at the last folded token, not at `read`, so whatever a decoder does to the
+first token it sees (strip a leading space, garble a byte sequence cut in half) happens to both
+decodes alike and cancels. New tokens are folded into `stable` once their text is non-empty and
+does not end in U+FFFD (a complete character). `FullDecodeDetokenizer` is the reference: it
+decodes the whole output every step.
 """
 
 from __future__ import annotations
 
 from workers.tokenizer import ChatTokenizer
 
+_INCOMPLETE = "\ufffd"
 
-class Detokenizer:
-    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...]):
-        self.tokenizer = tokenizer
+
+class _StopAndHold:
+    """The emission rules over the output's text so far (shared by both detokenizers)."""
+
+    def __init__(self, stop: tuple[str, ...]):
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._sent = 0
 
-    def update(self, output_ids: list[int]) -> tuple[str, bool]:
-        """Returns (text delta to emit, whether a stop string matched)."""
-        text = self.tokenizer.decode(output_ids)
-        search_from = max(0, len(self.text) - self.hold)
-        cut = min((i for i in (text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = text[:cut]
-            return self.flush(), True
+    def _advance(self, text: str) -> tuple[str, bool]:
+        """`text` is the output's whole text now; returns (delta to emit, whether a stop string matched)."""
+        if self.stop:
+            search_from = max(0, len(self.text) - self.hold)
+            cut = min((i for i in (text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self.text = text[:cut]
+                return self.flush(), True
         self.text = text
-        upto = min(len(text) - self.hold, len(text.rstrip("\ufffd")))
+        upto = min(len(text) - self.hold, len(text.rstrip(_INCOMPLETE)))
         if upto <= self._sent:
             return "", False
         delta = text[self._sent : upto]
@@ -40,3 +56,46 @@ class Detokenizer:
         delta = self.text[self._sent :]
         self._sent = len(self.text)
         return delta
+
+
+class Detokenizer(_StopAndHold):
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...]):
+        super().__init__(stop)
+        self.tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self._stable = ""  # the text of ids[:read]
+        self._prefix_text = ""  # decode(ids[prefix:read])
+
+    def update(self, token_id: int) -> tuple[str, bool]:
+        """One more output token; returns (text delta to emit, whether a stop string matched)."""
+        ids = self._ids
+        ids.append(token_id)
+        window = self.tokenizer.decode(ids[self._prefix :])
+        if window.startswith(self._prefix_text):
+            tail = window[len(self._prefix_text) :]
+            text, fold = self._stable + tail, tail and not tail.endswith(_INCOMPLETE)
+        else:  # a decoder whose windows are not prefix-stable: the whole output, then fold from here
+            text = self.tokenizer.decode(ids)
+            fold = text and not text.endswith(_INCOMPLETE)
+            if fold:
+                self._read = len(ids) - 1  # the next window starts at the last token
+        if fold:
+            self._stable = text
+            self._prefix, self._read = self._read, len(ids)
+            self._prefix_text = self.tokenizer.decode(ids[self._prefix : self._read])
+        return self._advance(text)
+
+
+class FullDecodeDetokenizer(_StopAndHold):
+    """The reference: decodes the whole output on every token."""
+
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...]):
+        super().__init__(stop)
+        self.tokenizer = tokenizer
+        self._ids: list[int] = []
+
+    def update(self, token_id: int) -> tuple[str, bool]:
+        self._ids.append(token_id)
+        return self._advance(self.tokenizer.decode(self._ids))

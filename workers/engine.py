@@ -172,6 +172,7 @@ class LLMEngine:
         self.verifier.metrics.step_seconds += time.perf_counter() - started
         return outputs
 
+    @torch.inference_mode()  # the step's logits are masked in place before sampling
     def _fast_step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         outputs = [self._fail(r, "the request does not fit in the KV cache") for r in step.unfittable]
@@ -190,6 +191,7 @@ class LLMEngine:
                 [c.request.params for c in sampling],
                 [c.request.num_tokens for c in sampling],
                 self.banned_token_ids,
+                overwrite=True,  # the step's own logits: mask the never-sampled ids in place
             )
         except Exception as e:  # a failing step fails its requests; the engine keeps serving
             log.exception("model step failed")
@@ -264,7 +266,7 @@ class LLMEngine:
 
     def _text_and_reason(self, request: Request, token: SampledToken) -> tuple[str, FinishReason | None]:
         """The text the new last token adds, and why the request ends there (if it does)."""
-        delta, stopped = self._detok[request.request_id].update(request.output_token_ids)
+        delta, stopped = self._detok[request.request_id].update(token.token_id)
         if stopped:
             return delta, FinishReason.STOP
         return delta, self._finish_reason(request, token.token_id)

@@ -55,6 +55,10 @@ class Scheduler:
         self.config = config
         self.caches = caches
         self.align_tokens = align_tokens
+        self.block_size = caches.kv.block_size
+        # (state slot, aligned slot) of each running request, from its admission until it is
+        # preempted or finishes (the only moves of a running request's slots): not looked up per step.
+        self._slots: dict[str, tuple[int, int | None]] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -76,9 +80,12 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or request.verify_due:
                 continue  # preempted earlier in this loop, or parked for a verify pass
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._make_room(request, request.num_computed_tokens + n, out):
-                continue  # preempted itself; re-admission decides whether it can ever fit
-            out.chunks.append(self._chunk(request, n))
+            table = self.caches.block_table(request)
+            if len(table) * self.block_size < request.num_computed_tokens + n:  # most decode steps: no new block
+                if not self._make_room(request, request.num_computed_tokens + n, out):
+                    continue  # preempted itself; re-admission decides whether it can ever fit
+                table = self.caches.block_table(request)
+            out.chunks.append(self._chunk(request, n, table))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -97,22 +104,25 @@ class Scheduler:
             if request.deterministic:  # its prefill runs in verify tiles, outside the token budget
                 request.verify_due = True
                 continue
-            out.chunks.append(self._chunk(request, n))
+            out.chunks.append(self._chunk(request, n, self.caches.block_table(request)))
             budget -= n
         out.copies = self.caches.pending.take()
         return out
 
-    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, n: int, table: list[int]) -> ScheduledChunk:
         start = request.num_computed_tokens
         snapshot = None
-        # A deterministic request's aligned slot is the verifier's (canonical states only).
-        aligned_slot = None if request.deterministic else self.caches.aligned_slot(request)
+        slots = self._slots.get(request.request_id)
+        if slots is None:  # admitted since its last chunk: the slots stay its own until it leaves running
+            # A deterministic request's aligned slot is the verifier's (canonical states only).
+            aligned = None if request.deterministic else self.caches.aligned_slot(request)
+            slots = self._slots[request.request_id] = (self.caches.state_slot(request), aligned)
+        state_slot, aligned_slot = slots
         if aligned_slot is not None:
             aligned = (start + n) // self.align_tokens * self.align_tokens
             if aligned > start:
                 snapshot = (aligned, aligned_slot)
-        table = list(self.caches.block_table(request))
-        return ScheduledChunk(request, start, n, table, self.caches.state_slot(request), snapshot)
+        return ScheduledChunk(request, start, n, list(table), state_slot, snapshot)
 
     def _make_room(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.caches.can_grow(request, num_tokens):
@@ -125,6 +135,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self._slots.pop(request.request_id, None)
         self.running.remove(request)
         self.caches.release(request)
         request.status = RequestStatus.WAITING
@@ -147,6 +158,7 @@ class Scheduler:
         """Stop a request wherever it is: waiting, running or mid-prefill."""
         if request.is_finished:
             return
+        self._slots.pop(request.request_id, None)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:  # an unfittable request has already left the queue

@@ -59,7 +59,7 @@ def test_detokenizer_emits_a_trailing_incomplete_character_at_finish():
     ids = list(text.encode())[:-1]  # the last character cut inside its UTF-8 sequence
     tok = ByteTokenizer()
     detok = Detokenizer(tok, stop=())
-    deltas = [detok.update(ids[: i + 1])[0] for i in range(len(ids))]
+    deltas = [detok.update(token)[0] for token in ids]
     assert "".join(deltas) == "añ", "an incomplete character is held back while running"
     deltas.append(detok.flush())
     assert "".join(deltas) == tok.decode(ids), "the deltas add up to the text at the finish"
@@ -68,7 +68,7 @@ def test_detokenizer_emits_a_trailing_incomplete_character_at_finish():
 def test_detokenizer_completes_a_character_split_over_tokens():
     ids = list("é!".encode())
     detok = Detokenizer(ByteTokenizer(), stop=())
-    deltas = [detok.update(ids[: i + 1])[0] for i in range(len(ids))] + [detok.flush()]
+    deltas = [detok.update(token)[0] for token in ids] + [detok.flush()]
     assert deltas[0] == "" and "".join(deltas) == "é!"
 
 
