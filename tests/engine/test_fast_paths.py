@@ -10,6 +10,11 @@ requests finish at different times (so running slots are not contiguous).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -275,6 +280,21 @@ def test_reference_path_when_kernels_cannot_build(monkeypatch):
     assert scan_module.build_failure() is None  # each source fails on its own
     assert scan_module.scan_kernels.build() is None
     assert "ninja" in scan_module.build_failure()
+
+
+def test_a_build_killed_midway_does_not_block_later_loads():
+    """A process killed while it built a kernel leaves torch's lock file in the build folder;
+    the next process must clear it and load the module, not wait for it forever (a replica
+    stopped during its first start-up would otherwise hang every later one)."""
+    ext = kernel_module.decode_kernels
+    out = cpp_build.build_dir(ext.name, ext.source, ext.flags)
+    assert ext() is not None and out.is_dir()
+    (out / "lock").touch()
+    root = Path(__file__).resolve().parents[2]
+    code = "from workers.model.kernels import decode_kernels; assert decode_kernels() is not None"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root, env=env)
+    assert not (out / "lock").exists()
 
 
 @pytest.mark.parametrize("groups", [1, 4])

@@ -12,6 +12,8 @@ once per process and on its own.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -59,14 +61,15 @@ def build_cpu_extension(name: str, source: Path, fallback: str, flags: tuple[str
 
             out = build_dir(name, source, flags)
             out.mkdir(parents=True, exist_ok=True)
-            module = load(
-                name=name,
-                sources=[str(source)],
-                build_directory=str(out),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            with _one_builder(out):
+                module = load(
+                    name=name,
+                    sources=[str(source)],
+                    build_directory=str(out),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
             _failures.pop(name, None)
             return module
         except (OSError, RuntimeError, ImportError, SystemExit) as e:  # compiler or linker failures
@@ -74,6 +77,21 @@ def build_cpu_extension(name: str, source: Path, fallback: str, flags: tuple[str
     _failures[name] = failure
     log.warning("%s unavailable (%s); running %s", name, failure, fallback)
     return None
+
+
+@contextlib.contextmanager
+def _one_builder(out: Path):
+    """One process at a time loads (and if need be builds) the module in `out`, under an flock
+    that the kernel drops when its holder dies. Torch's own lock file (`out/lock`) stays behind
+    when a build is killed (a replica stopped during start-up), and every later load of the
+    module would wait for it forever; under the flock no live process holds it, so it goes."""
+    with open(out / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = out / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 class CpuExtension:
