@@ -132,14 +132,14 @@ def sample(
             logits = logits.index_fill(1, banned_token_ids, -torch.inf)
     greedy_ids = torch.argmax(logits, dim=-1).tolist()
     if all(p.greedy and p.logprobs is None for p in params):  # the common decode batch: one argmax
-        return [_plain(token) for token in greedy_ids]
+        return [SampledToken(token, None, None) for token in greedy_ids]
     want_logprobs = any(p.logprobs is not None for p in params)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     out = []
     for row, (p, pos) in enumerate(zip(params, positions)):
         token = greedy_ids[row] if p.greedy else _draw(logits[row], p, pos)
         if p.logprobs is None:
-            out.append(_plain(token))
+            out.append(SampledToken(token, None, None))
             continue
         row_lp = logprobs[row]
         top = ()
@@ -148,14 +148,3 @@ def sample(
             top = tuple(zip(ids.tolist(), values.tolist()))
         out.append(SampledToken(token, float(row_lp[token]), top))
     return out
-
-
-_PLAIN: dict[int, SampledToken] = {}  # immutable, so one per token id serves every request
-
-
-def _plain(token: int) -> SampledToken:
-    """A token without logprobs."""
-    sampled = _PLAIN.get(token)
-    if sampled is None:
-        sampled = _PLAIN[token] = SampledToken(token, None, None)
-    return sampled
