@@ -77,12 +77,9 @@ inline int64_t grain_for(int64_t floats_per_item) { return std::max<int64_t>(1, 
 typedef float vec8 __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 8;
 constexpr int64_t kLine = 64;  // bytes per cache line
-#ifndef MAMBA_PREFETCH_AHEAD
-#define MAMBA_PREFETCH_AHEAD 2048
-#endif
 // Bytes ahead of the state row being stepped: 2 KB measured 5-8% faster than none at 8 and 32
 // sequences (4 KB the same, 1 KB less); stepping 4 rows at once (4 FMA chains) measured slower.
-constexpr int64_t kPrefetchAhead = MAMBA_PREFETCH_AHEAD;
+constexpr int64_t kPrefetchAhead = 2048;
 
 inline vec8 load8(const float* p) {
   vec8 v;
@@ -110,6 +107,14 @@ inline float fmadd(float a, float b, float c) {
 #endif
 }
 
+// a * b rounded on its own. The empty asm takes the product as a register value, so the compiler
+// cannot contract it into the add that follows (-ffp-contract=fast is GCC's default).
+inline float mul_unfused(float a, float b) {
+  float product = a * b;
+  asm("" : "+x"(product));
+  return product;
+}
+
 // Flat channels [begin, end) of the batch (i = sequence * conv_dim + channel): the causal conv of
 // each over [its kept inputs | the new input], its history shifted in place (before silu).
 // KEPT = 0: the kept width `kept` at run time.
@@ -117,9 +122,9 @@ inline float fmadd(float a, float b, float c) {
 //   acc = bias;  acc = fma(kept[k], w[k], acc) for k = 0 .. K-2;  acc = acc + (x * w[K-1])
 //
 // the last product rounded on its own, as the loop this replaced compiled (its product sat outside
-// the taps' loop): the same bits. Contraction is off in this function so that stays so.
+// the taps' loop): the same bits.
 template <int64_t KEPT>
-__attribute__((optimize("fp-contract=off"))) void conv_channels(
+void conv_channels(
     const float* in, int64_t row_stride, int64_t inter, float* hist_all, int64_t conv_dim, int64_t kept_rt,
     const int64_t* slots, const float* w_all, const float* bias, float* out, int64_t begin, int64_t end) {
   const int64_t kept = KEPT ? KEPT : kept_rt, width = kept + 1;
@@ -130,7 +135,7 @@ __attribute__((optimize("fp-contract=off"))) void conv_channels(
     const float x = in[b * row_stride + inter + c];
     float acc = bias ? bias[c] : 0.0f;
     for (int64_t k = 0; k < kept; ++k) acc = fmadd(hist[k], w[k], acc);
-    acc = acc + x * w[kept];
+    acc = acc + mul_unfused(x, w[kept]);
     for (int64_t k = 0; k + 1 < kept; ++k) hist[k] = hist[k + 1];
     if (kept > 0) hist[kept - 1] = x;
     out[i] = acc;
