@@ -55,3 +55,7 @@ class TurnResolvedError(EngineError):
 
 class HistoryRewriteError(InvalidRequestError):
     """The chat template cannot render the new messages as an append to the committed tokens."""
+
+
+class HeadExistsError(EngineError):
+    """A commit found another head already published for its turn; nothing was changed."""

@@ -19,6 +19,7 @@ from workers.cache.chunk_index import ChunkIndex
 from workers.cache.kv_blocks import BlockPool
 from workers.checkpoint import Arch
 from workers.detokenizer import Detokenizer
+from workers.errors import HeadExistsError
 from workers.request import KeepState
 from workers.sampling import SamplingParams
 
@@ -120,7 +121,7 @@ def test_a_commit_onto_a_taken_turn_moves_nothing(tiny):
         engine.step()
     heads = engine.caches.heads
     heads.commit(kept[0].prepared, "k", 1, 1)
-    with pytest.raises(ValueError, match="already has a head"):
+    with pytest.raises(HeadExistsError, match="already has a head"):
         heads.commit(kept[1].prepared, "k", 1, 1)
     assert kept[1].prepared.holder in heads.prepared, "the refused state is still the prepared turn's"
     engine.check_integrity()

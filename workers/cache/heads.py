@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from workers.cache.holders import Holder, HolderKind
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
+from workers.errors import HeadExistsError
 from workers.request import HeadAttachment, Request, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class HeadManager:
         is dropped only once the state has moved, so a failed commit leaves it intact."""
         current = self._by_turn.get((key, turn))
         if current is not None and current is not replacing:  # checked before anything moves
-            raise ValueError(f"turn {turn} of conversation {key} already has a head")
+            raise HeadExistsError(f"turn {turn} of conversation {key} already has a head")
         holder = self.new_holder(HolderKind.HEAD)
         self._move(prepared.holder, holder)
         del self.prepared[prepared.holder]
