@@ -384,29 +384,42 @@ void chunk_scores(const float* q, int64_t nj, int64_t dim, const float* const* k
   }
 }
 
-// acc_j += sum_t w[j][t] * value_t, four keys per pass over acc_j (one load and store of acc per
-// four products: the store port, not the FMAs, bounds a one-key-at-a-time loop).
+// acc_j += sum_t w[j][t] * value_t. A run of up to 8 of acc_j's vectors stays in registers over
+// all the chunk's keys (one FMA chain per vector, in key order), so the accumulator is loaded
+// and stored once per chunk instead of once per few keys: the store-to-load round trip, not the
+// FMAs, bounded the loop that kept it in memory.
+template <int NV>
+void values_run(const float* wj, const float* const* values, int64_t offset, int64_t n, float* a) {
+  vec8 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = load8(a + 8 * v);
+  for (int64_t t = 0; t < n; ++t) {
+    const vec8 w = vec8{} + wj[t];
+    const float* row = values[t] + offset;
+    for (int v = 0; v < NV; ++v) acc[v] = fmadd(w, load8(row + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) store8(a + 8 * v, acc[v]);
+}
+
 void chunk_values(const float* w, int64_t nj, int64_t dim, const float* const* values, int64_t offset, int64_t n,
                   float* acc) {
   const int64_t body = dim - dim % 8;
   for (int64_t j = 0; j < nj; ++j) {
     const float* wj = w + j * kKeyChunk;
     float* a = acc + j * dim;
-    int64_t t = 0;
-    for (; t + 3 < n; t += 4) {
-      const float w0 = wj[t], w1 = wj[t + 1], w2 = wj[t + 2], w3 = wj[t + 3];
-      const float *v0 = values[t] + offset, *v1 = values[t + 1] + offset, *v2 = values[t + 2] + offset,
-                  *v3 = values[t + 3] + offset;
-      for (int64_t e = 0; e < body; e += 8) {
-        store8(a + e, load8(a + e) + w0 * load8(v0 + e) + w1 * load8(v1 + e) + w2 * load8(v2 + e) + w3 * load8(v3 + e));
+    for (int64_t e = 0; e < body; e += 64) {
+      switch (std::min<int64_t>(8, (body - e) / 8)) {
+        case 1: values_run<1>(wj, values, offset + e, n, a + e); break;
+        case 2: values_run<2>(wj, values, offset + e, n, a + e); break;
+        case 3: values_run<3>(wj, values, offset + e, n, a + e); break;
+        case 4: values_run<4>(wj, values, offset + e, n, a + e); break;
+        case 5: values_run<5>(wj, values, offset + e, n, a + e); break;
+        case 6: values_run<6>(wj, values, offset + e, n, a + e); break;
+        case 7: values_run<7>(wj, values, offset + e, n, a + e); break;
+        default: values_run<8>(wj, values, offset + e, n, a + e); break;
       }
-      for (int64_t e = body; e < dim; ++e) a[e] += w0 * v0[e] + w1 * v1[e] + w2 * v2[e] + w3 * v3[e];
     }
-    for (; t < n; ++t) {
-      const float w0 = wj[t];
-      const float* v0 = values[t] + offset;
-      for (int64_t e = 0; e < body; e += 8) store8(a + e, load8(a + e) + w0 * load8(v0 + e));
-      for (int64_t e = body; e < dim; ++e) a[e] += w0 * v0[e];
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t e = body; e < dim; ++e) a[e] = fmadd(wj[t], values[t][offset + e], a[e]);
     }
   }
 }
