@@ -54,10 +54,11 @@ constexpr int64_t kRowBlock = 48;  // rows per block (8 groups of 6): 48 x K fp3
 // by every row group in turn (panel_all_rows). Measured (one thread, 238 MiB pass): 8 rows
 // 10-20% faster than whole-panel passes, 4-16 rows no slower; at 24-48 rows whole-panel passes
 // were 5-15% faster (the groups' compute dominates and the blocks' per-call work shows); there
-// the later groups fetch the next panel instead (24-48 rows: 5-11% faster per thread). 128 steps
-// rather than 32: each block costs every group a reload and store of its accumulators and a
-// mispredicted loop exit, which at 32 steps was a tenth of the group's work (16 rows: 128
-// measured 5-13% faster, 64 in between); 8 KB of panel and 16 rows x 512 B of x still fit L1.
+// the later groups fetch the next panel instead (24-48 rows: 5-11% faster per thread; blocking
+// 17-32 rows measured 8-13% slower again with 128-step blocks). 128 steps rather than 32: each
+// block costs every group a reload and store of its accumulators and a mispredicted loop exit;
+// 8 KB of panel and 16 rows x 512 B of x still fit L1. 64, 128 and 256 measured alike (within
+// the +-5% noise of a shared machine).
 constexpr int64_t kBlockedRows = 16;
 constexpr int64_t kStepBlock = 128;
 
@@ -154,13 +155,16 @@ constexpr PanelRowsFn<T> kPanelRows[kRowGroup + 1] = {nullptr,          panel_ro
                                                       panel_rows<3, T>, panel_rows<4, T>, panel_rows<5, T>,
                                                       panel_rows<6, T>};
 
-// The size of the next row group when `left` rows remain: full groups of kRowGroup first, but
-// never a last group of one row (7 = 5 + 2, 13 = 6 + 5 + 2). A group of r rows has 2r
-// independent accumulator chains, and one row's 2 leave the FMA units waiting on its latency.
-// Measured (one thread, 238 MiB pass) against groups as even as possible (8 = 4 + 4,
-// 13 = 5 + 4 + 4): 7-9 rows 10-20% faster, 12-14 rows the same or better.
-inline int64_t row_group(int64_t left) {
-  return left == kRowGroup + 1 ? kRowGroup - 1 : std::min(kRowGroup, left);
+// The rows of group g of `groups` over M rows, r of them in the groups before it. The first
+// group, the one that streams the panel from memory, is a full kRowGroup (but 7 = 5 + 2: a
+// group of one row has only 2 independent accumulator chains and leaves the FMA units waiting
+// on their latency); the others are as even as possible (16 = 6 + 5 + 5, 32 = 6 + 5 x 4 + 6).
+// Measured with the 128-step blocks against the earlier kernel (all groups as even as possible,
+// 8 = 4 + 4, and 32-step blocks), one thread, 238 MiB pass, median of 31-41 paired runs: 8 rows
+// 4-9% faster, 16 rows 1-3%, 32 rows 0-4%, 1-4 rows the same.
+inline int64_t row_group(int64_t M, int64_t r, int64_t g, int64_t groups) {
+  if (g == 0) return M == kRowGroup + 1 ? kRowGroup - 1 : std::min(kRowGroup, M);
+  return (M - r) / (groups - g);
 }
 
 // All M (<= kRowBlock) rows of x times one panel, in row groups. The first group reads the
@@ -188,7 +192,7 @@ void panel_all_rows(const float* x, int64_t M, int64_t K, const T* panel, const 
   for (int64_t k0 = 0; k0 < K; k0 += step_block) {
     const int64_t k1 = std::min(K, k0 + step_block);
     for (int64_t g = 0, r = 0; g < groups; ++g) {
-      const int64_t rows = row_group(M - r);
+      const int64_t rows = row_group(M, r, g, groups);
       Prefetch<T> pf;
       if (g == 0) {
         pf = first;
