@@ -14,7 +14,10 @@ with an [rows, in] input, on one backend (`workers.model.linear_tuning`):
 
 Figures: ms per pass (min over repeats, backends alternated within each repeat), the fp32
 weight bytes over that time (GB/s; for int8 the bytes it stands for, a quarter of which it
-reads), GFLOPS, and the largest output difference from F.linear. Writes
+reads), GFLOPS, and the largest output difference from F.linear. The panel kernel's time is also
+given against its two floors, both from the same run: the memory floor, its own 1-row pass (a
+pass over the weights with next to no arithmetic), and the compute floor, the pass's flops at the
+measured fp32 peak (`bench.roofline.fp32_peak`, operands hot in the caches). Writes
 bench/results/linear_speed[.quick].{json,md,png}.
 """
 
@@ -30,6 +33,7 @@ from torch import nn
 
 from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
 from bench.engine import checkpoint_dir
+from bench.roofline import fp32_peak
 from workers.checkpoint import Arch, Preset
 from workers.model.linear_tuning import LinearBackend, available_backends, pack_for, run_packed
 from workers.model.loader import load_model
@@ -77,6 +81,23 @@ def measure(linears: list[nn.Linear], rows: int, repeats: int, backends: tuple[L
     }
 
 
+def add_floors(rows: list[dict], peak_gflops: float) -> None:
+    """Each row's panel time over the memory floor (the same run's 1-row panel pass) and the
+    compute floor (its flops at the measured peak); nothing when the 1-row pass was not run."""
+    one_row = next((r["ms"].get(LinearBackend.PANELS.value) for r in rows if r["rows"] == 1), None)
+    if one_row is None:
+        return
+    for r in rows:
+        panels = LinearBackend.PANELS.value
+        compute_ms = r["gflops"][panels] * r["ms"][panels] / peak_gflops  # the pass's flops at the peak
+        r["panels_floors"] = {
+            "memory_ms": one_row,
+            "compute_ms": compute_ms,
+            "over_memory": r["ms"][panels] / one_row,
+            "over_compute": r["ms"][panels] / compute_ms,
+        }
+
+
 def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool, weight_mib: float) -> str:
     cpu = env["cpu"]
     backends = list(rows[0]["ms"])
@@ -89,16 +110,28 @@ def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool, weight_mib: f
         "`panels_int8` is the int8 mode (other numbers: see its error), not a like-for-like backend.\n\n"
     )
     headers = ["rows"] + [f"{b} ms (GB/s)" for b in backends] + ["best fp32", "panels max |diff|", "int8 max |diff|"]
+    floors = "panels_floors" in rows[0]
+    if floors:
+        headers += ["panels / memory floor", "panels / compute floor"]
     table = []
     for r in rows:
         fp32 = {b: r["ms"][b] for b in backends if b != LinearBackend.PANELS_INT8.value}
         cells = [f"{format_number(r['ms'][b], 2)} ({format_number(r['gb_s'][b])})" for b in backends]
         diff = r["max_abs_diff_vs_torch"]
-        table.append(
-            [r["rows"], *cells, min(fp32, key=fp32.get),
-             f"{diff.get('panels', float('nan')):.1e}", f"{diff.get('panels_int8', float('nan')):.1e}"]
-        )  # fmt: skip
-    return head + markdown_table(headers, table)
+        line = [r["rows"], *cells, min(fp32, key=fp32.get),
+                f"{diff.get('panels', float('nan')):.1e}", f"{diff.get('panels_int8', float('nan')):.1e}"]  # fmt: skip
+        if floors:
+            f = r["panels_floors"]
+            line += [f"{f['over_memory']:.2f} ({format_number(f['memory_ms'], 2)} ms)",
+                     f"{f['over_compute']:.2f} ({format_number(f['compute_ms'], 2)} ms)"]  # fmt: skip
+        table.append(line)
+    tail = ""
+    if floors:
+        tail = (
+            f"\nFloors of the panel kernel, same run: memory = its 1-row pass; compute = the pass's flops at "
+            f"{format_number(env['fp32_peak_gflops'])} GFLOPS, the best of `bench.roofline.fp32_peak`'s probes.\n"
+        )
+    return head + markdown_table(headers, table) + tail
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -140,6 +173,10 @@ def main() -> None:
     env = environment_info()
     with torch.inference_mode():
         rows = [measure(linears, n, repeats, backends) for n in row_counts]
+        if LinearBackend.PANELS in backends:
+            env["fp32_peak_probes_gflops"] = fp32_peak()
+            env["fp32_peak_gflops"] = max(env["fp32_peak_probes_gflops"].values())
+            add_floors(rows, env["fp32_peak_gflops"])
     weight_mib = sum(m.weight.numel() * 4 for m in linears) / 2**20
     name = "linear_speed.quick" if args.quick else "linear_speed"
     data = {"environment": env, "arch": args.arch.value, "repeats": repeats, "weight_mib": weight_mib, "rows": rows}

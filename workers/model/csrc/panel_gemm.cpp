@@ -46,19 +46,21 @@ typedef signed char int8x8 __attribute__((vector_size(8)));
 constexpr int64_t kPanel = 16;   // output columns per panel: two vec8 per row
 constexpr int64_t kRowGroup = 6;  // rows whose accumulators (2 x 6 = 12 vectors) stay in registers
 constexpr int64_t kLine = 64;     // bytes per cache line
-#ifndef PANEL_PREFETCH_AHEAD
-#define PANEL_PREFETCH_AHEAD 4096
-#endif
-constexpr int64_t kPrefetchAhead = PANEL_PREFETCH_AHEAD;  // bytes ahead of the streaming read: 4 KB measured
-                                                          // 0-10% better than 0 or 1 KB at 4-16 rows, = 16 KB
+// Bytes ahead of the streaming read that the first group prefetches: 4 KB measured 0-10% faster
+// than 0 or 1 KB at 4-16 rows; 2, 8 and 16 KB, and a prefetch into L2 instead of L1, no faster.
+constexpr int64_t kPrefetchAhead = 4096;
 constexpr int64_t kRowBlock = 48;  // rows per block (8 groups of 6): 48 x K fp32 stay in L2 (K up to ~4k)
-// Up to kBlockedRows rows, a panel is taken kStepBlock k-steps (32 x 16 fp32 = 2 KB) at a time
+// Up to kBlockedRows rows, a panel is taken kStepBlock k-steps (128 x 16 fp32 = 8 KB) at a time
 // by every row group in turn (panel_all_rows). Measured (one thread, 238 MiB pass): 8 rows
 // 10-20% faster than whole-panel passes, 4-16 rows no slower; at 24-48 rows whole-panel passes
 // were 5-15% faster (the groups' compute dominates and the blocks' per-call work shows); there
-// the later groups fetch the next panel instead (24-48 rows: 5-11% faster per thread).
+// the later groups fetch the next panel instead (24-48 rows: 5-11% faster per thread; blocking
+// 17-32 rows measured 8-13% slower again with 128-step blocks). 128 steps rather than 32: each
+// block costs every group a reload and store of its accumulators and a mispredicted loop exit;
+// 8 KB of panel and 16 rows x 512 B of x still fit L1. 64, 128 and 256 measured alike (within
+// the +-5% noise of a shared machine).
 constexpr int64_t kBlockedRows = 16;
-constexpr int64_t kStepBlock = 32;  // k-steps per panel block: 32 x 16 fp32 = 2 KB, in L1 with the rows' x
+constexpr int64_t kStepBlock = 128;
 
 inline vec8 load8(const float* p) {
   vec8 v;
@@ -116,8 +118,9 @@ void panel_rows(const float* x, int64_t x_stride, const T* panel, int64_t k0, in
     lo[r] = acc[2 * r];
     hi[r] = acc[2 * r + 1];
   }
-  // The first step at or after k0 that fetches (a counter, not a division per step).
-  int64_t fetch_at = pf.ahead ? k0 + ((pf.phase - k0) % pf.every + pf.every) % pf.every : k1;
+  // The first step that fetches: k0 is 0 or a multiple of kStepBlock, itself a multiple of
+  // `every` wherever blocks are taken (panel_all_rows), so no division is needed.
+  int64_t fetch_at = pf.ahead ? k0 + pf.phase : k1;
   for (int64_t k = k0; k < k1; ++k) {
     if (k == fetch_at) {
       const T* line = pf.ahead + k * kPanel;
@@ -152,6 +155,18 @@ constexpr PanelRowsFn<T> kPanelRows[kRowGroup + 1] = {nullptr,          panel_ro
                                                       panel_rows<3, T>, panel_rows<4, T>, panel_rows<5, T>,
                                                       panel_rows<6, T>};
 
+// The rows of group g of `groups` over M rows, r of them in the groups before it. The first
+// group, the one that streams the panel from memory, is a full kRowGroup (but 7 = 5 + 2: a
+// group of one row has only 2 independent accumulator chains and leaves the FMA units waiting
+// on their latency); the others are as even as possible (16 = 6 + 5 + 5, 32 = 6 + 5 x 4 + 6).
+// Measured with the 128-step blocks against the earlier kernel (all groups as even as possible,
+// 8 = 4 + 4, and 32-step blocks), one thread, 238 MiB pass, median of 31-41 paired runs: 8 rows
+// 4-9% faster, 16 rows 1-3%, 32 rows 0-4%, 1-4 rows the same.
+inline int64_t row_group(int64_t M, int64_t r, int64_t g, int64_t groups) {
+  if (g == 0) return M == kRowGroup + 1 ? kRowGroup - 1 : std::min(kRowGroup, M);
+  return (M - r) / (groups - g);
+}
+
 // All M (<= kRowBlock) rows of x times one panel, in row groups. The first group reads the
 // panel from memory and prefetches kPrefetchAhead bytes ahead of it while below `limit`, the
 // end of the thread's run. Up to kBlockedRows rows the panel is taken kStepBlock k-steps at a
@@ -161,9 +176,8 @@ constexpr PanelRowsFn<T> kPanelRows[kRowGroup + 1] = {nullptr,          panel_ro
 // in `acc`, exactly as they were, so no bit changes. Beyond kBlockedRows each group passes
 // over the whole panel, and the later groups, computing from the caches, share out the fetch
 // of the next panel into L2 line by line, so the memory works while they compute and the next
-// first group finds its panel near. Groups are as even as possible (8 = 4 + 4, not 6 + 2: a
-// small group has too few independent accumulator chains to hide the FMA latency). Each
-// output sums its k in ascending order, whatever the blocking.
+// first group finds its panel near. Groups are row_group's. Each output sums its k in ascending
+// order, whatever the blocking and the grouping.
 template <typename T>
 void panel_all_rows(const float* x, int64_t M, int64_t K, const T* panel, const float* scale, const float* bias,
                     float* out, int64_t N, int64_t width, const T* limit) {
@@ -178,7 +192,7 @@ void panel_all_rows(const float* x, int64_t M, int64_t K, const T* panel, const 
   for (int64_t k0 = 0; k0 < K; k0 += step_block) {
     const int64_t k1 = std::min(K, k0 + step_block);
     for (int64_t g = 0, r = 0; g < groups; ++g) {
-      const int64_t rows = (M - r) / (groups - g);
+      const int64_t rows = row_group(M, r, g, groups);
       Prefetch<T> pf;
       if (g == 0) {
         pf = first;
