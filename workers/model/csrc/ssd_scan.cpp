@@ -481,6 +481,14 @@ torch::Tensor prefill_conv(torch::Tensor xbc, torch::Tensor conv_cache, torch::T
       };
       for (int64_t t = 0; t < count; ++t) {
         float* o = out_p + (start + t) * channels + c0;
+        if (t + 4 < count) {  // input and output rows sit a row stride apart: no prefetcher sees them
+          const float* next_in = x_p + (start + t + 4) * x_stride + c0;
+          float* next_out = o + 4 * channels;
+          for (int64_t c = 0; c < nc; c += 16) {  // one line per 16 channels; a write misses least when fetched early
+            __builtin_prefetch(next_in + c, 0, 3);
+            __builtin_prefetch(next_out + c, 1, 3);
+          }
+        }
         for (int64_t c = 0; c < nc; ++c) o[c] = b_p ? b_p[c0 + c] : 0.0f;
         for (int64_t j = 0; j < width; ++j) {
           const float* in = input(t - kept + j);
