@@ -58,6 +58,34 @@ def test_recurrent_scan_equals_token_by_token_recurrence(b, length, h, p, g, n):
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    "b,length,h,p,g,n", [(2, 61, 4, 7, 2, 16), (1, 130, 2, 6, 1, 8), (3, 9, 4, 64, 2, 128), (1, 300, 4, 64, 2, 128)]
+)
+def test_scaled_state_at_extreme_decays_equals_the_float64_recurrence(b, length, h, p, g, n):
+    """The kernel keeps a run's state over a running scale and applies the decay only at its
+    "direct" tokens (csrc/ssd_scan.cpp): where the scale would leave [e^-20, e^20], and at a
+    run's last token. The decays here cross that bound in one token (dt = 30), over tens of
+    tokens (dt up to 0.4), or never (dt = 0; head 0 has A = 0), so direct tokens, scaled pairs
+    and lone scaled tokens all occur, on rows in blocks of 4, 2 and 1 (p = 7, 6, 64). The
+    reference is the definition, token by token, in float64; without decay the state grows
+    over the run, so the bound is relative to the largest output (fp32 rounding of the old
+    direct-only kernel was within 3e-7 of it here)."""
+    x, _, _, B, C, s0 = _inputs(b, length, h, p, g, n)
+    dt = torch.rand(b, length, h) * 0.4
+    dt[:, 5::11] = 30.0
+    dt[:, 7::13] = 0.0
+    A = -(torch.rand(h) * 4 + 0.5)
+    A[0] = 0.0
+    state, ys = s0.double(), []
+    for t in range(length):
+        ys.append(recurrent_step(state, x[:, t].double(), dt[:, t].double(), A.double(), B[:, t].double(), C[:, t].double()))
+    y_ref = torch.stack(ys, dim=1)
+    y, final = recurrent_scan(KERNEL, x, dt, A, B, C, s0)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=2e-6 * y_ref.abs().max().item())
+    torch.testing.assert_close(final.double(), state, rtol=1e-5, atol=2e-6 * state.abs().max().item())
+
+
+@needs_kernel
 def test_rows_stop_at_their_lengths_as_if_unpadded():
     """The mixer pads shorter runs of a wave to the longest (dt = 0 there): with `lengths` each
     row's final state is its state after its own last token, its outputs equal the unpadded
