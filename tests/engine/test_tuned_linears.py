@@ -28,6 +28,7 @@ from workers.model import linear_tuning
 from workers.model.linear_backends import (
     LinearBackend,
     available_backends,
+    bind,
     pack_for,
     pack_weight,
     packed_linear,
@@ -206,11 +207,16 @@ def test_packed_model_logits_equal_reference(tiny, arch, backend, monkeypatch):
     reference = our_logits(model, ids, split, fast_kernels=False)
     calls = []
 
-    def counted(b, x, packed, bias, out_features):
-        calls.append((b, x.shape[0]))
-        return run_packed(b, x, packed, bias, out_features)
+    def counted_bind(b, weight, packed, bias, out_features):
+        fn, args = bind(b, weight, packed, bias, out_features)
 
-    monkeypatch.setattr(linear_tuning, "run_packed", counted)
+        def counted(x, *args):
+            calls.append((b, x.shape[0]))
+            return fn(x, *args)
+
+        return counted, args
+
+    monkeypatch.setattr(linear_tuning, "bind", counted_bind)
     packed = our_logits(model, ids, split, linear_plan=LinearPlan.fixed(model, backend))
     assert (backend, 20) in calls and (backend, 1) in calls  # the prefill and the decodes ran packed
     assert_logits_close(packed, reference)

@@ -11,6 +11,7 @@ from torch import nn
 
 from workers.model.attention import Attention
 from workers.model.config import BlockSpec, HybridModelConfig, MixerKind
+from workers.model.decode_program import DecodeProgram
 from workers.model.fast_path import FastPath
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import MLP, RMSNorm, RotaryEmbedding
@@ -66,6 +67,8 @@ class HybridLM(nn.Module):
         self._next_norms = tuple(b.norm for b in self.blocks[1:]) + (self.final_norm,)
         attn = config.attention
         self.rotary = RotaryEmbedding(attn.rotary_dim, attn.rope_theta) if attn.rotary_dim else None
+        self._decode_program: DecodeProgram | None = None
+        self._decode_program_built = False  # built at the first pure decode step (weights loaded by then)
 
     def use_fast_path(self, fast: FastPath) -> None:
         """Run what `fast` holds (`workers.model.fast_path`), or, with `fast_path.REFERENCE`, the
@@ -73,6 +76,7 @@ class HybridLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "fast"):
                 module.fast = fast
+        self._drop_decode_program()
 
     def use_linear_plan(self, plan: LinearPlan | None) -> None:
         """Run the blocks' weight matmuls on the plan's measured backends
@@ -82,9 +86,29 @@ class HybridLM(nn.Module):
         remove_tuned_linears(self.blocks)
         if plan is not None:
             install_tuned_linears(self.blocks, plan)
+        self._drop_decode_program()
+
+    def _drop_decode_program(self) -> None:
+        self._decode_program, self._decode_program_built = None, False
+
+    def decode_program(self) -> DecodeProgram | None:
+        """The pure decode step of the current fast path and linear plan as one loop
+        (`workers.model.decode_program`), or None where only the modules can run it."""
+        if not self._decode_program_built:
+            self._decode_program, self._decode_program_built = DecodeProgram.build(self), True
+        return self._decode_program
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        """Hidden states after the final norm, one row per token of the flat batch."""
+        """Hidden states after the final norm, one row per token of the flat batch. A pure
+        decode step on the fused kernels runs the decode program; anything else the modules."""
+        if batch.decode is not None and batch.decode.covers_batch:
+            program = self.decode_program()
+            if program is not None and program.accepts(batch, caches):
+                return program.run(batch, caches)
+        return self.forward_layers(batch, caches)
+
+    def forward_layers(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """`forward` through the modules, whatever the batch: the decode program's reference."""
         h = self.embed(batch.input_ids)
         if self.config.embedding_multiplier != 1.0:
             h = h * self.config.embedding_multiplier

@@ -8,15 +8,19 @@
 
     packed = pack_for(backend, weight)                   # a copy (int8: panels and scales)
     y = run_packed(backend, x, packed, bias, out_features)
+    fn, args = bind(backend, weight, packed, bias, out_features)   # the same, resolved once:
+    y = fn(x, *args)
 
 `linear_tuning.py` decides which backend each weight shape and batch size uses.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 
 import torch
+import torch.nn.functional as F
 
 from workers.model.panel_gemm import panel_kernels
 
@@ -92,9 +96,24 @@ def pack_for(backend: LinearBackend, weight: torch.Tensor) -> Packed:
 def run_packed(
     backend: LinearBackend, x: torch.Tensor, packed: Packed, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
+    fn, args = bind(backend, None, packed, bias, out_features)
+    return fn(x, *args)
+
+
+BoundLinear = tuple[Callable[..., torch.Tensor], tuple]  # fn(x, *args) = the linear of x
+
+
+def bind(
+    backend: LinearBackend, weight: torch.Tensor | None, packed: Packed | None, bias: torch.Tensor | None, out_features: int
+) -> BoundLinear:
+    """`backend`'s matmul as a function and the arguments after x, resolved once: a call is then
+    `fn(x, *args)`, with no lookup of the kernel module or the backend (the decode forward runs
+    64 of them per step). `weight` serves TORCH, `packed` the others."""
+    if backend is LinearBackend.TORCH:
+        return F.linear, (weight, bias)
     if backend is LinearBackend.PANELS:
-        return panel_kernels().panel_linear(x, packed, out_features, bias)
+        return panel_kernels().panel_linear, (packed, out_features, bias)
     if backend is LinearBackend.PANELS_INT8:
         panels, scale = packed
-        return panel_kernels().panel_linear(x, panels, out_features, bias, scale)
-    return packed_linear(x, packed, bias)
+        return panel_kernels().panel_linear, (panels, out_features, bias, scale)
+    return torch.ops.mkldnn._linear_pointwise, (packed, bias, "none", [], "")

@@ -40,7 +40,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import linear_backends
-from workers.model.linear_backends import LinearBackend, Packed, available_backends, pack_for, run_packed
+from workers.model.linear_backends import (
+    BoundLinear,
+    LinearBackend,
+    Packed,
+    available_backends,
+    bind,
+    pack_for,
+    run_packed,
+)
 from workers.model.panel_gemm import build_failure as panel_build_failure
 
 log = logging.getLogger(__name__)
@@ -170,16 +178,20 @@ class TunedLinear(nn.Linear):
         self.weight, self.bias = linear.weight, linear.bias
         self.tuning, self.choices = tuning, choices
         self.packs: dict[LinearBackend, Packed] = {b: pack_for(b, self.weight) for b in dict.fromkeys(choices) if b.packed}
+        # Per bucket, the backend's function and its arguments after x (`linear_backends.bind`).
+        self.bound: tuple[BoundLinear, ...] = tuple(
+            bind(b, self.weight, self.packs.get(b), self.bias, self.out_features) for b in choices
+        )
 
     def backend_for(self, rows: int) -> LinearBackend:
         return self.choices[self.tuning.bucket_index(rows)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        backend = self.backend_for(rows) if rows else LinearBackend.TORCH
-        if backend.packed:
-            return run_packed(backend, x, self.packs[backend], self.bias, self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        if not rows:
+            return F.linear(x, self.weight, self.bias)
+        fn, args = self.bound[self.tuning.bucket_index(rows)]
+        return fn(x, *args)
 
 
 # (key, number of weights, tuning, threads, backends) -> per-bucket choices and timings: once per process.
