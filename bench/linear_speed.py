@@ -38,7 +38,7 @@ from workers.checkpoint import Arch, Preset
 from workers.model.linear_tuning import LinearBackend, available_backends, pack_for, run_packed
 from workers.model.loader import load_model
 
-ROWS_FULL = (1, 2, 4, 8, 16, 32, 64, 256)
+ROWS_FULL = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
 ROWS_QUICK = (1, 8, 32)
 
 

@@ -10,9 +10,9 @@ and the CPU (AVX2 here, AVX-512/AMX elsewhere), so the choice is measured, never
 start-up every distinct weight shape is timed on each backend for each row bucket, and the
 model's linears then dispatch on the number of rows.
 
-    rows of x:     1    2    3-4  5-8  ...  129-256  >256
-    bucket:        1    2    4    8    ...  256      256 (the last bucket covers the rest)
-    choice:      PANELS ...        ONEDNN_PACKED TORCH  (per weight shape, measured here)
+    rows of x:     1    2    3-4  5-8  ...  129-256  257-1024  >1024
+    bucket:        1    2    4    8    ...  256      1024      1024 (the last bucket covers the rest)
+    choice:      PANELS ...        ONEDNN_PACKED TORCH     (per weight shape, measured here)
 
     plan = tune_linears(model)             # measured once per process per shape, then cached
     install_tuned_linears(model, plan)     # nn.Linear -> TunedLinear (same parameters)
@@ -56,7 +56,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LinearTuning:
-    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    # Decode batches up to 256 rows; prefill chunks (up to the step's token budget, 2,048 by
+    # default) in one bucket of their own, measured at 1,024 rows: which backend wins there is
+    # not the 256-row winner (one run here: oneDNN 126-151 GFLOPS at 1,024 rows where 256 rows
+    # had picked the panel kernel or F.linear, at 101-142). Measured last: a start-up that runs
+    # out of time leaves it on the 256-row choice.
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
     # Timed calls per backend and bucket, interleaved so all backends see the same moments
     # of a shared machine; the median counts (see _ShapeBench.measure).
     samples: int = 25
@@ -202,8 +207,8 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
     """Measure each distinct fp32 CPU weight shape of the model on every backend and bucket.
 
     Bounded: at most `samples` interleaved timings and about `bucket_budget_s` per shape and
-    bucket, buckets up to 256 rows (larger prefill chunks follow the last bucket: by then
-    both backends are compute-bound), and `total_budget_s` in all, checked between timed
+    bucket, buckets up to 1,024 rows (larger prefill chunks follow the last bucket: by then
+    every backend is compute-bound), and `total_budget_s` in all, checked between timed
     calls. Shapes go one at a time (only one shape's packed copies exist at once, at most
     `pass_bytes` of them), each with an even share of the time left; its buckets go smallest
     first (decode's are the ones that matter most), and a bucket left unmeasured when its
