@@ -58,9 +58,9 @@ log = logging.getLogger(__name__)
 class LinearTuning:
     # Decode batches up to 256 rows; prefill chunks (up to the step's token budget, 2,048 by
     # default) in one bucket of their own, measured at 1,024 rows: which backend wins there is
-    # not the 256-row winner (one run here: oneDNN 126-151 GFLOPS at 1,024 rows where 256 rows
-    # had picked the panel kernel or F.linear, at 101-142). Measured last: a start-up that runs
-    # out of time leaves it on the 256-row choice.
+    # often not the 256-row winner (tuner medians here, 2 threads: NemotronH's 2576x512 on
+    # oneDNN 20.2 ms vs 23.7 on the panel kernel picked at 256 rows; 512x1024 8.6 vs 10.4 on
+    # F.linear). Measured last: a start-up that runs out of time leaves it on the 256-row choice.
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
     # Timed calls per backend and bucket, interleaved so all backends see the same moments
     # of a shared machine; the median counts (see _ShapeBench.measure).
