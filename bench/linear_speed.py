@@ -28,14 +28,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
 from bench.engine import checkpoint_dir
 from bench.roofline import fp32_peak
 from workers.checkpoint import Arch, Preset
-from workers.model.linear_tuning import LinearBackend, available_backends, pack_for, run_packed
+from workers.model.linear_backends import LinearBackend, available_backends, bind, pack_for
 from workers.model.loader import load_model
 
 ROWS_FULL = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
@@ -44,14 +43,12 @@ ROWS_QUICK = (1, 8, 32)
 
 def _passes(linears: list[nn.Linear], backends: tuple[LinearBackend, ...]):
     """One callable per backend: x_by_in[in_features] -> a pass over every linear."""
-    packs = {b: [pack_for(b, m.weight) for m in linears] for b in backends if b.packed}
 
     def make(backend: LinearBackend):
-        if backend is LinearBackend.TORCH:
-            return lambda xs: [F.linear(xs[m.in_features], m.weight, m.bias) for m in linears]
-        return lambda xs: [
-            run_packed(backend, xs[m.in_features], p, m.bias, m.out_features) for m, p in zip(linears, packs[backend])
-        ]
+        # Bound once, as the engine's linears call them (`linear_backends.bind`).
+        bound = [(m.in_features, *bind(backend, m.weight, pack_for(backend, m.weight) if backend.packed else None,
+                                       m.bias, m.out_features)) for m in linears]  # fmt: skip
+        return lambda xs: [fn(xs[k], *args) for k, fn, args in bound]
 
     return {b: make(b) for b in backends}
 
@@ -87,8 +84,8 @@ def add_floors(rows: list[dict], peak_gflops: float) -> None:
     one_row = next((r["ms"].get(LinearBackend.PANELS.value) for r in rows if r["rows"] == 1), None)
     if one_row is None:
         return
+    panels = LinearBackend.PANELS.value
     for r in rows:
-        panels = LinearBackend.PANELS.value
         compute_ms = r["gflops"][panels] * r["ms"][panels] / peak_gflops  # the pass's flops at the peak
         r["panels_floors"] = {
             "memory_ms": one_row,

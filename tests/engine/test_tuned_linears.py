@@ -183,24 +183,24 @@ def test_tuning_measures_every_fp32_shape_and_respects_the_margin():
 
 def test_prefill_chunks_dispatch_on_a_bucket_measured_at_prefill_size():
     """Decode batches and prefill chunks are different matmuls (memory- vs compute-bound) and
-    their fastest backends differ: a chunk of hundreds of rows must not inherit the choice made
-    at 256 rows. The default tuning times a bucket of at least 1,024 rows, and chunks up to the
-    step's 2,048-token budget dispatch on it."""
+    their fastest backends differ: chunks beyond 256 rows, up to the step's 2,048-token budget,
+    run on a bucket of their own, which the tuner times on every backend, and not on the
+    256-row bucket's choice."""
     tuning = LinearTuning()
-    assert tuning.buckets[-1] >= 1024
     last = len(tuning.buckets) - 1
+    assert tuning.buckets[last] >= 1024 and tuning.bucket_index(256) == last - 1
     assert tuning.bucket_index(257) == tuning.bucket_index(2048) == last
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 48))
-    plan = tune_linears(model, tuning)
-    timed = plan.timings_us[LinearKey.of(model[0])][last]
+    linear = nn.Linear(32, 48)
+    plan = tune_linears(nn.Sequential(linear), tuning)
+    timed = plan.timings_us[LinearKey.of(linear)][last]
     assert set(timed) == {TORCH, PACKED, PANELS} and all(t > 0 for t in timed.values())
-    install = nn.Sequential(nn.Linear(32, 48))
-    install[0].weight, install[0].bias = model[0].weight, model[0].bias
-    linear_tuning.install_tuned_linears(install, plan)
-    chunk = torch.randn(600, 32)
-    assert install[0].backend_for(600) is plan.choices[LinearKey.of(model[0])][last]
-    torch.testing.assert_close(install(chunk), F.linear(chunk, model[0].weight, model[0].bias), rtol=1e-5, atol=1e-5)
+    tuned = TunedLinear(linear, (PANELS,) * last + (PACKED,), tuning)
+    packed = pack_weight(linear.weight)
+    for rows, expected in [(256, lambda x: run_packed(PANELS, x, pack_for(PANELS, linear.weight), linear.bias, 48)),
+                           (600, lambda x: packed_linear(x, packed, linear.bias))]:  # fmt: skip
+        x = torch.randn(rows, 32)
+        assert torch.equal(tuned(x), expected(x)), rows
 
 
 def test_install_and_remove_keep_the_same_parameters(tiny):

@@ -42,7 +42,6 @@ from workers.model.linear_tuning import TunedLinear
 if TYPE_CHECKING:
     from workers.model.hybrid_lm import HybridLM
 
-_EMPTY = torch.empty(0)  # "none" for the kernels' optional tensors (conv bias)
 
 
 class _Mamba(NamedTuple):
@@ -132,14 +131,13 @@ class DecodeProgram:
             return _Mlp(linear(module.up), linear(module.down), module.kind is MlpKind.SWIGLU)
 
         blocks = []
-        next_norms = [b.norm for b in model.blocks[1:]] + [model.final_norm]
-        for block, next_norm in zip(model.blocks, next_norms):
+        for block, next_norm in zip(model.blocks, model._next_norms):
             m = block.mixer
             if block.kind is MixerKind.MAMBA:
                 s, c = m.shape, m.constants
                 mixer = _Mamba(
                     linear(m.in_proj), linear(m.out_proj), block.cache_index,
-                    c.conv_weight, _EMPTY if c.conv_bias is None else c.conv_bias, c.dt_bias, c.A, c.D,
+                    c.conv_weight, c.kernel_conv_bias, c.dt_bias, c.A, c.D,
                     s.dt_min, s.dt_max, m.norm.weight, m.norm.group_size, m.norm.eps,
                 )  # fmt: skip
             elif block.kind is MixerKind.ATTENTION:

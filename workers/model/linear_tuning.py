@@ -47,7 +47,6 @@ from workers.model.linear_backends import (
     available_backends,
     bind,
     pack_for,
-    run_packed,
 )
 from workers.model.panel_gemm import build_failure as panel_build_failure
 
@@ -56,9 +55,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LinearTuning:
-    # Decode batches up to 256 rows; prefill chunks (up to the step's token budget, 2,048 by
-    # default) in one bucket of their own, measured at 1,024 rows: which backend wins there is
-    # often not the 256-row winner (tuner medians here, 2 threads: NemotronH's 2576x512 on
+    # Up to 256 rows (decode batches, short prompt chunks) a bucket per power of two; steps of
+    # 257 rows up to the token budget (2,048 by default: long prompt chunks) share one bucket,
+    # measured at 1,024 rows: which backend wins there is often not the 256-row winner (tuner medians here, 2 threads: NemotronH's 2576x512 on
     # oneDNN 20.2 ms vs 23.7 on the panel kernel picked at 256 rows; 512x1024 8.6 vs 10.4 on
     # F.linear). Measured last: a start-up that runs out of time leaves it on the 256-row choice.
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
@@ -266,16 +265,19 @@ class _ShapeBench:
         fit = min(fit, max(len(originals), MAX_PASS_COPIES))
         chosen = [originals[i % len(originals)] for i in range(fit)]
         self.weights = [w if i < len(originals) else w.clone() for i, (w, _) in enumerate(chosen)]
-        self.biases = [b for _, b in chosen]
-        self.packs = {b: [pack_for(b, w) for w in self.weights] for b in backends if b.packed}
+        biases = [b for _, b in chosen]
+        # Bound once, as TunedLinear and the decode program call them: timed without the lookups.
+        self.bound: dict[LinearBackend, list[BoundLinear]] = {
+            backend: [
+                bind(backend, w, pack_for(backend, w) if backend.packed else None, b, self.out_features)
+                for w, b in zip(self.weights, biases)
+            ]
+            for backend in backends
+        }
 
     def run(self, backend: LinearBackend, x: torch.Tensor, n: int) -> None:
-        if backend is LinearBackend.TORCH:
-            for w, b in zip(self.weights[:n], self.biases[:n]):
-                F.linear(x, w, b)
-        else:
-            for p, b in zip(self.packs[backend][:n], self.biases[:n]):
-                run_packed(backend, x, p, b, self.out_features)
+        for fn, args in self.bound[backend][:n]:
+            fn(x, *args)
 
     def measure(
         self, rows: int, tuning: LinearTuning, stop: float, held: LinearBackend | None

@@ -31,6 +31,11 @@ class MambaConstants(NamedTuple):
     dt_bias: torch.Tensor  # [h]
     D: torch.Tensor  # [h]
 
+    @property
+    def kernel_conv_bias(self) -> torch.Tensor:
+        """conv_bias as the C++ kernels take it: an empty tensor for none."""
+        return self.conv_bias if self.conv_bias is not None else _EMPTY
+
 
 class MambaMixer(nn.Module):
     def __init__(self, hidden: int, shape: MambaShape, eps: float):
@@ -155,8 +160,7 @@ class MambaMixer(nn.Module):
         counts = torch.tensor([seg.num_tokens for seg in segs])
         slots = torch.tensor([seg.state_slot for seg in segs])
         fresh = torch.tensor([seg.context_len == 0 for seg in segs])
-        bias = c.conv_bias if c.conv_bias is not None else torch.empty(0)
-        out = kernel.prefill_conv(xbc, conv, starts, counts, slots, c.conv_weight, bias, fresh)
+        out = kernel.prefill_conv(xbc, conv, starts, counts, slots, c.conv_weight, c.kernel_conv_bias, fresh)
         kernel.prefill_scan(out, dt, c.dt_bias, c.A, c.D, ssm, starts, counts, slots, s.dt_min, s.dt_max, y, fresh)
         for seg in segs:
             if seg.snapshot_slot is not None:
@@ -170,7 +174,7 @@ class MambaMixer(nn.Module):
         s, c = self.shape, self.constants
         return self.fast.decode.mamba_decode(
             zxbcdt.float(), conv, ssm, group.state_slots,
-            c.conv_weight, c.conv_bias if c.conv_bias is not None else _EMPTY, c.dt_bias, c.A, c.D,
+            c.conv_weight, c.kernel_conv_bias, c.dt_bias, c.A, c.D,
             s.dt_min, s.dt_max, self.norm.weight if norm else _EMPTY, self.norm.group_size, self.norm.eps,
         )  # fmt: skip
 
