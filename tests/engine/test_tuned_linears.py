@@ -24,7 +24,7 @@ from tests.engine.conftest import LogitRecorder, assert_logits_close, new_engine
 from tests.families import ARCHS
 from workers.cache.layout import layouts_for
 from workers.checkpoint import Arch
-from workers.model import linear_tuning
+from workers.model import huge_pages, linear_tuning
 from workers.model.linear_backends import (
     LinearBackend,
     available_backends,
@@ -311,3 +311,54 @@ def test_tuning_stops_inside_a_bucket_at_the_total_budget():
     plan = tune_linears(model, tuning)
     assert time.perf_counter() - start < 3.0
     assert len(plan.timings_us) == 2 and all(t[0] for t in plan.timings_us.values())
+
+
+def _advised_for_huge_pages(address: int) -> bool:
+    """Whether the mapping holding `address` was advised MADV_HUGEPAGE ("hg" in its VmFlags)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header: start-end perms ...
+                start, end = (int(v, 16) for v in first.split("-"))
+                inside = start <= address < end
+            elif inside and first == "VmFlags:":
+                return "hg" in line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+HUGE_PAGES = pytest.mark.skipif(not huge_pages.can_advise(), reason="no madvise(MADV_HUGEPAGE) on this OS")
+
+
+@HUGE_PAGES
+def test_tuned_weights_and_panels_are_copied_onto_huge_pages(tiny):
+    model = tiny[Arch.GRANITEMOEHYBRID].ours
+    before = {id(p): p.detach().clone() for p in model.blocks.parameters()}  # installing keeps the Parameters
+    assert not _advised_for_huge_pages(torch.randn(1 << 20).data_ptr())  # torch's allocator: not advised
+    try:
+        model.use_linear_plan(LinearPlan.fixed(model, PANELS))
+        tuned = [m for m in model.blocks.modules() if isinstance(m, TunedLinear)]
+        assert tuned
+        for m in tuned:
+            assert _advised_for_huge_pages(m.weight.data_ptr())
+            assert _advised_for_huge_pages(m.packs[PANELS].data_ptr())
+            x = torch.randn(5, m.in_features)  # the bound calls read the copies, bit for bit
+            expected = run_packed(PANELS, x, pack_for(PANELS, before[id(m.weight)]), m.bias, m.out_features)
+            assert torch.equal(m(x), expected)
+        assert all(torch.equal(p, before[id(p)]) for p in model.blocks.parameters())
+    finally:
+        model.use_linear_plan(None)
+
+
+@HUGE_PAGES
+def test_huge_page_copies_are_exact_and_aligned():
+    # fp32, bf16, int8 (the int8 mode's panels), and a transposed view (comes back contiguous)
+    tensors = [torch.randn(300, 7), torch.randn(5, dtype=torch.bfloat16),
+               torch.randint(-127, 127, (3, 1000), dtype=torch.int8), torch.randn(64, 32).t()]  # fmt: skip
+    copies = huge_pages.on_huge_pages(tensors)
+    assert copies[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    for t, c in zip(tensors, copies):
+        assert torch.equal(t, c) and c.dtype == t.dtype and c.is_contiguous() and c.data_ptr() % 4096 == 0
+        assert _advised_for_huge_pages(c.data_ptr())
+    with pytest.raises(ValueError, match="dense CPU tensors"):
+        huge_pages.on_huge_pages([pack_weight(torch.randn(16, 16))])  # oneDNN's opaque layout

@@ -32,7 +32,7 @@ import bisect
 import logging
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import linear_backends
+from workers.model.huge_pages import on_huge_pages
 from workers.model.linear_backends import (
     BoundLinear,
     LinearBackend,
@@ -182,10 +183,29 @@ class TunedLinear(nn.Linear):
         self.weight, self.bias = linear.weight, linear.bias
         self.tuning, self.choices = tuning, choices
         self.packs: dict[LinearBackend, Packed] = {b: pack_for(b, self.weight) for b in dict.fromkeys(choices) if b.packed}
-        # Per bucket, the backend's function and its arguments after x (`linear_backends.bind`).
-        self.bound: tuple[BoundLinear, ...] = tuple(
-            bind(b, self.weight, self.packs.get(b), self.bias, self.out_features) for b in choices
-        )
+        self.bound = self._bind()
+
+    def _bind(self) -> tuple[BoundLinear, ...]:
+        """Per bucket, the backend's function and its arguments after x (`linear_backends.bind`)."""
+        return tuple(bind(b, self.weight, self.packs.get(b), self.bias, self.out_features) for b in self.choices)
+
+    def streamed(self) -> list[torch.Tensor]:
+        """The dense tensors a call may stream: the weight and the packed copies (oneDNN's
+        opaque ones excepted), in the order `adopt` takes their replacements."""
+        packed = [t for pack in self.packs.values() for t in _tensors(pack) if t.layout == torch.strided]
+        return [self.weight.data] + packed
+
+    def adopt(self, copies: Iterator[torch.Tensor]) -> None:
+        """Use `copies` (equal values, `streamed` order) in place of the streamed tensors."""
+        self.weight.data = next(copies)  # the same Parameter: the reference path shares it
+
+        def replaced(pack: Packed) -> Packed:
+            if isinstance(pack, tuple):
+                return tuple(replaced(t) for t in pack)
+            return next(copies) if pack.layout == torch.strided else pack
+
+        self.packs = {b: replaced(pack) for b, pack in self.packs.items()}
+        self.bound = self._bind()
 
     def backend_for(self, rows: int) -> LinearBackend:
         return self.choices[self.tuning.bucket_index(rows)]
@@ -356,11 +376,22 @@ def _measure_all(
     return results
 
 
+def _tensors(pack: Packed) -> tuple[torch.Tensor, ...]:
+    return pack if isinstance(pack, tuple) else (pack,)
+
+
 def install_tuned_linears(model: nn.Module, plan: LinearPlan) -> None:
-    """Replace every linear of the model by a TunedLinear following the plan (weights shared)."""
+    """Replace every linear of the model by a TunedLinear following the plan (weights shared),
+    and put the CPU ones' weights and packed copies on huge pages (`huge_pages`)."""
+    tuned = []
     for parent, name, linear in _linear_children(model):
         choices = plan.choices.get(LinearKey.of(linear), (LinearBackend.TORCH,) * len(plan.tuning.buckets))
-        setattr(parent, name, TunedLinear(linear, choices, plan.tuning))
+        tuned.append(TunedLinear(linear, choices, plan.tuning))
+        setattr(parent, name, tuned[-1])
+    on_cpu = [t for t in tuned if t.weight.device.type == "cpu"]
+    copies = iter(on_huge_pages([tensor for t in on_cpu for tensor in t.streamed()]))
+    for t in on_cpu:
+        t.adopt(copies)
 
 
 def remove_tuned_linears(model: nn.Module) -> None:
