@@ -13,8 +13,10 @@ matmuls are compute-bound, 67.2 -> 64.8 ms, within the noise; prefills unchanged
 Only these buffers, not the whole process (torch's `THP_MEM_ALLOC_ENABLE=1`): with every
 large allocation on huge pages, measured here, a 1,024-token prefill got slower (likely its
 activations, allocated and freed every layer, each first touch now zeroing 2 MB) and so did
-the 32-sequence decode step (likely the Mamba state pool's fixed slot stride). oneDNN's packed weights are opaque tensors
-that cannot be placed, so they stay where oneDNN put them.
+the 32-sequence decode step (likely the Mamba state pool's fixed slot stride). The KV blocks
+on such a mapping showed no gain at 2k and 8k histories (3 alternated pairs), so they stay.
+oneDNN's packed weights are opaque tensors that cannot be placed: they stay where oneDNN put
+them.
 
 Same values, same 64-byte alignment class as torch's allocator (every copy starts on a 4 KB
 boundary): no result changes, whichever backend multiplies.
