@@ -49,7 +49,7 @@ class Attention(nn.Module):
         group = batch.decode
         fp32 = q.dtype == kv_cache.dtype == torch.float32
         fused = self.fast.decode is not None and fp32
-        if group is not None and group.covers_batch and fused:
+        if batch.pure_decode and fused:
             # A pure decode step: each sequence's K/V written to its slot and attended in one kernel.
             return self.o_proj(self._decode_paged(q, kv_cache, batch, k, v).reshape(n, -1))
 
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         flat_v[batch.kv_slots] = v
 
         decode = self._decode_paged if fused else self._decode
-        if group is not None and group.covers_batch:  # a pure decode step, rows in order
+        if batch.pure_decode:  # rows in order
             return self.o_proj(decode(q, kv_cache, batch).reshape(n, -1))
         out = torch.empty(n, s.n_heads, s.head_dim, dtype=h.dtype, device=h.device)
         prefill = self._prefill_split if self.fast.on and fp32 else self._prefill  # needs no kernel

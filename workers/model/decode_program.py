@@ -167,8 +167,7 @@ class DecodeProgram:
     def accepts(self, batch: ForwardBatch, caches: ModelCaches) -> bool:
         """A pure decode step (rows = the group's sequences in order) over fp32 K/V caches (the
         paged attention kernel's); anything else runs the module forward."""
-        group = batch.decode
-        if group is None or not group.covers_batch:
+        if not batch.pure_decode:
             return False
         if caches is not self._checked_caches:
             if any(kv.dtype != torch.float32 for kv in caches.kv):

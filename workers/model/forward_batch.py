@@ -60,6 +60,12 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def pure_decode(self) -> DecodeGroup | None:
+        """The decode group when it is the whole step, rows in order (`covers_batch`): the layers'
+        fused paths run it without gathering or scattering rows. None otherwise."""
+        return self.decode if self.decode is not None and self.decode.covers_batch else None
+
 
 @dataclass
 class ModelCaches:

@@ -101,7 +101,7 @@ class HybridLM(nn.Module):
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Hidden states after the final norm, one row per token of the flat batch. A pure
         decode step on the fused kernels runs the decode program; anything else the modules."""
-        if batch.decode is not None and batch.decode.covers_batch:
+        if batch.pure_decode:
             program = self.decode_program()
             if program is not None and program.accepts(batch, caches):
                 return program.run(batch, caches)

@@ -70,13 +70,13 @@ class MambaMixer(nn.Module):
         zxbcdt = self.in_proj(h)  # | gate | xBC | dt |
         group = batch.decode
         fused = self.fast.decode is not None
-        if group is not None and group.covers_batch and fused and zxbcdt.dtype == torch.float32:
+        if batch.pure_decode and fused and zxbcdt.dtype == torch.float32:
             # A pure decode step in fp32: conv, recurrence and the gated norm in one kernel.
             y = self._decode_fused(zxbcdt, conv, ssm, group, norm=True)
         else:
             gate = zxbcdt[:, : s.intermediate]
             decode = self._decode_fused if fused else self._decode
-            if group is not None and group.covers_batch:
+            if batch.pure_decode:
                 y = decode(zxbcdt, conv, ssm, group).to(h.dtype)
             else:
                 y = torch.empty(h.shape[0], s.intermediate, dtype=h.dtype, device=h.device)
