@@ -12,6 +12,7 @@ copies at a time within `pass_bytes`, and the total budget ends even a single lo
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 
@@ -179,6 +180,20 @@ def test_tuning_measures_every_fp32_shape_and_respects_the_margin():
     hurried = tune_linears(model, LinearTuning(buckets=(1, 4, 32), samples=3, total_budget_s=1e-9))
     assert all(c == (TORCH,) * 3 for c in hurried.choices.values())
     assert all(t == ({}, {}, {}) for t in hurried.timings_us.values())
+
+
+def test_a_plan_says_which_buckets_went_untimed(caplog):
+    """A start-up that runs out of its tuning budget leaves buckets on a guess; the plan and the
+    log say which, and a fully timed plan says none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32, bias=False))
+    timed = tune_linears(model, LinearTuning(buckets=(1, 4), samples=3))
+    assert timed.unmeasured() == {} and not any("?" in line for line in timed.describe())
+    with caplog.at_level(logging.WARNING, logger="workers.model.linear_tuning"):
+        hurried = tune_linears(model, LinearTuning(buckets=(1, 4), samples=3, total_budget_s=1e-9))
+    assert hurried.unmeasured() == {LinearKey.of(m): (1, 4) for m in model}
+    assert all(line.endswith("1:TORCH? 4:TORCH?") for line in hurried.describe())
+    assert "2 of 2 shapes have untimed buckets" in caplog.text
 
 
 def test_prefill_chunks_dispatch_on_a_bucket_measured_at_prefill_size():

@@ -58,9 +58,10 @@ log = logging.getLogger(__name__)
 class LinearTuning:
     # Up to 256 rows (decode batches, short prompt chunks) a bucket per power of two; steps of
     # 257 rows up to the token budget (2,048 by default: long prompt chunks) share one bucket,
-    # measured at 1,024 rows: which backend wins there is often not the 256-row winner (tuner medians here, 2 threads: NemotronH's 2576x512 on
-    # oneDNN 20.2 ms vs 23.7 on the panel kernel picked at 256 rows; 512x1024 8.6 vs 10.4 on
-    # F.linear). Measured last: a start-up that runs out of time leaves it on the 256-row choice.
+    # measured at 1,024 rows: which backend wins there is often not the 256-row winner (tuner
+    # medians here, 2 threads: NemotronH's 2576x512 on oneDNN 20.2 ms vs 23.7 on the panel kernel
+    # picked at 256 rows; 512x1024 8.6 vs 10.4 on F.linear). Measured last: a start-up that runs
+    # out of time leaves it on the 256-row choice (`LinearPlan.unmeasured`).
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
     # Timed calls per backend and bucket, interleaved so all backends see the same moments
     # of a shared machine; the median counts (see _ShapeBench.measure).
@@ -133,12 +134,26 @@ class LinearPlan:
         return any(LinearBackend.PANELS_INT8 in per_bucket for per_bucket in self.choices.values())
 
     def describe(self) -> list[str]:
-        """One line per weight shape: the backend of each bucket."""
-        lines = []
+        """One line per weight shape: the backend of each bucket, `?` after a choice taken
+        without timing (the start-up ran out of its tuning budget first)."""
+        lines, unmeasured = [], self.unmeasured()
         for key, per_bucket in sorted(self.choices.items(), key=lambda kv: (kv[0].out_features, kv[0].in_features)):
-            picks = " ".join(f"{b}:{c.name}" for b, c in zip(self.tuning.buckets, per_bucket))
+            guessed = unmeasured.get(key, ())
+            picks = " ".join(
+                f"{b}:{c.name}{'?' if b in guessed else ''}" for b, c in zip(self.tuning.buckets, per_bucket)
+            )
             lines.append(f"{key.out_features}x{key.in_features}: {picks}")
         return lines
+
+    def unmeasured(self) -> dict[LinearKey, tuple[int, ...]]:
+        """The buckets of each tuned shape that were never timed (they took a smaller bucket's
+        choice, or the reference): on a busy start-up the total budget ends before the last."""
+        out = {}
+        for key, per_bucket in self.timings_us.items():
+            missing = tuple(b for b, timings in zip(self.tuning.buckets, per_bucket) if not timings)
+            if missing:
+                out[key] = missing
+        return out
 
 
 INT8_MAX_ROWS = 64  # the int8 mode's int8 weights serve batches up to this many rows
@@ -157,7 +172,9 @@ def int8_plan(
     0.75x of fp32 at 1,024 rows). Prompts are thus processed on the fp32 weights, generated
     tokens on int8. Raises at start-up when the panel kernel cannot be built here."""
     if linear_backends.panel_kernels() is None:
-        raise RuntimeError(f"weight_quantization=int8 needs the panel kernel, which did not build: {panel_build_failure()}")
+        raise RuntimeError(
+            f"weight_quantization=int8 needs the panel kernel, which did not build: {panel_build_failure()}"
+        )
     tuning = fp32.tuning if fp32 is not None else LinearTuning()
     torch_only = (LinearBackend.TORCH,) * len(tuning.buckets)
     choices = {}
@@ -182,7 +199,8 @@ class TunedLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.tuning, self.choices = tuning, choices
-        self.packs: dict[LinearBackend, Packed] = {b: pack_for(b, self.weight) for b in dict.fromkeys(choices) if b.packed}
+        packed = [b for b in dict.fromkeys(choices) if b.packed]
+        self.packs: dict[LinearBackend, Packed] = {b: pack_for(b, self.weight) for b in packed}
         self.bound = self._bind()
 
     def _bind(self) -> tuple[BoundLinear, ...]:
@@ -247,18 +265,26 @@ def tune_linears(model: nn.Module, tuning: LinearTuning | None = None) -> Linear
         if len(backends) > 1 and key.dtype == torch.float32 and linears[0].weight.device.type == "cpu"
     }
     pending = {key: ls for key, ls in tunable.items() if (key, len(ls), tuning, threads, backends) not in _measured}
-    if pending:
-        start = time.perf_counter()
-        for key, result in _measure_all(pending, tuning, backends).items():
-            _measured[(key, len(pending[key]), tuning, threads, backends)] = result
-        plan = LinearPlan(tuning, {k: _measured[(k, len(pending[k]), tuning, threads, backends)][0] for k in pending})
-        log.info("linear backends: %d shapes measured in %.1f s, %d threads\n  %s",
-                 len(pending), time.perf_counter() - start, threads, "\n  ".join(plan.describe()))  # fmt: skip
+    start = time.perf_counter()
+    for key, result in _measure_all(pending, tuning, backends).items():
+        _measured[(key, len(pending[key]), tuning, threads, backends)] = result
     choices = {key: fixed for key in by_shape}
     timings = {}
     for key, linears in tunable.items():
         choices[key], timings[key] = _measured[(key, len(linears), tuning, threads, backends)]
-    return LinearPlan(tuning, choices, timings)
+    plan = LinearPlan(tuning, choices, timings)
+    if pending:
+        log.info("linear backends: %d shapes measured in %.1f s, %d threads (?: untimed)\n  %s",
+                 len(pending), time.perf_counter() - start, threads, "\n  ".join(plan.describe()))  # fmt: skip
+        if guessed := plan.unmeasured():
+            # Not an error (every backend gives correct results), but a slower one may sit
+            # where a bucket went untimed: say which, so a busy start-up's plan is not taken
+            # for a measured one.
+            log.warning("linear tuning ran out of its %.1f s budget: %d of %d shapes have untimed buckets (%s)",
+                        tuning.total_budget_s, len(guessed), len(tunable),
+                        "; ".join(f"{k.out_features}x{k.in_features}: {list(b)}"
+                                  for k, b in guessed.items()))  # fmt: skip
+    return plan
 
 
 class _ShapeBench:
