@@ -32,7 +32,7 @@ import bisect
 import logging
 import statistics
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -210,19 +210,20 @@ class TunedLinear(nn.Linear):
     def streamed(self) -> list[torch.Tensor]:
         """The dense tensors a call may stream: the weight and the packed copies (oneDNN's
         opaque ones excepted), in the order `adopt` takes their replacements."""
-        packed = [t for pack in self.packs.values() for t in _tensors(pack) if t.layout == torch.strided]
-        return [self.weight.data] + packed
+        found = [self.weight.data]
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            found.append(t)
+            return t
+
+        for pack in self.packs.values():
+            _map_dense(pack, collect)
+        return found
 
     def adopt(self, copies: Iterator[torch.Tensor]) -> None:
         """Use `copies` (equal values, `streamed` order) in place of the streamed tensors."""
         self.weight.data = next(copies)  # the same Parameter: the reference path shares it
-
-        def replaced(pack: Packed) -> Packed:
-            if isinstance(pack, tuple):
-                return tuple(replaced(t) for t in pack)
-            return next(copies) if pack.layout == torch.strided else pack
-
-        self.packs = {b: replaced(pack) for b, pack in self.packs.items()}
+        self.packs = {b: _map_dense(pack, lambda _: next(copies)) for b, pack in self.packs.items()}
         self.bound = self._bind()
 
     def backend_for(self, rows: int) -> LinearBackend:
@@ -402,8 +403,12 @@ def _measure_all(
     return results
 
 
-def _tensors(pack: Packed) -> tuple[torch.Tensor, ...]:
-    return pack if isinstance(pack, tuple) else (pack,)
+def _map_dense(pack: Packed, fn: Callable[[torch.Tensor], torch.Tensor]) -> Packed:
+    """`pack` with each dense tensor t, in order, replaced by fn(t); oneDNN's opaque ones kept.
+    The one walk `TunedLinear.streamed` and `adopt` share, so their orders cannot drift apart."""
+    if isinstance(pack, tuple):
+        return tuple(_map_dense(t, fn) for t in pack)
+    return fn(pack) if pack.layout == torch.strided else pack
 
 
 def install_tuned_linears(model: nn.Module, plan: LinearPlan) -> None:
