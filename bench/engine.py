@@ -41,7 +41,7 @@ from bench.engine_report import markdown, plot
 from bench.engine_sides import OursRunner, Run, Side, TransformersRunner, VllmRunner, make_prompts
 from bench.int8_accuracy import logit_error
 from bench.peer import vllm_runs
-from bench.roofline import forward_key, roofline
+from bench.roofline import forward_key, host_speed, roofline
 from workers.checkpoint import Arch, Preset, make_model, preset_shape
 from workers.cache.layout import layouts_for
 from workers.config import SchedulerConfig, WeightQuantization
@@ -104,10 +104,12 @@ def _measure(sides, order: list[Side], prompts, new_tokens: int, repeat: int, ba
     for side in order:
         bar.set_postfix_str(f"{side.value} c={len(prompts)} len={len(prompts[0])}")
         gc.collect()
+        before = host_speed()
         run, outputs[side] = sides[side].run(prompts, new_tokens)
+        host = (before + host_speed()) / 2
         if any(len(t) != new_tokens for t in outputs[side]):
             raise RuntimeError(f"{side.value} did not generate exactly {new_tokens} tokens per sequence")
-        runs.append(replace(run, repeat=repeat))
+        runs.append(replace(run, repeat=repeat, host_gflops=host))
         bar.update()
     return runs, outputs
 
@@ -212,6 +214,25 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def paired_ratios(runs: list[Run], metric: str, other: Side, concurrency: int) -> dict[str, float] | None:
+    """Ours over `other`, repeat by repeat: the two runs of a repeat follow each other, so a slow
+    spell of the machine (bench.roofline.host_speed) mostly hits both. The spread of these ratios
+    says how far one repeat can move a ratio of medians."""
+    by_repeat = {(r.side, r.repeat): getattr(r, metric) for r in runs if r.concurrency == concurrency}
+    ratios = [
+        value / by_repeat[(other, repeat)]
+        for (side, repeat), value in by_repeat.items()
+        if side is Side.OURS and by_repeat.get((other, repeat))
+    ]
+    return _spread(ratios)
+
+
 def summarize(runs: list[Run], long_runs: list[Run], plan: Plan, roof: dict) -> dict:
     # The fp32 sides, compared like for like; ours-int8 has its own rows (`_int8_summary`).
     sides = sorted({r.side for r in runs} - {Side.OURS_INT8}, key=list(Side).index)
@@ -222,6 +243,9 @@ def summarize(runs: list[Run], long_runs: list[Run], plan: Plan, roof: dict) -> 
         for other in sides[1:]:
             out[f"{metric}_ratio_vs_{other.value}"] = {
                 str(c): _ratio(per_side["ours"][str(c)], per_side[other.value][str(c)]) for c in plan.concurrency
+            }
+            out[f"{metric}_paired_ratio_vs_{other.value}"] = {
+                str(c): paired_ratios(runs, metric, other, c) for c in plan.concurrency
             }
         out[f"{metric}_fraction_of_roofline"] = {
             s.value: {str(c): _fraction(metric, per_side[s.value][str(c)], c, plan, roof) for c in plan.concurrency}
@@ -238,6 +262,10 @@ def summarize(runs: list[Run], long_runs: list[Run], plan: Plan, roof: dict) -> 
     if Side.VLLM in long_sides:
         long = out["long_context_decode_tokens_per_s"]
         out["long_context_ratio_vs_vllm"] = {str(h): _ratio(long["ours"][str(h)], long["vllm"][str(h)]) for h in plan.long_histories}
+    out["host_gflops"] = {
+        s.value: _spread([r.host_gflops for r in runs + long_runs if r.side is s and r.host_gflops is not None])
+        for s in sorted({r.side for r in runs + long_runs}, key=list(Side).index)
+    }
     out["targets"] = _targets(out, plan, sides)
     if any(r.side is Side.OURS_INT8 for r in runs):
         out["int8"] = _int8_summary(runs, plan)
@@ -279,17 +307,21 @@ def _targets(s: dict, plan: Plan, sides: list[Side]) -> dict:
     checks: dict[str, dict] = {}
     big = [str(c) for c in plan.concurrency if c >= 8]
 
-    def check(name: str, ratios: dict, keys: list[str]) -> None:
+    def check(name: str, metric: str, peer: Side, keys: list[str]) -> None:
+        ratios, paired = s[f"{metric}_ratio_vs_{peer.value}"], s[f"{metric}_paired_ratio_vs_{peer.value}"]
         values = {k: ratios[k] for k in keys if ratios.get(k) is not None}
         if values:
-            checks[name] = {"at_least": TARGETS[name], "ratios": values, "met": all(v >= TARGETS[name] for v in values.values())}
+            checks[name] = {
+                "at_least": TARGETS[name], "ratios": values, "met": all(v >= TARGETS[name] for v in values.values()),
+                "paired": {k: paired[k] for k in values},
+            }  # fmt: skip
 
     if Side.VLLM in sides:
-        check("decode_vs_vllm_at_c_ge_8", s["decode_tokens_per_s_ratio_vs_vllm"], big)
-        check("decode_vs_vllm_at_c_1", s["decode_tokens_per_s_ratio_vs_vllm"], ["1"])
-        check("prefill_vs_vllm", s["prefill_tokens_per_s_ratio_vs_vllm"], [str(c) for c in plan.concurrency])
-        check("e2e_vs_vllm_at_c_ge_8", s["e2e_tokens_per_s_ratio_vs_vllm"], big)
-    check("decode_vs_transformers_at_c_ge_8", s["decode_tokens_per_s_ratio_vs_transformers"], big)
+        check("decode_vs_vllm_at_c_ge_8", "decode_tokens_per_s", Side.VLLM, big)
+        check("decode_vs_vllm_at_c_1", "decode_tokens_per_s", Side.VLLM, ["1"])
+        check("prefill_vs_vllm", "prefill_tokens_per_s", Side.VLLM, [str(c) for c in plan.concurrency])
+        check("e2e_vs_vllm_at_c_ge_8", "e2e_tokens_per_s", Side.VLLM, big)
+    check("decode_vs_transformers_at_c_ge_8", "decode_tokens_per_s", Side.TRANSFORMERS, big)
     return checks
 
 
@@ -298,7 +330,9 @@ METHOD = {
     "subprocess of its own venv (started once per model, idle while the others run); the same thread count for "
     "all (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-{threads-1}, VLLM_CPU_NUM_OF_RESERVED_CPU=0, OMP_NUM_THREADS); "
     "a warm-up run per side at every concurrency before measuring; the side going first rotates per repeat; "
-    "medians over repeats",
+    "medians over repeats; beside each ratio of medians, the spread of the per-repeat (paired) ratios",
+    "host_speed": "a 20 ms in-cache sgemm (256x512x512, the bench's threads) in this process just before and just "
+    "after each run, averaged: the cores' pace during that run, which moves by up to a third within seconds here",
     "prompts": "fixed length, random ids from the ordinary (non-special) vocabulary, the same prompts for all sides",
     "generation": "greedy, exactly N new tokens per sequence (EOS ignored): ours SamplingParams(temperature=0, "
     "ignore_eos=True); vLLM SamplingParams(temperature=0, min_tokens=max_tokens=N, ignore_eos=True); transformers "

@@ -58,21 +58,46 @@ def _long_table(family: dict) -> str:
     return markdown_table(headers, rows)
 
 
-def _targets(family: dict) -> list[str]:
+def _paired(spread: dict | None) -> str:
+    if not spread or spread["n"] < 2:  # one repeat: the ratio itself
+        return ""
+    return f" [per repeat {spread['median']:.2f}×, {spread['min']:.2f}–{spread['max']:.2f}]"
+
+
+def markdown_targets(targets: dict) -> list[str]:
     lines = []
-    for name, t in family["summary"]["targets"].items():
-        ratios = ", ".join(f"c={c}: {v:.2f}×" for c, v in t["ratios"].items())
+    for name, t in targets.items():
+        paired = t.get("paired", {})
+        ratios = ", ".join(f"c={c}: {v:.2f}×{_paired(paired.get(c))}" for c, v in t["ratios"].items())
         lines.append(f"- `{name}` ≥ {t['at_least']:g}×: **{'met' if t['met'] else 'NOT met'}** ({ratios})")
+    lines += [
+        "",
+        "Ratios of medians; in brackets the ratio within each repeat (its two runs follow each other): its median "
+        "and range, how far one repeat moves the figure.",
+    ]
     return lines
+
+
+def _host_speed(family: dict) -> list[str]:
+    speeds = family["summary"].get("host_gflops") or {}
+    if not any(speeds.values()):
+        return []
+    parts = [f"{side} {v['median']:.0f} ({v['min']:.0f}–{v['max']:.0f})" for side, v in speeds.items() if v]
+    return [
+        "Host speed around the runs (in-cache sgemm GFLOPS, median and range, per side): " + ", ".join(parts) + ".",
+        "",
+    ]
 
 
 def _runs_table(family: dict) -> str:
     rows = [
         [r["side"], r["concurrency"], r.get("history", r["prompt_tokens"] // r["concurrency"]), r["repeat"],
-         f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}", f"{r['cores_used']:.2f}", r["decode_tokens"]]
+         f"{r['prefill_s']:.2f}", f"{r['decode_s']:.2f}", f"{r['cores_used']:.2f}", r["decode_tokens"],
+         "" if r.get("host_gflops") is None else f"{r['host_gflops']:.0f}"]
         for r in family["runs"] + family["long_context_runs"]
     ]  # fmt: skip
-    headers = ["side", "concurrency", "prompt", "repeat", "prefill s", "decode s", "CPU/wall", "decode tokens"]
+    headers = ["side", "concurrency", "prompt", "repeat", "prefill s", "decode s", "CPU/wall", "decode tokens",
+               "host GFLOPS"]
     return markdown_table(headers, rows)
 
 
@@ -106,7 +131,7 @@ def _family_section(name: str, family: dict, threads: int) -> list[str]:
     for metric, title in METRICS:
         out += [f"### {title}", "", _metric_table(family, metric)]
     out += ["### Decode at long context (concurrency 8)", "", _long_table(family), ""]
-    out += ["### Targets", "", *_targets(family), ""]
+    out += ["### Targets", "", *markdown_targets(family["summary"]["targets"]), ""]
     agreement = family["agreement_with_ours"]
     out += [
         "Greedy agreement with ours, share of sequences whose N tokens are all equal (in brackets: share equal up to "
@@ -127,6 +152,7 @@ def _family_section(name: str, family: dict, threads: int) -> list[str]:
         f"Runs with less than {CONTENDED_FRACTION:.0%} of {threads} cores (machine shared): {len(contended)} of "
         f"{len(family['runs']) + len(family['long_context_runs'])} (CPU/wall below; vLLM's CPU time is its subprocess's).",
         "",
+        *_host_speed(family),
         "<details><summary>Runs</summary>",
         "",
         _runs_table(family),

@@ -46,6 +46,7 @@ class Run:
     decode_s: float  # t_end - t_first
     prefill_cpu_s: float
     decode_cpu_s: float
+    host_gflops: float | None = None  # bench.roofline.host_speed around the run (the cores' pace then)
 
     @property
     def prefill_tokens_per_s(self) -> float:

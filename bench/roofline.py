@@ -76,6 +76,27 @@ def read_bandwidth(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, f
     return probes
 
 
+_HOST_PROBE: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def host_speed(seconds: float = 0.02) -> float:
+    """GFLOPS of a small sgemm hot in the caches, kept up for about `seconds`: the pace of this
+    machine's cores right now. On these shared machines it moves by up to a third within seconds
+    (the same in-cache loop took 11 ms in one second and 19 ms a few seconds later, with no steal
+    time reported), so each benchmark run records it, and a slow spell shows beside the figure
+    it slowed."""
+    global _HOST_PROBE
+    if _HOST_PROBE is None:
+        _HOST_PROBE = torch.randn(256, 512), torch.randn(512, 512)
+    x, w = _HOST_PROBE
+    F.linear(x, w)
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        F.linear(x, w)
+        calls += 1
+    return 2 * 256 * 512 * 512 * calls / elapsed / 1e9
+
+
 def fp32_peak(repeats: int = 20) -> dict[str, float]:
     """GFLOPS of each compute probe, operands hot in the caches."""
     x, w = torch.randn(256, 512), torch.randn(512, 512)
