@@ -315,3 +315,37 @@ def test_an_export_whose_messages_are_not_the_ledgers_is_refused(models, referen
     adopt_from(a_cc, b_cc)
     import_into(b_cc, exported)
     assert_same_head_state(a_cc, b_cc)
+
+
+def test_a_tier_copy_older_than_the_ledger_spares_the_turns_it_covers(models, reference_engines):
+    """The owner died before exporting turn 2: the tier still holds turn 1's head. Imported
+    under the ledger at turn 2, it is continued by turn 3, which runs turn 2's tokens and its own
+    and nothing before them; its output is the stateless one."""
+    arch = Arch.NEMOTRON_H
+    a_cc = conversation(models, reference_engines, arch, turns=1)
+    first = export_from(a_cc)
+    check_turn_against_reference(a_cc, reference_engines[arch], "c1", "s", user("say 2"), greedy(7), "t2")
+    b_cc = new_cache(new_engine(models[arch]))
+    adopt_from(a_cc, b_cc)  # the service's ledger: turn 2
+    import_into(b_cc, first)
+    older = head_of(b_cc, "c1", "s", turn=1)
+    assert older is not None and head_of(b_cc, "c1", "s") is None
+    third = check_turn_against_reference(b_cc, reference_engines[arch], "c1", "s", user("say 3"), greedy(7), "t3")
+    assert third.num_cached_tokens == older.state_len > 0
+    assert head_of(b_cc, "c1", "s").turn == 3 and b_cc.stats()["hits"] == 1
+
+
+def test_a_head_whose_conversation_went_on_elsewhere_is_continued_when_it_comes_back(models, reference_engines):
+    """Replica A served turn 1, replica B turn 2; turn 3 comes back to A, which adopts the ledger
+    at turn 2: its turn-1 head still matches it and spares turn 1's tokens."""
+    arch = Arch.BAMBA
+    a_cc = conversation(models, reference_engines, arch, turns=1)
+    b_cc = new_cache(new_engine(models[arch]))
+    adopt_from(a_cc, b_cc)
+    import_into(b_cc, export_from(a_cc))
+    check_turn_against_reference(b_cc, reference_engines[arch], "c1", "s", user("say 2"), greedy(7), "t2")
+    adopt_from(b_cc, a_cc)
+    kept = head_of(a_cc, "c1", "s", turn=1)
+    assert kept is not None and head_of(a_cc, "c1", "s") is None
+    third = check_turn_against_reference(a_cc, reference_engines[arch], "c1", "s", user("say 3"), greedy(7), "t3")
+    assert third.num_cached_tokens == kept.state_len > 0

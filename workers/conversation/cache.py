@@ -1,7 +1,8 @@
 """The turn lifecycle inside one engine: begin, prepare on success, commit or abandon.
 
     begin_turn:  ledger tokens + template delta of the suffix  -> prompt
-                 committed head (if retained) pinned and attached -> num_computed = state_len
+                 committed head (if retained; else the latest earlier one) pinned and
+                 attached -> num_computed = state_len
     finish       STOP/LENGTH: the request's state is kept *prepared* (base head intact),
                  a TurnCommit record describes it; ABORT/ERROR: the state is freed
     commit:      the prepared state becomes the head (no copy), then the ledger appends the
@@ -78,7 +79,7 @@ class ConversationCache:
         committed = conv.tokens_until(base)
         history_messages = [m for t in conv.turns[:base] for m in t.messages]
         prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix).token_ids
-        head = self.heads.find(key, base) if base else None
+        head = self._head_to_continue(key, base)
         replacing = self.heads.find(key, base + 1, touch=False)  # a regenerated turn's old head
         request = self.engine.add_request(
             request_id,
@@ -95,6 +96,20 @@ class ConversationCache:
         self.pending[request_id] = PendingTurn(
             key, base, conv.version, tuple(suffix), len(committed), commit, replacing)
         return request
+
+    def _head_to_continue(self, key: str, base: int) -> CommittedHead | None:
+        """The head of turn `base`, or else the latest one held before it. A conversation's tokens
+        only grow, so an earlier turn's state covers a prefix of this prompt and only the turns
+        after it run again: the case of a head whose conversation went on elsewhere (another
+        replica served the next turns) or of a tier copy older than the ledger (its export had
+        not run when the owner died)."""
+        if not base:
+            return None
+        head = self.heads.find(key, base)
+        if head is not None:
+            return head
+        earlier = [h.turn for h in self.heads.of_conversation(key) if h.turn < base]
+        return self.heads.find(key, max(earlier)) if earlier else None
 
     def regenerate(
         self,
