@@ -23,6 +23,9 @@ class ServeMetrics:
         self.tokens_reused = Counter("hybridserve_cached_tokens", "prompt tokens reused from heads", registry=r)
         self.migrations = Counter("hybridserve_migrations", "turns served away from the head's owner", registry=r)
         self.tier_imports = Counter("hybridserve_tier_imports", "heads imported from the state tier", registry=r)
+        self.tier_prefix_imports = Counter(
+            "hybridserve_tier_prefix_imports", "older heads imported from the state tier (the turns after them "
+            "recomputed)", registry=r)
         self.ledger_recomputes = Counter("hybridserve_ledger_recomputes", "heads rebuilt from the ledger", registry=r)
         self.lease_conflicts = Counter("hybridserve_lease_conflicts", "turns refused: conversation busy", registry=r)
         self.requests = Counter("hybridserve_requests", "chat completion requests by status", ["status"], registry=r)
@@ -35,6 +38,8 @@ class ServeMetrics:
         self.tokens_reused.inc(cached_tokens)
         if recovery is Recovery.TIER_IMPORT:
             self.tier_imports.inc()
+        elif recovery is Recovery.TIER_PREFIX:
+            self.tier_prefix_imports.inc()
         elif recovery is Recovery.LEDGER_RECOMPUTE:
             self.ledger_recomputes.inc()
         if moved:

@@ -68,6 +68,7 @@ class Recovery(enum.Enum):
     NEW = "new"  # first turn, or a stateless request
     LOCAL = "local"  # the head was on this replica
     TIER_IMPORT = "tier_import"  # imported from the state tier (a migration)
+    TIER_PREFIX = "tier_prefix"  # an older head imported from the tier, the turns after it recomputed
     LEDGER_RECOMPUTE = "ledger_recompute"  # rebuilt from the ledger's token ids (a miss)
 
 

@@ -4,6 +4,7 @@
       state:    head is None            -> a new conversation (drop any stale local copy)
                 local state == head      -> LOCAL (a hit)
                 tier holds head.version  -> TIER_IMPORT (the head migrates here)
+                tier holds an older one  -> TIER_PREFIX (imported; the turns after it run again)
                 else                     -> LEDGER_RECOMPUTE (token ids from the service's ledger)
       stream:   TurnDelta ... (leaving early = client gone = abort = discard)
       commit:   prepared -> PublishTurn (CAS on head.version, fenced by the ingress's lease)
@@ -223,11 +224,13 @@ class Worker:
         turns = [LedgerTurn(tuple({"role": m.role, "content": m.content} for m in t.messages), tuple(t.token_ids))
                  for t in ledger.turns]
         await self.session.adopt_ledger(conv_id, salt, head, turns)
-        if self.settings.tier_export is not TierExport.OFF and head.tier_version == head.version:
+        if self.settings.tier_export is not TierExport.OFF and 0 < head.tier_version <= head.version:
+            # An older copy (the owner died before exporting its last turns) still spares the
+            # turns it covers: the engine continues it and runs only the turns after it.
             try:
-                _, blob = await client.get_state(conv, head.version)
+                _, blob = await client.get_state(conv, head.tier_version)
                 await self.session.import_state(conv_id, salt, blob)
-                return Recovery.TIER_IMPORT
+                return Recovery.TIER_IMPORT if head.tier_version == head.version else Recovery.TIER_PREFIX
             except (NotFound, DataLoss, CorruptStateError, OutOfCacheError) as e:
                 log.warning("tier import of %s failed, recomputing from the ledger: %s", conv_id, e)
         return Recovery.LEDGER_RECOMPUTE

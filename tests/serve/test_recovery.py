@@ -7,11 +7,15 @@ import asyncio
 import openai
 import pytest
 import ray
+from ray import serve
 
-from tests.serve.conftest import APP, NOTIER_APP
+from deployments.app import ChatIngress, Worker
+from deployments.settings import AppSettings
+from tests.serve.conftest import APP, NOTIER_APP, app_args
 from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, tier_copy, user
 
 pytestmark = pytest.mark.timeout(300)
+LAZY_APP = "hybridserve-lazy"
 
 
 def kill_replica(app: str, replica: str) -> None:
@@ -53,6 +57,36 @@ async def test_owner_killed_between_turns_head_imported_from_tier(stack, conv_id
         assert await metric(http, "hybridserve_tier_imports_total") == imports + 1
     reference = await stateless_reference(client, stack.model, history + [message])
     assert reply.tokens == reference.tokens
+
+
+async def test_owner_killed_before_its_export_leaves_an_older_tier_copy_that_spares_its_turns(stack, conv_id):
+    """Turn 1 reaches the tier; turn 2 runs on a replica that would export only after a minute of
+    quiet and dies first. The tier's copy of turn 1 is imported all the same: turn 3 runs turn
+    2's tokens and its own, not turn 1's, and matches a run that never moved."""
+    lazy = AppSettings.model_validate(app_args(stack.model_dir, stack.service, tier_export="async",
+                                               tier_export_delay_s=60))
+    serve.run(ChatIngress.bind(lazy, Worker.options(num_replicas=1).bind(lazy, None), None), name=LAZY_APP,
+              route_prefix="/lazy")
+    try:
+        client = stack.client()
+        history: list[dict] = []
+        await run_turns(client, stack.model, conv_id, ["first question"], history)
+        async with stack.http() as http:
+            first = await tier_copy(http, conv_id, "r")
+            await run_turns(stack.client("/lazy"), stack.model, conv_id, ["second question"], history)
+            second = await conversation(http, conv_id, "r")
+            assert second["head"]["version"] == 2 and second["head"]["tier_version"] == first["head"]["version"] == 1
+            kill_replica(LAZY_APP, second["head"]["owner"])
+            partial = await metric(http, "hybridserve_tier_prefix_imports_total")
+            message = user("third question")
+            reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r")
+            assert reply.turn == 3
+            assert 0 < reply.cached_tokens < first["head"]["committed_tokens"]  # turn 1's state, nothing later
+            assert await metric(http, "hybridserve_tier_prefix_imports_total") == partial + 1
+        reference = await stateless_reference(client, stack.model, history + [message])
+        assert reply.tokens == reference.tokens
+    finally:
+        await asyncio.to_thread(serve.delete, LAZY_APP)
 
 
 async def test_owner_killed_with_tier_off_recomputes_from_ledger(stack, notier, conv_id):
