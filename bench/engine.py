@@ -182,7 +182,9 @@ def bench_arch(
                 long_runs += got
         ours_model = sides[Side.OURS].engine.model
         forwards = [(c, c) for c in plan.concurrency] + [_prefill_forward(c, plan) for c in plan.concurrency]
-        roof = roofline(ours_model, forwards, sides[Side.OURS].engine.state_layout.slot_bytes)
+        readings = [r.host_gflops for r in runs + long_runs if r.host_gflops is not None]
+        best_reading = {"host_speed_best_of_runs": max(readings)} if readings else None
+        roof = roofline(ours_model, forwards, sides[Side.OURS].engine.state_layout.slot_bytes, best_reading)
         parameters = sum(p.numel() for p in ours_model.parameters())
         accuracy = logit_error(model_dir, make_prompts(8, plan.prompt_len, seed + 5), threads) if with_int8 else None
     finally:

@@ -15,9 +15,12 @@ probes (a figure any code reached on this machine is attainable, so the best one
                     the panel kernel's one-row matmul over the model's own packed weights
                     (it reads each weight once and writes a few hundred floats)
     fp32 peak       the best measured matmul rate (operands hot in the caches): MKL sgemm at
-                    256 x 512 x 512 and 1024 x 1024 x 1024, the panel kernel at 16 rows. A
-                    measured attainable peak, not the datasheet's: a kernel beating every
-                    probe would show above 100%
+                    256 x 512 x 512 and 1024 x 1024 x 1024, the panel kernel at 16 rows, and
+                    the best `host_speed` reading around the benchmark's runs (the same
+                    256 x 512 x 512 sgemm, taken over the whole benchmark: the cores' pace
+                    moves by a third within seconds here, and probes taken once, in a slow
+                    spell, put peers above 100%). A measured attainable peak, not the
+                    datasheet's: a kernel beating every probe would show above 100%
 
 K/V reads of attention are left out: at the benchmark's 128-token prompts they are about 1% of
 a decode step's bytes (the long-context rows, where they dominate, report no roofline).
@@ -117,17 +120,19 @@ def forward_key(tokens: int, sequences: int) -> str:
 
 
 def roofline(
-    model: nn.Module, forwards: list[tuple[int, int]], state_bytes_per_sequence: int
+    model: nn.Module, forwards: list[tuple[int, int]], state_bytes_per_sequence: int,
+    peak_readings: dict[str, float] | None = None,
 ) -> dict[str, object]:
     """{"machine": the probes and the ceilings used, forward_key(M, S): {"floor_s", "tokens_per_s",
-    "bound"}} for each forward of (M tokens, S sequences)."""
+    "bound"}} for each forward of (M tokens, S sequences). `peak_readings`: fp32 GFLOPS the
+    caller measured meanwhile (the best host_speed reading), taken as peak probes too."""
     weights = linear_weights(model)
     head = getattr(model, "lm_head", None)
     head_params = head.weight.numel() if isinstance(head, nn.Linear) else 0
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     block_params = sum(w.numel() for w in weights) - head_params
     with torch.inference_mode():
-        bandwidth, peak = read_bandwidth(weights), fp32_peak()
+        bandwidth, peak = read_bandwidth(weights), fp32_peak() | (peak_readings or {})
     gb_s, gflops = max(bandwidth.values()), max(peak.values())
     out: dict[str, object] = {
         "machine": {
