@@ -333,6 +333,10 @@ def test_a_tier_copy_older_than_the_ledger_spares_the_turns_it_covers(models, re
     third = check_turn_against_reference(b_cc, reference_engines[arch], "c1", "s", user("say 3"), greedy(7), "t3")
     assert third.num_cached_tokens == older.state_len > 0
     assert head_of(b_cc, "c1", "s").turn == 3 and b_cc.stats()["hits"] == 1
+    # The same old copy arriving again, now that turn 3's head is held: nothing is installed.
+    kv_free = b_cc.engine.caches.kv.usage().free
+    assert import_into(b_cc, first)[0].turn == 3
+    assert head_of(b_cc, "c1", "s", turn=1) is None and b_cc.engine.caches.kv.usage().free == kv_free
 
 
 def test_a_head_whose_conversation_went_on_elsewhere_is_continued_when_it_comes_back(models, reference_engines):

@@ -27,7 +27,8 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
     """Install a verified head for a conversation whose ledger this engine holds (adopted).
 
     All-or-nothing: CorruptStateError (it does not match the ledger, a held chunk is gone) or
-    OutOfCacheError leave the engine exactly as it was."""
+    OutOfCacheError leave the engine exactly as it was. If a head of that turn or a later one
+    is held already, nothing is installed and that head is described."""
     meta = verified.meta
     key = conversation_key(conversation_id, cache_salt)
     if meta["conversation"] != key:
@@ -48,9 +49,11 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
         or messages_digest(messages) != meta["messages_digest"]
     ):
         raise CorruptStateError("the export does not match this engine's ledger of the conversation")
-    existing = cc.heads.find(key, turn)
-    if existing is not None:
-        return cc.head_info(conv, existing)
+    # A head of this turn or a later one serves the next turn at least as well (an older tier
+    # copy arriving where a later head survived): installing would only take room from others.
+    held = [h.turn for h in cc.heads.of_conversation(key) if h.turn >= turn]
+    if held:
+        return cc.head_info(conv, cc.heads.find(key, max(held)))
     shared: list[int | None] = []
     for digest, data in verified.blocks:
         block = cc.caches.chunks.block_of(digest) if data is None else None
