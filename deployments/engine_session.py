@@ -104,7 +104,9 @@ class EngineSession:
     async def forget(self, conversation_id: str, cache_salt: str, deleted: HeadRef | None = None) -> None:
         """Drop the conversation's local ledger and heads; with `deleted` only if the ledger is
         exactly that head (compared off the engine thread, like `holds`), not a re-created
-        conversation's. An older local copy of the deleted one stays until eviction, unused."""
+        conversation's. An older local copy of the deleted one stays until eviction, and serves
+        only if a re-created conversation's ledger has its very tokens (adopt_ledger drops it
+        otherwise), when its state is exact anyway."""
         key = conversation_key(conversation_id, cache_salt)
 
         def ledger(_e) -> tuple[int, int, list[int]] | None:

@@ -26,7 +26,9 @@ class ServeMetrics:
         self.tier_prefix_imports = Counter(
             "hybridserve_tier_prefix_imports", "older heads imported from the state tier (the turns after them "
             "recomputed)", registry=r)
-        self.ledger_recomputes = Counter("hybridserve_ledger_recomputes", "heads rebuilt from the ledger", registry=r)
+        self.ledger_recomputes = Counter(
+            "hybridserve_ledger_recomputes", "heads rebuilt from the ledger (after any earlier head the replica "
+            "still held)", registry=r)
         self.lease_conflicts = Counter("hybridserve_lease_conflicts", "turns refused: conversation busy", registry=r)
         self.requests = Counter("hybridserve_requests", "chat completion requests by status", ["status"], registry=r)
         self.queue_depth = Gauge("hybridserve_inflight_requests", "chat completions in flight at the ingress",

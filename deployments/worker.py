@@ -224,13 +224,15 @@ class Worker:
         turns = [LedgerTurn(tuple({"role": m.role, "content": m.content} for m in t.messages), tuple(t.token_ids))
                  for t in ledger.turns]
         await self.session.adopt_ledger(conv_id, salt, head, turns)
-        if self.settings.tier_export is not TierExport.OFF and 0 < head.tier_version <= head.version:
+        # The ledger's head is fresher than the lease's: a bypassed owner may have exported since.
+        tier_version = ledger.head.tier_version
+        if self.settings.tier_export is not TierExport.OFF and 0 < tier_version <= head.version:
             # An older copy (the owner died before exporting its last turns) still spares the
             # turns it covers: the engine continues it and runs only the turns after it.
             try:
-                _, blob = await client.get_state(conv, head.tier_version)
+                _, blob = await client.get_state(conv, tier_version)
                 await self.session.import_state(conv_id, salt, blob)
-                return Recovery.TIER_IMPORT if head.tier_version == head.version else Recovery.TIER_PREFIX
+                return Recovery.TIER_IMPORT if tier_version == head.version else Recovery.TIER_PREFIX
             except (NotFound, DataLoss, CorruptStateError, OutOfCacheError) as e:
                 log.warning("tier import of %s failed, recomputing from the ledger: %s", conv_id, e)
         return Recovery.LEDGER_RECOMPUTE

@@ -81,7 +81,8 @@ async def test_owner_killed_before_its_export_leaves_an_older_tier_copy_that_spa
             message = user("third question")
             reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r")
             assert reply.turn == 3
-            assert 0 < reply.cached_tokens < first["head"]["committed_tokens"]  # turn 1's state, nothing later
+            # Turn 1's state: all its tokens but the last, sampled and not yet fed; nothing later.
+            assert reply.cached_tokens == first["head"]["committed_tokens"] - 1
             assert await metric(http, "hybridserve_tier_prefix_imports_total") == partial + 1
         reference = await stateless_reference(client, stack.model, history + [message])
         assert reply.tokens == reference.tokens
