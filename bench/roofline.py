@@ -79,7 +79,16 @@ def read_bandwidth(weights: list[torch.Tensor], repeats: int = 5) -> dict[str, f
     return probes
 
 
-_HOST_PROBE: tuple[torch.Tensor, torch.Tensor] | None = None
+_SGEMM: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _sgemm_operands() -> tuple[torch.Tensor, torch.Tensor]:
+    """x [256, 512] and w [512, 512]: the peak probe's sgemm and host_speed's, the same one so
+    that their readings compare."""
+    global _SGEMM
+    if _SGEMM is None:
+        _SGEMM = torch.randn(256, 512), torch.randn(512, 512)
+    return _SGEMM
 
 
 def host_speed(seconds: float = 0.02) -> float:
@@ -88,21 +97,18 @@ def host_speed(seconds: float = 0.02) -> float:
     (the same in-cache loop took 11 ms in one second and 19 ms a few seconds later, with no steal
     time reported), so each benchmark run records it, and a slow spell shows beside the figure
     it slowed."""
-    global _HOST_PROBE
-    if _HOST_PROBE is None:
-        _HOST_PROBE = torch.randn(256, 512), torch.randn(512, 512)
-    x, w = _HOST_PROBE
+    x, w = _sgemm_operands()
     F.linear(x, w)
     calls, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         F.linear(x, w)
         calls += 1
-    return 2 * 256 * 512 * 512 * calls / elapsed / 1e9
+    return 2 * x.shape[0] * x.shape[1] * w.shape[0] * calls / elapsed / 1e9
 
 
 def fp32_peak(repeats: int = 20) -> dict[str, float]:
     """GFLOPS of each compute probe, operands hot in the caches."""
-    x, w = torch.randn(256, 512), torch.randn(512, 512)
+    x, w = _sgemm_operands()
     probes = {"mkl_256x512x512": 2 * 256 * 512 * 512 / _best_seconds(lambda: F.linear(x, w), repeats) / 1e9}
     big = torch.randn(1024, 1024)
     probes["mkl_1024x1024x1024"] = 2 * 1024**3 / _best_seconds(lambda: F.linear(big, big), max(3, repeats // 4)) / 1e9

@@ -95,6 +95,11 @@ class HeadManager:
             self.heads.move_to_end(head.holder)
         return head
 
+    def latest(self, key: str, at_most: int | None = None) -> CommittedHead | None:
+        """The conversation's held head of the highest turn (up to `at_most` if given), touched."""
+        turns = [h.turn for h in self.of_conversation(key) if at_most is None or h.turn <= at_most]
+        return self.find(key, max(turns)) if turns else None
+
     def of_conversation(self, key: str) -> list[CommittedHead]:
         return [h for h in self.heads.values() if h.conversation_key == key]
 

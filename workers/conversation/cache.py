@@ -103,13 +103,7 @@ class ConversationCache:
         after it run again: the case of a head whose conversation went on elsewhere (another
         replica served the next turns) or of a tier copy older than the ledger (its export had
         not run when the owner died)."""
-        if not base:
-            return None
-        head = self.heads.find(key, base)
-        if head is not None:
-            return head
-        earlier = [h.turn for h in self.heads.of_conversation(key) if h.turn < base]
-        return self.heads.find(key, max(earlier)) if earlier else None
+        return self.heads.latest(key, at_most=base) if base else None
 
     def regenerate(
         self,

@@ -51,9 +51,9 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
         raise CorruptStateError("the export does not match this engine's ledger of the conversation")
     # A head of this turn or a later one serves the next turn at least as well (an older tier
     # copy arriving where a later head survived): installing would only take room from others.
-    held = [h.turn for h in cc.heads.of_conversation(key) if h.turn >= turn]
-    if held:
-        return cc.head_info(conv, cc.heads.find(key, max(held)))
+    held = cc.heads.latest(key)
+    if held is not None and held.turn >= turn:
+        return cc.head_info(conv, held)
     shared: list[int | None] = []
     for digest, data in verified.blocks:
         block = cc.caches.chunks.block_of(digest) if data is None else None
