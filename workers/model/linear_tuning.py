@@ -365,17 +365,15 @@ MAX_PASS_COPIES = 64  # weights per timed pass when a shape's own are too few to
 def choose(typical: Mapping[LinearBackend, float], held: LinearBackend | None, min_gain: float) -> LinearBackend:
     """The backend for one bucket from typical times (lower is faster).
 
-    A packed backend must beat F.linear by `min_gain`. `held` is the packed backend the shape
-    already chose for a smaller bucket: another packed backend replaces it only when it is
-    `min_gain` faster, since each packed backend a shape uses keeps a copy of its weights.
+    Each packed backend a shape uses keeps a copy of its weights, so the backends that need no
+    new copy (F.linear on the weight as loaded, and `held`: the packed backend the shape already
+    chose for a smaller bucket) win unless another is `min_gain` faster than the faster of them.
+    Whatever wins is thus never `min_gain` slower than the fastest measured.
     """
-    packed = [b for b in typical if b.packed]
-    if not packed:
-        return LinearBackend.TORCH
-    fastest = min(packed, key=typical.__getitem__)
-    if held in typical and fastest is not held and typical[held] <= typical[fastest] * min_gain:
-        fastest = held
-    return fastest if typical[LinearBackend.TORCH] >= typical[fastest] * min_gain else LinearBackend.TORCH
+    free = [b for b in (LinearBackend.TORCH, held) if b in typical]
+    best_free = min(free, key=typical.__getitem__)
+    fastest = min(typical, key=typical.__getitem__)
+    return best_free if typical[best_free] <= typical[fastest] * min_gain else fastest
 
 
 def _measure_all(
