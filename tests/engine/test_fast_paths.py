@@ -282,6 +282,19 @@ def test_reference_path_when_kernels_cannot_build(monkeypatch):
     assert "ninja" in scan_module.build_failure()
 
 
+def test_the_build_folder_follows_the_headers_beside_the_source(tmp_path):
+    """The kernel sources include `vector_math.h`: editing a header must give a new build folder,
+    or a machine with the old build cached would keep running the old code."""
+    source = tmp_path / "kernel.cpp"
+    source.write_text('#include "shared.h"\n')
+    (tmp_path / "shared.h").write_text("inline int f() { return 1; }\n")
+    before = cpp_build.build_dir("k", source)
+    assert cpp_build.build_dir("k", source) == before
+    (tmp_path / "shared.h").write_text("inline int f() { return 2; }\n")
+    assert cpp_build.build_dir("k", source) != before
+    assert (kernel_module.SOURCE.parent / "vector_math.h").exists()  # what the real sources include
+
+
 def test_a_build_killed_midway_does_not_block_later_loads():
     """A process killed while it built a kernel leaves torch's lock file in the build folder;
     the next process must clear it and load the module, not wait for it forever (a replica

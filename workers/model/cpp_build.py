@@ -2,7 +2,7 @@
 
 Torch's extension mechanism compiles it with -O3 -march=native -fopenmp (and the module's own
 flags, if any); the build is cached per CPU (model and instruction-set flags), torch version,
-flags and source under
+flags, source and the headers beside it under
 `~/.cache/hybridserve/kernels`, so a checkout shared by different machines never runs code
 built for another CPU. When the build cannot happen (no compiler, no ninja, a compiler or
 linker error), `build_cpu_extension` returns None and `build_failure(name)` says why; the
@@ -43,7 +43,11 @@ def cpu_signature() -> str:
 
 
 def build_dir(name: str, source: Path, flags: tuple[str, ...] = ()) -> Path:
-    identity = f"{cpu_signature()}|{torch.__version__}|{' '.join(flags)}|{source.read_bytes()!r}"
+    """The build's folder, keyed on everything the build depends on: the CPU, torch, the flags,
+    the source and the headers beside it (which the sources include by name, `vector_math.h`):
+    a header edited while an old build is cached must not run the old code."""
+    headers = b"".join(h.name.encode() + b"\0" + h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    identity = f"{cpu_signature()}|{torch.__version__}|{' '.join(flags)}|{source.read_bytes()!r}|{headers!r}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "hybridserve" / "kernels" / f"{name}-{key}"
 

@@ -9,6 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vector_math.h"
+
 #ifdef __FMA__
 #include <immintrin.h>
 #endif
@@ -29,7 +31,7 @@ namespace {
 
 // exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by Cephes' degree-6
 // polynomial (about 1 ulp). Unlike std::exp it has no call and no errno, so loops over it
-// vectorise (8 lanes with AVX2): the activations and the softmax run it on whole rows.
+// vectorise (8 lanes with AVX2): the softmax runs it on whole rows (silu: `silu_row`).
 inline float fast_exp(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.3f ? 88.3f : x);  // 2^n stays a normal float, never inf (selects, not branches)
   const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
@@ -47,8 +49,6 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-inline float silu(float v) { return v / (1.0f + fast_exp(-v)); }
-
 // torch.nn.functional.softplus with beta = 1, threshold = 20.
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
@@ -59,16 +59,16 @@ void check_fp32(const torch::Tensor& t, const char* what) {
 // One group of `n` channels normalised: out = weight * v / sqrt(mean(v^2) + eps), where
 // v = x * silu(gate) with a gate, else x. `out` may alias `x`.
 inline void normalise_group(const float* x, const float* gate, const float* weight, float* out, int64_t n, float eps) {
+  if (gate) {  // v = x * silu(gate), into out (silu_row reads each vector of x before writing it there)
+    silu_row(gate, x, out, n);
+    x = out;
+  }
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-  for (int64_t j = 0; j < n; ++j) {
-    const float v = gate ? x[j] * silu(gate[j]) : x[j];
-    out[j] = v;
-    ss += v * v;
-  }
+  for (int64_t j = 0; j < n; ++j) ss += x[j] * x[j];
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j] = weight[j] * (out[j] * inv);
+  for (int64_t j = 0; j < n; ++j) out[j] = weight[j] * (x[j] * inv);
 }
 
 // Work items per parallel task so that a task is worth a thread hand-off (~16k floats).
@@ -243,8 +243,7 @@ torch::Tensor mamba_decode(torch::Tensor zxbcdt, torch::Tensor conv_cache, torch
   const auto conv = width == 4 ? conv_channels<3> : conv_channels<0>;
   at::parallel_for(0, batch * conv_dim, 2048, [&](int64_t begin, int64_t end) {
     conv(in_p, row_stride, inter, conv_p, conv_dim, kept, slot_p, w_p, b_p, xc_p, begin, end);
-#pragma omp simd
-    for (int64_t i = begin; i < end; ++i) xc_p[i] = silu(xc_p[i]);  // vectorises
+    silu_row(xc_p + begin, nullptr, xc_p + begin, end - begin);
   });
 
   // 2. the recurrence of every (sequence, head): one read and one write of its state, the state
@@ -728,8 +727,7 @@ torch::Tensor mlp_activation(torch::Tensor x, bool gated) {
       const float* xr = x_p + r * width;
       float* o = o_p + r * out_width;
       if (gated) {
-#pragma omp simd
-        for (int64_t j = 0; j < out_width; ++j) o[j] = silu(xr[j]) * xr[out_width + j];
+        silu_row(xr, xr + out_width, o, out_width);
       } else {
 #pragma omp simd
         for (int64_t j = 0; j < out_width; ++j) {

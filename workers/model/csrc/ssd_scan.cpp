@@ -26,6 +26,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vector_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -300,49 +302,6 @@ inline void scan_head_rows(const HeadRun& r, float* state, int64_t dstate, int64
     }
   }
 }
-
-// silu(v) = v * sigmoid(v) over a row. With AVX2 + FMA (what -march=native gives on
-// the CPUs we run on) eight lanes at a time through Cephes' expf polynomial (relative error
-// ~2e-7): GCC keeps std::exp a scalar library call, and will not if-convert the clamps of a
-// portable version without -fno-trapping-math, which would change every kernel of the build.
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 exp_nonpositive(__m256 v) {  // exp(v) for v <= 0
-  v = _mm256_max_ps(v, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.3981999507e-3f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(8.3334519073e-3f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(4.1665795894e-2f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.6666665459e-1f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 mantissa = _mm256_add_ps(_mm256_fmadd_ps(poly, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(mantissa, _mm256_castsi256_ps(bits));
-}
-
-// out[c] = silu(v[c]) * factor[c] (factor may be null: 1); out may be v.
-inline void silu_row(const float* v, const float* factor, float* out, int64_t count) {
-  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
-  int64_t c = 0;
-  for (; c + 8 <= count; c += 8) {
-    const __m256 x = _mm256_loadu_ps(v + c);
-    const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));  // exp(-|x|): never overflows
-    // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below
-    const __m256 numerator = _mm256_blendv_ps(one, e, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
-    __m256 r = _mm256_div_ps(_mm256_mul_ps(x, numerator), _mm256_add_ps(one, e));
-    if (factor) r = _mm256_mul_ps(r, _mm256_loadu_ps(factor + c));
-    _mm256_storeu_ps(out + c, r);
-  }
-  for (; c < count; ++c) out[c] = v[c] / (1.0f + std::exp(-v[c])) * (factor ? factor[c] : 1.0f);
-}
-#else
-inline void silu_row(const float* v, const float* factor, float* out, int64_t count) {
-  for (int64_t c = 0; c < count; ++c) out[c] = v[c] / (1.0f + std::exp(-v[c])) * (factor ? factor[c] : 1.0f);
-}
-#endif
 
 // torch.nn.functional.softplus with beta = 1, threshold = 20.
 inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
