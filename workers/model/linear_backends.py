@@ -44,10 +44,11 @@ def packing_available() -> bool:
 
 # oneDNN picks the blocked layout of a packed weight for a batch size. Without one it assumes a
 # small batch, and that layout is the slow one where oneDNN matters, at prompt chunks: the
-# `bench` GraniteMoeHybrid's 3072x512 gate-and-up weight ran at 116 GFLOPS at 1,024 rows on this AVX2 host against 135
-# in the layout picked for 1,024 rows (15 interleaved rounds, 2 threads); at 256 rows the two
-# were within noise. Any layout multiplies any number of rows, so one pack still serves all,
-# and the tuner measures it at every bucket like any other backend.
+# `bench` GraniteMoeHybrid's 3072x512 gate-and-up weight ran at 116 GFLOPS at 1,024 rows on this
+# AVX2 host against 135 in the layout picked for 1,024 rows (15 interleaved rounds, 2 threads);
+# at 256 rows the two were within noise. Any layout multiplies any number of rows, so one pack
+# still serves all, and the tuner measures it at every bucket like any other backend. The rows
+# are those of the tuner's prefill bucket (`LinearTuning.buckets[-1]`), where it is measured.
 ONEDNN_LAYOUT_ROWS = 1024
 
 
