@@ -76,28 +76,33 @@ def test_packed_linear_equals_reference(backend, out_features, bias, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
-def test_panel_kernel_gives_each_row_the_same_bits_at_any_batch(dtype):
+@pytest.mark.parametrize("in_features", [200, 2100])
+def test_panel_kernel_gives_each_row_the_same_bits_at_any_batch(dtype, in_features):
     """A row's outputs do not depend on which rows share its call: at 1-16 rows the kernel
-    takes the panel in k-blocks across row groups, beyond that group by group, and from 48 rows
-    in row blocks, but every output sums its k in the same order. K = 200 ends in a part block."""
+    takes the panel in k-blocks across row groups, beyond that group by group, up to 48 rows in
+    one row block, beyond 48 fp32 rows as a blocked GEMM on strips of 6 rows (K over 2,048 in
+    k-spans, the tile stored and reloaded between them; int8 in more row blocks), but every
+    output sums its k in the same order. K = 200 ends in a part block; N = 40 in a part panel,
+    and 49, 61 and 100 rows in a part strip. Bias rides along: it is added after the sum."""
     ext = panel_kernels()
     assert ext is not None, "the panel GEMM kernel did not build"
     torch.manual_seed(5)
-    weight = torch.randn(40, 200)
+    weight = torch.randn(40, in_features)
+    bias = torch.randn(40)
     scales = None
     if dtype is torch.int8:
         scales = torch.rand(40) + 0.5
-        weight = torch.randint(-127, 128, (40, 200), dtype=torch.int8)
+        weight = torch.randint(-127, 128, (40, in_features), dtype=torch.int8)
     panels = ext.pack_panels(weight)
-    x = torch.randn(60, 200)
-    alone = torch.cat([ext.panel_linear(x[r : r + 1], panels, 40, None, scales) for r in range(60)])
-    for rows in (2, 6, 7, 8, 13, 16, 17, 30, 48, 60):
-        together = ext.panel_linear(x[:rows], panels, 40, None, scales)
+    x = torch.randn(100, in_features)
+    alone = torch.cat([ext.panel_linear(x[r : r + 1], panels, 40, bias, scales) for r in range(100)])
+    for rows in (2, 6, 7, 8, 13, 16, 17, 30, 48, 49, 61, 100):
+        together = ext.panel_linear(x[:rows], panels, 40, bias, scales)
         assert torch.equal(together, alone[:rows]), rows
     if scales is None:
-        torch.testing.assert_close(alone, x @ weight.T, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(alone, F.linear(x, weight, bias), rtol=1e-5, atol=1e-3)
     else:  # int8 values up to 127: sums of ~1e3, scaled after the sum here, before it in the reference
-        torch.testing.assert_close(alone, x @ (weight.float() * scales[:, None]).T, rtol=1e-5, atol=1e-2)
+        torch.testing.assert_close(alone, F.linear(x, weight.float() * scales[:, None], bias), rtol=1e-5, atol=1e-1)
 
 
 def test_panel_kernel_rejects_what_it_cannot_multiply():

@@ -22,7 +22,8 @@ Only the fast path changes: the deterministic verifier multiplies `layer.weight`
 `F.linear` itself, so its fixed-shape results never depend on what was measured here.
 A packed weight is a copy: install after the weights are loaded (the runner does). A weight
 keeps one packed copy per packed backend its plan picks for some bucket (at most two beside
-the original; typically panels for decode's buckets, and oneDNN or none for prefill's);
+the original; measured on a 2-core AVX2 host: panels for every bucket, the prefill buckets on
+the panel kernel's blocked path);
 measuring holds at most `pass_bytes` of packed copies per packed backend (one shape at a time).
 """
 
