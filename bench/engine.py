@@ -106,6 +106,10 @@ def _measure(sides, order: list[Side], prompts, new_tokens: int, repeat: int, ba
         gc.collect()
         before = host_speed()
         run, outputs[side] = sides[side].run(prompts, new_tokens)
+        # A side's OpenMP threads spin-wait for a moment after its last parallel region: the
+        # first probe after vLLM's runs read 99-125 GFLOPS where the next, 20 ms later, and the
+        # probe before read 150-165 (ours: no such dip). So one probe settles, the next counts.
+        host_speed()
         host = (before + host_speed()) / 2
         if any(len(t) != new_tokens for t in outputs[side]):
             raise RuntimeError(f"{side.value} did not generate exactly {new_tokens} tokens per sequence")
@@ -334,7 +338,8 @@ METHOD = {
     "a warm-up run per side at every concurrency before measuring; the side going first rotates per repeat; "
     "medians over repeats; beside each ratio of medians, the spread of the per-repeat (paired) ratios",
     "host_speed": "a 20 ms in-cache sgemm (256x512x512, the bench's threads) in this process just before and just "
-    "after each run, averaged: the cores' pace during that run, which moves by up to a third within seconds here",
+    "after each run (after one more 20 ms sgemm, so the run's own threads have stopped spinning), averaged: the "
+    "cores' pace during that run, which moves by up to a third within seconds here",
     "prompts": "fixed length, random ids from the ordinary (non-special) vocabulary, the same prompts for all sides",
     "generation": "greedy, exactly N new tokens per sequence (EOS ignored): ours SamplingParams(temperature=0, "
     "ignore_eos=True); vLLM SamplingParams(temperature=0, min_tokens=max_tokens=N, ignore_eos=True); transformers "
