@@ -171,10 +171,13 @@ async def test_restart_between_turns_loses_no_turn(stack, conv_id, what):
 async def test_lease_is_renewed_while_a_long_turn_streams(stack, notier, conv_id):
     client = openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key="k1", max_retries=0, timeout=120)
     started = asyncio.get_running_loop().time()
+    # 3,600 tokens, near the tiny model's 4,096 positions: 1,500 once streamed in 4.2 s here, under
+    # the three TTLs the turn must outlive, so the renewal went untested; this took 11.3 s there.
     reply = await chat_turn(client, stack.model, [user("take your time")], conversation_id=conv_id, cache_salt="r",
-                            max_tokens=1500, stream=True)
-    assert asyncio.get_running_loop().time() - started > 3 * 1.5  # the turn outlived its lease TTL twice over
-    assert reply.turn == 1 and len(reply.tokens) == 1500
+                            max_tokens=3600, stream=True)
+    elapsed = asyncio.get_running_loop().time() - started
+    assert elapsed > 3 * 1.5, f"the turn took {elapsed:.1f} s: too short to outlive its 1.5 s lease twice over"
+    assert reply.turn == 1 and len(reply.tokens) == 3600
 
 
 @pytest.mark.parametrize("what", ["cache_service", "redis"])
