@@ -32,6 +32,19 @@ def restart(stack, what: str) -> None:
         stack.redis.start()
 
 
+async def replicas_settled(app: str) -> None:
+    """Returns once every replica of `app` runs. A replacement for a killed one loads the model
+    and tunes its kernels on both cores for seconds, starving everything else here: a turn
+    streamed meanwhile once lost its 1.5 s lease."""
+    while True:  # Serve has no event for it: its status is polled
+        status = (await asyncio.to_thread(serve.status)).applications[app]
+        if status.status == "RUNNING" and all(
+            set(d.replica_states) <= {"RUNNING"} for d in status.deployments.values()
+        ):
+            return
+        await asyncio.sleep(0.2)
+
+
 async def run_turns(client, model, conv_id, texts, history, **kw):
     replies = []
     for text in texts:
@@ -170,6 +183,7 @@ async def test_restart_between_turns_loses_no_turn(stack, conv_id, what):
 
 async def test_lease_is_renewed_while_a_long_turn_streams(stack, notier, conv_id):
     client = openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key="k1", max_retries=0, timeout=120)
+    await replicas_settled(NOTIER_APP)  # an earlier test killed one of its workers
     started = asyncio.get_running_loop().time()
     # 3,600 tokens, near the tiny model's 4,096 positions: 1,500 once streamed in 4.2 s here, under
     # the three TTLs the turn must outlive, so the renewal went untested; this took 11.3 s there.
