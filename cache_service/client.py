@@ -58,6 +58,7 @@ from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 
 tokens_sha256 = hashing.tokens_sha256
+TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(result=...))
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,8 @@ class CacheClient:
                            messages: Sequence[pb.Message | Mapping[str, Any]],
                            token_ids: Sequence[int], committed_tokens: int, tokens_sha256: str,
                            owner_replica: str = "", release_lease: bool = True,
-                           publish_id: str | None = None, lease_proof: bytes | None = None) -> pb.Head:
+                           publish_id: str | None = None, lease_proof: bytes | None = None,
+                           result: pb.TurnResult | None = None) -> pb.Head:
         """Commit a turn: CAS on expected_version, fenced by the lease.
 
         token_ids are this turn's new tokens (suffix prompt + generated); the server
@@ -264,7 +266,7 @@ class CacheClient:
         token, proof = self._fence(conv, lease_token, lease_proof)
         request = pb.PublishTurnRequest(
             key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=expected_version,
-            turn=pb.LedgerTurn(messages=_messages(messages), token_ids=token_ids),
+            turn=pb.LedgerTurn(messages=_messages(messages), token_ids=token_ids, result=result),
             committed_tokens=committed_tokens, tokens_sha256=tokens_sha256,
             owner_replica=owner_replica, release_lease=release_lease,
             publish_id=publish_id or uuid.uuid4().hex)

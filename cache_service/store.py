@@ -143,7 +143,8 @@ class MetadataStore:
         # The turn number is the entry's position in the ledger list, so it is not
         # stored; read_ledger fills it in.
         entry = pb.LedgerTurn(messages=req.turn.messages, token_ids=req.turn.token_ids,
-                              publish_id=req.publish_id, committed_at_ms=now_ms())
+                              publish_id=req.publish_id, committed_at_ms=now_ms(),
+                              result=req.turn.result)
         reply = await self._publish(
             keys=[keys.head, keys.lease, keys.ledger, keys.marks],
             args=[fence.token, fence.incarnation, req.expected_version, entry.SerializeToString(),

@@ -163,18 +163,32 @@ class Message(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class LedgerTurn(_message.Message):
-    __slots__ = ("turn", "messages", "token_ids", "publish_id", "committed_at_ms")
+    __slots__ = ("turn", "messages", "token_ids", "publish_id", "committed_at_ms", "result")
     TURN_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
     turn: int
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     publish_id: str
     committed_at_ms: int
-    def __init__(self, turn: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., publish_id: _Optional[str] = ..., committed_at_ms: _Optional[int] = ...) -> None: ...
+    result: TurnResult
+    def __init__(self, turn: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., publish_id: _Optional[str] = ..., committed_at_ms: _Optional[int] = ..., result: _Optional[_Union[TurnResult, _Mapping]] = ...) -> None: ...
+
+class TurnResult(_message.Message):
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PublishTurnRequest(_message.Message):
     __slots__ = ("key", "lease_token", "expected_version", "turn", "committed_tokens", "tokens_sha256", "owner_replica", "release_lease", "publish_id", "lease_proof")
