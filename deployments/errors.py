@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.protocol import ErrorKind
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          409: "conflict_error", 413: "invalid_request_error", 503: "service_unavailable"}
+          409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -30,7 +30,8 @@ class APIError(Exception):
 
 
 _KIND_STATUS = {ErrorKind.INVALID: 400, ErrorKind.TOO_LONG: 413, ErrorKind.CONFLICT: 409,
-                ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500}
+                ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500,
+                ErrorKind.OUTCOME_UNKNOWN: 503}
 
 
 def from_kind(kind: ErrorKind, message: str) -> APIError:

@@ -31,9 +31,11 @@ from deployments import errors
 from deployments.api_models import ChatCompletionRequest
 from deployments.cache_access import cache_client_config
 from deployments.errors import APIError
+from deployments.lease_keeper import LeaseKeeper
 from deployments.metrics import ServeMetrics
-from deployments.protocol import HeadRef, ReplicaCall, TurnDelta, TurnDone, TurnFailed
+from deployments.protocol import HeadRef, Recovery, ReplicaCall, TurnDelta, TurnDone, TurnFailed
 from deployments.settings import AppSettings
+from deployments.turn_outcome import IdempotencyKey
 from deployments.turns import TurnRun, first_error
 
 DEFAULT_MAX_TOKENS = 256
@@ -91,6 +93,16 @@ def _check_id(conversation_id: str) -> None:
         raise APIError(400, "conversation_id must be 1..256 bytes", "invalid_request", param="conversation_id")
 
 
+def _idempotency(request: Request, body: ChatCompletionRequest) -> IdempotencyKey | None:
+    """The request's Idempotency-Key, bound to its body (the parts that change the turn)."""
+    key = request.headers.get("idempotency-key")
+    if key is None or body.conversation_id is None:
+        return None
+    if not 0 < len(key.encode()) <= 256:
+        raise APIError(400, "Idempotency-Key must be 1..256 bytes", "invalid_request", param="Idempotency-Key")
+    return IdempotencyKey.of(key, body.model_dump(exclude={"stream", "stream_options", "wait_if_busy"}))
+
+
 def _unknown(conversation_id: str) -> APIError:
     return APIError(404, f"no conversation {conversation_id!r} under this cache_salt", "conversation_not_found")
 
@@ -121,6 +133,7 @@ class ChatIngress:
         self.model = _model_name(settings)
         self.metrics = ServeMetrics()
         self._client: CacheClient | None = None
+        self._keeper: LeaseKeeper | None = None  # made with the client
         self._inflight = 0
         api.state.max_body_bytes = settings.max_body_bytes
         api.state.api_keys = settings.read_api_keys()
@@ -128,7 +141,9 @@ class ChatIngress:
     async def _cache(self) -> CacheClient:
         if self._client is None:
             address = self.settings.cache_service or await self.cache_host.address.remote()
-            self._client = CacheClient(address, cache_client_config("ingress", self.settings))
+            config = cache_client_config("ingress", self.settings)
+            self._client = CacheClient(address, config)
+            self._keeper = LeaseKeeper(address, config, on_delay=self.metrics.lease_renewal_delay)
         return self._client
 
     def _salt(self, request: Request, cache_salt: str) -> str:
@@ -151,10 +166,10 @@ class ChatIngress:
         self.metrics.queue_depth.inc()
         try:
             run = await TurnRun.start(
-                self.settings, self.workers, await self._cache(),
+                self.settings, self.workers, await self._cache(), self._keeper,
                 messages=[m.as_engine_message() for m in body.messages],
                 sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation_id=body.conversation_id,
-                cache_salt=salt, wait_if_busy=body.wait_if_busy)
+                cache_salt=salt, wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body))
         except BaseException as e:
             self._finished(e.status if isinstance(e, APIError) else 500)
             if isinstance(e, APIError) and e.code == "conversation_busy":
@@ -194,6 +209,8 @@ class ChatIngress:
             self.metrics.prompt_tokens.inc(event.prompt_tokens)
 
     def _done(self, run: TurnRun, done: TurnDone) -> None:
+        if done.recovery is Recovery.REPLAY:  # answered from the ledger: counted when it ran
+            return
         head = run.job.head
         self.metrics.turn_done(continued=head is not None, cached_tokens=done.cached_tokens,
                                recovery=done.recovery, moved=head is not None and head.owner != done.replica)

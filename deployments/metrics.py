@@ -12,6 +12,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class ServeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._worst_renewal_delay = 0.0
         self.ttft = Histogram("hybridserve_time_to_first_token_seconds", "request arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("hybridserve_inter_token_latency_seconds", "between streamed token deltas",
@@ -33,6 +34,9 @@ class ServeMetrics:
         self.requests = Counter("hybridserve_requests", "chat completion requests by status", ["status"], registry=r)
         self.queue_depth = Gauge("hybridserve_inflight_requests", "chat completions in flight at the ingress",
                                  registry=r)
+        self.lease_renewal_delay_max = Gauge(
+            "hybridserve_lease_renewal_delay_max_seconds", "the latest any lease renewal ran past its time",
+            registry=r)
 
     def turn_done(self, *, continued: bool, cached_tokens: int, recovery: Recovery, moved: bool) -> None:
         if continued:
@@ -49,3 +53,9 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def lease_renewal_delay(self, seconds: float) -> None:
+        """Called from the lease keeper's thread (prometheus_client's metrics are thread-safe)."""
+        if seconds > self._worst_renewal_delay:
+            self._worst_renewal_delay = seconds
+            self.lease_renewal_delay_max.set(seconds)

@@ -23,12 +23,13 @@ class HeadRef:
     tokens_sha256: str
     owner: str  # Serve replica id (unique part) of the worker holding the state; "" if none
     tier_version: int  # head version whose state the tier holds (0: none)
+    incarnation: str = ""  # the conversation's life (a deleted and re-created one has another)
 
     @classmethod
     def of(cls, head: Any) -> "HeadRef":
         """From the cache service's `Head` message."""
         return cls(head.version, head.turn, head.committed_tokens, head.tokens_sha256, head.owner_replica,
-                   head.tier_version)
+                   head.tier_version, head.incarnation)
 
     def same_state(self, other: "HeadRef") -> bool:
         """The same committed turn (version, turn, tokens), whoever owns it and whatever the tier
@@ -47,6 +48,13 @@ class TurnJob:
     cache_salt: str = ""  # already scoped to the API key when auth is on
     lease: Any = None  # the cache client's Lease (token + proof of holding), passed back as given
     head: HeadRef | None = None  # None: the conversation's first turn
+    # Names the turn's publish: the ingress finds the turn in the ledger by it when the publish's
+    # outcome is unknown, and an idempotent retry (same Idempotency-Key and body) by its prefix.
+    publish_id: str = ""
+
+    @property
+    def publish_name(self) -> str:
+        return self.publish_id or self.request_id
 
     @property
     def owner(self) -> str:
@@ -70,6 +78,7 @@ class Recovery(enum.Enum):
     TIER_IMPORT = "tier_import"  # imported from the state tier (a migration)
     TIER_PREFIX = "tier_prefix"  # an older head imported from the tier, the turns after it recomputed
     LEDGER_RECOMPUTE = "ledger_recompute"  # rebuilt from the ledger's token ids (a miss)
+    REPLAY = "replay"  # not run: the turn had committed already (a retry), answered from the ledger
 
 
 class ErrorKind(enum.Enum):
@@ -78,6 +87,9 @@ class ErrorKind(enum.Enum):
     CONFLICT = "conversation_conflict"  # 409: the head moved or the lease was lost meanwhile
     UNAVAILABLE = "unavailable"  # 503: a dependency is down, retry later
     INTERNAL = "internal_error"  # 500: a bug or a failed model step, never bad input
+    # 503: the cache service could not say whether the turn committed; a retry with the same
+    # Idempotency-Key learns it (answered from the ledger if it did, run if it did not)
+    OUTCOME_UNKNOWN = "turn_outcome_unknown"
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,29 @@
 """One chat completion as the ingress runs it: lease, route, stream, release.
 
     conversation turn:  acquire lease (409 / wait) -> read head -> TurnJob(head, lease token)
+                        -> an Idempotency-Key already committed: answered from the ledger
                         -> Worker.run_turn via the sticky router, lease renewed meanwhile
                         -> TurnDone: the worker published; release the lease
-                        -> anything else (error, replica lost, client gone): discard the lease,
-                           the head stays as it was
+                        -> a definite failure (bad input, conflict, client gone before the
+                           publish): discard the lease, the head stays as it was
+                        -> anything that may have published (replica lost, outcome unknown,
+                           lease lost mid-turn): fence (discard the lease), then the ledger
+                           says whether the turn committed, and the client is told that
     stateless request:  TurnJob with the full history, no lease
 
-A replica lost before it produced anything is retried on another (nothing was published,
-nothing streamed); once tokens have gone out, the client gets the error instead.
+A replica lost before it produced anything is retried on another, under a new lease (at most
+one run per lease: the old one is fenced first, and a turn it committed is answered from the
+ledger); once tokens have gone out, the client gets the ledger's verdict instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -25,13 +31,21 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, LeaseLost
-from deployments import errors
+from deployments import errors, turn_outcome
 from deployments.errors import APIError
+from deployments.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
 from deployments.protocol import ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob
 from deployments.settings import AppSettings
+from deployments.turn_outcome import IdempotencyKey
 
 log = logging.getLogger("hybridserve.ingress")
 RETRIES_BEFORE_FIRST_EVENT = 2
+# How long the ingress keeps asking the cache service whether a turn committed before it tells
+# the client the outcome is unknown (a retry with the same Idempotency-Key then learns it).
+RECONCILE_BUDGET_S = 30.0
+
+# Failures decided before anything could publish: the ledger cannot hold the turn.
+_BEFORE_PUBLISH = (ErrorKind.INVALID, ErrorKind.TOO_LONG)
 
 
 @dataclass
@@ -40,82 +54,226 @@ class Lease:
     granted: Any  # the client's Lease: fenced calls get it back as it came
 
 
+class _LeaseLostMidTurn(Exception):
+    pass
+
+
 class TurnRun:
     """Drives one request's events; `close()` must run whatever happened (it settles the lease)."""
 
     def __init__(self, settings: AppSettings, workers: DeploymentHandle, cache: CacheClient, job: TurnJob,
-                 lease: Lease | None):
+                 lease: Lease | None, keeper: LeaseKeeper | None = None):
         self.settings, self.workers, self.cache, self.job, self.lease = settings, workers, cache, job, lease
+        self.keeper = keeper
         self.done: TurnDone | None = None
-        self._renewer: asyncio.Task | None = None
+        self.replayed: list[TurnEvent] | None = None  # an idempotent retry of a committed turn
+        self._renewer: KeptLease | None = None
         self._response = None
+        self._fenced = False  # the lease was discarded to learn the turn's outcome: nothing to settle
+        self._lease_lost: asyncio.Future = asyncio.get_running_loop().create_future()
 
     @classmethod
-    async def start(cls, settings: AppSettings, workers: DeploymentHandle, cache: CacheClient, *,
-                    messages: list[dict], sampling: dict, conversation_id: str | None, cache_salt: str,
-                    wait_if_busy: bool) -> "TurnRun":
+    async def start(cls, settings: AppSettings, workers: DeploymentHandle, cache: CacheClient, keeper: LeaseKeeper,
+                    *, messages: list[dict], sampling: dict, conversation_id: str | None, cache_salt: str,
+                    wait_if_busy: bool, idempotency: IdempotencyKey | None = None) -> "TurnRun":
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if conversation_id is None:
+        if conversation_id is None:  # nothing is committed: a retry is harmless, no key needed
             return cls(settings, workers, cache, TurnJob(request_id, messages, sampling), None)
         conv = Conversation(conversation_id, cache_salt)
-        ttl_ms = int(settings.lease_ttl_s * 1000)
-        try:
-            granted = await cache.acquire_lease(conv, ttl_ms, holder=f"ingress:{request_id}",
-                                                wait_s=settings.busy_wait_s if wait_if_busy else 0.0)
-        except LeaseHeld:
-            raise errors.busy(conversation_id) from None
-        except CacheError as e:
-            raise errors.overloaded(f"cache service unavailable: {e}") from e
-        lease = Lease(conv, granted)
+        granted = await _acquire(settings, cache, conv, request_id, wait_if_busy)
         head = granted.head  # the head at the time of the acquire; version 0: a new conversation
-        ref = HeadRef.of(head) if head.version else None
-        job = TurnJob(request_id, messages, sampling, conversation_id, cache_salt, granted, ref)
-        run = cls(settings, workers, cache, job, lease)
-        run._renewer = asyncio.create_task(run._renew(ttl_ms))
+        job = TurnJob(request_id, messages, sampling, conversation_id, cache_salt, granted,
+                      HeadRef.of(head) if head.version else None,
+                      publish_id=idempotency.publish_id if idempotency else "")
+        run = cls(settings, workers, cache, job, Lease(conv, granted), keeper)
+        if idempotency is not None and head.version:
+            try:
+                await run._find_earlier_run(idempotency, head.turn)
+            except BaseException:
+                await run.close()
+                raise
+            if run.replayed is not None:
+                return run
+        run._keep_lease()
         return run
 
-    async def _renew(self, ttl_ms: int) -> None:
-        while True:
-            await asyncio.sleep(ttl_ms / 3000)
-            try:
-                await self.cache.renew_lease(self.lease.conv, self.lease.granted, ttl_ms)
-            except LeaseLost:
-                log.warning("lease of %s lost mid-turn; the worker's publish will be refused", self.job.conversation_id)
-                return
-            except CacheError as e:
-                log.warning("lease renewal failed (retrying): %s", e)
+    async def _find_earlier_run(self, idempotency: IdempotencyKey, head_turn: int) -> None:
+        """A turn with this key among the latest ones: the same body is answered from the
+        ledger, another body is refused (the key names one request)."""
+        after = max(0, head_turn - turn_outcome.IDEMPOTENCY_WINDOW_TURNS)
+        try:
+            earlier = await turn_outcome.find_turn(self.cache, self.lease.conv, after_turn=after,
+                                                   match=idempotency.same_key)
+        except CacheError as e:
+            raise errors.overloaded(f"cache service unavailable: {e}") from e
+        if earlier is None:
+            return
+        if earlier.publish_id != idempotency.publish_id:
+            raise APIError(422, "this Idempotency-Key was used with a different request", "idempotency_key_reused")
+        self.replayed = turn_outcome.replay(earlier)
+
+    def _keep_lease(self) -> None:
+        loop, lease = asyncio.get_running_loop(), self.lease
+
+        def lost(error: LeaseLost) -> None:  # on the keeper's thread
+            loop.call_soon_threadsafe(self._on_lease_lost, lease, error)
+
+        self._renewer = self.keeper.keep(lease.conv, lease.granted, int(self.settings.lease_ttl_s * 1000), lost)
+
+    def _on_lease_lost(self, lease: Lease, error: LeaseLost) -> None:
+        if lease is self.lease and not self._lease_lost.done() and not self._fenced:
+            log.warning("lease of %s lost mid-turn (%s): stopping the turn", self.job.conversation_id, error)
+            self._lease_lost.set_result(error)
 
     async def events(self) -> AsyncIterator[TurnEvent]:
-        """The worker's events; replicas lost before the first event are retried."""
+        """The worker's events, or the ledger's verdict where the worker's is unknown."""
+        if self.replayed is not None:
+            for event in self.replayed:
+                self.done = event if isinstance(event, TurnDone) else self.done
+                yield event
+            return
+        streamed: list[str] = []
         for attempt in range(RETRIES_BEFORE_FIRST_EVENT + 1):
-            started = False
             self._response = self.workers.options(stream=True).run_turn.remote(self.job)
             try:
-                async for event in self._response:
-                    started = True
+                while True:
+                    event = await self._next_event()
+                    if isinstance(event, TurnFailed) and self.lease is not None and event.kind not in _BEFORE_PUBLISH:
+                        async for verdict in self._ledger_verdict("".join(streamed), event):
+                            yield verdict
+                        return
                     if isinstance(event, TurnDone):
                         self.done = event
+                    elif isinstance(event, TurnDelta):
+                        streamed.append(event.text)
                     yield event
+            except StopAsyncIteration:
                 return
             except BackPressureError as e:
                 raise errors.overloaded(f"every worker is at capacity: {e}") from e
+            except _LeaseLostMidTurn:
+                self._response.cancel()
+                async for verdict in self._ledger_verdict("".join(streamed), TurnFailed(
+                        ErrorKind.CONFLICT, "the conversation's lease was lost mid-turn; the turn was not committed")):
+                    yield verdict
+                return
             except RayTaskError as e:  # a bug in the worker: never retried, never a bad request
                 log.error("worker failed: %s", e)
-                yield TurnFailed(ErrorKind.INTERNAL, f"the worker failed: {type(e.cause).__name__}: {e.cause}")
+                failed = TurnFailed(ErrorKind.INTERNAL, "the worker failed")
+                if self.lease is None:
+                    yield failed
+                    return
+                async for verdict in self._ledger_verdict("".join(streamed), failed):
+                    yield verdict
                 return
             except (RayActorError, ActorUnavailableError) as e:
-                if started or attempt == RETRIES_BEFORE_FIRST_EVENT:
-                    yield TurnFailed(ErrorKind.UNAVAILABLE, f"the worker replica was lost: {type(e).__name__}")
+                lost = TurnFailed(ErrorKind.UNAVAILABLE, f"the worker replica was lost: {type(e).__name__}")
+                last = streamed or attempt == RETRIES_BEFORE_FIRST_EVENT
+                if self.lease is None:
+                    if last:
+                        yield lost
+                        return
+                elif last or not await self._fence_and_lease_again():
+                    # the lost replica may have published before it died: the ledger decides
+                    async for verdict in self._ledger_verdict("".join(streamed), lost):
+                        yield verdict
                     return
                 log.warning("worker lost before the turn started, retrying: %s", e)
+
+    async def _next_event(self) -> TurnEvent:
+        """The worker's next event, unless the lease is lost first (then the turn is doomed)."""
+        step = asyncio.ensure_future(anext(self._response))
+        try:
+            await asyncio.wait({step, self._lease_lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not step.done():
+                step.cancel()
+        if step.done():
+            return step.result()
+        raise _LeaseLostMidTurn()
+
+    async def _ledger_verdict(self, streamed: str, failure: TurnFailed) -> AsyncIterator[TurnEvent]:
+        """After a failure that may have followed the publish: what the ledger holds."""
+        try:
+            committed = await self._committed_turn()
+        except CacheError as e:
+            log.warning("outcome of %s unknown: %s", self.job.publish_name, e)
+            yield TurnFailed(ErrorKind.OUTCOME_UNKNOWN,
+                             "the turn may or may not have been committed (the cache service did not answer); "
+                             "retry with the same Idempotency-Key to learn which")
+            return
+        if committed is None:
+            yield failure
+            return
+        log.info("turn %s committed though its worker did not say so: answered from the ledger",
+                 self.job.publish_name)
+        for event in turn_outcome.replay(committed, streamed):
+            self.done = event if isinstance(event, TurnDone) else self.done
+            yield event
+
+    async def _committed_turn(self):
+        """Fence the lease, then find this turn's publish in the ledger (None: not committed)."""
+        deadline = time.monotonic() + RECONCILE_BUDGET_S
+        while True:
+            try:
+                await self._fence()
+                base = self.job.head.turn if self.job.head is not None else 0
+                return await turn_outcome.find_turn(self.cache, self.lease.conv, after_turn=base,
+                                                    match=lambda pid: pid == self.job.publish_name)
+            except CacheError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def _fence(self) -> None:
+        if self._fenced:
+            return
+        if self._renewer is not None:
+            self._renewer.stop()
+        try:
+            await self.cache.discard(self.lease.conv, self.lease.granted)
+        except LeaseLost:
+            pass  # expired or taken over: nothing can publish under it either
+        self._fenced = True
+
+    async def _fence_and_lease_again(self) -> bool:
+        """Before a retry on another replica: fence the lost run's lease, and if its turn did
+        not commit, run the turn again under a new lease (False: it committed, or the outcome
+        or the lease could not be had)."""
+        try:
+            if await self._committed_turn() is not None:
+                return False
+            granted = await _acquire(self.settings, self.cache, self.lease.conv, self.job.request_id, True)
+        except (CacheError, APIError) as e:
+            log.warning("cannot retry %s: %s", self.job.publish_name, e)
+            return False
+        head = granted.head
+        self.lease, self._fenced = Lease(self.lease.conv, granted), False
+        self.job = replace(self.job, lease=granted, head=HeadRef.of(head) if head.version else None)
+        self._keep_lease()
+        return True
 
     async def close(self) -> None:
         if self._response is not None and self.done is None:
             self._response.cancel()  # the client left or the turn failed: the worker aborts
         if self._renewer is not None:
-            self._renewer.cancel()
-        if self.lease is not None:
+            self._renewer.stop()
+            if self._renewer.worst_delay_s > self.settings.lease_ttl_s / RENEWALS_PER_TTL:
+                log.warning("lease renewals of %s ran up to %.2f s late", self.job.conversation_id,
+                            self._renewer.worst_delay_s)
+        if self.lease is not None and not self._fenced:
             await asyncio.shield(_settle(self.cache, self.lease, committed=self.done is not None))
+
+
+async def _acquire(settings: AppSettings, cache: CacheClient, conv: Conversation, request_id: str,
+                   wait_if_busy: bool):
+    try:
+        return await cache.acquire_lease(conv, int(settings.lease_ttl_s * 1000), holder=f"ingress:{request_id}",
+                                         wait_s=settings.busy_wait_s if wait_if_busy else 0.0)
+    except LeaseHeld:
+        raise errors.busy(conv.id) from None
+    except CacheError as e:
+        raise errors.overloaded(f"cache service unavailable: {e}") from e
 
 
 async def _settle(cache: CacheClient, lease: Lease, *, committed: bool) -> None:

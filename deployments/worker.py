@@ -34,6 +34,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cache_service.client import (
     CacheClient,
+    TurnResult,
     CacheError,
     Conversation,
     DataLoss,
@@ -74,6 +75,10 @@ from workers.sampling import SamplingParams
 log = logging.getLogger("hybridserve.worker")
 
 HEARTBEAT_S = 3.0
+# A publish unanswered this long is answered "outcome unknown" (the ingress then asks the
+# ledger); the replica keeps resending it for up to PUBLISH_RESOLVE_S to settle its own copy.
+PUBLISH_ANSWER_S = 45.0
+PUBLISH_RESOLVE_S = 120.0
 
 
 @serve.deployment(
@@ -157,6 +162,11 @@ class Worker:
             log.warning("not forgetting %s: %s", conversation_id, e)
         return self.replica_id
 
+    async def pending_exports(self, call: ReplicaCall) -> tuple[str, int]:
+        """(this replica, committed heads waiting for their export to the tier): bounded by the
+        conversations committed within the export delay; for operators and tests."""
+        return self.replica_id, len(self._unexported)
+
     async def held_heads(self, call: ReplicaCall, conversation_id: str | None = None,
                          cache_salt: str = "") -> tuple[str, int]:
         """(this replica, committed heads it holds, of one conversation if given): what DELETE
@@ -233,7 +243,7 @@ class Worker:
                 _, blob = await client.get_state(conv, tier_version)
                 await self.session.import_state(conv_id, salt, blob)
                 return Recovery.TIER_IMPORT if tier_version == head.version else Recovery.TIER_PREFIX
-            except (NotFound, DataLoss, CorruptStateError, OutOfCacheError) as e:
+            except (CacheError, CorruptStateError, OutOfCacheError) as e:  # the tier is a cache: never fatal
                 log.warning("tier import of %s failed, recomputing from the ledger: %s", conv_id, e)
         return Recovery.LEDGER_RECOMPUTE
 
@@ -264,31 +274,56 @@ class Worker:
         yield await self._commit(job, done, last.turn_commit)
 
     async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:
-        client, conv = await self._cache(), Conversation(job.conversation_id, job.cache_salt)
+        """Publish the prepared turn, then commit or abandon it here as the service decided.
+
+        Runs to its end even when the turn is cancelled (the client left mid-publish): the
+        publish may land, and this replica's copy must follow the service's verdict. A publish
+        whose outcome is unknown is sent again, unchanged (the service answers a resent
+        publish with the head it made, or refuses it): the first definite answer decides."""
+        resolution = asyncio.ensure_future(self._publish_and_resolve(job, done, prepared))
         try:
-            head = await client.publish_turn(
-                conv, lease_token=job.lease, expected_version=job.head.version if job.head else 0,
-                messages=prepared.messages, token_ids=prepared.token_ids,
-                committed_tokens=prepared.committed_tokens, tokens_sha256=prepared.tokens_digest,
-                owner_replica=self.replica_id, release_lease=False, publish_id=job.request_id)
-        except (VersionConflict, LeaseLost) as e:
-            await self._abandon(prepared)
-            return TurnFailed(ErrorKind.CONFLICT, f"the turn was not committed: {e}")
-        except InvalidArgument as e:  # the service refused what this worker computed: a bug here, not bad input
-            await self._abandon(prepared)
-            return TurnFailed(ErrorKind.INTERNAL, f"the turn was not committed: {e}")
-        except CacheError as e:
-            await self._abandon(prepared)
-            return TurnFailed(ErrorKind.UNAVAILABLE, f"the turn was not committed: {e}")
-        except BaseException:  # cancelled while publishing: whether it landed is unknown, so drop the copy
-            await asyncio.shield(self.session.abandon(prepared))
-            raise
+            return await asyncio.wait_for(asyncio.shield(resolution), PUBLISH_ANSWER_S)
+        except TimeoutError:  # still unknown: the ingress asks the ledger; the copy waits for the verdict
+            self._tasks.add(resolution)
+            resolution.add_done_callback(self._tasks.discard)
+            return TurnFailed(ErrorKind.OUTCOME_UNKNOWN, "the cache service did not answer the publish")
+
+    async def _publish_and_resolve(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:
+        client, conv = await self._cache(), Conversation(job.conversation_id, job.cache_salt)
+        result = TurnResult(finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
+                            completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
+        deadline = asyncio.get_running_loop().time() + PUBLISH_RESOLVE_S
+        while True:
+            try:
+                head = await client.publish_turn(
+                    conv, lease_token=job.lease, expected_version=job.head.version if job.head else 0,
+                    messages=prepared.messages, token_ids=prepared.token_ids,
+                    committed_tokens=prepared.committed_tokens, tokens_sha256=prepared.tokens_digest,
+                    owner_replica=self.replica_id, release_lease=False, publish_id=job.publish_name,
+                    result=result)
+                break
+            except (VersionConflict, LeaseLost) as e:
+                await self._abandon(prepared)
+                return TurnFailed(ErrorKind.CONFLICT, f"the turn was not committed: {e}")
+            except InvalidArgument as e:  # the service refused what this worker computed: a bug here
+                await self._abandon(prepared)
+                log.error("publish of %s refused: %s", job.publish_name, e)
+                return TurnFailed(ErrorKind.INTERNAL, "the turn was not committed")
+            except CacheError as e:  # unavailable or past its deadline: it may have landed
+                if asyncio.get_running_loop().time() > deadline:
+                    # The ledger will say; this copy goes (a committed head it held is recomputed
+                    # or imported where the next turn runs: the ledger is the truth, not this copy).
+                    await self._abandon(prepared)
+                    return TurnFailed(ErrorKind.OUTCOME_UNKNOWN, f"the publish's outcome is unknown: {e}")
+                log.warning("publish of %s unanswered, sending it again: %s", job.publish_name, e)
+                await asyncio.sleep(0.2)
         try:
             await self.session.commit(prepared)
         except TurnResolvedError as e:  # expired meanwhile: the service has the turn, this copy is gone
             log.warning("committed turn %s no longer prepared here: %s", job.request_id, e)
         ref = HeadRef.of(head)
-        self._unexported[(job.conversation_id, job.cache_salt)] = ref
+        if self.settings.tier_export is not TierExport.OFF:  # with the tier off nothing is ever exported
+            self._unexported[(job.conversation_id, job.cache_salt)] = ref
         if self.settings.tier_export is TierExport.SYNC:
             await self._export_head(job.conversation_id, job.cache_salt, ref)
         return TurnDone(**{**done.__dict__, "turn": head.turn, "head_version": head.version})
@@ -303,12 +338,14 @@ class Worker:
         conv = Conversation(conversation_id, cache_salt)
         try:
             version, parts = await self.session.export_state(conversation_id, cache_salt)
-            await (await self._cache()).put_state(conv, version, parts)
+            # The incarnation the turn saw, carried: looked up now, it could be a re-created
+            # conversation's at the same version, and this state would land under it.
+            await (await self._cache()).put_state(conv, version, parts, incarnation=head.incarnation or None)
         except VersionConflict:
             log.debug("export of %s v%d superseded by a newer turn", conversation_id, head.version)
         except (CacheError, ConversationBusyError, ConversationNotFoundError) as e:
+            # Not retried: the ledger keeps the turn, and a next owner recomputes what the tier lacks.
             log.warning("export of %s v%d failed: %s", conversation_id, head.version, e)
-            return
         if self._unexported.get((conversation_id, cache_salt)) == head:
             del self._unexported[(conversation_id, cache_salt)]
 

@@ -27,12 +27,12 @@ class Reply:
 
 async def chat_turn(client: openai.AsyncOpenAI, model: str, messages: list[dict], *, conversation_id: str | None,
                     cache_salt: str = "", stream: bool = False, max_tokens: int = MAX_TOKENS, temperature: float = 0,
-                    **extra) -> Reply:
+                    headers: dict | None = None, **extra) -> Reply:
     body = {"cache_salt": cache_salt, **extra}
     if conversation_id is not None:
         body["conversation_id"] = conversation_id
     kwargs = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, logprobs=True,
-                  top_logprobs=0, extra_body=body)
+                  top_logprobs=0, extra_body=body, extra_headers=headers)
     if not stream:
         r = await client.chat.completions.create(**kwargs)
         details = r.usage.prompt_tokens_details

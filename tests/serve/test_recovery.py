@@ -45,6 +45,20 @@ async def replicas_settled(app: str) -> None:
         await asyncio.sleep(0.2)
 
 
+async def replica_replaced(app: str, timeout_s: float = 60.0) -> None:
+    """After a kill: returns once Serve has seen the replica die and its replacement runs (a
+    status read at once would still count the dead replica as running)."""
+    async def noticed() -> None:
+        while True:
+            states = (await asyncio.to_thread(serve.status)).applications[app].deployments["Worker"].replica_states
+            if set(states) != {"RUNNING"} or states["RUNNING"] < 2:
+                return
+            await asyncio.sleep(0.2)
+
+    await asyncio.wait_for(noticed(), timeout_s)
+    await replicas_settled(app)
+
+
 async def run_turns(client, model, conv_id, texts, history, **kw):
     replies = []
     for text in texts:
@@ -192,6 +206,8 @@ async def test_lease_is_renewed_while_a_long_turn_streams(stack, notier, conv_id
     elapsed = asyncio.get_running_loop().time() - started
     assert elapsed > 3 * 1.5, f"the turn took {elapsed:.1f} s: too short to outlive its 1.5 s lease twice over"
     assert reply.turn == 1 and len(reply.tokens) == 3600
+    async with stack.http() as http:  # how late renewals ran on this (loaded) machine, for the log
+        print(f"worst lease renewal delay: {await metric(http, 'hybridserve_lease_renewal_delay_max_seconds', prefix=notier):.3f} s")
 
 
 @pytest.mark.parametrize("what", ["cache_service", "redis"])

@@ -1,0 +1,76 @@
+"""What the ledger says of a turn: the answer when a publish's outcome is unknown, and the
+answer to an idempotent retry.
+
+A turn's publish names itself (`TurnJob.publish_name`). When the ingress cannot tell from the
+worker whether the publish landed (the replica was lost, the service was unreachable, the
+lease was lost mid-turn), it first *fences* the turn — discards the lease, so nothing can
+publish under it any more — and then reads the ledger: the turn committed exactly when a
+ledger entry after the turn's base carries its name. The client is then told what the ledger
+holds: the committed answer (from the entry's `result`), or that nothing was committed.
+
+An idempotent turn's name is `idem-<key digest>-<request digest>`: a retry with the same
+Idempotency-Key finds it among the conversation's latest turns and is answered from the
+ledger; the same key with another body is refused (422).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cache_service.client import CacheClient, Conversation, NotFound, pb
+from deployments.protocol import Recovery, TurnDelta, TurnDone, TurnEvent
+
+# A retry is matched against this many of the conversation's latest turns: a client retries
+# the turn it just sent, not one from many turns ago.
+IDEMPOTENCY_WINDOW_TURNS = 16
+
+
+@dataclass(frozen=True)
+class IdempotencyKey:
+    """The client's Idempotency-Key and the digest of the request it came with."""
+
+    key_digest: str
+    request_digest: str
+
+    @classmethod
+    def of(cls, key: str, request: dict) -> "IdempotencyKey":
+        canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return cls(_digest(key.encode()), _digest(canonical.encode("utf-8", "surrogatepass")))
+
+    @property
+    def publish_id(self) -> str:
+        return f"idem-{self.key_digest}-{self.request_digest}"
+
+    def same_key(self, publish_id: str) -> bool:
+        return publish_id.startswith(f"idem-{self.key_digest}-")
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+async def find_turn(cache: CacheClient, conv: Conversation, *, after_turn: int,
+                    match: Callable[[str], bool]) -> pb.LedgerTurn | None:
+    """The latest ledger turn after `after_turn` whose publish id matches, if any."""
+    try:
+        ledger = await cache.read_ledger(conv, from_turn=after_turn + 1)
+    except NotFound:  # nothing committed yet (or deleted meanwhile)
+        return None
+    for turn in reversed(ledger.turns):
+        if match(turn.publish_id):
+            return turn
+    return None
+
+
+def replay(turn: pb.LedgerTurn, already_streamed: str = "") -> list[TurnEvent]:
+    """The events of a committed turn, read back from its ledger entry: the reply's text (what
+    the client has not been sent yet of it) and its result."""
+    reply = next((m.content for m in reversed(turn.messages) if m.role == "assistant"), "")
+    rest = reply[len(already_streamed):] if reply.startswith(already_streamed) else reply
+    result = turn.result
+    done = TurnDone(result.finish_reason or "stop", result.prompt_tokens, result.completion_tokens,
+                    result.cached_tokens, Recovery.REPLAY, replica="", turn=turn.turn)
+    return ([TurnDelta(rest, ())] if rest else []) + [done]
