@@ -15,7 +15,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class WeightQuantization(str, Enum):
-    """How the fast path stores the blocks' linear weights (`workers.model.linear_tuning`).
+    """How the fast path stores the blocks' linear weights (`workers.kernels.linear_tuning`).
 
     NONE  the weights as loaded (the reference and the default)
     INT8  weight-only int8, one fp32 scale per output channel, multiplied in fp32 by the panel

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels.linear_backends import BoundLinear
+from workers.kernels.linear_tuning import TunedLinear
 from workers.model.config import MixerKind, MlpKind
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import apply_rotary
-from workers.model.linear_backends import BoundLinear
-from workers.model.linear_tuning import TunedLinear
 
 if TYPE_CHECKING:
     from workers.model.hybrid_lm import HybridLM

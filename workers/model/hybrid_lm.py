@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.kernels.fast_path import FastPath
+from workers.kernels.linear_tuning import LinearPlan, install_tuned_linears, remove_tuned_linears
 from workers.model.attention import Attention
 from workers.model.config import BlockSpec, HybridModelConfig, MixerKind
 from workers.model.decode_program import DecodeProgram
-from workers.model.fast_path import FastPath
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import MLP, RMSNorm, RotaryEmbedding
-from workers.model.linear_tuning import LinearPlan, install_tuned_linears, remove_tuned_linears
 from workers.model.mamba_mixer import MambaMixer
 
 
@@ -71,7 +71,7 @@ class HybridLM(nn.Module):
         self._decode_program_built = False  # built at the first pure decode step (weights loaded by then)
 
     def use_fast_path(self, fast: FastPath) -> None:
-        """Run what `fast` holds (`workers.model.fast_path`), or, with `fast_path.REFERENCE`, the
+        """Run what `fast` holds (`workers.kernels.fast_path`), or, with `fast_path.REFERENCE`, the
         pure-torch reference path everywhere."""
         for module in self.modules():
             if hasattr(module, "fast"):
@@ -80,7 +80,7 @@ class HybridLM(nn.Module):
 
     def use_linear_plan(self, plan: LinearPlan | None) -> None:
         """Run the blocks' weight matmuls on the plan's measured backends
-        (`workers.model.linear_tuning`), or, with None, on plain `F.linear` everywhere (the
+        (`workers.kernels.linear_tuning`), or, with None, on plain `F.linear` everywhere (the
         reference). The LM head is not one of them: `compute_logits` multiplies its weight
         (or the tied embedding) directly, once per sampled row."""
         remove_tuned_linears(self.blocks)

@@ -22,7 +22,7 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
-from workers.model.panel_gemm import panel_kernels
+from workers.kernels.extensions import panel_kernels
 
 
 class LinearBackend(Enum):

@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model import linear_backends
-from workers.model.huge_pages import on_huge_pages
-from workers.model.linear_backends import (
+from workers.kernels import linear_backends
+from workers.kernels.huge_pages import on_huge_pages
+from workers.kernels.linear_backends import (
     BoundLinear,
     LinearBackend,
     Packed,
@@ -50,9 +50,10 @@ from workers.model.linear_backends import (
     bind,
     pack_for,
 )
-from workers.model.panel_gemm import build_failure as panel_build_failure
+from workers.kernels.extensions import panel_kernels
 
 log = logging.getLogger(__name__)
+panel_build_failure = panel_kernels.failure  # why the panel kernel did not build, if it did not
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 // Weight matmuls on weights packed into 16-column panels: for few rows (decode) streaming each
 // weight once at memory bandwidth, for many (prefill chunks, fp32) as a blocked GEMM near the
 // FMA units' peak (the second half of this file).
-// Built from source at start-up (workers/model/panel_gemm.py); the tuning in
-// workers/model/linear_tuning.py picks it per weight shape and row bucket only where it measures
+// Built from source at start-up (workers/kernels/extensions.py); the tuning in
+// workers/kernels/linear_tuning.py picks it per weight shape and row bucket only where it measures
 // faster than F.linear and oneDNN, which stay the reference and the other choice.
 //
 // At 1-16 rows a linear is a pass over its weight: the arithmetic is small and what counts is

@@ -1,6 +1,6 @@
 // Fused CPU kernels of the decode step (one token per sequence) and of the per-layer glue around
 // the weight matmuls, built from source at start-up (ModelRunner.set_fast_kernels) by
-// workers/model/kernels.py through torch's extension mechanism. Each kernel has a pure-torch
+// workers/kernels/extensions.py through torch's extension mechanism. Each kernel has a pure-torch
 // reference beside it (the eager path), and the tests hold them equal.
 //
 // All caches are updated in place at the sequences' own slots / blocks: no gather of the

@@ -1,5 +1,5 @@
 // The Mamba2 prefill scan as the plain recurrence, one (sequence, head) per task, built from
-// source by workers/model/scan_kernels.py when the runner turns the fast path on (start-up,
+// source by workers/kernels/extensions.py when the runner turns the fast path on (start-up,
 // ModelRunner.set_fast_kernels), never inside a forward. The pure-torch references beside it
 // are `ssd.chunked_scan` (the SSD formulation after ssd_minimal.py), `ssd.recurrent_step` and,
 // without a compiler, `ssd.chunked_scan_grouped`; tests hold them equal.
