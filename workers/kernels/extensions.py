@@ -43,7 +43,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # the standard library's (std::max, std::min ... became calls in the inner loops).
 decode_kernels = CpuExtension(
     "hybridserve_decode_kernels",
-    (CSRC / "decode_kernels.cpp",),
+    (CSRC / "decode_kernels.cpp", CSRC / "paged_attention.cpp"),
     "the pure-torch decode path",
     flags=("-fno-trapping-math",),
 )

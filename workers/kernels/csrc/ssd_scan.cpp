@@ -303,9 +303,6 @@ inline void scan_head_rows(const HeadRun& r, float* state, int64_t dstate, int64
   }
 }
 
-// torch.nn.functional.softplus with beta = 1, threshold = 20.
-inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
-
 struct Segments {
   std::vector<int64_t> start, count, slot;
   std::vector<uint8_t> fresh;  // starts from the zero state: the slot's old state is never read

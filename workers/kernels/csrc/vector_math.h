@@ -1,6 +1,7 @@
-// Row-wise vector math shared by the kernel sources (decode_kernels.cpp, ssd_scan.cpp), each of
-// which builds into a module of its own (`cpp_build` keys a build on its source and the headers
-// beside it, so an edit here rebuilds both).
+// Vector math shared by the kernel sources (decode_kernels.cpp, paged_attention.cpp, ssd_scan.cpp,
+// panel_gemm.cpp): the 8-lane vector type and its loads, stores and FMAs, softplus, silu over a
+// row, and one row of the SSM recurrence. `cpp_build` keys a module's build on its sources and
+// every header beside them, so an edit here rebuilds every module.
 //
 // silu(v) = v * sigmoid(v) over a row. With AVX2 + FMA (what -march=native gives on the CPUs we
 // run on) eight lanes at a time through Cephes' expf polynomial (relative error ~2e-7). GCC keeps
@@ -12,12 +13,76 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+// GCC's portable vector extension: -march=native turns it into AVX2/AVX-512 (or pairs of SSE)
+// instructions.
+typedef float vec8 __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+constexpr int64_t kLine = 64;  // bytes per cache line
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// a * b + c, rounded once where the CPU has FMA. Spelled out: with two products in one sum the
+// compiler may fuse either, and which one it fuses decides the bits.
+inline vec8 fmadd(vec8 a, vec8 b, vec8 c) {
+#ifdef __FMA__
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float fmadd(float a, float b, float c) {
+#ifdef __FMA__
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// torch.nn.functional.softplus with beta = 1, threshold = 20.
+inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+
+// One row p of a head's SSM state [P, N] stepped in place at one token, one read and one write
+// of each element, and its dot product with C:
+//
+//   s[n] <- fma(s[n], keep, dx * B[n])           n = 0 .. N-1, 8 lanes at a time
+//   lane l sums s[n] * C[n] over n = l, l+8, l+16, ... (fma); the tail n >= N - N % 8 joins
+//   lane 0; returns 0 + lane 0 + lane 1 + ... + lane 7, in that order
+//
+// (keep: the token's decay exp(dt * A); dx: dt * x[p]). That order is the one the
+// one-accumulator loop of the decode step compiled to before it was written out: its bits.
+inline float step_state_row(float* row, int64_t dstate, float keep, float dx, const float* B, const float* C) {
+  const int64_t body = dstate - dstate % kLanes;
+  const vec8 keep8 = vec8{} + keep;
+  vec8 acc = {};
+  for (int64_t n = 0; n < body; n += kLanes) {
+    const vec8 v = fmadd(load8(row + n), keep8, dx * load8(B + n));
+    store8(row + n, v);
+    acc = fmadd(v, load8(C + n), acc);
+  }
+  for (int64_t n = body; n < dstate; ++n) {
+    const float v = fmadd(row[n], keep, dx * B[n]);
+    row[n] = v;
+    acc[0] = fmadd(v, C[n], acc[0]);
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+  return sum;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 exp_nonpositive(__m256 v) {  // exp(v) for v <= 0
