@@ -15,7 +15,8 @@ from workers.cache.layout import NULL_BLOCK, KVCacheLayout, MambaStateLayout, al
 from workers.config import WeightQuantization
 from workers.kernels.extensions import decode_kernels, scan_kernels
 from workers.kernels.fast_path import REFERENCE, FastPath
-from workers.kernels.linear_tuning import LinearPlan, int8_plan, tune_linears
+from workers.kernels.linear_plan import LinearPlan, int8_plan
+from workers.kernels.linear_tuning import tune_linears
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.hybrid_lm import HybridLM
 from workers.scheduler import ScheduledChunk, SchedulerOutput

@@ -13,7 +13,7 @@ import torch
 from tests.engine.conftest import new_engine, prompt_of
 from workers.checkpoint import Arch
 from workers.kernels.linear_backends import LinearBackend, available_backends
-from workers.kernels.linear_tuning import LinearPlan
+from workers.kernels.linear_plan import LinearPlan
 from workers.model.config import MixerKind
 from workers.model.forward_batch import ModelCaches
 from workers.model.hybrid_lm import HybridLM

@@ -18,7 +18,8 @@ from workers.checkpoint import Arch
 from workers.kernels import cpp_build
 from workers.kernels.extensions import decode_kernels, scan_kernels
 from workers.kernels.fast_path import REFERENCE, FastPath
-from workers.kernels.linear_tuning import LinearBackend, LinearPlan
+from workers.kernels.linear_backends import LinearBackend
+from workers.kernels.linear_plan import LinearPlan
 from workers.model import mamba_mixer, ssd
 from workers.model.attention import Attention
 from workers.request import Request

@@ -25,7 +25,7 @@ from tests.engine.conftest import LogitRecorder, assert_logits_close, new_engine
 from tests.families import ARCHS
 from workers.cache.layout import layouts_for
 from workers.checkpoint import Arch
-from workers.kernels import huge_pages, linear_tuning
+from workers.kernels import huge_pages, linear_tuning, tuned_linear
 from workers.kernels.linear_backends import (
     LinearBackend,
     available_backends,
@@ -37,7 +37,9 @@ from workers.kernels.linear_backends import (
     run_packed,
 )
 from workers.kernels.extensions import panel_kernels
-from workers.kernels.linear_tuning import LinearKey, LinearPlan, LinearTuning, TunedLinear, choose, tune_linears
+from workers.kernels.linear_plan import LinearKey, LinearPlan, LinearTuning
+from workers.kernels.linear_tuning import choose, tune_linears
+from workers.kernels.tuned_linear import TunedLinear
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
@@ -264,7 +266,7 @@ def test_packed_model_logits_equal_reference(tiny, arch, backend, monkeypatch):
 
         return counted, args
 
-    monkeypatch.setattr(linear_tuning, "bind", counted_bind)
+    monkeypatch.setattr(tuned_linear, "bind", counted_bind)
     packed = our_logits(model, ids, split, linear_plan=LinearPlan.fixed(model, backend))
     assert (backend, 20) in calls and (backend, 1) in calls  # the prefill and the decodes ran packed
     assert_logits_close(packed, reference)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.kernels.linear_backends import BoundLinear
-from workers.kernels.linear_tuning import TunedLinear
+from workers.kernels.tuned_linear import TunedLinear
 from workers.model.config import MixerKind, MlpKind
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import apply_rotary

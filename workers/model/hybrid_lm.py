@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from workers.kernels.fast_path import FastPath
-from workers.kernels.linear_tuning import LinearPlan, install_tuned_linears, remove_tuned_linears
+from workers.kernels.linear_plan import LinearPlan
+from workers.kernels.tuned_linear import install_tuned_linears, remove_tuned_linears
 from workers.model.attention import Attention
 from workers.model.config import BlockSpec, HybridModelConfig, MixerKind
 from workers.model.decode_program import DecodeProgram
@@ -80,7 +81,7 @@ class HybridLM(nn.Module):
 
     def use_linear_plan(self, plan: LinearPlan | None) -> None:
         """Run the blocks' weight matmuls on the plan's measured backends
-        (`workers.kernels.linear_tuning`), or, with None, on plain `F.linear` everywhere (the
+        (`workers.kernels.linear_tuning`, `tuned_linear`), or, with None, on plain `F.linear` everywhere (the
         reference). The LM head is not one of them: `compute_logits` multiplies its weight
         (or the tied embedding) directly, once per sampled row."""
         remove_tuned_linears(self.blocks)
