@@ -65,7 +65,7 @@ class HybridLM(nn.Module):
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # The norm after each block: the next block's input norm, the final norm after the last.
-        self._next_norms = tuple(b.norm for b in self.blocks[1:]) + (self.final_norm,)
+        self.next_norms = tuple(b.norm for b in self.blocks[1:]) + (self.final_norm,)
         attn = config.attention
         self.rotary = RotaryEmbedding(attn.rotary_dim, attn.rope_theta) if attn.rotary_dim else None
         self._decode_program: DecodeProgram | None = None
@@ -115,7 +115,7 @@ class HybridLM(nn.Module):
             h = h * self.config.embedding_multiplier
         rope = self.rotary.cos_sin(batch.positions, h.dtype) if self.rotary else None
         x = self.blocks[0].norm(h)
-        for block, next_norm in zip(self.blocks, self._next_norms):
+        for block, next_norm in zip(self.blocks, self.next_norms):
             h, x = block(h, x, batch, caches, rope, next_norm)
         return x
 
