@@ -155,6 +155,9 @@ inline void step_one(const HeadRun& r, const TokenStep& s, int64_t t, int64_t co
     }
   }
 #endif
+  // The rows left (d_state not a multiple of 8, odd rows, no AVX2): the recurrence of
+  // `step_state_row` (vector_math.h), but summed in the order of the compiler's vectorised
+  // reduction, which its explicit lane order does not reproduce.
   for (; p < p_end; ++p) {
     float* row = state + p * dstate;
     const float dx = s.gain * xv[p];

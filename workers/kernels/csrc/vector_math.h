@@ -65,6 +65,9 @@ inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v));
 //
 // (keep: the token's decay exp(dt * A); dx: dt * x[p]). That order is the one the
 // one-accumulator loop of the decode step compiled to before it was written out: its bits.
+// The prefill scan's scalar rows (ssd_scan.cpp, `step_one`) run the same recurrence in the
+// order the compiler gives its `omp simd` reduction, and other bits (measured: recurrent_scan
+// at d_state 12 differs when it calls this), so they keep their loop.
 inline float step_state_row(float* row, int64_t dstate, float keep, float dx, const float* B, const float* C) {
   const int64_t body = dstate - dstate % kLanes;
   const vec8 keep8 = vec8{} + keep;
