@@ -27,7 +27,7 @@ from bench.engine_sides import make_prompts
 from workers.checkpoint import Arch, Preset
 from workers.config import CacheConfig, EngineConfig
 from workers.engine import LLMEngine
-from workers.model.linear_tuning import LinearPlan
+from workers.kernels.linear_plan import LinearPlan
 from workers.sampling import SamplingParams
 
 PROMPT_TOKENS = 128

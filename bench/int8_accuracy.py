@@ -20,7 +20,8 @@ import torch
 
 from workers.cache.layout import layouts_for
 from workers.config import WeightQuantization
-from workers.model.linear_tuning import int8_plan, tune_linears
+from workers.kernels.linear_plan import int8_plan
+from workers.kernels.linear_tuning import tune_linears
 from workers.model.loader import load_model
 from workers.request import Request
 from workers.runner import ModelRunner

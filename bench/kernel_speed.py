@@ -37,14 +37,13 @@ import torch
 from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
 from bench.engine import checkpoint_dir
 from workers.checkpoint import Arch, Preset
+from workers.kernels.extensions import decode_kernels, scan_kernels
+from workers.kernels.fast_path import REFERENCE, FastPath
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape, HybridModelConfig, MambaShape
-from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
-from workers.model.kernels import decode_kernels
 from workers.model.loader import read_model_config
 from workers.model.mamba_mixer import MambaMixer
-from workers.model.scan_kernels import scan_kernels
 from workers.model.ssd import chunked_scan_grouped, recurrent_scan
 
 BLOCK_SIZE = 16

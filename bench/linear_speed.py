@@ -4,7 +4,7 @@
 
 One timed call is a pass over every linear of the model's blocks in model order (what a
 forward does: each weight read once, from memory, the model being far larger than the L3),
-with an [rows, in] input, on one backend (`workers.model.linear_tuning`):
+with an [rows, in] input, on one backend (`workers.kernels.linear_tuning`):
 
     torch        F.linear on the weight as loaded (MKL sgemm): the reference
     onednn       oneDNN on its blocked copy of the weight
@@ -34,7 +34,7 @@ from bench.common import RESULTS_DIR, environment_info, format_number, markdown_
 from bench.engine import checkpoint_dir
 from bench.roofline import fp32_peak
 from workers.checkpoint import Arch, Preset
-from workers.model.linear_backends import LinearBackend, available_backends, bind, pack_for
+from workers.kernels.linear_backends import LinearBackend, available_backends, bind, pack_for
 from workers.model.loader import load_model
 
 ROWS_FULL = (1, 2, 4, 8, 16, 32, 64, 256, 1024)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model.panel_gemm import panel_kernels
+from workers.kernels.extensions import panel_kernels
 
 STREAM_BYTES = 512 << 20  # far beyond any L3 here (32 MB)
 

@@ -13,12 +13,12 @@ import torch
 from workers.cache.coordinator import PendingCopies
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout, MambaStateLayout, allocate_caches
 from workers.config import WeightQuantization
-from workers.model.fast_path import REFERENCE, FastPath
+from workers.kernels.extensions import decode_kernels, scan_kernels
+from workers.kernels.fast_path import REFERENCE, FastPath
+from workers.kernels.linear_plan import LinearPlan, int8_plan
+from workers.kernels.linear_tuning import tune_linears
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.hybrid_lm import HybridLM
-from workers.model.kernels import decode_kernels
-from workers.model.linear_tuning import LinearPlan, int8_plan, tune_linears
-from workers.model.scan_kernels import scan_kernels
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -33,9 +33,9 @@ class ModelRunner:
         linear_plan: LinearPlan | None = None,
         weight_quantization: WeightQuantization = WeightQuantization.NONE,
     ):
-        """`fast_kernels`: run the fast path (`workers.model.fast_path`: the C++ kernels when
+        """`fast_kernels`: run the fast path (`workers.kernels.fast_path`: the C++ kernels when
         they build here, the pure-torch fast variants, and the weight matmuls on the backends
-        measured fastest here, `workers.model.linear_tuning`, or with INT8 weight quantization
+        measured fastest here, `workers.kernels.linear_tuning`, or with INT8 weight quantization
         on int8 panels); False runs the pure-torch reference path (fp32 weights)."""
         self.model = model
         self.device = device

@@ -23,9 +23,9 @@ from workers.checkpoint import NEVER_SAMPLE_TOKEN_IDS, Arch, Preset, build_rando
 from workers.checkpoint.metadata import ServingMetadata
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig, WeightQuantization
 from workers.engine import LLMEngine
+from workers.kernels.linear_plan import LinearPlan
 from workers.model.config import MambaShape
 from workers.model.hybrid_lm import HybridLM
-from workers.model.linear_tuning import LinearPlan
 from workers.model.mamba_mixer import MambaMixer
 from workers.request import Request
 from workers.runner import ModelRunner

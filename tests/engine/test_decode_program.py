@@ -12,11 +12,11 @@ import torch
 
 from tests.engine.conftest import new_engine, prompt_of
 from workers.checkpoint import Arch
+from workers.kernels.linear_backends import LinearBackend, available_backends
+from workers.kernels.linear_plan import LinearPlan
 from workers.model.config import MixerKind
 from workers.model.forward_batch import ModelCaches
 from workers.model.hybrid_lm import HybridLM
-from workers.model.linear_backends import LinearBackend, available_backends
-from workers.model.linear_tuning import LinearPlan
 from workers.request import KeepState
 from workers.sampling import SamplingParams
 

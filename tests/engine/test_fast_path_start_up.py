@@ -1,4 +1,4 @@
-"""How the runner switches the model onto the fast path (`workers.model.fast_path`).
+"""How the runner switches the model onto the fast path (`workers.kernels.fast_path`).
 
 Both C++ kernel modules are built when the fast path is turned on, never inside a forward (a
 build there would stall every request in flight on the engine thread). And each part of the
@@ -15,12 +15,13 @@ from tests.families import ARCHS
 from workers import runner as runner_module
 from workers.cache.layout import layouts_for
 from workers.checkpoint import Arch
-from workers.model import cpp_build, mamba_mixer, ssd
+from workers.kernels import cpp_build
+from workers.kernels.extensions import decode_kernels, scan_kernels
+from workers.kernels.fast_path import REFERENCE, FastPath
+from workers.kernels.linear_backends import LinearBackend
+from workers.kernels.linear_plan import LinearPlan
+from workers.model import mamba_mixer, ssd
 from workers.model.attention import Attention
-from workers.model.fast_path import REFERENCE, FastPath
-from workers.model.kernels import decode_kernels
-from workers.model.linear_tuning import LinearBackend, LinearPlan
-from workers.model.scan_kernels import scan_kernels
 from workers.request import Request
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams

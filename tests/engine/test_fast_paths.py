@@ -28,22 +28,21 @@ from tests.engine.conftest import (
     run_engine,
 )
 from tests.families import ARCHS
-from workers.model import cpp_build
-from workers.model import kernels as kernel_module
-from workers.model import scan_kernels as scan_module
+from workers.kernels import cpp_build
+from workers.kernels import extensions
+from workers.kernels.extensions import decode_kernels, scan_kernels
+from workers.kernels.fast_path import REFERENCE, FastPath
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape
-from workers.model.fast_path import REFERENCE, FastPath
-from workers.model.forward_batch import DecodeGroup, ForwardBatch
-from workers.model.kernels import decode_kernels
 from workers.model.config import MlpKind
+from workers.model.forward_batch import DecodeGroup, ForwardBatch
 from workers.model.layers import MLP, GatedGroupRMSNorm, RMSNorm
 from workers.model.ssd import chunked_scan, chunked_scan_grouped
 from workers.sampling import SamplingParams
 
 KERNELS = decode_kernels()
 FUSED = FastPath(on=True, decode=KERNELS)
-pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"kernels did not build: {kernel_module.build_failure()}")
+pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"kernels did not build: {decode_kernels.failure()}")
 
 
 @pytest.mark.parametrize("groups,dt_max", [(1, float("inf")), (4, 0.3)])
@@ -275,36 +274,44 @@ def test_reference_path_when_kernels_cannot_build(monkeypatch):
     monkeypatch.setattr(cpp_build.shutil, "which", lambda name: None)
     monkeypatch.setattr(cpp_build, "_put_pip_ninja_on_path", lambda: None)
     monkeypatch.setattr(cpp_build, "_failures", {})
-    assert kernel_module.decode_kernels.build() is None
-    assert "ninja" in kernel_module.build_failure()
-    assert scan_module.build_failure() is None  # each source fails on its own
-    assert scan_module.scan_kernels.build() is None
-    assert "ninja" in scan_module.build_failure()
+    assert decode_kernels.build() is None
+    assert "ninja" in decode_kernels.failure()
+    assert scan_kernels.failure() is None  # each module fails on its own
+    assert scan_kernels.build() is None
+    assert "ninja" in scan_kernels.failure()
 
 
-def test_the_build_folder_follows_the_headers_beside_the_source(tmp_path):
-    """The kernel sources include `vector_math.h`: editing a header must give a new build folder,
-    or a machine with the old build cached would keep running the old code."""
-    source = tmp_path / "kernel.cpp"
-    source.write_text('#include "shared.h"\n')
+def test_the_build_folder_follows_every_source_and_the_headers_beside_them(tmp_path):
+    """The kernel sources include `vector_math.h`, and a module may have several: editing any of
+    its sources or a header must give a new build folder, or a machine with the old build cached
+    would keep running the old code."""
+    sources = (tmp_path / "kernel.cpp", tmp_path / "more.cpp")
+    sources[0].write_text('#include "shared.h"\n')
+    sources[1].write_text('#include "shared.h"\nint g() { return 1; }\n')
     (tmp_path / "shared.h").write_text("inline int f() { return 1; }\n")
-    before = cpp_build.build_dir("k", source)
-    assert cpp_build.build_dir("k", source) == before
+    folders = {cpp_build.build_dir("k", sources)}
+    assert cpp_build.build_dir("k", sources) in folders
     (tmp_path / "shared.h").write_text("inline int f() { return 2; }\n")
-    assert cpp_build.build_dir("k", source) != before
-    assert (kernel_module.SOURCE.parent / "vector_math.h").exists()  # what the real sources include
+    folders.add(cpp_build.build_dir("k", sources))
+    sources[1].write_text('#include "shared.h"\nint g() { return 2; }\n')
+    folders.add(cpp_build.build_dir("k", sources))
+    assert len(folders) == 3
+    assert cpp_build.build_dir("k", sources[:1]) not in folders  # a module of fewer sources
+    assert (extensions.CSRC / "vector_math.h").exists()  # what the real sources include
+    for ext in (extensions.decode_kernels, extensions.scan_kernels, extensions.panel_kernels):
+        assert all(s.parent == extensions.CSRC and s.exists() for s in ext.sources)
 
 
 def test_a_build_killed_midway_does_not_block_later_loads():
     """A process killed while it built a kernel leaves torch's lock file in the build folder;
     the next process must clear it and load the module, not wait for it forever (a replica
     stopped during its first start-up would otherwise hang every later one)."""
-    ext = kernel_module.decode_kernels
-    out = cpp_build.build_dir(ext.name, ext.source, ext.flags)
+    ext = decode_kernels
+    out = cpp_build.build_dir(ext.name, ext.sources, ext.flags)
     assert ext() is not None and out.is_dir()
     (out / "lock").touch()
     root = Path(__file__).resolve().parents[2]
-    code = "from workers.model.kernels import decode_kernels; assert decode_kernels() is not None"
+    code = "from workers.kernels.extensions import decode_kernels; assert decode_kernels() is not None"
     env = {**os.environ, "PYTHONPATH": str(root)}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root, env=env)
     assert not (out / "lock").exists()

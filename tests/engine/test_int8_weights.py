@@ -1,4 +1,4 @@
-"""Weight-only int8 (`EngineConfig.weight_quantization=INT8`, `linear_tuning.int8_plan`).
+"""Weight-only int8 (`EngineConfig.weight_quantization=INT8`, `linear_plan.int8_plan`).
 
 What it promises, each checked here:
 - quantization: per output channel, every weight within half a step of its int8 value, the
@@ -25,8 +25,8 @@ from tests.engine.conftest import LOGIT_TOL, assert_logits_close, new_engine, ou
 from tests.families import ARCHS
 from workers.checkpoint import Arch
 from workers.config import EngineConfig, WeightQuantization
-from workers.model.linear_backends import LinearBackend, pack_for, quantize_int8, run_packed
-from workers.model.linear_tuning import LinearKey, LinearPlan, int8_plan
+from workers.kernels.linear_backends import LinearBackend, pack_for, quantize_int8, run_packed
+from workers.kernels.linear_plan import LinearKey, LinearPlan, int8_plan
 from workers.sampling import SamplingParams
 
 INT8 = LinearBackend.PANELS_INT8
@@ -152,10 +152,10 @@ def test_int8_needs_fp32_on_cpu():
 def test_without_the_panel_kernel_tuning_skips_it_and_int8_is_refused(tiny, monkeypatch):
     """A machine that cannot build the kernel: tuning chooses among F.linear and oneDNN, and the
     int8 mode fails at start-up with the reason instead of silently running fp32."""
-    from workers.model import linear_backends, linear_tuning
+    from workers.kernels import linear_backends, linear_plan
 
     monkeypatch.setattr(linear_backends, "panel_kernels", lambda: None)
-    monkeypatch.setattr(linear_tuning, "panel_build_failure", lambda: "no c++ on PATH")
+    monkeypatch.setattr(linear_plan, "panel_build_failure", lambda: "no c++ on PATH")
     assert LinearBackend.PANELS not in linear_backends.available_backends()
     with pytest.raises(RuntimeError, match="no c\\+\\+ on PATH"):
         int8_plan(tiny[Arch.BAMBA].ours.blocks)

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from tests.engine.conftest import random_mamba_mixer
-from workers.model import kernels as kernel_module
-from workers.model.fast_path import FastPath
+from workers.kernels.extensions import decode_kernels
+from workers.kernels.fast_path import FastPath
 from workers.model.forward_batch import DecodeGroup
-from workers.model.kernels import decode_kernels
 
 KERNELS = decode_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"kernels did not build: {kernel_module.build_failure()}")
+pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"kernels did not build: {decode_kernels.failure()}")
 
 
 def _group(slots: list[int]) -> DecodeGroup:

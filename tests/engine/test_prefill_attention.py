@@ -13,10 +13,10 @@ import torch
 
 from tests.engine.conftest import assert_logits_close, our_logits, prompt_of
 from workers.checkpoint import Arch
+from workers.kernels.fast_path import FastPath
 from workers.model import attention as attention_module
 from workers.model.attention import Attention
 from workers.model.config import AttentionShape
-from workers.model.fast_path import FastPath
 from workers.model.forward_batch import ForwardBatch, PrefillSegment
 
 BLOCK = 4

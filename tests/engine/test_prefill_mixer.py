@@ -16,16 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.engine.conftest import random_mamba_mixer
-from workers.model import scan_kernels as scan_module
+from workers.kernels.extensions import decode_kernels, scan_kernels
+from workers.kernels.fast_path import REFERENCE, FastPath
 from workers.model.config import MlpKind
-from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import PrefillSegment
-from workers.model.kernels import decode_kernels
 from workers.model.layers import MLP, GatedGroupRMSNorm
-from workers.model.scan_kernels import scan_kernels
 
 KERNEL = scan_kernels()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"scan kernel did not build: {scan_module.build_failure()}")
+pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"scan kernel did not build: {scan_kernels.failure()}")
 
 NO_TABLE = torch.zeros(1, dtype=torch.long)  # the mixer never reads block tables
 

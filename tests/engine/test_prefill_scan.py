@@ -13,12 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.model import scan_kernels as scan_module
-from workers.model.scan_kernels import scan_kernels
+from workers.kernels.extensions import scan_kernels
 from workers.model.ssd import chunked_scan, recurrent_scan, recurrent_step
 
 KERNEL = scan_kernels()
-needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"scan kernel did not build: {scan_module.build_failure()}")
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"scan kernel did not build: {scan_kernels.failure()}")
 
 SHAPES = pytest.mark.parametrize(
     "b,length,h,p,g,n",

@@ -1,4 +1,4 @@
-"""Weight matmuls on measured backends (`workers.model.linear_tuning`) against plain F.linear.
+"""Weight matmuls on measured backends (`workers.kernels.linear_tuning`) against plain F.linear.
 
 Layer level: each packed backend (oneDNN, the panel kernel) equals F.linear within fp32
 tolerance for 1..300 rows, with and without bias, 2-D, 3-D and strided inputs, on shapes that
@@ -25,8 +25,8 @@ from tests.engine.conftest import LogitRecorder, assert_logits_close, new_engine
 from tests.families import ARCHS
 from workers.cache.layout import layouts_for
 from workers.checkpoint import Arch
-from workers.model import huge_pages, linear_tuning
-from workers.model.linear_backends import (
+from workers.kernels import huge_pages, linear_tuning, tuned_linear
+from workers.kernels.linear_backends import (
     LinearBackend,
     available_backends,
     bind,
@@ -36,8 +36,10 @@ from workers.model.linear_backends import (
     packing_available,
     run_packed,
 )
-from workers.model.linear_tuning import LinearKey, LinearPlan, LinearTuning, TunedLinear, choose, tune_linears
-from workers.model.panel_gemm import panel_kernels
+from workers.kernels.extensions import panel_kernels
+from workers.kernels.linear_plan import LinearKey, LinearPlan, LinearTuning
+from workers.kernels.linear_tuning import choose, tune_linears
+from workers.kernels.tuned_linear import TunedLinear
 from workers.runner import ModelRunner
 from workers.sampling import SamplingParams
 
@@ -200,7 +202,7 @@ def test_a_plan_says_which_buckets_went_untimed(caplog):
     model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32, bias=False))
     timed = tune_linears(model, LinearTuning(buckets=(1, 4), samples=3))
     assert timed.unmeasured() == {} and not any("?" in line for line in timed.describe())
-    with caplog.at_level(logging.WARNING, logger="workers.model.linear_tuning"):
+    with caplog.at_level(logging.WARNING, logger="workers.kernels.linear_tuning"):
         hurried = tune_linears(model, LinearTuning(buckets=(1, 4), samples=3, total_budget_s=1e-9))
     assert hurried.unmeasured() == {LinearKey.of(m): (1, 4) for m in model}
     assert all(line.endswith("1:TORCH? 4:TORCH?") for line in hurried.describe())
@@ -264,7 +266,7 @@ def test_packed_model_logits_equal_reference(tiny, arch, backend, monkeypatch):
 
         return counted, args
 
-    monkeypatch.setattr(linear_tuning, "bind", counted_bind)
+    monkeypatch.setattr(tuned_linear, "bind", counted_bind)
     packed = our_logits(model, ids, split, linear_plan=LinearPlan.fixed(model, backend))
     assert (backend, 20) in calls and (backend, 1) in calls  # the prefill and the decodes ran packed
     assert_logits_close(packed, reference)

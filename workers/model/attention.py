@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels.fast_path import REFERENCE, FastPath
 from workers.model.config import AttentionShape
-from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import ForwardBatch, PrefillSegment
 from workers.model.layers import apply_rotary
 

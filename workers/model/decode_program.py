@@ -25,23 +25,32 @@ drops it and the next decode step builds another.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.model.config import MixerKind, MlpKind
+from workers.kernels.linear_backends import BoundLinear
+from workers.kernels.tuned_linear import TunedLinear
+from workers.model.config import HybridModelConfig, MixerKind, MlpKind
 from workers.model.forward_batch import ForwardBatch, ModelCaches
-from workers.model.layers import apply_rotary
-from workers.model.linear_backends import BoundLinear
-from workers.model.linear_tuning import TunedLinear
+from workers.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
-if TYPE_CHECKING:
-    from workers.model.hybrid_lm import HybridLM
 
+class DecodeModel(Protocol):
+    """What a program is built from: the model (`HybridLM`, which builds and runs the program,
+    so this module names what it reads instead of importing it)."""
+
+    config: HybridModelConfig
+    embed: nn.Embedding
+    rotary: RotaryEmbedding | None
+    blocks: nn.ModuleList
+    next_norms: tuple[RMSNorm, ...]  # the norm after each block: the next block's input norm, then the final norm
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
 
 
 class _Mamba(NamedTuple):
@@ -95,7 +104,7 @@ class DecodeProgram:
         linears: tuple[tuple[BoundLinear, ...], ...],
         bucket_index: Callable[[int], int],
         blocks: tuple[_Block, ...],
-        model: HybridLM,
+        model: DecodeModel,
     ):
         self._kernels = kernels
         self._linears = linears
@@ -109,7 +118,7 @@ class DecodeProgram:
         self._checked_caches: ModelCaches | None = None
 
     @staticmethod
-    def build(model: HybridLM) -> DecodeProgram | None:
+    def build(model: DecodeModel) -> DecodeProgram | None:
         """The program of `model`'s current fast path and linear plan, or None where the module
         forward must run: no decode kernels (reference path, or no compiler here), or weights
         other than fp32 (the fused kernels are fp32 only)."""
@@ -131,7 +140,7 @@ class DecodeProgram:
             return _Mlp(linear(module.up), linear(module.down), module.kind is MlpKind.SWIGLU)
 
         blocks = []
-        for block, next_norm in zip(model.blocks, model._next_norms):
+        for block, next_norm in zip(model.blocks, model.next_norms):
             m = block.mixer
             if block.kind is MixerKind.MAMBA:
                 s, c = m.shape, m.constants

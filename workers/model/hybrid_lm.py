@@ -9,13 +9,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.kernels.fast_path import FastPath
+from workers.kernels.linear_plan import LinearPlan
+from workers.kernels.tuned_linear import install_tuned_linears, remove_tuned_linears
 from workers.model.attention import Attention
 from workers.model.config import BlockSpec, HybridModelConfig, MixerKind
 from workers.model.decode_program import DecodeProgram
-from workers.model.fast_path import FastPath
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import MLP, RMSNorm, RotaryEmbedding
-from workers.model.linear_tuning import LinearPlan, install_tuned_linears, remove_tuned_linears
 from workers.model.mamba_mixer import MambaMixer
 
 
@@ -64,14 +65,14 @@ class HybridLM(nn.Module):
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # The norm after each block: the next block's input norm, the final norm after the last.
-        self._next_norms = tuple(b.norm for b in self.blocks[1:]) + (self.final_norm,)
+        self.next_norms = tuple(b.norm for b in self.blocks[1:]) + (self.final_norm,)
         attn = config.attention
         self.rotary = RotaryEmbedding(attn.rotary_dim, attn.rope_theta) if attn.rotary_dim else None
         self._decode_program: DecodeProgram | None = None
         self._decode_program_built = False  # built at the first pure decode step (weights loaded by then)
 
     def use_fast_path(self, fast: FastPath) -> None:
-        """Run what `fast` holds (`workers.model.fast_path`), or, with `fast_path.REFERENCE`, the
+        """Run what `fast` holds (`workers.kernels.fast_path`), or, with `fast_path.REFERENCE`, the
         pure-torch reference path everywhere."""
         for module in self.modules():
             if hasattr(module, "fast"):
@@ -80,7 +81,7 @@ class HybridLM(nn.Module):
 
     def use_linear_plan(self, plan: LinearPlan | None) -> None:
         """Run the blocks' weight matmuls on the plan's measured backends
-        (`workers.model.linear_tuning`), or, with None, on plain `F.linear` everywhere (the
+        (`workers.kernels.linear_tuning`, `tuned_linear`), or, with None, on plain `F.linear` everywhere (the
         reference). The LM head is not one of them: `compute_logits` multiplies its weight
         (or the tied embedding) directly, once per sampled row."""
         remove_tuned_linears(self.blocks)
@@ -114,7 +115,7 @@ class HybridLM(nn.Module):
             h = h * self.config.embedding_multiplier
         rope = self.rotary.cos_sin(batch.positions, h.dtype) if self.rotary else None
         x = self.blocks[0].norm(h)
-        for block, next_norm in zip(self.blocks, self._next_norms):
+        for block, next_norm in zip(self.blocks, self.next_norms):
             h, x = block(h, x, batch, caches, rope, next_norm)
         return x
 

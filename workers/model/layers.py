@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels.fast_path import REFERENCE, FastPath
 from workers.model.config import MlpKind
-from workers.model.fast_path import REFERENCE, FastPath
 
 
 class RMSNorm(nn.Module):

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels.fast_path import REFERENCE, FastPath
 from workers.model.config import MambaShape
-from workers.model.fast_path import REFERENCE, FastPath
 from workers.model.forward_batch import ForwardBatch, PrefillSegment
 from workers.model.layers import GatedGroupRMSNorm
 from workers.model.ssd import chunked_scan, chunked_scan_grouped, recurrent_scan, recurrent_step

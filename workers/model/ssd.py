@@ -170,7 +170,7 @@ def chunked_scan_grouped(
 
 
 def recurrent_scan(
-    kernel: ModuleType,  # `scan_kernels.scan_kernels()`, built by the runner at start-up
+    kernel: ModuleType,  # `extensions.scan_kernels()`, built by the runner at start-up
     x: torch.Tensor,  # [b, l, h, p]
     dt: torch.Tensor,  # [b, l, h], after softplus and clamping (0 on padding)
     A: torch.Tensor,  # [h]

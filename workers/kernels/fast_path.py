@@ -3,9 +3,9 @@
     on       the fast variants that need no compiler: split prefill attention after cached
              history (two flash passes, `Attention._prefill_split`) and, when `scan` is None,
              the grouped SSD scan (`ssd.chunked_scan_grouped`)
-    decode   csrc/decode_kernels.cpp (`kernels.decode_kernels()`): decode mixers, paged decode
-             attention, norms; None runs their references
-    scan     csrc/ssd_scan.cpp (`scan_kernels.scan_kernels()`): the Mamba prefill (conv + recurrence
+    decode   csrc/decode_kernels.cpp + paged_attention.cpp (`extensions.decode_kernels()`): decode
+             mixers, paged decode attention, norms; None runs their references
+    scan     csrc/ssd_scan.cpp (`extensions.scan_kernels()`): the Mamba prefill (conv + recurrence
              on the flat rows, states in place), the Mamba output norm, the MLP activations
 
 The runner builds both kernel modules when it turns the fast path on (start-up), so the model

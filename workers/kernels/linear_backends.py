@@ -11,7 +11,8 @@
     fn, args = bind(backend, weight, packed, bias, out_features)   # the same, resolved once:
     y = fn(x, *args)
 
-`linear_tuning.py` decides which backend each weight shape and batch size uses.
+`linear_tuning.py` measures which backend each weight shape and batch size uses (the plan:
+`linear_plan.py`; the dispatch: `tuned_linear.TunedLinear`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
-from workers.model.panel_gemm import panel_kernels
+from workers.kernels.extensions import panel_kernels
 
 
 class LinearBackend(Enum):

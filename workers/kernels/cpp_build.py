@@ -1,13 +1,13 @@
-"""Build a C++ CPU extension from one source file with the machine's own compiler.
+"""Build a C++ CPU extension from its source files with the machine's own compiler.
 
-Torch's extension mechanism compiles it with -O3 -march=native -fopenmp (and the module's own
-flags, if any); the build is cached per CPU (model and instruction-set flags), torch version,
-flags, source and the headers beside it under
+Torch's extension mechanism compiles them with -O3 -march=native -fopenmp (and the module's own
+flags, if any) and links them into one module; the build is cached per CPU (model and
+instruction-set flags), torch version, flags, sources and the headers beside them under
 `~/.cache/hybridserve/kernels`, so a checkout shared by different machines never runs code
 built for another CPU. When the build cannot happen (no compiler, no ninja, a compiler or
-linker error), `build_cpu_extension` returns None and `build_failure(name)` says why; the
-callers (`kernels.py`, `scan_kernels.py`) cache the result, so each source builds, and fails,
-once per process and on its own.
+linker error), `build_cpu_extension` returns None and `build_failure(name)` says why; a
+`CpuExtension` (the modules are in `extensions.py`) caches the result, so each module builds,
+and fails, once per process and on its own.
 """
 
 from __future__ import annotations
@@ -42,17 +42,22 @@ def cpu_signature() -> str:
     return f"{fields.get('model name', '?')}|{fields.get('flags', '')}"
 
 
-def build_dir(name: str, source: Path, flags: tuple[str, ...] = ()) -> Path:
+def build_dir(name: str, sources: tuple[Path, ...], flags: tuple[str, ...] = ()) -> Path:
     """The build's folder, keyed on everything the build depends on: the CPU, torch, the flags,
-    the source and the headers beside it (which the sources include by name, `vector_math.h`):
-    a header edited while an old build is cached must not run the old code."""
-    headers = b"".join(h.name.encode() + b"\0" + h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    identity = f"{cpu_signature()}|{torch.__version__}|{' '.join(flags)}|{source.read_bytes()!r}|{headers!r}"
+    every source (its name and text) and the headers beside them (which the sources include by
+    name, `vector_math.h`): a source or header edited while an old build is cached must not run
+    the old code."""
+    folders = sorted({s.parent for s in sources})
+    headers = sorted(h for folder in folders for h in folder.glob("*.h"))
+    texts = b"".join(f.name.encode() + b"\0" + f.read_bytes() + b"\0" for f in (*sources, *headers))
+    identity = f"{cpu_signature()}|{torch.__version__}|{' '.join(flags)}|{texts!r}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "hybridserve" / "kernels" / f"{name}-{key}"
 
 
-def build_cpu_extension(name: str, source: Path, fallback: str, flags: tuple[str, ...] = ()) -> ModuleType | None:
+def build_cpu_extension(
+    name: str, sources: tuple[Path, ...], fallback: str, flags: tuple[str, ...] = ()
+) -> ModuleType | None:
     """The compiled module, or None when it cannot be built here: the reason is logged (with
     `fallback`, what runs instead) and kept for `build_failure(name)`. `flags`: compiler flags
     of this module beyond the common ones (part of the build cache's key)."""
@@ -63,12 +68,12 @@ def build_cpu_extension(name: str, source: Path, fallback: str, flags: tuple[str
         try:
             from torch.utils.cpp_extension import load
 
-            out = build_dir(name, source, flags)
+            out = build_dir(name, sources, flags)
             out.mkdir(parents=True, exist_ok=True)
             with _one_builder(out):
                 module = load(
                     name=name,
-                    sources=[str(source)],
+                    sources=[str(s) for s in sources],
                     build_directory=str(out),
                     extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
                     extra_ldflags=["-fopenmp"],
@@ -99,15 +104,17 @@ def _one_builder(out: Path):
 
 
 class CpuExtension:
-    """One kernel source as a lazily built module: calling it builds (or finds built) the module
+    """One kernel module (its sources) built lazily: calling it builds (or finds built) the module
     once per process and returns it, or None when it cannot be built here; `failure()` says why.
 
-        decode_kernels = CpuExtension("hybridserve_decode_kernels", source, "the pure-torch decode path")
+        decode_kernels = CpuExtension("hybridserve_decode_kernels", sources, "the pure-torch decode path")
         module = decode_kernels()        # None: run the fallback named above
     """
 
-    def __init__(self, name: str, source: Path, fallback: str, flags: tuple[str, ...] = ()):
-        self.name, self.source, self.fallback, self.flags = name, source, fallback, flags
+    def __init__(self, name: str, sources: tuple[Path, ...], fallback: str, flags: tuple[str, ...] = ()):
+        if not sources:
+            raise ValueError(f"{name}: no sources")
+        self.name, self.sources, self.fallback, self.flags = name, tuple(sources), fallback, flags
         self._built = False
         self._module: ModuleType | None = None
 
@@ -119,7 +126,7 @@ class CpuExtension:
 
     def build(self) -> ModuleType | None:
         """Build (or find built) now, whatever an earlier call found; not remembered."""
-        return build_cpu_extension(self.name, self.source, self.fallback, self.flags)
+        return build_cpu_extension(self.name, self.sources, self.fallback, self.flags)
 
     def failure(self) -> str | None:
         """Why the build returned None, if it did."""

@@ -1,8 +1,8 @@
 // Weight matmuls on weights packed into 16-column panels: for few rows (decode) streaming each
 // weight once at memory bandwidth, for many (prefill chunks, fp32) as a blocked GEMM near the
 // FMA units' peak (the second half of this file).
-// Built from source at start-up (workers/model/panel_gemm.py); the tuning in
-// workers/model/linear_tuning.py picks it per weight shape and row bucket only where it measures
+// Built from source at start-up (workers/kernels/extensions.py); the tuning in
+// workers/kernels/linear_tuning.py picks it per weight shape and row bucket only where it measures
 // faster than F.linear and oneDNN, which stay the reference and the other choice.
 //
 // At 1-16 rows a linear is a pass over its weight: the arithmetic is small and what counts is
@@ -14,8 +14,7 @@
 // and for each panel the rows' 16 outputs sit in registers (two 8-wide vectors per row) while
 // k runs: one pass over the panel per group of up to kRowGroup rows (later groups re-read it
 // from the caches: at few rows block by block from L1, see panel_all_rows). Threads take
-// contiguous runs of panels, so each streams one region. The vector type is GCC's portable extension: -march=native turns it into
-// AVX2/AVX-512 (or pairs of SSE) instructions.
+// contiguous runs of panels, so each streams one region. The vector type is vector_math.h's vec8.
 //
 // Summation order: per output, k ascending in fp32 FMAs, like a plain dot product; results
 // differ from MKL/oneDNN in the last bits (the fast path's documented tolerance), never in
@@ -31,6 +30,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vector_math.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -44,11 +45,9 @@
 
 namespace {
 
-typedef float vec8 __attribute__((vector_size(32)));
 typedef signed char int8x8 __attribute__((vector_size(8)));
 constexpr int64_t kPanel = 16;   // output columns per panel: two vec8 per row
 constexpr int64_t kRowGroup = 6;  // rows whose accumulators (2 x 6 = 12 vectors) stay in registers
-constexpr int64_t kLine = 64;     // bytes per cache line
 // Bytes ahead of the streaming read that the first group prefetches: 4 KB measured 0-10% faster
 // than 0 or 1 KB at 4-16 rows; 2, 8 and 16 KB, and a prefetch into L2 instead of L1, no faster.
 constexpr int64_t kPrefetchAhead = 4096;
@@ -64,14 +63,6 @@ constexpr int64_t kRowBlock = 48;  // rows per block (8 groups of 6): 48 x K fp3
 // the +-5% noise of a shared machine).
 constexpr int64_t kBlockedRows = 16;
 constexpr int64_t kStepBlock = 128;
-
-inline vec8 load8(const float* p) {
-  vec8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // One k-step of a panel as two vec8: fp32 as stored, int8 widened in registers (the scale is
 // applied once per output at the end, not per product).

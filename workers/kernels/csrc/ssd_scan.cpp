@@ -1,5 +1,5 @@
 // The Mamba2 prefill scan as the plain recurrence, one (sequence, head) per task, built from
-// source by workers/model/scan_kernels.py when the runner turns the fast path on (start-up,
+// source by workers/kernels/extensions.py when the runner turns the fast path on (start-up,
 // ModelRunner.set_fast_kernels), never inside a forward. The pure-torch references beside it
 // are `ssd.chunked_scan` (the SSD formulation after ssd_minimal.py), `ssd.recurrent_step` and,
 // without a compiler, `ssd.chunked_scan_grouped`; tests hold them equal.
@@ -155,6 +155,9 @@ inline void step_one(const HeadRun& r, const TokenStep& s, int64_t t, int64_t co
     }
   }
 #endif
+  // The rows left (d_state not a multiple of 8, odd rows, no AVX2): the recurrence of
+  // `step_state_row` (vector_math.h), but summed in the order of the compiler's vectorised
+  // reduction, which its explicit lane order does not reproduce.
   for (; p < p_end; ++p) {
     float* row = state + p * dstate;
     const float dx = s.gain * xv[p];
@@ -302,9 +305,6 @@ inline void scan_head_rows(const HeadRun& r, float* state, int64_t dstate, int64
     }
   }
 }
-
-// torch.nn.functional.softplus with beta = 1, threshold = 20.
-inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
 
 struct Segments {
   std::vector<int64_t> start, count, slot;
