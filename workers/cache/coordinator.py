@@ -213,6 +213,12 @@ class CacheCoordinator:
         self.heads.add(head)
         return head
 
+    def remember_chunks(self, head: CommittedHead, digests: list[str]) -> None:
+        """Name the head's full KV blocks by their contents' digests (an import knows them)."""
+        full = head.state_len // self.kv.block_size
+        for digest, block in list(zip(digests, self.kv.table(head.holder)))[:full]:
+            self.chunks.remember(block, self.kv.pool.generation[block], digest)
+
     def check_integrity(self) -> None:
         self.kv.usage().check("KV blocks")
         self.states.usage().check("Mamba state slots")
