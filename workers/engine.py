@@ -353,7 +353,7 @@ class LLMEngine:
 
     def load(self) -> tuple[int, int]:
         """(requests in the engine, free KV blocks), for routing stats and heartbeats."""
-        return len(self.scheduler.requests), self.caches.kv.pool.num_free
+        return len(self.scheduler.requests), self.caches.kv.num_free
 
     def check_integrity(self) -> None:
         self.caches.check_integrity()

@@ -87,7 +87,7 @@ def snapshot_head(engine: LLMEngine, conv: Conversation) -> HeadSnapshot:
         token_ids=tuple(conv.tokens_until(head.turn)),
         messages=tuple(m for t in conv.turns[: head.turn] for m in t.messages),
         kv=kv,
-        blocks=tuple((b, caches.kv.pool.generation[b]) for b in table),
+        blocks=tuple((b, caches.kv.generation(b)) for b in table),
         known=tuple(caches.chunks.digest_of(b) for b in table),
         roles=tuple(slots),
         conv=conv_state,
