@@ -41,12 +41,33 @@ def test_package_does_not_import(package, forbidden):
     assert not offending, f"{package}/ imports {offending}"
 
 
-def test_the_contract_is_shared_not_copied():
-    from cache_service.hashing import tokens_sha256
-    from cache_service.keys import conversation_hash
+CONTRACT = "proto/contract.py"
+CONTRACT_NAMES = {"conversation_key", "tokens_digest", "chunk_digest", "ModelIdentity"}
+
+
+def test_the_contract_is_stated_once():
+    """Everyone imports the contract under its own names: nothing outside proto/contract.py
+    defines one of them again, renames one on import, or spells its hash domain."""
     from proto import contract
 
-    assert tokens_sha256 is contract.tokens_digest and conversation_hash is contract.conversation_key
+    assert CONTRACT_NAMES <= set(vars(contract))
+    domain = contract._DOMAIN.rstrip(b"\0").decode()
+    found = []
+    for package in ("workers", "cache_service", "deployments", "bench", "proto"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            if where == CONTRACT:
+                continue
+            text = path.read_text()
+            if domain in text:
+                found.append(f"{where}: spells the conversation hash domain")
+            for node in ast.walk(ast.parse(text, filename=where)):
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in CONTRACT_NAMES:
+                    found.append(f"{where}: defines {node.name}")
+                elif isinstance(node, ast.ImportFrom) and node.module == "proto.contract":
+                    found += [f"{where}: imports {a.name} as {a.asname}" for a in node.names
+                              if a.asname and a.asname != a.name]
+    assert not found, found
 
 
 # -- the import graph of workers/ -------------------------------------------------------------
