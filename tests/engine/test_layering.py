@@ -168,7 +168,9 @@ def test_workers_has_no_import_cycles():
 # touches tensors. layout.py is the exception: it describes (with torch dtypes) and allocates
 # the tensors the runner owns.
 TENSOR_FREE = ["workers/scheduler.py", *(
-    str(p.relative_to(ROOT)) for p in sorted((ROOT / "workers/cache").glob("*.py")) if p.name not in {"layout.py", "__init__.py"}
+    str(p.relative_to(ROOT))
+    for p in sorted((ROOT / "workers/cache").glob("*.py"))
+    if p.name not in {"layout.py", "__init__.py"}
 )]
 
 

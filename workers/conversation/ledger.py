@@ -72,7 +72,8 @@ class Conversation:
         """What the caller learns about a head of this conversation."""
         committed = self.tokens_until(head.turn)
         return HeadInfo(
-            self.key, head.turn, head.version, len(committed), tokens_digest(committed), head.state_len, head.aligned_len
+            self.key, head.turn, head.version, len(committed), tokens_digest(committed),
+            head.state_len, head.aligned_len,
         )
 
 
