@@ -34,12 +34,13 @@ import redis
 import redis.asyncio as aioredis
 
 from cache_service import scripts
-from cache_service.client import CacheClient, Conversation, tokens_sha256
+from cache_service.client import CacheClient, Conversation
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from cache_service.keys import ConversationKeys
 from cache_service.leases import new_incarnation
 from cache_service.store import now_ms
+from proto.contract import tokens_digest
 from proto import cache_pb2 as pb
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -133,7 +134,7 @@ def service_cycle_factory(client: CacheClient):
             await client.publish_turn(conv, lease_token=lease, expected_version=lease.head.version,
                                       messages=messages, token_ids=new_tokens,
                                       committed_tokens=state["tokens"],
-                                      tokens_sha256=tokens_sha256(new_tokens), owner_replica="r0")
+                                      tokens_sha256=tokens_digest(new_tokens), owner_replica="r0")
         return cycle
     return make
 
@@ -146,7 +147,7 @@ def redis_cycle_factory(r: aioredis.Redis):
         keys = ConversationKeys.of(f"raw-{uuid.uuid4().hex}", "salt")
         state = {"tokens": 0}
         new_tokens = list(range(TOKENS_PER_TURN))
-        sha = tokens_sha256(new_tokens)
+        sha = tokens_digest(new_tokens)
 
         async def cycle() -> None:
             holder = uuid.uuid4().hex
@@ -221,7 +222,7 @@ async def bench_tier(plan: Plan, workdir: Path) -> dict:
                 conv = Conversation(f"tier-{uuid.uuid4().hex}", "salt")
                 lease = await client.acquire_lease(conv, ttl_ms=60_000)
                 head = await client.publish_turn(conv, lease_token=lease, expected_version=0, messages=[],
-                                                 token_ids=[1], committed_tokens=1, tokens_sha256=tokens_sha256([1]),
+                                                 token_ids=[1], committed_tokens=1, tokens_sha256=tokens_digest([1]),
                                                  release_lease=False)
                 t0 = time.perf_counter()
                 await client.put_state(conv, head, data)
@@ -233,7 +234,7 @@ async def bench_tier(plan: Plan, workdir: Path) -> dict:
                 # Next turn: the same blocks plus one new 1 MiB chunk at the end.
                 head = await client.publish_turn(conv, lease_token=lease, expected_version=1, messages=[],
                                                  token_ids=[2], committed_tokens=2,
-                                                 tokens_sha256=tokens_sha256([1, 2]))
+                                                 tokens_sha256=tokens_digest([1, 2]))
                 t0 = time.perf_counter()
                 reply = await client.put_state(conv, head, data + os.urandom(1 << 20))
                 inc_s = time.perf_counter() - t0

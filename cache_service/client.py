@@ -57,7 +57,6 @@ from cache_service.wire import bearer
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 
-tokens_sha256 = hashing.tokens_sha256
 TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(result=...))
 
 

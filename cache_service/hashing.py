@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 
-from proto.contract import tokens_digest as tokens_sha256  # noqa: F401  (the shared contract)
 
 
 def sha256(data: bytes | memoryview) -> bytes:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto.contract import conversation_key as conversation_hash  # the shared contract
+from proto.contract import conversation_key  # the shared contract
 
 NAMESPACE = "hs:v1"
 
@@ -26,7 +26,7 @@ class ConversationKeys:
 
     @classmethod
     def of(cls, conversation_id: str, cache_salt: str) -> "ConversationKeys":
-        return cls(conversation_hash(conversation_id, cache_salt))
+        return cls(conversation_key(conversation_id, cache_salt))
 
     def _key(self, suffix: str) -> str:
         return f"{NAMESPACE}:conv:{{{self.conv_hash}}}:{suffix}"

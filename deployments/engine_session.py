@@ -13,59 +13,29 @@ Local state is reused only if it is exactly the service's head (version, turn, t
 otherwise the worker rebuilds it (tier import or ledger recompute), never trusting a copy that
 may lag or lead the service.
 
-A tier entry is one blob cut into parts, so that unchanged KV blocks are the same chunks from
-one version to the next (the tier stores and sends each once):
-
-    part 0: u32 length | JSON index {"header": n, "chunks": [[digest, size], ...]}
-    part 1: the export header (self-checking)      parts 2..: the export's chunks, in order
+A tier entry is an export cut into parts: its format is stated in
+`workers/conversation/export_format.py` (`pack_export`, `unpack_export`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
 from deployments.protocol import HeadRef
 from deployments.settings import AppSettings
+from proto.contract import tokens_digest
 from workers.async_engine import AsyncEngine
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation import export as head_export
 from workers.conversation.cache import ConversationCache
-from workers.conversation.ledger import conversation_key, tokens_digest
+from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
 from workers.request import Request
 from workers.sampling import SamplingParams
-
-_INDEX_LEN = struct.Struct("<I")
-
-
-def pack_export(exported: head_export.ExportedHead) -> list[bytes]:
-    index = json.dumps({"header": len(exported.header), "chunks": [[d, len(c)] for d, c in exported.chunks]},
-                       separators=(",", ":")).encode()
-    return [_INDEX_LEN.pack(len(index)) + index, exported.header, *(c for _, c in exported.chunks)]
-
-
-def unpack_export(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
-    try:
-        (n,) = _INDEX_LEN.unpack_from(blob, 0)
-        index = json.loads(blob[_INDEX_LEN.size : _INDEX_LEN.size + n])
-        offset = _INDEX_LEN.size + n
-        header = blob[offset : offset + index["header"]]
-        offset += index["header"]
-        chunks = {}
-        for digest, size in index["chunks"]:
-            chunks[digest] = blob[offset : offset + size]
-            offset += size
-    except (struct.error, ValueError, KeyError, TypeError) as e:
-        raise CorruptStateError(f"unreadable tier entry: {e!r}") from e
-    if offset != len(blob):
-        raise CorruptStateError("tier entry has trailing or missing bytes")
-    return header, chunks
 
 
 class EngineSession:
@@ -90,15 +60,8 @@ class EngineSession:
     # -- what this engine holds -------------------------------------------------------------
     async def holds(self, conversation_id: str, cache_salt: str, head: HeadRef) -> bool:
         """Whether this engine holds exactly `head`: its ledger at that version and its state."""
-        key = conversation_key(conversation_id, cache_salt)
-
-        def local(_e) -> list[int] | None:
-            conv = self.cache.conversations.get(key)
-            if conv is None or conv.in_flight is not None or (conv.version, conv.turn) != (head.version, head.turn):
-                return None
-            return list(conv.token_ids) if self.cache.heads.find(key, conv.turn) is not None else None
-
-        tokens = await self.aengine.call(local)
+        tokens = await self.aengine.call(
+            lambda _e: self.cache.idle_head_tokens(conversation_id, cache_salt, head.version, head.turn))
         return tokens is not None and _is_head(tokens, head)
 
     async def forget(self, conversation_id: str, cache_salt: str, deleted: HeadRef | None = None) -> None:
@@ -107,11 +70,10 @@ class EngineSession:
         conversation's. An older local copy of the deleted one stays until eviction, and serves
         only if a re-created conversation's ledger has its very tokens (adopt_ledger drops it
         otherwise), when its state is exact anyway."""
-        key = conversation_key(conversation_id, cache_salt)
 
         def ledger(_e) -> tuple[int, int, list[int]] | None:
-            conv = self.cache.conversations.get(key)
-            return None if conv is None else (conv.version, conv.turn, list(conv.token_ids))
+            state = self.cache.ledger_state(conversation_id, cache_salt)
+            return None if state is None else (state.version, state.turn, list(state.token_ids))
 
         seen = None
         if deleted is not None:
@@ -120,16 +82,14 @@ class EngineSession:
                 return
 
         def drop(_e) -> None:
-            if key in self.cache.conversations and (seen is None or ledger(_e) == seen):  # unchanged meanwhile
+            now = ledger(_e)
+            if now is not None and (seen is None or now == seen):  # unchanged meanwhile
                 self.cache.delete(conversation_id, cache_salt)
 
         await self.aengine.call(drop)
 
     async def held_heads(self, conversation_id: str | None = None, cache_salt: str = "") -> int:
-        if conversation_id is None:
-            return await self.aengine.call(lambda _e: len(self.cache.heads))
-        key = conversation_key(conversation_id, cache_salt)
-        return await self.aengine.call(lambda _e: len(self.cache.heads.of_conversation(key)))
+        return await self.aengine.call(lambda _e: self.cache.head_count(conversation_id, cache_salt))
 
     async def adopt_ledger(self, conversation_id: str, cache_salt: str, head: HeadRef,
                            turns: list[LedgerTurn]) -> None:
@@ -160,11 +120,7 @@ class EngineSession:
 
     async def load(self) -> tuple[int, int]:
         """(requests in the engine, free KV blocks), for routing stats and heartbeats."""
-
-        def read(e: LLMEngine) -> tuple[int, int]:
-            return len(e.scheduler.requests), e.caches.kv.pool.num_free
-
-        return await self.aengine.call(read)
+        return await self.aengine.call(lambda e: e.load())
 
     # -- turns ------------------------------------------------------------------------------
     def stream_turn(

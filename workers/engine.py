@@ -351,5 +351,9 @@ class LLMEngine:
         config = self.config
         return model_identity(config.model, config.dtype, config.device, config.weight_quantization)
 
+    def load(self) -> tuple[int, int]:
+        """(requests in the engine, free KV blocks), for routing stats and heartbeats."""
+        return len(self.scheduler.requests), self.caches.kv.num_free
+
     def check_integrity(self) -> None:
         self.caches.check_integrity()

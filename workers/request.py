@@ -14,13 +14,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from workers.cache.holders import Holder
 from workers.sampling import SampledToken, SamplingParams
-
-if TYPE_CHECKING:
-    from workers.cache.heads import PreparedState
 
 
 class RequestStatus(Enum):
@@ -42,6 +39,16 @@ class KeepState(Enum):
 
     FREE = "free"
     PREPARE = "prepare"  # kept as a prepared state (with an aligned snapshot) for a commit or abandon
+
+
+class KeptState(Protocol):
+    """What a completed keep=PREPARE request left behind: the head manager's `PreparedState`
+    (workers/cache/heads.py, which depends on this module, not the other way round)."""
+
+    holder: Holder
+    request_id: str
+    state_len: int
+    aligned_len: int
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class Request:
     # returns is reported in the final output (a conversation's `TurnCommit`). If it raises,
     # the request fails alone and its state is freed.
     on_finished: Callable[[Request], Any] | None = None
-    prepared: PreparedState | None = None  # set when keep=PREPARE and it completed
+    prepared: KeptState | None = None  # a PreparedState, set when keep=PREPARE and it completed
     finish_record: Any = None  # what on_finished returned
     finish_error: str | None = None
     token_ids: list[int] = field(init=False)

@@ -91,6 +91,31 @@ class ModelRunner:
                 conv[dst] = conv[src]
                 ssm[dst] = ssm[src]
 
+    # -- copies of cache contents, for exports and imports (engine thread; tensor copies only) --
+    #   KV copy of n blocks:    [attention layers, 2 (K, V), n, block_size, kv heads, head dim]
+    #   state copy of k slots:  conv [mamba layers, k, conv_dim, conv_width],
+    #                           ssm  [mamba layers, k, heads, head dim, d_state]
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        index = torch.tensor(blocks, dtype=torch.long)
+        return torch.stack([kv.index_select(1, index) for kv in self.caches.kv])
+
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        index = torch.tensor(blocks, dtype=torch.long)
+        for layer, kv in enumerate(self.caches.kv):
+            kv[:, index] = data[layer]
+
+    def read_slots(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(slots, dtype=torch.long)
+        conv = torch.stack([c.index_select(0, index) for c in self.caches.conv])
+        ssm = torch.stack([s.index_select(0, index) for s in self.caches.ssm])
+        return conv, ssm
+
+    def write_slots(self, slots: list[int], conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        index = torch.tensor(slots, dtype=torch.long)
+        for layer, (c, s) in enumerate(zip(self.caches.conv, self.caches.ssm)):
+            c[index] = conv[layer]
+            s[index] = ssm[layer]
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns logits [number of sampling chunks, vocab] in chunk order."""

@@ -11,7 +11,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache_service.client import CacheClient, ClientConfig, Conversation, RetryPolicy, tokens_sha256
+from cache_service.client import CacheClient, ClientConfig, Conversation, RetryPolicy
+from proto.contract import tokens_digest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The checkout whose `python -m cache_service` the tests start. Pointing it at an older
@@ -36,7 +37,7 @@ async def commit_turn(client: CacheClient, conv: Conversation, history: History,
     head = await client.publish_turn(
         conv, lease_token=lease.token, expected_version=history.version,
         messages=[{"role": "user", "content": text}, {"role": "assistant", "content": f"re: {text}"}],
-        token_ids=new_tokens, committed_tokens=len(tokens), tokens_sha256=tokens_sha256(tokens),
+        token_ids=new_tokens, committed_tokens=len(tokens), tokens_sha256=tokens_digest(tokens),
         owner_replica=owner)
     assert head.version == history.version + 1
     history.tokens, history.version = tokens, head.version

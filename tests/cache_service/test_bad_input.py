@@ -10,7 +10,8 @@ import grpc
 import pytest
 from cs_helpers import History, commit_turn
 
-from cache_service.client import NotFound, tokens_sha256
+from cache_service.client import NotFound
+from proto.contract import tokens_digest
 from proto import cache_pb2 as pb
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -32,7 +33,7 @@ def publish_request(conv, lease=None, **override):
     fields = dict(key=key(conv), lease_token=lease.token if lease else 1,
                   lease_proof=lease.proof if lease else b"", expected_version=0,
                   turn=pb.LedgerTurn(messages=[pb.Message(role="user", content="hi")], token_ids=[1, 2]),
-                  committed_tokens=2, tokens_sha256=tokens_sha256([1, 2]), publish_id="p")
+                  committed_tokens=2, tokens_sha256=tokens_digest([1, 2]), publish_id="p")
     fields.update(override)
     return pb.PublishTurnRequest(**fields)
 

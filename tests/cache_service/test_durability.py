@@ -13,9 +13,10 @@ import uuid
 import pytest
 from cs_helpers import History, ServiceProcess, commit_turn, fast_client
 
-from cache_service.client import CacheClient, ClientConfig, Conversation, DeadlineExceeded, tokens_sha256
+from cache_service.client import CacheClient, ClientConfig, Conversation, DeadlineExceeded
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+from proto.contract import tokens_digest
 
 # Processes get killed here; a hang must fail fast, not eat the session timeout.
 pytestmark = pytest.mark.timeout(60)
@@ -72,7 +73,7 @@ async def test_redis_sigkill_and_restart_keeps_every_committed_turn(own_client, 
     tokens = histories[last].tokens + [99]
     publish = asyncio.create_task(own_client.publish_turn(
         last, lease_token=lease.token, expected_version=3, messages=[{"role": "user", "content": "late"}],
-        token_ids=[99], committed_tokens=len(tokens), tokens_sha256=tokens_sha256(tokens)))
+        token_ids=[99], committed_tokens=len(tokens), tokens_sha256=tokens_digest(tokens)))
     await asyncio.to_thread(own_service.wait_event,
                             lambda e: e.get("rpc") == "PublishTurn" and e.get("code") == "UNAVAILABLE")
     assert not publish.done()
@@ -84,7 +85,7 @@ async def test_redis_sigkill_and_restart_keeps_every_committed_turn(own_client, 
     for c in convs:
         expected_turns = list(before[c].turns) + ([] if c != last else list(after[c].turns[3:]))
         assert list(after[c].turns) == expected_turns
-        assert after[c].head.tokens_sha256 == tokens_sha256(
+        assert after[c].head.tokens_sha256 == tokens_digest(
             histories[c].tokens + ([99] if c == last else []))
     assert [t.token_ids[-1] for t in after[last].turns] == [1, 12, 23, 99]
 

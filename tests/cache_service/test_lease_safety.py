@@ -7,9 +7,9 @@ import grpc
 import pytest
 import redis
 
-from cache_service.client import (Conversation, LeaseHeld, LeaseLost, StaleFence, VersionConflict,
-                                  tokens_sha256)
+from cache_service.client import (Conversation, LeaseHeld, LeaseLost, StaleFence, VersionConflict)
 from cache_service.keys import ConversationKeys
+from proto.contract import tokens_digest
 from proto import cache_pb2 as pb
 
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -20,7 +20,7 @@ def publish_request(conv, token, proof, *, tokens=(1, 2), content="hi", publish_
     return pb.PublishTurnRequest(
         key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=version,
         turn=pb.LedgerTurn(messages=[pb.Message(role="user", content=content)], token_ids=list(tokens)),
-        committed_tokens=len(tokens), tokens_sha256=tokens_sha256(tokens), publish_id=publish_id,
+        committed_tokens=len(tokens), tokens_sha256=tokens_digest(tokens), publish_id=publish_id,
         release_lease=release)
 
 
@@ -116,17 +116,17 @@ async def test_fence_keys_expire_and_go_with_the_conversation(client, conv, redi
         # stale) but carries a TTL, even for a conversation that never commits.
         assert 10_000 < r.pttl(keys.fence) <= 10_000 + 3_600_000
         await client.publish_turn(conv, lease_token=lease, expected_version=0, messages=[],
-                                  token_ids=[1], committed_tokens=1, tokens_sha256=tokens_sha256([1]))
+                                  token_ids=[1], committed_tokens=1, tokens_sha256=tokens_digest([1]))
         assert await client.delete_conversation(conv)
         assert r.exists(keys.fence, keys.head, keys.ledger, keys.lease, keys.marks) == 0
         # A stale holder of the deleted conversation cannot touch the new one.
         new = await client.acquire_lease(conv, ttl_ms=10_000)
         with pytest.raises(LeaseLost) as info:
             await client.publish_turn(conv, lease_token=lease, expected_version=0, messages=[],
-                                      token_ids=[1], committed_tokens=1, tokens_sha256=tokens_sha256([1]))
+                                      token_ids=[1], committed_tokens=1, tokens_sha256=tokens_digest([1]))
         assert not isinstance(info.value, StaleFence)
         with pytest.raises(VersionConflict):  # and the new holder is unaffected
             await client.publish_turn(conv, lease_token=new, expected_version=1, messages=[],
-                                      token_ids=[1], committed_tokens=1, tokens_sha256=tokens_sha256([1]))
+                                      token_ids=[1], committed_tokens=1, tokens_sha256=tokens_digest([1]))
     finally:
         r.close()

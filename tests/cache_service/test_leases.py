@@ -4,14 +4,15 @@ import asyncio
 
 import pytest
 
-from cache_service.client import Conversation, LeaseHeld, LeaseLost, NotFound, StaleFence, tokens_sha256
+from cache_service.client import Conversation, LeaseHeld, LeaseLost, NotFound, StaleFence
+from proto.contract import tokens_digest
 from proto import cache_pb2 as pb
 
 
 async def publish_first_turn(client, conv, token, tokens=(1, 2, 3)):
     return await client.publish_turn(
         conv, lease_token=token, expected_version=0, messages=[{"role": "user", "content": "hi"}],
-        token_ids=list(tokens), committed_tokens=len(tokens), tokens_sha256=tokens_sha256(tokens))
+        token_ids=list(tokens), committed_tokens=len(tokens), tokens_sha256=tokens_digest(tokens))
 
 
 async def test_fifty_concurrent_acquirers_one_winner_then_takeover_and_stale_fence(client, conv):

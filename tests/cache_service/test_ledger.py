@@ -4,8 +4,9 @@ import pytest
 from cs_helpers import History, commit_turn
 
 from cache_service.client import (AlreadyExists, Conversation, InvalidArgument, LeaseLost, NotFound,
-                                  VersionConflict, tokens_sha256)
+                                  VersionConflict)
 from cache_service.scripts import EMPTY_TOKENS_SHA256
+from proto.contract import tokens_digest
 from proto import cache_pb2 as pb
 
 
@@ -29,7 +30,7 @@ async def test_unknown_fields_are_not_stored(client, stub, conv):
     await stub.PublishTurn(pb.PublishTurnRequest(
         key=conv.pb(), lease_token=lease.token, lease_proof=lease.proof, expected_version=0,
         turn=pb.LedgerTurn(messages=[smuggled], token_ids=[1, 2]), committed_tokens=2,
-        tokens_sha256=tokens_sha256([1, 2]), publish_id="p"))
+        tokens_sha256=tokens_digest([1, 2]), publish_id="p"))
     page = await stub.ReadLedger(pb.ReadLedgerRequest(key=conv.pb()))
     (turn,) = page.turns
     assert [(m.role, m.content) for m in turn.messages] == [("user", "hi")]
@@ -51,7 +52,7 @@ async def test_a_default_read_pages_by_bytes(client, stub, conv):
         history.tokens += tokens
         await client.publish_turn(conv, lease_token=lease, expected_version=seed, messages=messages,
                                   token_ids=tokens, committed_tokens=len(history.tokens),
-                                  tokens_sha256=tokens_sha256(history.tokens))
+                                  tokens_sha256=tokens_digest(history.tokens))
     await commit_turn(client, conv, History(tokens=history.tokens, version=2), [7], "small")
     # Together the turns are larger than one reply may be; each page holds what fits.
     first = await stub.ReadLedger(pb.ReadLedgerRequest(key=conv.pb()))
@@ -93,14 +94,14 @@ async def test_rewind_truncates_as_a_new_version_and_regenerates(client, conv):
     head = await client.rewind_conversation(conv, lease_token=lease, expected_version=3, turn=1,
                                             owner_replica="replica-2")
     assert (head.version, head.turn, head.committed_tokens) == (4, 1, 2)
-    assert head.tokens_sha256 == tokens_sha256([1, 2]) and head.owner_replica == "replica-2"
+    assert head.tokens_sha256 == tokens_digest([1, 2]) and head.owner_replica == "replica-2"
     assert head.tier_version == 0  # the tier's state was turn 3's: unreachable now
     with pytest.raises(NotFound):
         await client.get_state(conv)
     # Regenerate turn 2 under the same lease: a new turn on top of turn 1.
     new = await client.publish_turn(conv, lease_token=lease, expected_version=4,
                                     messages=[{"role": "assistant", "content": "again"}], token_ids=[8],
-                                    committed_tokens=3, tokens_sha256=tokens_sha256([1, 2, 8]))
+                                    committed_tokens=3, tokens_sha256=tokens_digest([1, 2, 8]))
     assert (new.version, new.turn) == (5, 2)
     ledger = await client.read_ledger(conv)
     assert [list(t.token_ids) for t in ledger.turns] == [[1, 2], [8]]
@@ -118,7 +119,7 @@ async def test_fork_copies_a_prefix_into_a_new_conversation(client, conv):
     fork = Conversation(conv.id + "-fork", conv.salt)
     head = await client.fork_conversation(conv, fork.id, turn=2, expected_version=3)
     assert (head.version, head.turn, head.committed_tokens) == (1, 2, 3)
-    assert head.tokens_sha256 == tokens_sha256([1, 2, 3]) and head.incarnation
+    assert head.tokens_sha256 == tokens_digest([1, 2, 3]) and head.incarnation
     copied = await client.read_ledger(fork)
     assert list(copied.turns) == list(before.turns[:2])
     assert await client.read_ledger(conv) == before  # the source is untouched

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 from cs_helpers import History, commit_turn
 
-from cache_service.client import InvalidArgument, LeaseHeld, LeaseLost, NotFound, VersionConflict, tokens_sha256
+from cache_service.client import InvalidArgument, LeaseHeld, LeaseLost, NotFound, VersionConflict
+from proto.contract import tokens_digest
 
 
 async def test_two_publishers_at_the_same_version_one_wins(client, conv):
@@ -18,7 +19,7 @@ async def test_two_publishers_at_the_same_version_one_wins(client, conv):
         return client.publish_turn(
             conv, lease_token=lease.token, expected_version=1,
             messages=[{"role": "assistant", "content": name}], token_ids=new_tokens,
-            committed_tokens=len(tokens), tokens_sha256=tokens_sha256(tokens),
+            committed_tokens=len(tokens), tokens_sha256=tokens_digest(tokens),
             owner_replica=name, release_lease=False)
 
     results = await asyncio.gather(attempt("A", [20, 21, 22]), attempt("B", [30]),
@@ -37,7 +38,7 @@ async def test_two_publishers_at_the_same_version_one_wins(client, conv):
     head = ledger.head
     assert head.version == 2 and head.turn == 2 and head.owner_replica == winner
     assert head.committed_tokens == 2 + len(expected_new)
-    assert head.tokens_sha256 == tokens_sha256(history.tokens + expected_new)
+    assert head.tokens_sha256 == tokens_digest(history.tokens + expected_new)
 
 
 async def test_turns_accumulate_and_ledger_pages(client, conv):
@@ -46,7 +47,7 @@ async def test_turns_accumulate_and_ledger_pages(client, conv):
         await commit_turn(client, conv, history, [i] * (i + 1), f"turn {i}")
     head = await client.get_head(conv)
     assert (head.version, head.turn, head.committed_tokens) == (5, 5, 15)
-    assert head.tokens_sha256 == tokens_sha256(history.tokens)
+    assert head.tokens_sha256 == tokens_digest(history.tokens)
     page = await client.read_ledger(conv, from_turn=2, max_turns=2)
     assert [t.turn for t in page.turns] == [2, 3]
     assert [list(t.token_ids) for t in page.turns] == [[1, 1], [2, 2, 2]]
@@ -62,7 +63,7 @@ async def test_publish_checks_the_committed_token_count(client, conv):
     with pytest.raises(InvalidArgument, match="committed_tokens"):
         await client.publish_turn(conv, lease_token=lease.token, expected_version=1,
                                   messages=[], token_ids=[4], committed_tokens=10,
-                                  tokens_sha256=tokens_sha256([1, 2, 3, 4]))
+                                  tokens_sha256=tokens_digest([1, 2, 3, 4]))
     ledger = await client.read_ledger(conv)
     assert len(ledger.turns) == 1 and ledger.head.version == 1
 
@@ -70,7 +71,7 @@ async def test_publish_checks_the_committed_token_count(client, conv):
 async def test_retried_publish_is_answered_not_redone(client, conv):
     lease = await client.acquire_lease(conv, ttl_ms=10_000)
     kwargs = dict(lease_token=lease.token, expected_version=0, messages=[{"role": "user", "content": "x"}],
-                  token_ids=[7, 8], committed_tokens=2, tokens_sha256=tokens_sha256([7, 8]),
+                  token_ids=[7, 8], committed_tokens=2, tokens_sha256=tokens_digest([7, 8]),
                   publish_id="pub-1", release_lease=True)
     first = await client.publish_turn(conv, **kwargs)
     # The reply was "lost"; the retry comes after the lease was already released.
@@ -124,7 +125,7 @@ async def test_delete_drops_head_ledger_and_lease(client, conv):
         await client.read_ledger(conv)
     with pytest.raises(LeaseLost):  # the in-flight turn cannot resurrect it
         await client.publish_turn(conv, lease_token=held.token, expected_version=1, messages=[],
-                                  token_ids=[3], committed_tokens=3, tokens_sha256=tokens_sha256([1, 2, 3]))
+                                  token_ids=[3], committed_tokens=3, tokens_sha256=tokens_digest([1, 2, 3]))
     assert await client.delete_conversation(conv) is False
 
 

@@ -13,9 +13,9 @@ from conftest import STRICT_STAGED_BYTES, STRICT_TIER_BUDGET, STRICT_TOKEN
 from cs_helpers import TIER_BUDGET, History, commit_turn
 
 from cache_service.client import Conversation, InvalidArgument, LeaseLost, NotFound, ResourceExhausted
-from cache_service.keys import conversation_hash
 from cache_service.tier import SPILL_SUBDIR
 from cache_service.wire import bearer
+from proto.contract import conversation_key
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 
@@ -180,7 +180,7 @@ async def test_a_put_for_a_deleted_incarnation_is_refused(client, stub, conv):
 async def test_deleting_removes_the_spill_directory(client, conv, service):
     await commit_turn(client, conv, History(), [1], "t")
     await client.put_state(conv, 1, os.urandom(TIER_BUDGET + (2 << 20)))
-    spilled = service.data_dir / "tier" / SPILL_SUBDIR / conversation_hash(conv.id, conv.salt)
+    spilled = service.data_dir / "tier" / SPILL_SUBDIR / conversation_key(conv.id, conv.salt)
     assert any(spilled.iterdir())
     await client.delete_conversation(conv)
     assert not spilled.exists()

@@ -24,6 +24,7 @@ from workers.cache.chunk_index import ChunkIndex
 from workers.cache.heads import CommittedHead, HeadManager, PreparedState
 from workers.cache.holders import Holder, HolderKind, HolderSlots
 from workers.cache.kv_blocks import KVCacheManager, blocks_for
+from workers.cache.manager import CacheManager
 from workers.cache.mamba_slots import MambaStateManager
 from workers.errors import OutOfCacheError
 from workers.request import KeepState, Request
@@ -53,6 +54,7 @@ class CacheCoordinator:
     ):
         self.kv = kv
         self.states = states
+        self.managers: tuple[CacheManager, ...] = (kv, states)  # one per cache type, same interface
         self.heads = heads
         # Copies between heads (fork) cannot wait for the next step: a later read of the
         # destination (an export, another fork) must see the state.
@@ -127,9 +129,7 @@ class CacheCoordinator:
 
     def release(self, request: Request) -> None:
         """Free a request's blocks and slots (preemption); its pin on a head stays."""
-        holder = Holder.request(request.request_id)
-        self.kv.free(holder)
-        self.states.free(holder)
+        self._free(Holder.request(request.request_id))
         self.admitted.discard(request.request_id)
 
     def finish(self, request: Request, completed: bool) -> PreparedState | None:
@@ -201,22 +201,30 @@ class CacheCoordinator:
             new = len(blocks) - len(shared)
             if not self.heads.make_room(new, 2 if aligned else 1, None, idle=False, admitted=self.admitted):
                 raise OutOfCacheError(f"cache full: importing a head needs {new} new blocks")
-            fresh = iter(self.kv.pool.allocate(new))
-            self.kv.tables[holder] = [b if b is not None else next(fresh) for b in blocks]
+            fresh = self.kv.fill(holder, blocks)
             held = self.states.allocate(holder, aligned=aligned)
-            write([self.kv.tables[holder][i] for i, b in enumerate(blocks) if b is None], held)
+            write(fresh, held)
         except BaseException:
-            self.kv.free(holder)
-            self.states.free(holder)
+            self._free(holder)
             raise
         head = CommittedHead(holder, key, turn, version, state_len, aligned_len, canonical_window)
         self.heads.add(head)
         return head
 
+    def remember_chunks(self, head: CommittedHead, digests: list[str]) -> None:
+        """Name the head's full KV blocks by their contents' digests (an import knows them)."""
+        full = head.state_len // self.kv.block_size
+        for digest, block in list(zip(digests, self.kv.table(head.holder)))[:full]:
+            self.chunks.remember(block, self.kv.generation(block), digest)
+
+    def _free(self, holder: Holder) -> None:
+        for manager in self.managers:
+            manager.free(holder)
+
     def check_integrity(self) -> None:
-        self.kv.usage().check("KV blocks")
-        self.states.usage().check("Mamba state slots")
+        for what, manager in zip(("KV blocks", "Mamba state slots"), self.managers):
+            manager.usage().check(what)
         self.heads.check()
-        for what, holders in (("KV blocks", self.kv.tables), ("Mamba slots", self.states.slots)):
-            stray = {h.id for h in holders if h.kind is HolderKind.REQUEST} - self.admitted
+        for what, manager in zip(("KV blocks", "Mamba slots"), self.managers):
+            stray = {h.id for h in manager.holders() if h.kind is HolderKind.REQUEST} - self.admitted
             assert not stray, f"{what} held by requests that are not admitted: {stray}"

@@ -154,7 +154,7 @@ class HeadManager:
         runs, so heads pinned only by requests that were never admitted may go too."""
 
         def short() -> bool:
-            return self.kv.pool.num_free < blocks or self.states.num_free < slots
+            return self.kv.num_free < blocks or self.states.num_free < slots
 
         def takeable(head: CommittedHead) -> bool:
             # Never the base of an admitted or prepared (finished, awaiting its verdict) turn.
@@ -255,8 +255,8 @@ class HeadManager:
     def check(self) -> None:
         """Every block or slot held by a head or prepared turn belongs to one this manager knows."""
         for kind, known in ((HolderKind.HEAD, self.heads), (HolderKind.PREPARED, self.prepared)):
-            for what, holders in (("KV blocks", self.kv.tables), ("Mamba slots", self.states.slots)):
-                stray = [h for h in holders if h.kind is kind and h not in known]
+            for what, manager in (("KV blocks", self.kv), ("Mamba slots", self.states)):
+                stray = [h for h in manager.holders() if h.kind is kind and h not in known]
                 assert not stray, f"{what} held by unknown {kind.value} holders (a leak): {stray}"
             for holder in known:
                 assert holder in self.states.slots, f"{holder} holds no state slot"

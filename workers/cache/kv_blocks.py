@@ -11,9 +11,11 @@ when its last reference goes.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from workers.cache.holders import CacheUsage, Holder, HolderKind
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout
+from workers.cache.manager import CacheManager
 from workers.errors import OutOfCacheError
 
 
@@ -57,7 +59,7 @@ class BlockPool:
                 self._free.append(b)
 
 
-class KVCacheManager:
+class KVCacheManager(CacheManager):
     """Block tables per holder over one `BlockPool`. Allocation never evicts: the coordinator
     makes room first (all-or-nothing), then allocates."""
 
@@ -67,8 +69,19 @@ class KVCacheManager:
         self.pool = BlockPool(layout.num_blocks)
         self.tables: dict[Holder, list[int]] = {}
 
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def holders(self) -> Iterable[Holder]:
+        return self.tables.keys()
+
     def table(self, holder: Holder) -> list[int]:
         return self.tables.get(holder, [])
+
+    def generation(self, block: int) -> int:
+        """The block's current lifetime (see `BlockPool.generation`)."""
+        return self.pool.generation[block]
 
     def blocks_needed(self, holder: Holder, num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(self.table(holder)))
@@ -85,6 +98,14 @@ class KVCacheManager:
         blocks = self.pool.allocate(n)
         self.tables.setdefault(holder, []).extend(blocks)
         return blocks
+
+    def fill(self, holder: Holder, blocks: list[int | None]) -> list[int]:
+        """Make the holder's table `blocks`, each None a fresh block; the holder already
+        references the others (`share`, in order). Returns the fresh blocks in table order."""
+        fresh = iter(self.pool.allocate(blocks.count(None)))
+        table = [b if b is not None else next(fresh) for b in blocks]
+        self.tables[holder] = table
+        return [table[i] for i, b in enumerate(blocks) if b is None]
 
     def share(self, holder: Holder, blocks: list[int]) -> None:
         """Append already-written blocks to the holder's table by reference."""

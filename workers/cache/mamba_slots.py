@@ -13,12 +13,15 @@ Allocation never evicts: the coordinator makes room first (all-or-nothing).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from workers.cache.holders import CacheUsage, Holder, HolderKind, HolderSlots
 from workers.cache.layout import MambaStateLayout
+from workers.cache.manager import CacheManager
 from workers.errors import OutOfCacheError
 
 
-class MambaStateManager:
+class MambaStateManager(CacheManager):
     def __init__(self, layout: MambaStateLayout):
         self.layout = layout
         self._free: set[int] = set(range(layout.num_slots))  # min/max scans: allocation is per request
@@ -27,6 +30,9 @@ class MambaStateManager:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def holders(self) -> Iterable[Holder]:
+        return self.slots.keys()
 
     def allocate(self, holder: Holder, aligned: bool) -> HolderSlots:
         """A terminal slot (the lowest free) and, if asked, an aligned one (the highest)."""

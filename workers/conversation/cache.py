@@ -1,19 +1,16 @@
-"""The turn lifecycle inside one engine: begin, prepare on success, commit or abandon.
+"""`ConversationCache`: the one front the worker (and in-process callers) use for conversations.
 
-    begin_turn:  ledger tokens + template delta of the suffix  -> prompt
-                 committed head (if retained; else the latest earlier one) pinned and
-                 attached -> num_computed = state_len
-    finish       STOP/LENGTH: the request's state is kept *prepared* (base head intact),
-                 a TurnCommit record describes it; ABORT/ERROR: the state is freed
-    commit:      the prepared state becomes the head (no copy), then the ledger appends the
-                 turn and heads beyond the last K turns are released
-    abandon:     the prepared state is freed; the base head is byte-identical
+It holds the engine's ledgers (`conversations`, by key) and hands each operation what it
+needs, never itself:
 
-`CommitMode.AT_ONCE` commits as soon as the turn finishes (in-process use); the worker uses
-`CommitMode.PREPARE` and commits only after the cache service accepted the turn.
+    turn_lifecycle.py  begin_turn, regenerate, commit, abandon (the turn lifecycle)
+    recovery.py        adopt_ledger, materialize_head
+    history.py         rewind, fork, delete, describe
+    export.py          snapshot_head, remember_chunks; export_install.py: install_head
+    retention.py       which heads a conversation keeps
+
 Everything here runs on the engine thread (see `workers.async_engine.AsyncEngine.call`);
-recovery.py, export.py and history.py hold the other operations; the API is documented in
-API.md next to this file.
+the API is documented in API.md next to this file.
 """
 
 from __future__ import annotations
@@ -21,39 +18,39 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from proto.contract import ModelIdentity, conversation_key, tokens_digest
-from workers.cache.heads import CommittedHead
-from workers.conversation import export, history, recovery
-from workers.conversation.ledger import Conversation
-from workers.conversation.prompt import build_turn_prompt
-from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, Resolution, TurnCommit, TurnOutcome
-from workers.conversation.turn_state import PendingTurn, PreparedTurn, Resolutions, turn_record
+from proto.contract import ModelIdentity, conversation_key
+from workers.conversation import export, history
+from workers.conversation.export_install import install_head
+from workers.conversation.ledger import Conversation, find_conversation
+from workers.conversation.records import CommitMode, HeadInfo, LedgerState, LedgerTurn, TurnCommit
+from workers.conversation.recovery import LedgerRecovery
+from workers.conversation.retention import HeadRetention
+from workers.conversation.turn_lifecycle import TurnLifecycle
 from workers.engine import LLMEngine
-from workers.errors import ConversationNotFoundError, InvalidRequestError, TurnResolvedError
-from workers.request import KeepState, Request
+from workers.request import Request
 from workers.sampling import SamplingParams
 
 
 class ConversationCache:
     def __init__(self, engine: LLMEngine, retain_turns: int = 1):
-        if retain_turns < 1:
-            raise ValueError("retain_turns must be >= 1")
         self.engine = engine
+        self.retention = HeadRetention(engine.caches.heads, retain_turns)
         self.retain_turns = retain_turns
         self.caches = engine.caches
         self.kv = engine.caches.kv
         self.states = engine.caches.states
         self.heads = engine.caches.heads
         self.conversations: dict[str, Conversation] = {}
-        self.pending: dict[str, PendingTurn] = {}
-        self._prepared: dict[str, PreparedTurn] = {}
-        self._resolved = Resolutions()
-        self.materializing: dict[str, recovery.Materializing] = {}  # by request id
         self.counters: Counter[str] = Counter(
             {"hits": 0, "misses": 0, "tokens_reused": 0, "published": 0, "discarded": 0, "materialized": 0}
         )
+        self.turns = TurnLifecycle(engine, self.conversations, self.retention, self.counters)
+        self.recovery = LedgerRecovery(engine, self.conversations, self.retention, self.counters)
+        self.pending = self.turns.pending  # request id -> a turn begun and not finished
+        self._prepared = self.turns.prepared_turns  # request id -> a turn awaiting its verdict
+        self.materializing = self.recovery.materializing  # request id -> a head rebuild
 
-    # -- turns ----------------------------------------------------------------------------------
+    # -- turns (see turn_lifecycle.py) ------------------------------------------------------------
     def begin_turn(
         self,
         conversation_id: str,
@@ -66,44 +63,8 @@ class ConversationCache:
         commit: CommitMode = CommitMode.AT_ONCE,
     ) -> Request:
         """Start a turn continuing `base_turn` (default: the latest) with the new suffix messages."""
-        if not suffix:
-            raise InvalidRequestError("a turn needs at least one new message")
-        if not isinstance(commit, CommitMode):
-            raise InvalidRequestError(f"commit must be a CommitMode, got {commit!r}")
-        key = conversation_key(conversation_id, cache_salt)
-        conv = self.conversations.get(key) or Conversation(key, conversation_id)
-        conv.ensure_idle()
-        base = conv.turn if base_turn is None else base_turn
-        if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base <= conv.turn:
-            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn {base!r}")
-        committed = conv.tokens_until(base)
-        history_messages = [m for t in conv.turns[:base] for m in t.messages]
-        prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix).token_ids
-        head = self._head_to_continue(key, base)
-        replacing = self.heads.find(key, base + 1, touch=False)  # a regenerated turn's old head
-        request = self.engine.add_request(
-            request_id,
-            prompt,
-            params,
-            head=head.attachment() if head else None,
-            keep=KeepState.PREPARE,
-            on_finished=self._on_finished,
-        )
-        if base:  # a deterministic turn cannot use a head the fast path made: the engine drops it
-            self.counters["hits" if request.head else "misses"] += 1
-        self.conversations[key] = conv
-        conv.in_flight = request_id
-        self.pending[request_id] = PendingTurn(
-            key, base, conv.version, tuple(suffix), len(committed), commit, replacing)
-        return request
-
-    def _head_to_continue(self, key: str, base: int) -> CommittedHead | None:
-        """The head of turn `base`, or else the latest one held before it. A conversation's tokens
-        only grow, so an earlier turn's state covers a prefix of this prompt and only the turns
-        after it run again: the case of a head whose conversation went on elsewhere (another
-        replica served the next turns) or of a tier copy older than the ledger (its export had
-        not run when the owner died)."""
-        return self.heads.latest(key, at_most=base) if base else None
+        return self.turns.begin_turn(
+            conversation_id, cache_salt, suffix, params, request_id, base_turn=base_turn, commit=commit)
 
     def regenerate(
         self,
@@ -115,123 +76,33 @@ class ConversationCache:
         commit: CommitMode = CommitMode.AT_ONCE,
     ) -> Request:
         """Re-run the last turn from the previous head, replacing it on commit."""
-        conv = self.conversation_of(conversation_id, cache_salt)
-        if conv.turn == 0:
-            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn to regenerate")
-        suffix = conv.turns[-1].messages[:-1]  # the turn's messages without its reply
-        return self.begin_turn(
-            conversation_id, cache_salt, suffix, params, request_id, base_turn=conv.turn - 1, commit=commit
-        )
-
-    def _on_finished(self, request: Request) -> TurnCommit | None:
-        """Called by the engine when a turn's request ends, however it ends."""
-        pending = self.pending.pop(request.request_id)
-        conv = self.conversations[pending.key]
-        if request.prepared is None:  # aborted or failed: the engine already freed its state
-            self._end_turn(conv, TurnOutcome.DISCARDED)
-            return None
-        try:
-            record = turn_record(self.engine, conv, pending, request)
-        except BaseException:
-            self._end_turn(conv, TurnOutcome.DISCARDED)  # the engine frees the prepared state
-            raise
-        self._prepared[request.request_id] = PreparedTurn(
-            record, request.prepared, request.num_cached_tokens, pending.replacing)
-        request.prepared.on_expire = lambda state: self._expired(record)
-        if pending.mode is CommitMode.AT_ONCE:
-            try:
-                self.commit(record)
-            except BaseException:  # the engine frees the prepared state; the turn is discarded
-                del self._prepared[request.request_id]
-                self._end_turn(conv, TurnOutcome.DISCARDED)
-                raise
-        return record
+        return self.turns.regenerate(conversation_id, cache_salt, params, request_id, commit=commit)
 
     def prepared(self, request_id: str) -> TurnCommit | None:
-        entry = self._prepared.get(request_id)
-        return None if entry is None else entry.record
-
-    def _entry(self, record: TurnCommit, how: str) -> PreparedTurn:
-        entry = self._prepared.get(record.request_id)
-        if entry is None or entry.record != record:
-            done = self._resolved.get(record.request_id)
-            why = f"already {done.value}" if done else "not a prepared turn of this engine"
-            raise TurnResolvedError(f"cannot {how} turn {record.request_id!r}: {why}")
-        return entry
+        return self.turns.prepared(request_id)
 
     def commit(self, record: TurnCommit) -> HeadInfo:
         """Make a prepared turn the conversation's head (no copy), then append it to the ledger."""
-        entry = self._entry(record, "commit")
-        conv = self.conversations[record.conversation_key]
-        turn = record.base_turn + 1
-        # A regenerated turn replaces the head of that turn it saw begin (only once the state
-        # has moved); a head that appeared meanwhile makes the commit refuse, changing nothing.
-        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1, replacing=entry.replacing)
-        for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > turn]:
-            self.heads.drop(stale)  # heads of turns the new one cuts off
-        # The state has moved; only now does the ledger change (pure list operations).
-        del self._prepared[record.request_id]
-        conv.truncate(record.base_turn)
-        conv.append([dict(m) for m in record.messages], list(record.token_ids))
-        conv.version = record.base_version + 1
-        self._end_turn(conv, TurnOutcome.PUBLISHED)
-        self._resolved.remember(record.request_id, Resolution.COMMITTED)
-        self.counters["tokens_reused"] += entry.tokens_reused
-        self.retire_older_heads(conv.key, turn)
-        return self.head_info(conv, head)
-
-    def retire_older_heads(self, key: str, turn: int) -> None:
-        """A new head of `turn` exists: keep only the last `retain_turns` heads, within budget."""
-        for old in self.heads.of_conversation(key):
-            if old.turn <= turn - self.retain_turns:
-                self.heads.drop(old)
-        self.heads.enforce_budget()
+        return self.turns.commit(record)
 
     def abandon(self, record: TurnCommit) -> None:
         """Free a prepared turn; the base head and the ledger stay exactly as they were."""
-        entry = self._entry(record, "abandon")
-        del self._prepared[record.request_id]
-        self.heads.release(entry.state)
-        self._end_turn(self.conversations[record.conversation_key], TurnOutcome.DISCARDED)
-        self._resolved.remember(record.request_id, Resolution.ABANDONED)
-
-    def _expired(self, record: TurnCommit) -> None:
-        """The head manager abandoned a prepared turn nobody resolved in time."""
-        self._prepared.pop(record.request_id, None)
-        self._end_turn(self.conversations[record.conversation_key], TurnOutcome.DISCARDED)
-        self._resolved.remember(record.request_id, Resolution.EXPIRED)
-
-    def _end_turn(self, conv: Conversation, outcome: TurnOutcome) -> None:
-        conv.in_flight = None
-        self.counters[outcome.value] += 1
-        if conv.turn == 0 and not self.heads.of_conversation(conv.key):
-            self.conversations.pop(conv.key, None)  # a first turn that never committed leaves nothing
-
-    def head_info(self, conv: Conversation, head: CommittedHead) -> HeadInfo:
-        return HeadInfo(
-            conv.key,
-            head.turn,
-            head.version,
-            len(conv.tokens_until(head.turn)),
-            tokens_digest(conv.tokens_until(head.turn)),
-            head.state_len,
-            head.aligned_len,
-        )
+        self.turns.abandon(record)
 
     # -- ledger of record, recovery and exports (see recovery.py, export.py) -----------------------
     def adopt_ledger(self, conversation_id: str, cache_salt: str, *, version: int, turns: list[LedgerTurn]) -> None:
-        recovery.adopt_ledger(self, conversation_id, cache_salt, version, turns)
+        self.recovery.adopt_ledger(conversation_id, cache_salt, version, turns)
 
     def materialize_head(
         self, conversation_id: str, cache_salt: str, request_id: str, *, canonical: bool = False
     ) -> Request | None:
-        return recovery.materialize_head(self, conversation_id, cache_salt, request_id, canonical)
+        return self.recovery.materialize_head(conversation_id, cache_salt, request_id, canonical)
 
     def snapshot_head(self, conversation_id: str, cache_salt: str) -> export.HeadSnapshot:
-        return export.snapshot_head(self, conversation_id, cache_salt)
+        return export.snapshot_head(self.engine, self.conversation_of(conversation_id, cache_salt))
 
     def install_head(self, conversation_id: str, cache_salt: str, verified: export.VerifiedHead) -> HeadInfo:
-        return export.install_head(self, conversation_id, cache_salt, verified)
+        return install_head(self.engine, self.conversations, self.retention, conversation_id, cache_salt, verified)
 
     def export_identity(self) -> tuple[ModelIdentity, dict[str, Any]]:
         """What `export.verify_export` checks a foreign export against."""
@@ -241,30 +112,51 @@ class ConversationCache:
         return self.caches.chunks.held_digests()
 
     def remember_chunks(self, snapshot: export.HeadSnapshot, exported: export.ExportedHead) -> None:
-        export.remember_chunks(self, snapshot, exported)
+        export.remember_chunks(self.caches.chunks, snapshot, exported)
+
+    # -- what this engine holds ---------------------------------------------------------------------
+    def ledger_state(self, conversation_id: str, cache_salt: str) -> LedgerState | None:
+        """The engine's ledger of the conversation (None if it holds none); touches no head."""
+        conv = self.conversations.get(conversation_key(conversation_id, cache_salt))
+        if conv is None:
+            return None
+        return LedgerState(conv.version, conv.turn, tuple(conv.token_ids), busy=conv.in_flight is not None)
+
+    def idle_head_tokens(self, conversation_id: str, cache_salt: str, version: int, turn: int) -> list[int] | None:
+        """The committed token ids if the conversation is idle at exactly (`version`, `turn`) and
+        the head of that turn is held (touched: it is about to serve); else None."""
+        key = conversation_key(conversation_id, cache_salt)
+        conv = self.conversations.get(key)
+        if conv is None or conv.in_flight is not None or (conv.version, conv.turn) != (version, turn):
+            return None
+        return list(conv.token_ids) if self.heads.find(key, conv.turn) is not None else None
+
+    def head_count(self, conversation_id: str | None = None, cache_salt: str = "") -> int:
+        """Heads held: all of them, or the conversation's."""
+        if conversation_id is None:
+            return len(self.heads)
+        return len(self.heads.of_conversation(conversation_key(conversation_id, cache_salt)))
 
     # -- history operations (see history.py) ----------------------------------------------------------
     def conversation_of(self, conversation_id: str, cache_salt: str) -> Conversation:
-        conv = self.conversations.get(conversation_key(conversation_id, cache_salt))
-        if conv is None:
-            raise ConversationNotFoundError(f"no conversation {conversation_id!r} under this cache_salt")
-        return conv
+        return find_conversation(self.conversations, conversation_id, cache_salt)
 
     def rewind(self, conversation_id: str, cache_salt: str, turn: int) -> None:
         """Forget turns after `turn`; the head of `turn` is used if it is still retained."""
-        history.rewind(self, conversation_id, cache_salt, turn)
+        history.rewind(self.heads, self.conversation_of(conversation_id, cache_salt), turn)
 
     def fork(self, conversation_id: str, cache_salt: str, turn: int, new_conversation_id: str) -> None:
         """A new conversation whose history is turns 1..turn; KV blocks are shared by reference.
 
         All-or-nothing: OutOfCacheError (no room for the head's state copies) changes nothing."""
-        history.fork(self, conversation_id, cache_salt, turn, new_conversation_id)
+        conv = self.conversation_of(conversation_id, cache_salt)
+        history.fork(self.caches, self.conversations, conv, cache_salt, turn, new_conversation_id)
 
     def delete(self, conversation_id: str, cache_salt: str) -> None:
-        history.delete(self, conversation_id, cache_salt)
+        history.delete(self.heads, self.conversations, self.conversation_of(conversation_id, cache_salt))
 
     def describe(self, conversation_id: str, cache_salt: str) -> dict[str, Any]:
-        return history.describe(self, conversation_id, cache_salt)
+        return history.describe(self.heads, self.conversation_of(conversation_id, cache_salt))
 
     def stats(self) -> dict[str, int]:
         detached = self.heads.counters["detached"]

@@ -23,20 +23,21 @@ foreign export, export_install.py installs it (all re-exported here).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from proto.contract import ModelIdentity, chunk_digest, tokens_digest
-from workers.cache import state_io
+from workers.cache.chunk_index import ChunkIndex
 from workers.cache.holders import SlotRole
-from workers.conversation.export_format import FORMAT_VERSION, ChunkKind, engine_layout, messages_digest, seal_header
+from workers.conversation.export_format import (
+    FORMAT_VERSION, ChunkKind, ExportedHead, engine_layout, messages_digest, seal_header,
+)
 from workers.conversation.export_install import install_head
 from workers.conversation.export_verify import VerifiedHead, verify_export
+from workers.conversation.ledger import Conversation
+from workers.engine import LLMEngine
 from workers.errors import ConversationNotFoundError
-
-if TYPE_CHECKING:
-    from workers.conversation.cache import ConversationCache
 
 __all__ = [
     "FORMAT_VERSION", "ChunkKind", "ExportedHead", "HeadSnapshot", "VerifiedHead", "build_export",
@@ -59,19 +60,18 @@ class HeadSnapshot:
     ssm: torch.Tensor
 
 
-def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) -> HeadSnapshot:
-    conv = cc.conversation_of(conversation_id, cache_salt)
-    head = cc.heads.find(conv.key, conv.turn)
+def snapshot_head(engine: LLMEngine, conv: Conversation) -> HeadSnapshot:
+    caches = engine.caches
+    head = caches.heads.find(conv.key, conv.turn)
     if head is None:
-        raise ConversationNotFoundError(f"conversation {conversation_id!r} has no retained head to export")
-    caches, pool = cc.engine.runner.caches, cc.kv.pool
-    table = cc.kv.table(head.holder)
-    kv = state_io.read_blocks(caches, table)
-    bs = cc.kv.block_size
+        raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no retained head to export")
+    table = caches.kv.table(head.holder)
+    kv = engine.runner.read_blocks(table)
+    bs = caches.kv.block_size
     if head.state_len % bs:  # stale positions of the tail never leave the engine
         kv[:, :, -1, head.state_len % bs :] = 0
-    slots = cc.states.slots[head.holder].roles
-    conv_state, ssm_state = state_io.read_slots(caches, list(slots.values()))
+    slots = caches.states.slots[head.holder].roles
+    conv_state, ssm_state = engine.runner.read_slots(list(slots.values()))
     meta = {
         "conversation": conv.key,
         "turn": head.turn,
@@ -81,14 +81,14 @@ def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) 
         "canonical_window": head.canonical_window,
     }
     return HeadSnapshot(
-        identity=cc.engine.identity,
-        layout=engine_layout(cc.engine),
+        identity=engine.identity,
+        layout=engine_layout(engine),
         meta=meta,
         token_ids=tuple(conv.tokens_until(head.turn)),
         messages=tuple(m for t in conv.turns[: head.turn] for m in t.messages),
         kv=kv,
-        blocks=tuple((b, pool.generation[b]) for b in table),
-        known=tuple(cc.caches.chunks.digest_of(b) for b in table),
+        blocks=tuple((b, caches.kv.generation(b)) for b in table),
+        known=tuple(caches.chunks.digest_of(b) for b in table),
         roles=tuple(slots),
         conv=conv_state,
         ssm=ssm_state,
@@ -96,16 +96,6 @@ def snapshot_head(cc: ConversationCache, conversation_id: str, cache_salt: str) 
 
 
 # -- anywhere: hashing and serialization -----------------------------------------------------------
-@dataclass(frozen=True)
-class ExportedHead:
-    header: bytes
-    chunks: tuple[tuple[str, bytes], ...]  # (digest, bytes) in header order
-
-    @property
-    def digests(self) -> list[str]:
-        return [d for d, _ in self.chunks]
-
-
 def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -138,8 +128,8 @@ def build_export(snap: HeadSnapshot) -> ExportedHead:
     return ExportedHead(seal_header(header), tuple(chunks))
 
 
-def remember_chunks(cc: ConversationCache, snap: HeadSnapshot, exported: ExportedHead) -> None:
+def remember_chunks(chunks: ChunkIndex, snap: HeadSnapshot, exported: ExportedHead) -> None:
     """Keep the digests an export computed, so the next one (and MissingChunks) need no hashing."""
     full = snap.meta["state_len"] // snap.layout["block_size"]
     for (block, generation), (digest, _) in list(zip(snap.blocks, exported.chunks))[:full]:
-        cc.caches.chunks.remember(block, generation, digest)
+        chunks.remember(block, generation, digest)

@@ -2,12 +2,23 @@
 
     header = JSON (sorted keys, compact) + sha256 of that JSON (32 bytes)
     chunk kinds: kv (a full KV block), kv_tail (the partial last block), state (a Mamba slot)
+
+A state tier entry is one export cut into parts (`pack_export` / `unpack_export`), so that
+unchanged KV blocks are the same chunks from one version to the next (the tier stores and
+sends each once):
+
+    part 0: u32 length (little endian) | JSON index {"header": n, "chunks": [[digest, size], ...]}
+    part 1: the export header (self-checking)      parts 2..: the export's chunks, in order
+
+The tier stores the parts concatenated; `unpack_export` reads that blob back.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +31,17 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 2
 _TRAILER = 32
+_INDEX_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class ExportedHead:
+    header: bytes
+    chunks: tuple[tuple[str, bytes], ...]  # (digest, bytes) in header order
+
+    @property
+    def digests(self) -> list[str]:
+        return [d for d, _ in self.chunks]
 
 
 class ChunkKind(str, Enum):
@@ -70,3 +92,29 @@ def chunk_shapes(layout: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype, 
     kv_dtype = getattr(torch, layout["kv_dtype"].removeprefix("torch."))
     return (layers, 2, layout["block_size"], heads, dim), kv_dtype, (m_layers, conv_dim, width), (
         m_layers, n_heads, head_dim, d_state)
+
+
+def pack_export(exported: ExportedHead) -> list[bytes]:
+    """The tier entry's parts: index, header, chunks (see the module docstring)."""
+    index = json.dumps({"header": len(exported.header), "chunks": [[d, len(c)] for d, c in exported.chunks]},
+                       separators=(",", ":")).encode()
+    return [_INDEX_LEN.pack(len(index)) + index, exported.header, *(c for _, c in exported.chunks)]
+
+
+def unpack_export(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
+    """(header, chunks by digest) of a tier entry; CorruptStateError if it does not add up."""
+    try:
+        (n,) = _INDEX_LEN.unpack_from(blob, 0)
+        index = json.loads(blob[_INDEX_LEN.size : _INDEX_LEN.size + n])
+        offset = _INDEX_LEN.size + n
+        header = blob[offset : offset + index["header"]]
+        offset += index["header"]
+        chunks = {}
+        for digest, size in index["chunks"]:
+            chunks[digest] = blob[offset : offset + size]
+            offset += size
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CorruptStateError(f"unreadable tier entry: {e!r}") from e
+    if offset != len(blob):
+        raise CorruptStateError("tier entry has trailing or missing bytes")
+    return header, chunks

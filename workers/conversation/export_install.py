@@ -7,23 +7,27 @@ before anything is allocated.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from proto.contract import conversation_key, tokens_digest
-from workers.cache import state_io
 from workers.cache.holders import HolderSlots, SlotRole
 from workers.conversation.export_format import messages_digest
 from workers.conversation.export_verify import VerifiedHead
+from workers.conversation.ledger import Conversation
 from workers.conversation.records import HeadInfo
+from workers.conversation.retention import HeadRetention
+from workers.engine import LLMEngine
 from workers.errors import ConversationNotFoundError, CorruptStateError
 
-if TYPE_CHECKING:
-    from workers.conversation.cache import ConversationCache
 
-
-def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, verified: VerifiedHead) -> HeadInfo:
+def install_head(
+    engine: LLMEngine,
+    conversations: dict[str, Conversation],
+    retention: HeadRetention,
+    conversation_id: str,
+    cache_salt: str,
+    verified: VerifiedHead,
+) -> HeadInfo:
     """Install a verified head for a conversation whose ledger this engine holds (adopted).
 
     All-or-nothing: CorruptStateError (it does not match the ledger, a held chunk is gone) or
@@ -33,7 +37,7 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
     key = conversation_key(conversation_id, cache_salt)
     if meta["conversation"] != key:
         raise CorruptStateError("the export belongs to another conversation or cache_salt")
-    conv = cc.conversations.get(key)
+    conv = conversations.get(key)
     if conv is None:
         raise ConversationNotFoundError(f"no ledger of {conversation_id!r} here: adopt it from the service first")
     conv.ensure_idle()
@@ -51,33 +55,31 @@ def install_head(cc: ConversationCache, conversation_id: str, cache_salt: str, v
         raise CorruptStateError("the export does not match this engine's ledger of the conversation")
     # A head of this turn or a later one serves the next turn at least as well (an older tier
     # copy arriving where a later head survived): installing would only take room from others.
-    held = cc.heads.latest(key)
+    caches = engine.caches
+    held = caches.heads.latest(key)
     if held is not None and held.turn >= turn:
-        return cc.head_info(conv, held)
+        return conv.head_info(held)
     shared: list[int | None] = []
     for digest, data in verified.blocks:
-        block = cc.caches.chunks.block_of(digest) if data is None else None
+        block = caches.chunks.block_of(digest) if data is None else None
         if data is None and block is None:
             raise CorruptStateError(f"chunk {digest[:16]} is no longer held here: send it")
         shared.append(block)
-    caches = cc.engine.runner.caches
+    runner = engine.runner
 
     def write(new_blocks: list[int], slots: HolderSlots) -> None:
         fresh = [data for _, data in verified.blocks if data is not None]
         if fresh:
-            state_io.write_blocks(caches, new_blocks, torch.stack(fresh, dim=2))
+            runner.write_blocks(new_blocks, torch.stack(fresh, dim=2))
         roles = slots.roles
         conv_t = torch.stack([verified.states[r][0] for r in roles], dim=1)
         ssm_t = torch.stack([verified.states[r][1] for r in roles], dim=1)
-        state_io.write_slots(caches, list(roles.values()), conv_t, ssm_t)
+        runner.write_slots(list(roles.values()), conv_t, ssm_t)
 
-    head = cc.caches.install_head(
+    head = caches.install_head(
         key, turn, meta["version"], meta["state_len"], meta["aligned_len"], shared,
         aligned=SlotRole.ALIGNED in verified.states, write=write, canonical_window=meta["canonical_window"],
     )
-    pool = cc.kv.pool
-    full = meta["state_len"] // cc.kv.block_size
-    for (digest, _), block in list(zip(verified.blocks, cc.kv.table(head.holder)))[:full]:
-        cc.caches.chunks.remember(block, pool.generation[block], digest)
-    cc.retire_older_heads(key, turn)
-    return cc.head_info(conv, head)
+    caches.remember_chunks(head, [digest for digest, _ in verified.blocks])
+    retention.retire_older(key, turn)
+    return conv.head_info(head)

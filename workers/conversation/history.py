@@ -7,15 +7,14 @@ the record.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from proto.contract import conversation_key, tokens_digest
+from workers.cache.coordinator import CacheCoordinator
+from workers.cache.heads import HeadManager
 from workers.conversation.ledger import Conversation
 from workers.conversation.records import LedgerTurn
 from workers.errors import ConversationNotFoundError, InvalidRequestError
-
-if TYPE_CHECKING:
-    from workers.conversation.cache import ConversationCache
 
 
 def check_idle_turn(conv: Conversation, turn: int) -> None:
@@ -24,41 +23,44 @@ def check_idle_turn(conv: Conversation, turn: int) -> None:
         raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn!r}")
 
 
-def rewind(cc: ConversationCache, conversation_id: str, cache_salt: str, turn: int) -> None:
-    conv = cc.conversation_of(conversation_id, cache_salt)
+def rewind(heads: HeadManager, conv: Conversation, turn: int) -> None:
     check_idle_turn(conv, turn)
-    for head in [h for h in cc.heads.of_conversation(conv.key) if h.turn > turn]:
-        cc.heads.drop(head)
+    for head in [h for h in heads.of_conversation(conv.key) if h.turn > turn]:
+        heads.drop(head)
     if turn < conv.turn:
         conv.truncate(turn)
         conv.version += 1
 
 
-def fork(cc: ConversationCache, conversation_id: str, cache_salt: str, turn: int, new_conversation_id: str) -> None:
-    conv = cc.conversation_of(conversation_id, cache_salt)
+def fork(
+    caches: CacheCoordinator,
+    conversations: dict[str, Conversation],
+    conv: Conversation,
+    cache_salt: str,
+    turn: int,
+    new_conversation_id: str,
+) -> None:
     check_idle_turn(conv, turn)
     new_key = conversation_key(new_conversation_id, cache_salt)
-    if new_key in cc.conversations:
+    if new_key in conversations:
         raise InvalidRequestError(f"conversation {new_conversation_id!r} already exists")
     forked = Conversation(new_key, new_conversation_id, version=turn)
     for t in conv.turns[:turn]:
         forked.append([dict(m) for m in t.messages], conv.token_ids[t.start : t.end])
-    source = cc.heads.find(conv.key, turn)
+    source = caches.heads.find(conv.key, turn)
     if source is not None:
-        cc.caches.fork_head(source, new_key, turn, forked.version)  # all-or-nothing
-    cc.conversations[new_key] = forked
+        caches.fork_head(source, new_key, turn, forked.version)  # all-or-nothing
+    conversations[new_key] = forked
 
 
-def delete(cc: ConversationCache, conversation_id: str, cache_salt: str) -> None:
-    conv = cc.conversation_of(conversation_id, cache_salt)
+def delete(heads: HeadManager, conversations: dict[str, Conversation], conv: Conversation) -> None:
     conv.ensure_idle()
-    for head in cc.heads.of_conversation(conv.key):
-        cc.heads.drop(head)
-    del cc.conversations[conv.key]
+    for head in heads.of_conversation(conv.key):
+        heads.drop(head)
+    del conversations[conv.key]
 
 
-def describe(cc: ConversationCache, conversation_id: str, cache_salt: str) -> dict[str, Any]:
-    conv = cc.conversation_of(conversation_id, cache_salt)
+def describe(heads: HeadManager, conv: Conversation) -> dict[str, Any]:
     return {
         "conversation_id": conv.conversation_id,
         "turn": conv.turn,
@@ -68,5 +70,5 @@ def describe(cc: ConversationCache, conversation_id: str, cache_salt: str) -> di
         "messages": conv.messages,
         "token_ids": list(conv.token_ids),
         "ledger": [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start : t.end])) for t in conv.turns],
-        "retained_turns": sorted(h.turn for h in cc.heads.of_conversation(conv.key)),
+        "retained_turns": sorted(h.turn for h in heads.of_conversation(conv.key)),
     }

@@ -10,11 +10,15 @@ re-tokenized text of the history.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # A conversation is named and its tokens digested exactly as the cache service does.
 from proto.contract import conversation_key, tokens_digest  # noqa: F401  (re-exported)
-from workers.errors import ConversationBusyError
+from workers.conversation.records import HeadInfo
+from workers.errors import ConversationBusyError, ConversationNotFoundError
+
+if TYPE_CHECKING:
+    from workers.cache.heads import CommittedHead
 
 
 @dataclass
@@ -63,3 +67,19 @@ class Conversation:
         turn = Turn(self.turn + 1, messages, start, len(self.token_ids))
         self.turns.append(turn)
         return turn
+
+    def head_info(self, head: CommittedHead) -> HeadInfo:
+        """What the caller learns about a head of this conversation."""
+        committed = self.tokens_until(head.turn)
+        return HeadInfo(
+            self.key, head.turn, head.version, len(committed), tokens_digest(committed),
+            head.state_len, head.aligned_len,
+        )
+
+
+def find_conversation(conversations: dict[str, Conversation], conversation_id: str, cache_salt: str) -> Conversation:
+    """The engine's ledger of a conversation, by key; ConversationNotFoundError if none."""
+    conv = conversations.get(conversation_key(conversation_id, cache_salt))
+    if conv is None:
+        raise ConversationNotFoundError(f"no conversation {conversation_id!r} under this cache_salt")
+    return conv

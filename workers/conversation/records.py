@@ -64,3 +64,13 @@ class LedgerTurn:
 
     messages: tuple[dict[str, Any], ...]
     token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    """Where the engine's ledger of a conversation stands (`ConversationCache.ledger_state`)."""
+
+    version: int
+    turn: int
+    token_ids: tuple[int, ...]
+    busy: bool  # a turn or a head rebuild is in flight or awaiting its verdict

@@ -19,20 +19,19 @@ in tiles when it is deterministic and in one fast prefill otherwise.
 from __future__ import annotations
 
 import numbers
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from proto.contract import conversation_key
 from workers.cache.heads import CommittedHead
-from workers.conversation.ledger import Conversation
+from workers.conversation.ledger import Conversation, find_conversation
 from workers.conversation.records import LedgerTurn
+from workers.conversation.retention import HeadRetention
+from workers.engine import LLMEngine
 from workers.errors import ConversationNotFoundError, InvalidRequestError
 from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from workers.conversation.cache import ConversationCache
 
 _PREFILL = SamplingParams(max_tokens=1, temperature=0.0)
 _CANONICAL_PREFILL = SamplingParams(max_tokens=1, temperature=0.0, deterministic=True)
@@ -48,8 +47,7 @@ class Materializing:
     replacing: CommittedHead | None  # the fast-path head a canonical rebuild supersedes
 
 
-def _validated(cc: ConversationCache, turns: Sequence[LedgerTurn]) -> list[LedgerTurn]:
-    vocab = cc.engine.model_config.vocab_size
+def _validated(vocab: int, turns: Sequence[LedgerTurn]) -> list[LedgerTurn]:
     for i, turn in enumerate(turns, 1):
         ids = turn.token_ids
         if not ids or any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
@@ -61,72 +59,85 @@ def _validated(cc: ConversationCache, turns: Sequence[LedgerTurn]) -> list[Ledge
     return list(turns)
 
 
-def adopt_ledger(
-    cc: ConversationCache, conversation_id: str, cache_salt: str, version: int, turns: Sequence[LedgerTurn]
-) -> None:
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise InvalidRequestError(f"version must be an integer >= 0, got {version!r}")
-    key = conversation_key(conversation_id, cache_salt)
-    old = cc.conversations.get(key)
-    if old is not None:
-        old.ensure_idle()
-    new = Conversation(key, conversation_id, version=version)
-    for turn in _validated(cc, turns):
-        new.append([dict(m) for m in turn.messages], list(turn.token_ids))
-    if old is not None and (old.version, old.token_ids, old.messages) == (version, new.token_ids, new.messages):
-        return  # the engine already caches this version
-    for head in cc.heads.of_conversation(key):
-        same_prefix = old is not None and head.turn <= new.turn
-        if not (same_prefix and old.tokens_until(head.turn) == new.tokens_until(head.turn)):
-            cc.heads.drop(head)
+class LedgerRecovery:
+    """Adopting the service's ledger and rebuilding heads from it, over the engine's ledgers."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        conversations: dict[str, Conversation],
+        retention: HeadRetention,
+        counters: Counter[str],
+    ):
+        self.engine = engine
+        self.conversations = conversations
+        self.heads = retention.heads
+        self.retention = retention
+        self.counters = counters
+        self.materializing: dict[str, Materializing] = {}  # by request id
+
+    def adopt_ledger(self, conversation_id: str, cache_salt: str, version: int, turns: Sequence[LedgerTurn]) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidRequestError(f"version must be an integer >= 0, got {version!r}")
+        key = conversation_key(conversation_id, cache_salt)
+        old = self.conversations.get(key)
+        if old is not None:
+            old.ensure_idle()
+        new = Conversation(key, conversation_id, version=version)
+        for turn in _validated(self.engine.model_config.vocab_size, turns):
+            new.append([dict(m) for m in turn.messages], list(turn.token_ids))
+        if old is not None and (old.version, old.token_ids, old.messages) == (version, new.token_ids, new.messages):
+            return  # the engine already caches this version
+        for head in self.heads.of_conversation(key):
+            same_prefix = old is not None and head.turn <= new.turn
+            if not (same_prefix and old.tokens_until(head.turn) == new.tokens_until(head.turn)):
+                self.heads.drop(head)
+            else:
+                head.version = version
+        if new.turn == 0:
+            self.conversations.pop(key, None)
         else:
-            head.version = version
-    if new.turn == 0:
-        cc.conversations.pop(key, None)
-    else:
-        cc.conversations[key] = new
+            self.conversations[key] = new
 
+    def materialize_head(
+        self, conversation_id: str, cache_salt: str, request_id: str, canonical: bool = False
+    ) -> Request | None:
+        """Start a prefill-only request building the latest turn's head; None if a head that
+        serves is held already (any head; with `canonical`, one the tiles made)."""
+        conv = find_conversation(self.conversations, conversation_id, cache_salt)
+        conv.ensure_idle()
+        if conv.turn == 0:
+            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no committed turn")
+        held = self.heads.find(conv.key, conv.turn)
+        if held is not None and (not canonical or held.canonical_window == self.engine.config.deterministic.window):
+            return None
+        if len(conv.token_ids) < 2:
+            raise InvalidRequestError("a head needs at least two committed tokens")
+        # The last committed token was sampled, never fed: the next turn runs it first.
+        # Canonical: the prompt runs in deterministic tiles on the absolute grid, so the head has
+        # the bits any deterministic turn would have left, however that turn was batched.
+        request = self.engine.add_request(
+            request_id,
+            conv.token_ids[:-1],
+            _CANONICAL_PREFILL if canonical else _PREFILL,
+            keep=KeepState.PREPARE,
+            on_finished=self._materialized,
+            prefill_only=True,
+        )
+        conv.in_flight = request_id
+        # Only the head seen here may be replaced (None unless a canonical rebuild supersedes a
+        # fast-path head): one that appears meanwhile is never overwritten.
+        self.materializing[request_id] = Materializing(conv.key, conv.turn, conv.version, held)
+        return request
 
-def materialize_head(
-    cc: ConversationCache, conversation_id: str, cache_salt: str, request_id: str, canonical: bool = False
-) -> Request | None:
-    """Start a prefill-only request building the latest turn's head; None if a head that
-    serves is held already (any head; with `canonical`, one the tiles made)."""
-    conv = cc.conversation_of(conversation_id, cache_salt)
-    conv.ensure_idle()
-    if conv.turn == 0:
-        raise ConversationNotFoundError(f"conversation {conversation_id!r} has no committed turn")
-    held = cc.heads.find(conv.key, conv.turn)
-    if held is not None and (not canonical or held.canonical_window == cc.engine.config.deterministic.window):
-        return None
-    if len(conv.token_ids) < 2:
-        raise InvalidRequestError("a head needs at least two committed tokens")
-    # The last committed token was sampled, never fed: the next turn runs it first.
-    # Canonical: the prompt runs in deterministic tiles on the absolute grid, so the head has
-    # the bits any deterministic turn would have left, however that turn was batched.
-    request = cc.engine.add_request(
-        request_id,
-        conv.token_ids[:-1],
-        _CANONICAL_PREFILL if canonical else _PREFILL,
-        keep=KeepState.PREPARE,
-        on_finished=lambda r: _materialized(cc, r),
-        prefill_only=True,
-    )
-    conv.in_flight = request_id
-    # Only the head seen here may be replaced (None unless a canonical rebuild supersedes a
-    # fast-path head): one that appears meanwhile is never overwritten.
-    cc.materializing[request_id] = Materializing(conv.key, conv.turn, conv.version, held)
-    return request
-
-
-def _materialized(cc: ConversationCache, request: Request) -> None:
-    job = cc.materializing.pop(request.request_id)
-    conv = cc.conversations[job.key]
-    conv.in_flight = None
-    if request.prepared is None:
-        return  # aborted or failed: nothing was kept
-    # `replacing` is dropped only once the state has moved; any other head of the turn makes
-    # commit refuse, and the engine then fails this request alone and frees its state.
-    cc.heads.commit(request.prepared, job.key, job.turn, job.version, replacing=job.replacing)
-    cc.counters["materialized"] += 1
-    cc.retire_older_heads(job.key, job.turn)
+    def _materialized(self, request: Request) -> None:
+        job = self.materializing.pop(request.request_id)
+        conv = self.conversations[job.key]
+        conv.in_flight = None
+        if request.prepared is None:
+            return  # aborted or failed: nothing was kept
+        # `replacing` is dropped only once the state has moved; any other head of the turn makes
+        # commit refuse, and the engine then fails this request alone and frees its state.
+        self.heads.commit(request.prepared, job.key, job.turn, job.version, replacing=job.replacing)
+        self.counters["materialized"] += 1
+        self.retention.retire_older(job.key, job.turn)

@@ -1,0 +1,194 @@
+"""The turn lifecycle inside one engine: begin, prepare on success, commit or abandon.
+
+    begin_turn:  ledger tokens + template delta of the suffix  -> prompt
+                 committed head (if retained; else the latest earlier one) pinned and
+                 attached -> num_computed = state_len
+    finish       STOP/LENGTH: the request's state is kept *prepared* (base head intact),
+                 a TurnCommit record describes it; ABORT/ERROR: the state is freed
+    commit:      the prepared state becomes the head (no copy), then the ledger appends the
+                 turn and heads beyond the last K turns are released
+    abandon:     the prepared state is freed; the base head is byte-identical
+
+`CommitMode.AT_ONCE` commits as soon as the turn finishes (in-process use); the worker uses
+`CommitMode.PREPARE` and commits only after the cache service accepted the turn.
+Runs on the engine thread (see `workers.async_engine.AsyncEngine.call`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from proto.contract import conversation_key
+from workers.cache.heads import CommittedHead
+from workers.conversation.ledger import Conversation, find_conversation
+from workers.conversation.prompt import build_turn_prompt
+from workers.conversation.records import CommitMode, HeadInfo, Resolution, TurnCommit, TurnOutcome
+from workers.conversation.retention import HeadRetention
+from workers.conversation.turn_state import PendingTurn, PreparedTurn, Resolutions, turn_record
+from workers.engine import LLMEngine
+from workers.errors import ConversationNotFoundError, InvalidRequestError, TurnResolvedError
+from workers.request import KeepState, Request
+from workers.sampling import SamplingParams
+
+
+class TurnLifecycle:
+    """Turns between their start and their resolution, over the engine's ledgers and heads."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        conversations: dict[str, Conversation],
+        retention: HeadRetention,
+        counters: Counter[str],
+    ):
+        self.engine = engine
+        self.conversations = conversations
+        self.heads = retention.heads
+        self.retention = retention
+        self.counters = counters
+        self.pending: dict[str, PendingTurn] = {}
+        self.prepared_turns: dict[str, PreparedTurn] = {}
+        self._resolved = Resolutions()
+
+    def begin_turn(
+        self,
+        conversation_id: str,
+        cache_salt: str,
+        suffix: list[dict[str, Any]],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        base_turn: int | None = None,
+        commit: CommitMode = CommitMode.AT_ONCE,
+    ) -> Request:
+        if not suffix:
+            raise InvalidRequestError("a turn needs at least one new message")
+        if not isinstance(commit, CommitMode):
+            raise InvalidRequestError(f"commit must be a CommitMode, got {commit!r}")
+        key = conversation_key(conversation_id, cache_salt)
+        conv = self.conversations.get(key) or Conversation(key, conversation_id)
+        conv.ensure_idle()
+        base = conv.turn if base_turn is None else base_turn
+        if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base <= conv.turn:
+            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn {base!r}")
+        committed = conv.tokens_until(base)
+        history_messages = [m for t in conv.turns[:base] for m in t.messages]
+        prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix).token_ids
+        head = self._head_to_continue(key, base)
+        replacing = self.heads.find(key, base + 1, touch=False)  # a regenerated turn's old head
+        request = self.engine.add_request(
+            request_id,
+            prompt,
+            params,
+            head=head.attachment() if head else None,
+            keep=KeepState.PREPARE,
+            on_finished=self._on_finished,
+        )
+        if base:  # a deterministic turn cannot use a head the fast path made: the engine drops it
+            self.counters["hits" if request.head else "misses"] += 1
+        self.conversations[key] = conv
+        conv.in_flight = request_id
+        self.pending[request_id] = PendingTurn(
+            key, base, conv.version, tuple(suffix), len(committed), commit, replacing)
+        return request
+
+    def _head_to_continue(self, key: str, base: int) -> CommittedHead | None:
+        """The head of turn `base`, or else the latest one held before it. A conversation's tokens
+        only grow, so an earlier turn's state covers a prefix of this prompt and only the turns
+        after it run again: the case of a head whose conversation went on elsewhere (another
+        replica served the next turns) or of a tier copy older than the ledger (its export had
+        not run when the owner died)."""
+        return self.heads.latest(key, at_most=base) if base else None
+
+    def regenerate(
+        self,
+        conversation_id: str,
+        cache_salt: str,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        commit: CommitMode = CommitMode.AT_ONCE,
+    ) -> Request:
+        conv = find_conversation(self.conversations, conversation_id, cache_salt)
+        if conv.turn == 0:
+            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn to regenerate")
+        suffix = conv.turns[-1].messages[:-1]  # the turn's messages without its reply
+        return self.begin_turn(
+            conversation_id, cache_salt, suffix, params, request_id, base_turn=conv.turn - 1, commit=commit
+        )
+
+    def _on_finished(self, request: Request) -> TurnCommit | None:
+        """Called by the engine when a turn's request ends, however it ends."""
+        pending = self.pending.pop(request.request_id)
+        conv = self.conversations[pending.key]
+        if request.prepared is None:  # aborted or failed: the engine already freed its state
+            self._end_turn(conv, TurnOutcome.DISCARDED)
+            return None
+        try:
+            record = turn_record(self.engine, conv, pending, request)
+        except BaseException:
+            self._end_turn(conv, TurnOutcome.DISCARDED)  # the engine frees the prepared state
+            raise
+        self.prepared_turns[request.request_id] = PreparedTurn(
+            record, request.prepared, request.num_cached_tokens, pending.replacing)
+        request.prepared.on_expire = lambda state: self._expired(record)
+        if pending.mode is CommitMode.AT_ONCE:
+            try:
+                self.commit(record)
+            except BaseException:  # the engine frees the prepared state; the turn is discarded
+                del self.prepared_turns[request.request_id]
+                self._end_turn(conv, TurnOutcome.DISCARDED)
+                raise
+        return record
+
+    def prepared(self, request_id: str) -> TurnCommit | None:
+        entry = self.prepared_turns.get(request_id)
+        return None if entry is None else entry.record
+
+    def _entry(self, record: TurnCommit, how: str) -> PreparedTurn:
+        entry = self.prepared_turns.get(record.request_id)
+        if entry is None or entry.record != record:
+            done = self._resolved.get(record.request_id)
+            why = f"already {done.value}" if done else "not a prepared turn of this engine"
+            raise TurnResolvedError(f"cannot {how} turn {record.request_id!r}: {why}")
+        return entry
+
+    def commit(self, record: TurnCommit) -> HeadInfo:
+        entry = self._entry(record, "commit")
+        conv = self.conversations[record.conversation_key]
+        turn = record.base_turn + 1
+        # A regenerated turn replaces the head of that turn it saw begin (only once the state
+        # has moved); a head that appeared meanwhile makes the commit refuse, changing nothing.
+        head = self.heads.commit(entry.state, conv.key, turn, record.base_version + 1, replacing=entry.replacing)
+        for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > turn]:
+            self.heads.drop(stale)  # heads of turns the new one cuts off
+        # The state has moved; only now does the ledger change (pure list operations).
+        del self.prepared_turns[record.request_id]
+        conv.truncate(record.base_turn)
+        conv.append([dict(m) for m in record.messages], list(record.token_ids))
+        conv.version = record.base_version + 1
+        self._end_turn(conv, TurnOutcome.PUBLISHED)
+        self._resolved.remember(record.request_id, Resolution.COMMITTED)
+        self.counters["tokens_reused"] += entry.tokens_reused
+        self.retention.retire_older(conv.key, turn)
+        return conv.head_info(head)
+
+    def abandon(self, record: TurnCommit) -> None:
+        entry = self._entry(record, "abandon")
+        del self.prepared_turns[record.request_id]
+        self.heads.release(entry.state)
+        self._end_turn(self.conversations[record.conversation_key], TurnOutcome.DISCARDED)
+        self._resolved.remember(record.request_id, Resolution.ABANDONED)
+
+    def _expired(self, record: TurnCommit) -> None:
+        """The head manager abandoned a prepared turn nobody resolved in time."""
+        self.prepared_turns.pop(record.request_id, None)
+        self._end_turn(self.conversations[record.conversation_key], TurnOutcome.DISCARDED)
+        self._resolved.remember(record.request_id, Resolution.EXPIRED)
+
+    def _end_turn(self, conv: Conversation, outcome: TurnOutcome) -> None:
+        conv.in_flight = None
+        self.counters[outcome.value] += 1
+        if conv.turn == 0 and not self.heads.of_conversation(conv.key):
+            self.conversations.pop(conv.key, None)  # a first turn that never committed leaves nothing
