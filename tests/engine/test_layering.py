@@ -73,11 +73,6 @@ def test_the_contract_is_stated_once():
 # -- the import graph of workers/ -------------------------------------------------------------
 # Every import counts: at module level, inside functions and under `if TYPE_CHECKING:` (a
 # cycle hidden from the interpreter is still two modules that cannot be read one at a time).
-KNOWN_CYCLES = [
-    # The model's forward and its compiled decode program still know each other; being
-    # untangled separately. Remove this entry once they do not.
-    {"workers.model.decode_program", "workers.model.hybrid_lm"},
-]
 
 
 def _module_name(path: Path) -> str:
@@ -160,8 +155,7 @@ def test_the_import_graph_sees_what_it_must():
 
 def test_workers_has_no_import_cycles():
     cycles = import_cycles(import_graph("workers"))
-    unexpected = [sorted(c) for c in cycles if c not in KNOWN_CYCLES]
-    assert not unexpected, f"import cycles in workers/: {unexpected}"
+    assert not cycles, f"import cycles in workers/: {[sorted(c) for c in cycles]}"
 
 
 # The scheduler decides on plain Python state and the cache managers do accounting: neither
