@@ -27,7 +27,6 @@ from cache_service.client import (
     Conversation,
     InvalidArgument,
     LeaseLost,
-    NotFound,
     VersionConflict,
 )
 from deployments.cache_access import cache_client_config
@@ -60,8 +59,6 @@ from workers.sampling import SamplingParams
 
 log = logging.getLogger("hybridserve.worker")
 
-HEARTBEAT_S = 3.0
-
 
 @serve.deployment(
     name="Worker",
@@ -80,9 +77,7 @@ class Worker:
         from workers.checkpoint.builtin import builtin_model_dir
 
         self.settings = settings
-        context = serve.get_replica_context()
-        self.replica_id = context.replica_id.unique_id
-        self.actor_name = context.replica_id.to_full_id_str()  # what the registry lists as its address
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.session = EngineSession(settings.model or str(builtin_model_dir()), settings)
         self._cache_host = cache_host
         self._client: CacheClient | None = None
@@ -94,7 +89,6 @@ class Worker:
         if self._client is None:
             address = self.settings.cache_service or await self._cache_host.address.remote()
             self._client = CacheClient(address, cache_client_config(f"worker:{self.replica_id}", self.settings))
-            self._spawn(self._heartbeats())
         return self._client
 
     def _spawn(self, coro) -> None:
@@ -102,22 +96,8 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _heartbeats(self) -> None:
-        client, ttl_ms, epoch = self._client, int(HEARTBEAT_S * 3000), 0
-        while True:
-            running, free = await self.session.load()
-            try:
-                if epoch == 0:
-                    epoch = (await client.register_replica(self.replica_id, self.actor_name, ttl_ms)).epoch
-                await client.heartbeat(self.replica_id, epoch, ttl_ms, running_requests=running, free_kv_blocks=free)
-            except NotFound:
-                epoch = 0  # expired (e.g. the service restarted with an empty registry): register again
-            except CacheError as e:
-                log.warning("heartbeat failed: %s", e)
-            await asyncio.sleep(HEARTBEAT_S)
-
     async def record_routing_stats(self) -> dict[str, Any]:
-        await self._cache()  # Serve calls this every period from the start: registration begins here
+        await self._cache()  # Serve calls this every period from the start: connect before the first turn
         running, free = await self.session.load()
         return {"running_requests": running, "free_kv_blocks": free}
 
