@@ -64,9 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lease-ttl-ms", type=int,
                    default=int(env("CACHE_MAX_LEASE_TTL_MS", str(limits.max_lease_ttl_ms))),
                    help="longest lease TTL granted [CACHE_MAX_LEASE_TTL_MS]")
-    p.add_argument("--max-replicas", type=int,
-                   default=int(env("CACHE_MAX_REPLICAS", str(limits.max_replicas))),
-                   help="live replica registrations [CACHE_MAX_REPLICAS]")
     p.add_argument("--ledger-page-bytes", type=parse_bytes,
                    default=parse_bytes(env("CACHE_LEDGER_PAGE_BYTES", str(limits.ledger_page_bytes))),
                    help="ReadLedger page size [CACHE_LEDGER_PAGE_BYTES]")
@@ -82,8 +79,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tier=TierConfig(directory=Path(tier_dir), memory_budget_bytes=args.tier_budget),
         redis_url=args.redis_url or None, data_dir=args.data_dir, host=args.host,
         port=args.port, fsync=FsyncPolicy(args.appendfsync), grace_s=args.grace_s,
-        limits=Limits(max_lease_ttl_ms=args.max_lease_ttl_ms, max_replicas=args.max_replicas,
-                      ledger_page_bytes=args.ledger_page_bytes),
+        limits=Limits(max_lease_ttl_ms=args.max_lease_ttl_ms, ledger_page_bytes=args.ledger_page_bytes),
         puts=PutLimits(max_staged_bytes=args.max_staged_bytes, idle_timeout_s=args.put_idle_timeout_s),
         auth_token=auth or None, health_interval_s=args.health_interval_s)
 

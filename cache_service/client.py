@@ -184,24 +184,6 @@ class CacheClient:
             return lease.token, proof or lease.proof
         return lease, proof or self._proofs.get((conv, lease), b"")
 
-    # -- replicas ---------------------------------------------------------------------
-
-    async def register_replica(self, replica_id: str, address: str, ttl_ms: int) -> pb.Replica:
-        reply = await self._unary("RegisterReplica", pb.RegisterReplicaRequest(
-            replica_id=replica_id, address=address, ttl_ms=ttl_ms))
-        return reply.replica
-
-    async def heartbeat(self, replica_id: str, epoch: int, ttl_ms: int, *,
-                        running_requests: int = 0, free_kv_blocks: int = 0) -> pb.Replica:
-        """NotFound means the registration expired or was superseded: register again."""
-        reply = await self._unary("Heartbeat", pb.HeartbeatRequest(
-            replica_id=replica_id, epoch=epoch, ttl_ms=ttl_ms,
-            running_requests=running_requests, free_kv_blocks=free_kv_blocks))
-        return reply.replica
-
-    async def list_replicas(self) -> list[pb.Replica]:
-        return list((await self._unary("ListReplicas", pb.ListReplicasRequest())).replicas)
-
     # -- leases -----------------------------------------------------------------------
 
     async def acquire_lease(self, conv: Conversation, ttl_ms: int, *, holder: str | None = None,

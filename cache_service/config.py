@@ -27,24 +27,22 @@ class FsyncPolicy(enum.Enum):
 class Limits:
     """Bounds on client input; anything beyond is INVALID_ARGUMENT, nothing written."""
 
-    max_id_bytes: int = 256            # conversation_id, cache_salt, holder, replica ids
+    max_id_bytes: int = 256            # conversation_id, cache_salt, holder
     max_messages_per_turn: int = 1024
     max_turn_content_bytes: int = 4 << 20
     max_token_ids_per_turn: int = 1 << 20
     min_ttl_ms: int = 10
-    max_ttl_ms: int = 3_600_000        # replica registrations
     max_lease_ttl_ms: int = 300_000    # a lease lives at most this long without a renewal
     max_chunk_bytes: int = 4 << 20
     max_chunks_per_state: int = 1 << 16
     max_ledger_turns_per_read: int = 4096
     ledger_page_bytes: int = 4 << 20   # one ReadLedger page (a single larger turn still fits)
-    max_replicas: int = 1024           # live replica registrations
 
     def __post_init__(self) -> None:
-        if not 0 < self.min_ttl_ms <= min(self.max_ttl_ms, self.max_lease_ttl_ms):
-            raise ValueError("need 0 < min_ttl_ms <= max_ttl_ms, max_lease_ttl_ms")
+        if not 0 < self.min_ttl_ms <= self.max_lease_ttl_ms:
+            raise ValueError("need 0 < min_ttl_ms <= max_lease_ttl_ms")
         if min(self.max_id_bytes, self.max_chunk_bytes, self.max_chunks_per_state,
-               self.ledger_page_bytes, self.max_replicas) <= 0:
+               self.ledger_page_bytes) <= 0:
             raise ValueError("limits must be positive")
 
     @property

@@ -49,7 +49,7 @@ class CacheError(Exception):
 
 
 class NotFound(CacheError):
-    """Unknown conversation (a wrong salt looks exactly like this), entry or replica."""
+    """Unknown conversation (a wrong salt looks exactly like this), or tier entry."""
 
     reason, code = Reason.NOT_FOUND, grpc.StatusCode.NOT_FOUND
 
@@ -108,7 +108,7 @@ class AlreadyExists(CacheError):
 
 
 class ResourceExhausted(CacheError):
-    """A configured bound is reached (staged put bytes, live replicas, tier disk).
+    """A configured bound is reached (staged put bytes, tier disk).
     Nothing was written; retry later or with less."""
 
     reason, code = Reason.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -52,16 +52,6 @@ class ConversationKeys:
         return self._key("fence")
 
 
-# The registry shares one hash tag so its scripts also stay on one Cluster slot.
-_REGISTRY = f"{NAMESPACE}:{{replicas}}"
-REPLICA_LIVE = f"{_REGISTRY}:live"
-REPLICA_EPOCH = f"{_REGISTRY}:epoch"
-
-
 # The service's lease-proof key (leases.py): created once, shared by every service
 # process using this Redis.
 LEASE_KEY = f"{NAMESPACE}:lease-proof-key"
-
-
-def replica_key(replica_id: str) -> str:
-    return f"{_REGISTRY}:replica:{replica_id}"

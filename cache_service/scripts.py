@@ -4,9 +4,8 @@ Each script returns a table whose first element is a status word ("OK" or the na
 of an error); store.py maps status words to typed errors. Token and version numbers
 travel as strings because Lua numbers are doubles.
 
-Every script on the turn path is O(1) in the size of the conversation and of the
-registry (ledger appends are RPUSH; rewind and fork, which copy or trim turns, are
-not on the turn path). Registry scripts are O(live replicas), which is capped.
+Every script on the turn path is O(1) in the size of the conversation (ledger appends
+are RPUSH; rewind and fork, which copy or trim turns, are not on the turn path).
 
 Fencing: the caller's (token, incarnation) has already passed its proof check
 (leases.py). A lease check passes only if the lease key holds exactly that token and
@@ -251,48 +250,4 @@ return {'OK', head_reply(KEYS[1])}
 # KEYS: fence, head, lease, ledger, marks   (delete: everything, the fence included)
 DELETE = """
 return redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[1])
-"""
-
-# Registry: `live` is a sorted set id -> expiry (Unix ms). Expired ids are trimmed by
-# score (O(log n + removed)), so no script walks every id ever registered, and the
-# number of live ids is capped.
-
-# KEYS: replica, epoch counter, live   ARGV: replica_id, address, ttl_ms, now_ms, cap
-REGISTER = """
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[4])
-if not redis.call('ZSCORE', KEYS[3], ARGV[1]) and redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[5]) then
-  return {'FULL'}
-end
-local epoch = redis.call('INCR', KEYS[2])
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'replica_id', ARGV[1], 'address', ARGV[2], 'epoch', epoch,
-           'running_requests', 0, 'free_kv_blocks', 0, 'last_seen_ms', ARGV[4])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('ZADD', KEYS[3], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[1])
-return {'OK', tostring(epoch)}
-"""
-
-# KEYS: replica, live   ARGV: epoch, ttl_ms, now_ms, running_requests, free_kv_blocks, replica_id
-HEARTBEAT = """
-local epoch = redis.call('HGET', KEYS[1], 'epoch')
-if not epoch then return {'NOT_FOUND'} end
-if epoch ~= ARGV[1] then return {'NOT_FOUND', epoch} end
-redis.call('HSET', KEYS[1], 'running_requests', ARGV[4], 'free_kv_blocks', ARGV[5],
-           'last_seen_ms', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('ZADD', KEYS[2], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[6])
-return {'OK', redis.call('HMGET', KEYS[1], 'replica_id', 'address', 'epoch',
-                         'running_requests', 'free_kv_blocks', 'last_seen_ms')}
-"""
-
-# KEYS: live   ARGV: replica key prefix, now_ms
-LIST_REPLICAS = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
-local out = {}
-for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  local fields = redis.call('HMGET', ARGV[1] .. id, 'replica_id', 'address', 'epoch',
-                            'running_requests', 'free_kv_blocks', 'last_seen_ms')
-  if fields[1] then table.insert(out, fields) end
-end
-return out
 """

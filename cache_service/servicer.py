@@ -82,27 +82,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def _fence(self, keys: ConversationKeys, token: int, proof: bytes, field: str = "lease_token") -> Fence:
         return self.signer.verify(keys.conv_hash, validation.token(token, field), proof)
 
-    # -- replicas -----------------------------------------------------------------
-
-    @rpc
-    async def RegisterReplica(self, request, context):
-        validation.identifier(request.replica_id, "replica_id", self.limits)
-        validation.identifier(request.address, "address", self.limits)
-        validation.ttl(request.ttl_ms, self.limits)
-        replica = await self.store.register_replica(request.replica_id, request.address, request.ttl_ms,
-                                                    self.limits.max_replicas)
-        return pb.RegisterReplicaResponse(replica=replica)
-
-    @rpc
-    async def Heartbeat(self, request, context):
-        validation.identifier(request.replica_id, "replica_id", self.limits)
-        validation.ttl(request.ttl_ms, self.limits)
-        return pb.HeartbeatResponse(replica=await self.store.heartbeat(request))
-
-    @rpc
-    async def ListReplicas(self, request, context):
-        return pb.ListReplicasResponse(replicas=await self.store.list_replicas())
-
     # -- leases -------------------------------------------------------------------
 
     def _fence_ttl_ms(self, ttl_ms: int) -> int:
@@ -297,6 +276,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             tier_memory_bytes=t.memory_bytes, tier_disk_bytes=t.disk_bytes,
             tier_budget_bytes=self.tier.budget_bytes, tier_entries=t.entries,
             tier_chunks=t.chunks, tier_spills=t.spills, tier_disk_reads=t.disk_reads,
-            tier_checksum_failures=t.checksum_failures, live_replicas=await self.store.count_replicas(),
+            tier_checksum_failures=t.checksum_failures,
             rpc_counts=dict(self.counters.calls), rpc_errors=dict(self.counters.errors),
             tier_staged_bytes=self.staging.used)

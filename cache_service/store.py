@@ -1,4 +1,4 @@
-"""Metadata store: heads, leases, ledgers and the replica registry on Redis.
+"""Metadata store: heads, leases and ledgers on Redis.
 
 Thin by design: every mutation is one Lua script from scripts.py (atomic, one round
 trip); this module packs arguments, unpacks replies into protobuf messages and maps
@@ -17,7 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from cache_service import errors, leases, scripts
-from cache_service.keys import LEASE_KEY, REPLICA_EPOCH, REPLICA_LIVE, ConversationKeys, replica_key
+from cache_service.keys import LEASE_KEY, ConversationKeys
 from cache_service.leases import Fence
 from proto import cache_pb2 as pb
 
@@ -90,9 +90,6 @@ class MetadataStore:
         self._read_ledger = r.register_script(scripts.READ_LEDGER)
         self._mark_tier = r.register_script(scripts.MARK_TIER)
         self._delete = r.register_script(scripts.DELETE)
-        self._register = r.register_script(scripts.REGISTER)
-        self._heartbeat = r.register_script(scripts.HEARTBEAT)
-        self._list_replicas = r.register_script(scripts.LIST_REPLICAS)
 
     async def ping(self) -> None:
         await self._redis.ping()
@@ -209,41 +206,3 @@ class MetadataStore:
         # The fence goes too: a re-created conversation starts a new incarnation, so
         # no proof of an old holder matches any later lease.
         return await self._delete(keys=[keys.fence, keys.head, keys.lease, keys.ledger, keys.marks]) > 0
-
-    # -- replicas -----------------------------------------------------------------
-
-    async def register_replica(self, replica_id: str, address: str, ttl_ms: int,
-                               max_replicas: int) -> pb.Replica:
-        now = now_ms()
-        reply = await self._register(keys=[replica_key(replica_id), REPLICA_EPOCH, REPLICA_LIVE],
-                                     args=[replica_id, address, ttl_ms, now, max_replicas])
-        if reply[0] == b"FULL":
-            raise errors.ResourceExhausted(f"the registry holds its maximum of {max_replicas} "
-                                           "live replicas")
-        return pb.Replica(replica_id=replica_id, address=address, epoch=_i(reply[1]),
-                          last_seen_ms=now)
-
-    async def heartbeat(self, req: pb.HeartbeatRequest) -> pb.Replica:
-        reply = await self._heartbeat(
-            keys=[replica_key(req.replica_id), REPLICA_LIVE],
-            args=[req.epoch, req.ttl_ms, now_ms(), req.running_requests, req.free_kv_blocks,
-                  req.replica_id])
-        if reply[0] == b"NOT_FOUND":
-            raise errors.NotFound(f"replica {req.replica_id!r} epoch {req.epoch} is not "
-                                  "registered (expired or superseded): register again")
-        return _replica(reply[1])
-
-    async def list_replicas(self) -> list[pb.Replica]:
-        rows = await self._list_replicas(keys=[REPLICA_LIVE], args=[replica_key(""), now_ms()])
-        return sorted((_replica(row) for row in rows), key=lambda r: r.replica_id)
-
-    async def count_replicas(self) -> int:
-        """Live registrations, O(log n): what GetStats reports without listing them."""
-        return await self._redis.zcount(REPLICA_LIVE, f"({now_ms()}", "+inf")
-
-
-def _replica(fields: list) -> pb.Replica:
-    rid, address, epoch, running, free, seen = fields
-    return pb.Replica(replica_id=_s(rid), address=_s(address), epoch=_i(epoch),
-                      running_requests=_i(running), free_kv_blocks=_i(free),
-                      last_seen_ms=_i(seen))

@@ -34,12 +34,6 @@ def conversation(key: pb.ConversationKey, limits: Limits) -> ConversationKeys:
     return ConversationKeys.of(key.conversation_id, key.cache_salt)
 
 
-def ttl(value: int, limits: Limits) -> int:
-    if not limits.min_ttl_ms <= value <= limits.max_ttl_ms:
-        raise InvalidArgument(f"ttl_ms must be in [{limits.min_ttl_ms}, {limits.max_ttl_ms}], got {value}")
-    return value
-
-
 def lease_ttl(value: int, limits: Limits) -> int:
     if not limits.min_ttl_ms <= value <= limits.max_lease_ttl_ms:
         raise InvalidArgument(f"ttl_ms must be in [{limits.min_ttl_ms}, {limits.max_lease_ttl_ms}] "

@@ -11,12 +11,10 @@ scope is prefixed to the cache salt: another key never sees a conversation's sta
 """
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,7 +31,8 @@ from deployments.cache_access import cache_client_config
 from deployments.errors import APIError
 from deployments.lease_keeper import LeaseKeeper
 from deployments.metrics import ServeMetrics
-from deployments.protocol import HeadRef, Recovery, ReplicaCall, TurnDelta, TurnDone, TurnFailed
+from deployments.openai_format import ChatFormat
+from deployments.protocol import HeadRef, Recovery, ReplicaCall, TurnDelta, TurnDone, TurnEvent, TurnFailed
 from deployments.settings import AppSettings
 from deployments.turn_outcome import IdempotencyKey
 from deployments.turns import TurnRun, first_error
@@ -105,22 +104,6 @@ def _idempotency(request: Request, body: ChatCompletionRequest) -> IdempotencyKe
 
 def _unknown(conversation_id: str) -> APIError:
     return APIError(404, f"no conversation {conversation_id!r} under this cache_salt", "conversation_not_found")
-
-
-def _data(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def _usage(done: TurnDone) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-
-
-def _logprobs(entries) -> dict:
-    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
-                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
-                        for e in entries or ()]}
 
 
 @serve.deployment(name="ChatIngress", num_replicas=1, max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.1})
@@ -215,77 +198,61 @@ class ChatIngress:
         self.metrics.turn_done(continued=head is not None, cached_tokens=done.cached_tokens,
                                recovery=done.recovery, moved=head is not None and head.owner != done.replica)
 
-    async def _complete(self, body: ChatCompletionRequest, run: TurnRun, first, events, arrived: float) -> Response:
-        text, logprobs, status, last = [], [], 500, []
+    async def _events(self, run: TurnRun, first: TurnEvent, events: AsyncIterator[TurnEvent],
+                      arrived: float) -> AsyncIterator[TurnEvent]:
+        """The turn's events from `first` on, observed for the metrics: TurnDelta*, then its
+        TurnDone or TurnFailed (the last one)."""
+        event, last = first, []
+        while True:
+            self._observe(event, arrived, last)
+            if isinstance(event, TurnDone):
+                self._done(run, event)
+            yield event
+            if isinstance(event, (TurnDone, TurnFailed)):
+                return
+            event = await anext(events)
+
+    def _format(self, body: ChatCompletionRequest, run: TurnRun) -> ChatFormat:
+        return ChatFormat(run.job.request_id, self.model, run.job.conversation_id, bool(body.logprobs))
+
+    async def _complete(self, body: ChatCompletionRequest, run: TurnRun, first: TurnEvent,
+                        events: AsyncIterator[TurnEvent], arrived: float) -> Response:
+        text, logprobs, status = [], [], 500
         try:
-            event = first
-            while True:
-                self._observe(event, arrived, last)
+            async for event in self._events(run, first, events, arrived):
                 if isinstance(event, TurnFailed):
                     error = first_error(event)
                     status = error.status
                     raise error
-                if isinstance(event, TurnDone):
-                    break
-                text.append(event.text)
-                logprobs.extend(event.logprobs or ())
-                event = await anext(events)
+                if isinstance(event, TurnDelta):
+                    text.append(event.text)
+                    logprobs.extend(event.logprobs or ())
             status = 200
         finally:
             await run.close()
             self._finished(status)
-        done: TurnDone = event
-        self._done(run, done)
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                  "finish_reason": done.finish_reason,
-                  "logprobs": _logprobs(logprobs) if body.logprobs else None}
-        return JSONResponse(self._envelope(run, "chat.completion", [choice], usage=_usage(done), done=done))
+        return JSONResponse(self._format(body, run).completion("".join(text), logprobs, event))
 
-    async def _sse(self, body: ChatCompletionRequest, run: TurnRun, first, events,
-                   arrived: float) -> AsyncIterator[str]:
+    async def _sse(self, body: ChatCompletionRequest, run: TurnRun, first: TurnEvent,
+                   events: AsyncIterator[TurnEvent], arrived: float) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        status, last = 499, []  # 499: the client went away before the end
+        form, status = self._format(body, run), 499  # 499: the client went away before the end
         try:
-            yield _data(self._envelope(run, "chat.completion.chunk",
-                                       [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None, "logprobs": None}]))
-            event = first
-            while True:
-                self._observe(event, arrived, last)
+            yield form.sse_start()
+            async for event in self._events(run, first, events, arrived):
                 if isinstance(event, TurnFailed):
                     error = first_error(event)
                     status = error.status
-                    yield _data(error.body())
+                    yield form.sse_error(error)
                     return
-                if isinstance(event, TurnDone):
-                    break
-                delta = {"index": 0, "delta": {"content": event.text}, "finish_reason": None,
-                         "logprobs": _logprobs(event.logprobs) if body.logprobs else None}
-                yield _data(self._envelope(run, "chat.completion.chunk", [delta]))
-                event = await anext(events)
-            done: TurnDone = event
-            self._done(run, done)
-            final = {"index": 0, "delta": {}, "finish_reason": done.finish_reason, "logprobs": None}
-            yield _data(self._envelope(run, "chat.completion.chunk", [final], done=done))
-            if include_usage:
-                yield _data(self._envelope(run, "chat.completion.chunk", [], usage=_usage(done), done=done))
-            yield "data: [DONE]\n\n"
+                if isinstance(event, TurnDelta):
+                    yield form.sse_delta(event)
+            for chunk in form.sse_end(event, include_usage):
+                yield chunk
             status = 200
         finally:
             await run.close()
             self._finished(status)
-
-    def _envelope(self, run: TurnRun, kind: str, choices: list, *, usage: dict | None = None,
-                  done: TurnDone | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": run.job.request_id, "object": kind, "created": int(time.time()),
-                                "model": self.model, "choices": choices}
-        if kind == "chat.completion" or usage is not None:
-            body["usage"] = usage
-        if run.job.conversation_id is not None:
-            body["conversation_id"] = run.job.conversation_id
-            if done is not None:
-                body["turn"] = done.turn
-        return body
 
     # -- models, conversations, health, metrics ------------------------------------------------
     @api.get("/v1/models")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workers.config import WeightQuantization
+from workers.quantization import WeightQuantization
 
 
 class TierExport(str, enum.Enum):

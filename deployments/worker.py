@@ -1,30 +1,19 @@
-"""A worker replica: one engine, the turn's two-phase commit, the recovery ladder, exports.
+"""A worker replica: one engine, a turn and its two-phase commit.
 
     run_turn(job)
-      state:    head is None            -> a new conversation (drop any stale local copy)
-                local state == head      -> LOCAL (a hit)
-                tier holds head.version  -> TIER_IMPORT (the head migrates here)
-                tier holds an older one  -> TIER_PREFIX (imported; the turns after it run again)
-                else                     -> LEDGER_RECOMPUTE (token ids from the service's ledger)
+      state:    the recovery ladder (recovery_ladder.py): NEW, LOCAL, TIER_IMPORT, TIER_PREFIX
+                or LEDGER_RECOMPUTE
       stream:   TurnDelta ... (leaving early = client gone = abort = discard)
       commit:   prepared -> PublishTurn (CAS on head.version, fenced by the ingress's lease)
                 ok -> commit locally, TurnDone;  conflict / lease lost -> abandon, TurnFailed
-      export:   the new head to the state tier: before answering (sync), never (off), or write-behind
-                (async): once the conversation has been quiet here for tier_export_delay_s
-
-    async export of one conversation (a next turn often follows within milliseconds):
-      turn N ends ──delay──> export head N            quiet: the tier holds head N
-      turn N ends ──> turn N+1 starts ──> timer fires: a turn runs here, skip
-                                   ──> turn N+1 ends ──delay──> export head N+1
-    Exporting head N while turn N+1 prefills would only compete with it for the CPU (hashing,
-    serialization, the service storing chunks) and be superseded a moment later.
+      export:   the new head to the state tier (tier_export.py): before answering (sync), never
+                (off), or write-behind (async)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,13 +23,11 @@ from ray.serve.handle import DeploymentHandle
 
 from cache_service.client import (
     CacheClient,
-    TurnResult,
     CacheError,
     Conversation,
-    DataLoss,
     InvalidArgument,
     LeaseLost,
-    NotFound,
+    TurnResult,
     VersionConflict,
 )
 from deployments.cache_access import cache_client_config
@@ -57,15 +44,14 @@ from deployments.protocol import (
     TurnFailed,
     TurnJob,
 )
+from deployments.recovery_ladder import attach
 from deployments.router import StickyConversationRouter
-from deployments.settings import AppSettings, TierExport
-from workers.conversation.records import LedgerTurn, TurnCommit
+from deployments.settings import AppSettings
+from deployments.tier_export import TierExporter
+from workers.conversation.records import TurnCommit
 from workers.errors import (
     ConversationBusyError,
-    ConversationNotFoundError,
-    CorruptStateError,
     InvalidRequestError,
-    OutOfCacheError,
     PromptTooLongError,
     TurnResolvedError,
 )
@@ -74,7 +60,6 @@ from workers.sampling import SamplingParams
 
 log = logging.getLogger("hybridserve.worker")
 
-HEARTBEAT_S = 3.0
 # A publish unanswered this long is answered "outcome unknown" (the ingress then asks the
 # ledger); the replica keeps resending it for up to PUBLISH_RESOLVE_S to settle its own copy.
 PUBLISH_ANSWER_S = 45.0
@@ -98,24 +83,18 @@ class Worker:
         from workers.checkpoint.builtin import builtin_model_dir
 
         self.settings = settings
-        context = serve.get_replica_context()
-        self.replica_id = context.replica_id.unique_id
-        self.actor_name = context.replica_id.to_full_id_str()  # what the registry lists as its address
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.session = EngineSession(settings.model or str(builtin_model_dir()), settings)
         self._cache_host = cache_host
         self._client: CacheClient | None = None
         self._tasks: set[asyncio.Task] = set()
-        # Heads committed here whose state the tier does not hold yet: exported on shutdown.
-        self._unexported: dict[tuple[str, str], HeadRef] = {}
-        self._turns_here: Counter[tuple[str, str]] = Counter()  # turns running here, per conversation
-        self._export_due: dict[tuple[str, str], asyncio.TimerHandle] = {}  # async exports waiting for quiet
+        self.exporter = TierExporter(self.session, settings, self._cache, self._spawn)
 
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
         if self._client is None:
             address = self.settings.cache_service or await self._cache_host.address.remote()
             self._client = CacheClient(address, cache_client_config(f"worker:{self.replica_id}", self.settings))
-            self._spawn(self._heartbeats())
         return self._client
 
     def _spawn(self, coro) -> None:
@@ -123,22 +102,8 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _heartbeats(self) -> None:
-        client, ttl_ms, epoch = self._client, int(HEARTBEAT_S * 3000), 0
-        while True:
-            running, free = await self.session.load()
-            try:
-                if epoch == 0:
-                    epoch = (await client.register_replica(self.replica_id, self.actor_name, ttl_ms)).epoch
-                await client.heartbeat(self.replica_id, epoch, ttl_ms, running_requests=running, free_kv_blocks=free)
-            except NotFound:
-                epoch = 0  # expired (e.g. the service restarted with an empty registry): register again
-            except CacheError as e:
-                log.warning("heartbeat failed: %s", e)
-            await asyncio.sleep(HEARTBEAT_S)
-
     async def record_routing_stats(self) -> dict[str, Any]:
-        await self._cache()  # Serve calls this every period from the start: registration begins here
+        await self._cache()  # Serve calls this every period from the start: connect before the first turn
         running, free = await self.session.load()
         return {"running_requests": running, "free_kv_blocks": free}
 
@@ -149,13 +114,7 @@ class Worker:
         and salt may have committed its first turn here before this call arrived, and keeps its
         head and its export. Returns this replica's id (the router may have sent the call
         elsewhere: a no-op there)."""
-        key = (conversation_id, cache_salt)
-        pending = self._unexported.get(key)
-        if pending is not None and pending.same_state(deleted):
-            del self._unexported[key]
-            due = self._export_due.pop(key, None)
-            if due is not None:
-                due.cancel()
+        self.exporter.forget((conversation_id, cache_salt), deleted)
         try:
             await self.session.forget(conversation_id, cache_salt, deleted)
         except ConversationBusyError as e:  # a turn of the re-created conversation already runs here
@@ -165,7 +124,7 @@ class Worker:
     async def pending_exports(self, call: ReplicaCall) -> tuple[str, int]:
         """(this replica, committed heads waiting for their export to the tier): bounded by the
         conversations committed within the export delay; for operators and tests."""
-        return self.replica_id, len(self._unexported)
+        return self.replica_id, self.exporter.pending()
 
     async def held_heads(self, call: ReplicaCall, conversation_id: str | None = None,
                          cache_salt: str = "") -> tuple[str, int]:
@@ -184,8 +143,8 @@ class Worker:
             if job.conversation_id is None:
                 stream, recovery = self.session.stream_stateless(job.messages, params, job.request_id), Recovery.NEW
             else:
-                self._turns_here[(job.conversation_id, job.cache_salt)] += 1
-                recovery = await self._attach(job)
+                self.exporter.turn_started((job.conversation_id, job.cache_salt))
+                recovery = await attach(self.session, self.settings, self._cache, job)
                 stream = self.session.stream_turn(
                     job.conversation_id, job.cache_salt, job.messages, params, job.request_id)
             async for event in self._run(job, params, stream, recovery):
@@ -198,54 +157,7 @@ class Worker:
             yield TurnFailed(ErrorKind.UNAVAILABLE, f"cache service: {e}")
         finally:
             if job.conversation_id is not None:
-                self._turn_ended((job.conversation_id, job.cache_salt))
-
-    def _turn_ended(self, key: tuple[str, str]) -> None:
-        self._turns_here[key] -= 1
-        if self._turns_here[key] <= 0:
-            del self._turns_here[key]
-        # Also after a failed turn: the head it would have replaced may still wait for its export.
-        if key in self._unexported and self.settings.tier_export is TierExport.ASYNC:
-            self._export_when_quiet(key)
-
-    def _export_when_quiet(self, key: tuple[str, str]) -> None:
-        due = self._export_due.pop(key, None)
-        if due is not None:
-            due.cancel()
-        self._export_due[key] = asyncio.get_running_loop().call_later(
-            self.settings.tier_export_delay_s, self._export_if_quiet, key)
-
-    def _export_if_quiet(self, key: tuple[str, str]) -> None:
-        self._export_due.pop(key, None)
-        head = self._unexported.get(key)
-        if head is not None and not self._turns_here[key]:  # else the running turn's end schedules again
-            self._spawn(self._export_head(*key, head))
-
-    async def _attach(self, job: TurnJob) -> Recovery:
-        """Make this engine hold the conversation's committed head, by the recovery ladder."""
-        conv_id, salt, head = job.conversation_id, job.cache_salt, job.head
-        if head is None:
-            await self.session.forget(conv_id, salt)  # a deleted and re-created conversation
-            return Recovery.NEW
-        if await self.session.holds(conv_id, salt, head):
-            return Recovery.LOCAL
-        client, conv = await self._cache(), Conversation(conv_id, salt)
-        ledger = await client.read_ledger(conv)
-        turns = [LedgerTurn(tuple({"role": m.role, "content": m.content} for m in t.messages), tuple(t.token_ids))
-                 for t in ledger.turns]
-        await self.session.adopt_ledger(conv_id, salt, head, turns)
-        # The ledger's head is fresher than the lease's: a bypassed owner may have exported since.
-        tier_version = ledger.head.tier_version
-        if self.settings.tier_export is not TierExport.OFF and 0 < tier_version <= head.version:
-            # An older copy (the owner died before exporting its last turns) still spares the
-            # turns it covers: the engine continues it and runs only the turns after it.
-            try:
-                _, blob = await client.get_state(conv, tier_version)
-                await self.session.import_state(conv_id, salt, blob)
-                return Recovery.TIER_IMPORT if tier_version == head.version else Recovery.TIER_PREFIX
-            except (CacheError, CorruptStateError, OutOfCacheError) as e:  # the tier is a cache: never fatal
-                log.warning("tier import of %s failed, recomputing from the ledger: %s", conv_id, e)
-        return Recovery.LEDGER_RECOMPUTE
+                self.exporter.turn_ended((job.conversation_id, job.cache_salt))
 
     async def _run(self, job: TurnJob, params: SamplingParams, stream, recovery: Recovery) -> AsyncIterator[TurnEvent]:
         completion, last = 0, None
@@ -321,11 +233,7 @@ class Worker:
             await self.session.commit(prepared)
         except TurnResolvedError as e:  # expired meanwhile: the service has the turn, this copy is gone
             log.warning("committed turn %s no longer prepared here: %s", job.request_id, e)
-        ref = HeadRef.of(head)
-        if self.settings.tier_export is not TierExport.OFF:  # with the tier off nothing is ever exported
-            self._unexported[(job.conversation_id, job.cache_salt)] = ref
-        if self.settings.tier_export is TierExport.SYNC:
-            await self._export_head(job.conversation_id, job.cache_salt, ref)
+        await self.exporter.committed((job.conversation_id, job.cache_salt), HeadRef.of(head))
         return TurnDone(**{**done.__dict__, "turn": head.turn, "head_version": head.version})
 
     async def _abandon(self, prepared: TurnCommit) -> None:
@@ -333,21 +241,6 @@ class Worker:
             await self.session.abandon(prepared)
         except TurnResolvedError as e:  # already expired: nothing left to free
             log.warning("abandoning %s: %s", prepared.request_id, e)
-
-    async def _export_head(self, conversation_id: str, cache_salt: str, head: HeadRef) -> None:
-        conv = Conversation(conversation_id, cache_salt)
-        try:
-            version, parts = await self.session.export_state(conversation_id, cache_salt)
-            # The incarnation the turn saw, carried: looked up now, it could be a re-created
-            # conversation's at the same version, and this state would land under it.
-            await (await self._cache()).put_state(conv, version, parts, incarnation=head.incarnation or None)
-        except VersionConflict:
-            log.debug("export of %s v%d superseded by a newer turn", conversation_id, head.version)
-        except (CacheError, ConversationBusyError, ConversationNotFoundError) as e:
-            # Not retried: the ledger keeps the turn, and a next owner recomputes what the tier lacks.
-            log.warning("export of %s v%d failed: %s", conversation_id, head.version, e)
-        if self._unexported.get((conversation_id, cache_salt)) == head:
-            del self._unexported[(conversation_id, cache_salt)]
 
     def _logprobs(self, tokens, params: SamplingParams) -> tuple[TokenLogprob, ...] | None:
         if params.logprobs is None:
@@ -361,11 +254,7 @@ class Worker:
     async def __del__(self) -> None:
         """Graceful shutdown (scale-in, redeploy): hand the heads only this replica holds to the
         tier, so the next owner imports them instead of recomputing."""
-        for due in self._export_due.values():
-            due.cancel()
-        if self.settings.tier_export is not TierExport.OFF:
-            for (conversation_id, cache_salt), head in list(self._unexported.items()):
-                await self._export_head(conversation_id, cache_salt, head)
+        await self.exporter.shutdown()
         for task in list(self._tasks):
             task.cancel()
         self.session.shutdown()

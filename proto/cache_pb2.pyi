@@ -14,68 +14,6 @@ class ConversationKey(_message.Message):
     cache_salt: str
     def __init__(self, conversation_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
-class Replica(_message.Message):
-    __slots__ = ("replica_id", "address", "epoch", "running_requests", "free_kv_blocks", "last_seen_ms")
-    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    LAST_SEEN_MS_FIELD_NUMBER: _ClassVar[int]
-    replica_id: str
-    address: str
-    epoch: int
-    running_requests: int
-    free_kv_blocks: int
-    last_seen_ms: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., last_seen_ms: _Optional[int] = ...) -> None: ...
-
-class RegisterReplicaRequest(_message.Message):
-    __slots__ = ("replica_id", "address", "ttl_ms")
-    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    replica_id: str
-    address: str
-    ttl_ms: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
-
-class RegisterReplicaResponse(_message.Message):
-    __slots__ = ("replica",)
-    REPLICA_FIELD_NUMBER: _ClassVar[int]
-    replica: Replica
-    def __init__(self, replica: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
-
-class HeartbeatRequest(_message.Message):
-    __slots__ = ("replica_id", "epoch", "ttl_ms", "running_requests", "free_kv_blocks")
-    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    replica_id: str
-    epoch: int
-    ttl_ms: int
-    running_requests: int
-    free_kv_blocks: int
-    def __init__(self, replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ...) -> None: ...
-
-class HeartbeatResponse(_message.Message):
-    __slots__ = ("replica",)
-    REPLICA_FIELD_NUMBER: _ClassVar[int]
-    replica: Replica
-    def __init__(self, replica: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
-
-class ListReplicasRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class ListReplicasResponse(_message.Message):
-    __slots__ = ("replicas",)
-    REPLICAS_FIELD_NUMBER: _ClassVar[int]
-    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
-
 class AcquireLeaseRequest(_message.Message):
     __slots__ = ("key", "holder", "ttl_ms", "attempt_key")
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -385,7 +323,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("tier_memory_bytes", "tier_disk_bytes", "tier_budget_bytes", "tier_entries", "tier_chunks", "tier_spills", "tier_disk_reads", "tier_checksum_failures", "live_replicas", "rpc_counts", "rpc_errors", "tier_staged_bytes")
+    __slots__ = ("tier_memory_bytes", "tier_disk_bytes", "tier_budget_bytes", "tier_entries", "tier_chunks", "tier_spills", "tier_disk_reads", "tier_checksum_failures", "rpc_counts", "rpc_errors", "tier_staged_bytes")
     class RpcCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -408,7 +346,6 @@ class Stats(_message.Message):
     TIER_SPILLS_FIELD_NUMBER: _ClassVar[int]
     TIER_DISK_READS_FIELD_NUMBER: _ClassVar[int]
     TIER_CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
-    LIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     RPC_COUNTS_FIELD_NUMBER: _ClassVar[int]
     RPC_ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIER_STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -420,8 +357,7 @@ class Stats(_message.Message):
     tier_spills: int
     tier_disk_reads: int
     tier_checksum_failures: int
-    live_replicas: int
     rpc_counts: _containers.ScalarMap[str, int]
     rpc_errors: _containers.ScalarMap[str, int]
     tier_staged_bytes: int
-    def __init__(self, tier_memory_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_budget_bytes: _Optional[int] = ..., tier_entries: _Optional[int] = ..., tier_chunks: _Optional[int] = ..., tier_spills: _Optional[int] = ..., tier_disk_reads: _Optional[int] = ..., tier_checksum_failures: _Optional[int] = ..., live_replicas: _Optional[int] = ..., rpc_counts: _Optional[_Mapping[str, int]] = ..., rpc_errors: _Optional[_Mapping[str, int]] = ..., tier_staged_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, tier_memory_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_budget_bytes: _Optional[int] = ..., tier_entries: _Optional[int] = ..., tier_chunks: _Optional[int] = ..., tier_spills: _Optional[int] = ..., tier_disk_reads: _Optional[int] = ..., tier_checksum_failures: _Optional[int] = ..., rpc_counts: _Optional[_Mapping[str, int]] = ..., rpc_errors: _Optional[_Mapping[str, int]] = ..., tier_staged_bytes: _Optional[int] = ...) -> None: ...

@@ -34,21 +34,6 @@ class CacheServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.RegisterReplica = channel.unary_unary(
-                '/hybridserve.cache.v1.CacheService/RegisterReplica',
-                request_serializer=proto_dot_cache__pb2.RegisterReplicaRequest.SerializeToString,
-                response_deserializer=proto_dot_cache__pb2.RegisterReplicaResponse.FromString,
-                _registered_method=True)
-        self.Heartbeat = channel.unary_unary(
-                '/hybridserve.cache.v1.CacheService/Heartbeat',
-                request_serializer=proto_dot_cache__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=proto_dot_cache__pb2.HeartbeatResponse.FromString,
-                _registered_method=True)
-        self.ListReplicas = channel.unary_unary(
-                '/hybridserve.cache.v1.CacheService/ListReplicas',
-                request_serializer=proto_dot_cache__pb2.ListReplicasRequest.SerializeToString,
-                response_deserializer=proto_dot_cache__pb2.ListReplicasResponse.FromString,
-                _registered_method=True)
         self.AcquireLease = channel.unary_unary(
                 '/hybridserve.cache.v1.CacheService/AcquireLease',
                 request_serializer=proto_dot_cache__pb2.AcquireLeaseRequest.SerializeToString,
@@ -128,25 +113,6 @@ class CacheServiceStub:
 
 class CacheServiceServicer:
     """Missing associated documentation comment in .proto file."""
-
-    def RegisterReplica(self, request, context):
-        """Replica registry: liveness is a TTL renewed by heartbeats.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ListReplicas(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def AcquireLease(self, request, context):
         """At most one turn of a conversation in flight: a lease with a TTL, a fencing token
@@ -253,21 +219,6 @@ class CacheServiceServicer:
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'RegisterReplica': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterReplica,
-                    request_deserializer=proto_dot_cache__pb2.RegisterReplicaRequest.FromString,
-                    response_serializer=proto_dot_cache__pb2.RegisterReplicaResponse.SerializeToString,
-            ),
-            'Heartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.Heartbeat,
-                    request_deserializer=proto_dot_cache__pb2.HeartbeatRequest.FromString,
-                    response_serializer=proto_dot_cache__pb2.HeartbeatResponse.SerializeToString,
-            ),
-            'ListReplicas': grpc.unary_unary_rpc_method_handler(
-                    servicer.ListReplicas,
-                    request_deserializer=proto_dot_cache__pb2.ListReplicasRequest.FromString,
-                    response_serializer=proto_dot_cache__pb2.ListReplicasResponse.SerializeToString,
-            ),
             'AcquireLease': grpc.unary_unary_rpc_method_handler(
                     servicer.AcquireLease,
                     request_deserializer=proto_dot_cache__pb2.AcquireLeaseRequest.FromString,
@@ -353,87 +304,6 @@ def add_CacheServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class CacheService:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def RegisterReplica(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/hybridserve.cache.v1.CacheService/RegisterReplica',
-            proto_dot_cache__pb2.RegisterReplicaRequest.SerializeToString,
-            proto_dot_cache__pb2.RegisterReplicaResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Heartbeat(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/hybridserve.cache.v1.CacheService/Heartbeat',
-            proto_dot_cache__pb2.HeartbeatRequest.SerializeToString,
-            proto_dot_cache__pb2.HeartbeatResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ListReplicas(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/hybridserve.cache.v1.CacheService/ListReplicas',
-            proto_dot_cache__pb2.ListReplicasRequest.SerializeToString,
-            proto_dot_cache__pb2.ListReplicasResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def AcquireLease(request,

@@ -3,30 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
 from workers.deterministic.config import DeterministicConfig
+from workers.quantization import WeightQuantization  # re-exported: its home imports no torch
 
 
 # Weight/activation dtypes the model runs in (Mamba states stay fp32 in all of them).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class WeightQuantization(str, Enum):
-    """How the fast path stores the blocks' linear weights (`workers.kernels.linear_tuning`).
-
-    NONE  the weights as loaded (the reference and the default)
-    INT8  weight-only int8, one fp32 scale per output channel, multiplied in fp32 by the panel
-          kernel: a quarter of the weight bytes per decode step, at a measured accuracy cost
-          (`bench.engine` reports it in its own rows). Batches beyond 64 rows (prompt chunks)
-          run on the fp32 weights (`linear_plan.int8_plan`). The reference path, the
-          deterministic verifier and the LM head keep the fp32 weights, which stay loaded.
-    """
-
-    NONE = "none"
-    INT8 = "int8"
 
 
 @dataclass(frozen=True)

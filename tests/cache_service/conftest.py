@@ -46,12 +46,10 @@ async def client(service):
         yield c
 
 
-# A second service with small bounds and authentication on, on a Redis of its own (its
-# replica registry must not see the other tests' replicas).
+# A second service with small bounds and authentication on, on a Redis of its own.
 STRICT_TOKEN = "strict-test-secret-0123456789"
 STRICT_STAGED_BYTES = 8 << 20
 STRICT_TIER_BUDGET = 4 << 20
-STRICT_MAX_REPLICAS = 8
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +60,6 @@ def strict_service(tmp_path_factory):
         "CACHE_SERVICE_AUTH_TOKEN_FILE": str(data / "token"),
         "CACHE_MAX_STAGED_BYTES": str(STRICT_STAGED_BYTES),
         "CACHE_PUT_IDLE_TIMEOUT_S": "3",  # long enough for a loaded machine to fill the staging
-        "CACHE_MAX_REPLICAS": str(STRICT_MAX_REPLICAS),
     })
     proc.start()
     yield proc

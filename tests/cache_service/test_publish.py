@@ -129,24 +129,6 @@ async def test_delete_drops_head_ledger_and_lease(client, conv):
     assert await client.delete_conversation(conv) is False
 
 
-async def test_replica_registry(client):
-    r1 = await client.register_replica("replica-x", "10.0.0.1:9000", ttl_ms=60_000)
-    r2 = await client.register_replica("replica-y", "10.0.0.2:9000", ttl_ms=60)
-    beat = await client.heartbeat("replica-x", r1.epoch, 60_000, running_requests=3, free_kv_blocks=99)
-    assert (beat.running_requests, beat.free_kv_blocks) == (3, 99)
-    again = await client.register_replica("replica-x", "10.0.0.1:9000", ttl_ms=60_000)  # restarted
-    assert again.epoch > r1.epoch
-    with pytest.raises(NotFound):  # the old incarnation's heartbeat is refused
-        await client.heartbeat("replica-x", r1.epoch, 60_000)
-    # replica-y never beats again; letting its 60 ms TTL run out is the point here.
-    await asyncio.sleep(0.15)
-    with pytest.raises(NotFound):
-        await client.heartbeat("replica-y", r2.epoch, 60)
-    live = {r.replica_id: r for r in await client.list_replicas()}
-    assert "replica-x" in live and "replica-y" not in live
-    assert live["replica-x"].address == "10.0.0.1:9000" and live["replica-x"].epoch == again.epoch
-
-
 async def test_busy_conversation_reports_when_not_who(client, conv):
     await client.acquire_lease(conv, ttl_ms=10_000, holder="router:req-9")
     with pytest.raises(LeaseHeld) as info:

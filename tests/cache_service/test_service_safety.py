@@ -1,5 +1,5 @@
-"""The service as a whole: a supervised Redis and honest health, a bounded replica
-registry, malformed wire messages, and the shared-secret option."""
+"""The service as a whole: a supervised Redis and honest health, malformed wire messages,
+and the shared-secret option."""
 
 import asyncio
 import os
@@ -7,12 +7,10 @@ import signal
 
 import grpc
 import pytest
-from conftest import STRICT_MAX_REPLICAS
 from cs_helpers import History, ServiceProcess, commit_turn, fast_client
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.client import (CacheClient, ClientConfig, Conversation, InvalidArgument,
-                                  ResourceExhausted, Unauthenticated)
+from cache_service.client import CacheClient, ClientConfig, Conversation, InvalidArgument, Unauthenticated
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from cache_service.errors import from_status
@@ -90,24 +88,6 @@ async def test_health_follows_an_external_redis(tmp_path, supervised_env):
         redis_server.stop()
 
 
-async def test_the_replica_registry_is_capped(strict_client):
-    ids = [f"flood-{i}" for i in range(STRICT_MAX_REPLICAS)]
-    short = ids[-2:]  # registered last, so they are still live when the cap is tested
-    for rid in ids:
-        await strict_client.register_replica(rid, "10.0.0.9:1", ttl_ms=1500 if rid in short else 60_000)
-    with pytest.raises(ResourceExhausted):
-        await strict_client.register_replica("one-too-many", "10.0.0.9:1", ttl_ms=60_000)
-    # Re-registering a live id (a restarted replica) is not a new slot.
-    await strict_client.register_replica(ids[0], "10.0.0.9:2", ttl_ms=60_000)
-    # Expired registrations free their slots.
-    while short[0] in {r.replica_id for r in await strict_client.list_replicas()}:
-        await asyncio.sleep(0.05)  # liveness is a TTL: there is no event to await
-    await strict_client.register_replica("one-too-many", "10.0.0.9:1", ttl_ms=60_000)
-    stats = await strict_client.stats()
-    assert stats.live_replicas == STRICT_MAX_REPLICAS - 1
-    assert {r.replica_id for r in await strict_client.list_replicas()} == set(ids[:-2]) | {"one-too-many"}
-
-
 @pytest.mark.parametrize("method, streaming", [("GetHead", False), ("PublishTurn", False),
                                                ("PutState", True)])
 async def test_malformed_messages_are_invalid_argument(service, method, streaming):
@@ -136,11 +116,11 @@ async def test_the_shared_secret_is_required_when_configured(strict_service, str
             with pytest.raises(Unauthenticated):
                 await anonymous.get_head(conv)
             with pytest.raises(Unauthenticated):
-                await anonymous.register_replica("intruder", "10.6.6.6:1", ttl_ms=60_000)
+                await anonymous.acquire_lease(Conversation("intruder", "s"), ttl_ms=60_000)
             with pytest.raises(Unauthenticated):
                 await anonymous.get_state(conv)
     # Health probes (Kubernetes) need no secret.
     async with grpc.aio.insecure_channel(strict_service.target) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
         assert reply.status == SERVING
-    assert "intruder" not in {r.replica_id for r in await strict_client.list_replicas()}
+    await strict_client.acquire_lease(Conversation("intruder", "s"), ttl_ms=60_000)  # not held by the intruder

@@ -10,7 +10,6 @@ import pytest
 from ray import serve
 
 from deployments.protocol import TurnDone, TurnJob
-from tests.cache_service.cs_helpers import fast_client
 from tests.serve.conftest import APP
 from tests.serve.helpers import chat_turn, conversation, stateless_reference, user
 
@@ -63,13 +62,6 @@ async def test_stateless_request_and_models(stack):
     assert reply.model_extra.get("conversation_id") is None
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="no-such-model", messages=[user("hello")], max_tokens=2)
-
-
-async def test_workers_register_and_heartbeat_with_the_cache_service(stack):
-    async with fast_client(stack.service.target) as cache:
-        replicas = await cache.list_replicas()
-    workers = [r for r in replicas if r.address.startswith(f"SERVE_REPLICA::{APP}#Worker#")]
-    assert len(workers) >= 2, replicas
 
 
 async def test_new_conversations_spread_and_stay_on_their_owner(stack):

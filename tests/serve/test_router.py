@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
-from ray.serve._private.request_router.common import PendingRequest
+# Serve has no public constructor of a router's deployment id, handle source or request metadata.
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
 
 from deployments.router import StickyConversationRouter
 

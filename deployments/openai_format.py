@@ -1,0 +1,84 @@
+"""The OpenAI chat-completion bodies of one turn: the JSON answer and the SSE chunks.
+
+    non-streaming:  {"object": "chat.completion", choices: [message], usage}
+    streaming:      data: chunk(role)  data: chunk(delta)*  data: chunk(finish_reason)
+                    [data: chunk([], usage)]  data: [DONE]
+    conversation turns add "conversation_id" to every body and "turn" once the turn is done.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.errors import APIError
+from deployments.protocol import TokenLogprob, TurnDelta, TurnDone
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def usage_of(done: TurnDone) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def logprobs_of(entries: Iterable[TokenLogprob] | None) -> dict:
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
+                        for e in entries or ()]}
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """The bodies of one chat completion (request id, model, conversation, logprobs wanted)."""
+
+    request_id: str
+    model: str
+    conversation_id: str | None
+    with_logprobs: bool
+
+    def completion(self, text: str, entries: list[TokenLogprob], done: TurnDone) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": done.finish_reason,
+                  "logprobs": logprobs_of(entries) if self.with_logprobs else None}
+        return self.envelope("chat.completion", [choice], usage=usage_of(done), done=done)
+
+    def sse_start(self) -> str:
+        return data(self.envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                             "finish_reason": None, "logprobs": None}]))
+
+    def sse_delta(self, delta: TurnDelta) -> str:
+        choice = {"index": 0, "delta": {"content": delta.text}, "finish_reason": None,
+                  "logprobs": logprobs_of(delta.logprobs) if self.with_logprobs else None}
+        return data(self.envelope("chat.completion.chunk", [choice]))
+
+    def sse_end(self, done: TurnDone, include_usage: bool) -> Iterator[str]:
+        final = {"index": 0, "delta": {}, "finish_reason": done.finish_reason, "logprobs": None}
+        yield data(self.envelope("chat.completion.chunk", [final], done=done))
+        if include_usage:
+            yield data(self.envelope("chat.completion.chunk", [], usage=usage_of(done), done=done))
+        yield SSE_DONE
+
+    @staticmethod
+    def sse_error(error: APIError) -> str:
+        return data(error.body())
+
+    def envelope(self, kind: str, choices: list, *, usage: dict | None = None,
+                 done: TurnDone | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.request_id, "object": kind, "created": int(time.time()),
+                                "model": self.model, "choices": choices}
+        if kind == "chat.completion" or usage is not None:
+            body["usage"] = usage
+        if self.conversation_id is not None:
+            body["conversation_id"] = self.conversation_id
+            if done is not None:
+                body["turn"] = done.turn
+        return body

@@ -1,0 +1,48 @@
+"""The app's layering: deployments/ reaches the cache service only through its client (and
+its errors), and the ingress process (settings, ingress, router) never loads torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE_API = {"cache_service.client", "cache_service.errors"}
+
+
+def imported_modules(package: str) -> dict[str, set[str]]:
+    """Every absolute import under a package, by full module name, with the files importing it."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+                if node.module == "cache_service":  # `from cache_service import store` names a module
+                    names = [f"cache_service.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_deployments_use_only_the_cache_service_client():
+    imports = imported_modules("deployments")
+    assert "cache_service.client" in imports, "deployments/ imports no cache client: the scan is broken"
+    service = {name: sorted(files) for name, files in imports.items()
+               if name.split(".")[0] == "cache_service" and name not in SERVICE_API}
+    assert not service, f"deployments/ reaches into the cache service: {service}"
+
+
+def test_the_ingress_imports_no_torch():
+    code = ("import sys, deployments.settings, deployments.ingress, deployments.router\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "assert not loaded, loaded[:5]\n"
+            "assert 'deployments.ingress' in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
