@@ -28,8 +28,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, NotFound
 from deployments import errors
-from deployments.api_models import ChatCompletionRequest
-from deployments.cache_access import cache_client_config
+from deployments.api_models import CacheSalt, ChatCompletionRequest
+from deployments.body_limit import BodyLimit
+from deployments.cache_access import CacheConnection
 from deployments.errors import APIError
 from deployments.metrics import ServeMetrics
 from deployments.protocol import HeadRef, ReplicaCall, TurnDelta, TurnDone, TurnFailed
@@ -75,6 +76,7 @@ def _refusal(request: Request) -> APIError | None:
 
 
 api.add_middleware(_Guard)
+api.add_middleware(BodyLimit)
 
 
 def _bearer(request: Request) -> str:
@@ -120,16 +122,13 @@ class ChatIngress:
         self.cache_host = cache_host
         self.model = _model_name(settings)
         self.metrics = ServeMetrics()
-        self._client: CacheClient | None = None
+        self._connection = CacheConnection(settings, cache_host, "ingress")
         self._inflight = 0
         api.state.max_body_bytes = settings.max_body_bytes
         api.state.api_keys = settings.read_api_keys()
 
     async def _cache(self) -> CacheClient:
-        if self._client is None:
-            address = self.settings.cache_service or await self.cache_host.address.remote()
-            self._client = CacheClient(address, cache_client_config("ingress", self.settings))
-        return self._client
+        return await self._connection.get()
 
     def _salt(self, request: Request, cache_salt: str) -> str:
         """The caller's salt, scoped to its API key when authentication is on (checked by _guard)."""
@@ -278,7 +277,7 @@ class ChatIngress:
 
     @api.get("/v1/conversations/{conversation_id}")
     async def get_conversation(self, conversation_id: str, request: Request,
-                               cache_salt: str = Query(..., max_length=256)) -> dict:
+                               cache_salt: CacheSalt = Query(...)) -> dict:
         conv = Conversation(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
         try:
@@ -299,7 +298,7 @@ class ChatIngress:
 
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,
-                                  cache_salt: str = Query(..., max_length=256)) -> dict:
+                                  cache_salt: CacheSalt = Query(...)) -> dict:
         conv = Conversation(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
         cache = await self._cache()

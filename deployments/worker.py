@@ -42,7 +42,7 @@ from cache_service.client import (
     NotFound,
     VersionConflict,
 )
-from deployments.cache_access import cache_client_config
+from deployments.cache_access import CacheConnection
 from deployments.engine_session import EngineSession
 from deployments.protocol import (
     ErrorKind,
@@ -97,8 +97,8 @@ class Worker:
         self.replica_id = context.replica_id.unique_id
         self.actor_name = context.replica_id.to_full_id_str()  # what the registry lists as its address
         self.session = EngineSession(settings.model or str(builtin_model_dir()), settings)
-        self._cache_host = cache_host
         self._client: CacheClient | None = None
+        self._connection = CacheConnection(settings, cache_host, f"worker:{self.replica_id}", self._connected)
         self._tasks: set[asyncio.Task] = set()
         # Heads committed here whose state the tier does not hold yet: exported on shutdown.
         self._unexported: dict[tuple[str, str], HeadRef] = {}
@@ -107,11 +107,11 @@ class Worker:
 
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
-        if self._client is None:
-            address = self.settings.cache_service or await self._cache_host.address.remote()
-            self._client = CacheClient(address, cache_client_config(f"worker:{self.replica_id}", self.settings))
-            self._spawn(self._heartbeats())
-        return self._client
+        return await self._connection.get()
+
+    def _connected(self, client: CacheClient) -> None:
+        self._client = client
+        self._spawn(self._heartbeats())
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
