@@ -48,9 +48,9 @@ _KIND_STATUS = {ErrorKind.INVALID: 400, ErrorKind.TOO_LONG: 400, ErrorKind.CONFL
 
 
 def from_kind(kind: ErrorKind, message: str) -> APIError:
-    status = _KIND_STATUS[kind]
-    if status >= 500 and status != 503:
+    if kind is ErrorKind.INTERNAL:
         return internal(message)
+    status = _KIND_STATUS[kind]
     return APIError(status, message, kind.value, retry_after_s=1 if status == 503 else None)
 
 

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -277,7 +277,7 @@ class ChatIngress:
 
     @api.get("/v1/conversations/{conversation_id}")
     async def get_conversation(self, conversation_id: str, request: Request,
-                               cache_salt: CacheSalt = Query(...)) -> dict:
+                               cache_salt: Annotated[CacheSalt, Query()]) -> dict:
         conv = Conversation(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
         try:
@@ -298,7 +298,7 @@ class ChatIngress:
 
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,
-                                  cache_salt: CacheSalt = Query(...)) -> dict:
+                                  cache_salt: Annotated[CacheSalt, Query()]) -> dict:
         conv = Conversation(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
         cache = await self._cache()
