@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from cache_service import hashing
+from cache_service.config import Limits
 from cache_service.errors import (  # noqa: F401
     AlreadyExists,
     CacheError,
@@ -58,6 +59,10 @@ from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 
 TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(result=...))
+
+# The bounds a service applies with its default flags (`--max-lease-ttl-ms` can lower one), for
+# clients to check their input before a call instead of learning them from INVALID_ARGUMENT.
+SERVICE_LIMITS = Limits()
 
 
 @dataclass(frozen=True)

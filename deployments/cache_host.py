@@ -4,6 +4,11 @@ A deployment owns a `python -m cache_service` child process (which in turn start
 embedded redis-server unless a Redis URL is given). The child is started through util-linux
 `setpriv --pdeathsig TERM` so it goes when the replica goes, however the replica dies.
 Readiness is the service's own `serving` log line, which also carries the bound port.
+
+The service listens on the node's address, so it always requires a shared secret: the one of
+`cache_service_token_file`, else a random one made here. The secret goes to the child through
+its stdin (`--auth-token-file /dev/stdin`: never on disk or in its argv), and to the app's
+clients through `CacheService.endpoint()`.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -37,15 +43,17 @@ class CacheServiceProcess:
     def __init__(self, settings: AppSettings, host: str, start_timeout_s: float = 60.0):
         data_dir = Path(settings.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
+        self.auth_token = settings.read_cache_service_token() or secrets.token_urlsafe(32)
         argv = [*_die_with_parent(), sys.executable, "-m", "cache_service", "--host", host, "--port", "0",
-                "--data-dir", str(data_dir)]
+                "--data-dir", str(data_dir), "--auth-token-file", "/dev/stdin"]
         if settings.redis_url:
             argv += ["--redis-url", settings.redis_url]
-        if settings.cache_service_token_file:
-            argv += ["--auth-token-file", settings.cache_service_token_file]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
         env.pop("REDIS_URL", None)  # the flag above is the only source
-        self.proc = subprocess.Popen(argv, cwd=_REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(argv, cwd=_REPO_ROOT, env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.proc.stdin.write(self.auth_token)
+        self.proc.stdin.close()
         self.port = 0
         self._ready = threading.Event()
         threading.Thread(target=self._drain, name="cache-service-log", daemon=True).start()
@@ -85,6 +93,10 @@ class CacheService:
 
     def address(self) -> str:
         return self._process.address
+
+    def endpoint(self) -> tuple[str, str]:
+        """(address, shared secret) for the app's clients."""
+        return self._process.address, self._process.auth_token
 
     def check_health(self) -> None:
         if self._process.proc.poll() is not None:

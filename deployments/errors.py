@@ -1,13 +1,26 @@
-"""OpenAI-style error bodies, `{"error": {"message", "type", "code", "param"}}`, for every failure."""
+"""OpenAI-style error bodies, `{"error": {"message", "type", "code", "param"}}`, for every failure.
+
+A 500 never tells the client what failed inside (exception text, worker internals): the details
+go to the log under the request's id (Ray Serve's `x-request-id`, also a response header), and
+the client gets a generic message naming that id.
+"""
 
 from __future__ import annotations
+
+import contextvars
+import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deployments.protocol import ErrorKind
+
+log = logging.getLogger("hybridserve.errors")
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error", 503: "service_unavailable"}
@@ -29,14 +42,25 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-_KIND_STATUS = {ErrorKind.INVALID: 400, ErrorKind.TOO_LONG: 413, ErrorKind.CONFLICT: 409,
+# context_length_exceeded is a 400, as in OpenAI's API; 413 is only a body over the size limit.
+_KIND_STATUS = {ErrorKind.INVALID: 400, ErrorKind.TOO_LONG: 400, ErrorKind.CONFLICT: 409,
                 ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500,
                 ErrorKind.OUTCOME_UNKNOWN: 503}
 
 
 def from_kind(kind: ErrorKind, message: str) -> APIError:
+    if kind is ErrorKind.INTERNAL:
+        return internal(message)
     status = _KIND_STATUS[kind]
     return APIError(status, message, kind.value, retry_after_s=1 if status == 503 else None)
+
+
+def internal(details: str) -> APIError:
+    """A 500: `details` are logged, never sent."""
+    request_id = _request_id.get()
+    log.error("internal error in request %s: %s", request_id or "?", details)
+    return APIError(500, f"the server failed to process the request (request id {request_id or 'unknown'}); "
+                         "the details are in its log", "internal_error")
 
 
 def busy(conversation_id: str) -> APIError:
@@ -47,7 +71,25 @@ def overloaded(why: str) -> APIError:
     return APIError(503, why, "overloaded", retry_after_s=1)
 
 
+class _RequestIdContext:
+    """Makes the request's id (set by Serve's proxy) known to `internal()` wherever it runs."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            _request_id.set(dict(scope.get("headers", ())).get(b"x-request-id", b"").decode(errors="replace"))
+        await self.app(scope, receive, send)
+
+
 def install(app: FastAPI) -> None:
+    app.add_middleware(_RequestIdContext)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        return internal(f"{type(exc).__name__}: {exc}").response()
+
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -55,10 +97,15 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        return APIError(400, message, "invalid_request", param=where or None).response()
+        # A union's value fails each member: its type mismatches say less than the other errors.
+        first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0] if errors else {})
+        # Field names and list indices; not "body" nor pydantic's names of union members
+        where = ".".join(str(p) for p in first.get("loc", ())[1:] if re.fullmatch(r"\w+", str(p)))
+        unsupported = first.get("type") in ("extra_forbidden", "unsupported")
+        why = "not supported by this server" if unsupported else first.get("msg", "invalid request")
+        message = f"{where}: {why}" if where else why
+        code = "unsupported_parameter" if unsupported else "invalid_request"
+        return APIError(400, message, code, param=where or None).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

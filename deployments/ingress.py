@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Annotated
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,8 +27,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, NotFound
 from deployments import errors
-from deployments.api_models import ChatCompletionRequest
-from deployments.cache_access import cache_client_config
+from deployments.api_models import CacheSalt, ChatCompletionRequest
+from deployments.body_limit import BodyLimit
+from deployments.cache_access import CacheConnection
 from deployments.errors import APIError
 from deployments.lease_keeper import LeaseKeeper
 from deployments.metrics import ServeMetrics
@@ -76,6 +78,7 @@ def _refusal(request: Request) -> APIError | None:
 
 
 api.add_middleware(_Guard)
+api.add_middleware(BodyLimit)
 
 
 def _bearer(request: Request) -> str:
@@ -115,19 +118,17 @@ class ChatIngress:
         self.cache_host = cache_host
         self.model = _model_name(settings)
         self.metrics = ServeMetrics()
-        self._client: CacheClient | None = None
-        self._keeper: LeaseKeeper | None = None  # made with the client
+        self._keeper: LeaseKeeper | None = None  # made with the connection's client
+        self._connection = CacheConnection(settings, cache_host, "ingress", self._connected)
         self._inflight = 0
         api.state.max_body_bytes = settings.max_body_bytes
         api.state.api_keys = settings.read_api_keys()
 
     async def _cache(self) -> CacheClient:
-        if self._client is None:
-            address = self.settings.cache_service or await self.cache_host.address.remote()
-            config = cache_client_config("ingress", self.settings)
-            self._client = CacheClient(address, config)
-            self._keeper = LeaseKeeper(address, config, on_delay=self.metrics.lease_renewal_delay)
-        return self._client
+        return await self._connection.get()
+
+    def _connected(self, client: CacheClient) -> None:
+        self._keeper = LeaseKeeper(client.target, client.config, on_delay=self.metrics.lease_renewal_delay)
 
     def _salt(self, request: Request, cache_salt: str) -> str:
         """The caller's salt, scoped to its API key when authentication is on (checked by _guard)."""
@@ -262,7 +263,7 @@ class ChatIngress:
 
     @api.get("/v1/conversations/{conversation_id}")
     async def get_conversation(self, conversation_id: str, request: Request,
-                               cache_salt: str = Query(..., max_length=256)) -> dict:
+                               cache_salt: Annotated[CacheSalt, Query()]) -> dict:
         conv = Conversation(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
         try:
@@ -283,7 +284,7 @@ class ChatIngress:
 
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,
-                                  cache_salt: str = Query(..., max_length=256)) -> dict:
+                                  cache_salt: Annotated[CacheSalt, Query()]) -> dict:
         conv = Conversation(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
         cache = await self._cache()

@@ -83,7 +83,7 @@ class Recovery(enum.Enum):
 
 class ErrorKind(enum.Enum):
     INVALID = "invalid_request"  # 400
-    TOO_LONG = "context_length_exceeded"  # 413
+    TOO_LONG = "context_length_exceeded"  # 400, as in OpenAI's API
     CONFLICT = "conversation_conflict"  # 409: the head moved or the lease was lost meanwhile
     UNAVAILABLE = "unavailable"  # 503: a dependency is down, retry later
     INTERNAL = "internal_error"  # 500: a bug or a failed model step, never bad input

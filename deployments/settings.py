@@ -12,7 +12,18 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cache_service.client import SERVICE_LIMITS
 from workers.quantization import WeightQuantization
+
+MAX_OUTPUT_TOKENS = 4096  # max_tokens of one request
+# What one reply adds to its turn's content, beyond the request's messages: MAX_OUTPUT_TOKENS
+# tokens of at most this many bytes of text each (vocabularies' longest tokens are far shorter).
+REPLY_BYTES_PER_TOKEN = 128
+# The request body bounds the turn's messages (their JSON is at least their UTF-8 bytes): with
+# the longest reply they must fit the cache service's limit on one turn's content.
+MAX_BODY_BYTES = SERVICE_LIMITS.max_turn_content_bytes - MAX_OUTPUT_TOKENS * REPLY_BYTES_PER_TOKEN
+KEY_SCOPE_HEX = 16
+SCOPE_PREFIX_BYTES = KEY_SCOPE_HEX + 1  # "<scope>:" before the caller's salt when auth is on
 
 
 class TierExport(str, enum.Enum):
@@ -35,10 +46,11 @@ class AppSettings(BaseModel):
         0.5, ge=0, le=60, description="async export: how long a conversation must be quiet on its replica before its "
                                       "head goes to the tier (a next turn within it supersedes the head)")
     api_keys: tuple[str, ...] = Field((), description="bearer tokens; empty: no authentication")
-    lease_ttl_s: float = Field(30.0, gt=0.05, le=3600)
+    lease_ttl_s: float = Field(30.0, gt=0.05, description="at most the cache service's longest lease")
     busy_wait_s: float = Field(30.0, ge=0, description="longest wait of a turn that asked to wait for its conversation")
     max_inflight: int = Field(64, ge=1, description="turns in flight at the ingress beyond which it answers 503")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies beyond this get 413")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies beyond this get 413 (at most "
+                                                              "MAX_BODY_BYTES: a turn must fit the cache service)")
     forget_timeout_s: float = Field(
         5.0, gt=0, le=300, description="DELETE: longest wait for the owner replica to free its local copy "
                                        "(best effort: the answer is 200 either way, a stale copy is never used)")
@@ -62,6 +74,19 @@ class AppSettings(BaseModel):
         if isinstance(value, str):  # `serve run ... api_keys=k1,k2`
             return tuple(k for k in value.split(",") if k)
         return value
+
+    @model_validator(mode="after")
+    def _within_service_limits(self) -> AppSettings:
+        # Each of these would pass every check up to the turn's publish, and fail every turn there.
+        longest_lease_s = SERVICE_LIMITS.max_lease_ttl_ms / 1000
+        if self.lease_ttl_s > longest_lease_s:
+            raise ValueError(f"lease_ttl_s={self.lease_ttl_s:g} is over the cache service's longest lease, "
+                             f"{longest_lease_s:g} s")
+        if self.max_body_bytes > MAX_BODY_BYTES:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes} is over {MAX_BODY_BYTES}: a turn's messages "
+                             f"and its longest reply must fit the cache service's "
+                             f"{SERVICE_LIMITS.max_turn_content_bytes} bytes of turn content")
+        return self
 
     @model_validator(mode="after")
     def _int8_on_cpu(self) -> AppSettings:
@@ -96,4 +121,4 @@ class AppSettings(BaseModel):
         """A short, stable name of an API key, prefixed to cache salts when auth is on."""
         if not api_key:
             return ""
-        return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+        return hashlib.sha256(api_key.encode()).hexdigest()[:KEY_SCOPE_HEX]

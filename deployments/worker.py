@@ -30,7 +30,7 @@ from cache_service.client import (
     TurnResult,
     VersionConflict,
 )
-from deployments.cache_access import cache_client_config
+from deployments.cache_access import CacheConnection
 from deployments.engine_session import EngineSession
 from deployments.protocol import (
     ErrorKind,
@@ -85,17 +85,17 @@ class Worker:
         self.settings = settings
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.session = EngineSession(settings.model or str(builtin_model_dir()), settings)
-        self._cache_host = cache_host
         self._client: CacheClient | None = None
+        self._connection = CacheConnection(settings, cache_host, f"worker:{self.replica_id}", self._connected)
         self._tasks: set[asyncio.Task] = set()
         self.exporter = TierExporter(self.session, settings, self._cache, self._spawn)
 
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
-        if self._client is None:
-            address = self.settings.cache_service or await self._cache_host.address.remote()
-            self._client = CacheClient(address, cache_client_config(f"worker:{self.replica_id}", self.settings))
-        return self._client
+        return await self._connection.get()
+
+    def _connected(self, client: CacheClient) -> None:
+        self._client = client  # closed at shutdown
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

@@ -29,4 +29,4 @@ def test_no_server_errors(case, stack):
     assert response.status_code < 500, f"{where} -> {response.status_code}: {response.text[:500]}"
     if response.status_code >= 400:
         error = response.json()["error"]
-        assert error["message"] and error["type"] and error["code"]
+        assert error["message"] and error["type"] and error["code"] and "param" in error

@@ -44,12 +44,12 @@ async def test_malformed_json_and_unknown_routes(stack):
         assert_error(await http.delete("/v1/conversations/abc", params={"cache_salt": "s"}), 404)
 
 
-async def test_too_long_is_413(stack):
+async def test_too_long_is_400_and_a_body_too_large_413(stack):
     async with stack.http() as http:
         body = {"model": stack.model, "messages": [user("x" * 5000)], "max_tokens": 2}
-        assert_error(await http.post("/v1/chat/completions", json=body), 413, "context_length_exceeded")
+        assert_error(await http.post("/v1/chat/completions", json=body), 400, "context_length_exceeded")
         huge = {"model": stack.model, "messages": [user("x" * (2 << 20))], "max_tokens": 2}
-        assert_error(await http.post("/v1/chat/completions", json=huge), 413)
+        assert_error(await http.post("/v1/chat/completions", json=huge), 413, "request_too_large")
 
 
 async def test_delete_drops_the_conversation(stack, conv_id):

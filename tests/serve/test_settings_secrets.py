@@ -46,6 +46,21 @@ async def test_the_started_cache_service_requires_the_shared_secret_from_the_fil
         service.stop()
 
 
+async def test_without_a_secret_file_the_started_cache_service_gets_a_random_secret(tmp_path):
+    service = CacheServiceProcess(AppSettings(data_dir=str(tmp_path / "data")), "127.0.0.1")
+    other = CacheServiceProcess(AppSettings(data_dir=str(tmp_path / "other")), "127.0.0.1")
+    try:
+        assert service.auth_token != other.auth_token
+        async with CacheClient(service.address, cache_client_config("test", AppSettings(), service.auth_token)) as c:
+            assert (await c.stats()).tier_budget_bytes > 0
+        async with CacheClient(service.address, cache_client_config("test", AppSettings())) as anonymous:
+            with pytest.raises(Unauthenticated):
+                await anonymous.stats()
+    finally:
+        service.stop()
+        other.stop()
+
+
 def test_weight_quantization_is_validated_and_reaches_the_engine(tmp_path):
     from deployments.engine_session import EngineSession
     from workers.checkpoint import Arch, Preset, make_model
