@@ -14,9 +14,6 @@
 //                      y_t[p]      = state[p, :] . C_t[:]
 //
 // which is fewer flops than SSD's four matmuls and no memory traffic beyond reading the inputs.
-// Measured: SSD with batched small GEMMs was no cheaper even at 128-token prompts (its GEMMs and
-// decay matrices alone ~12 ms against ~13 ms for this whole recurrence before the running scale;
-// 8 x 128 tokens, one layer, one thread).
 // Most tokens skip the decay's multiply by keeping the state over a running scale, two at a
 // time (`plan_run`, `step_pair`); the slot always ends holding the state itself.
 // Padding is not run at all (`lengths`); the SSD fallback runs it with dt = 0 instead.
