@@ -96,7 +96,9 @@ def add_floors(rows: list[dict], peak_gflops: float) -> None:
         }
 
 
-def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool, weight_mib: float, preset: str = Preset.BENCH.value) -> str:
+def markdown(
+    rows: list[dict], env: dict, arch: Arch, quick: bool, weight_mib: float, preset: str = Preset.BENCH.value
+) -> str:
     cpu = env["cpu"]
     backends = list(rows[0]["ms"])
     head = (
