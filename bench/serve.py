@@ -373,8 +373,13 @@ def headline(res: dict) -> dict:
                 "ratio": o[t]["ttft_p50_s"] / a[t]["ttft_p50_s"],
                 "a_ttft_p50_s": a[t]["ttft_p50_s"], "other_ttft_p50_s": o[t]["ttft_p50_s"]}
     oh = res.get("overhead", {})
-    if oh.get("http") and oh.get("in_process"):
-        http, local = oh["http"]["ttft_s"], oh["in_process"]["ttft_s"]
+    # A probe whose reply streamed no text (a greedy reply that ended at once) has no HTTP TTFT.
+    pairs = list(zip(oh["http"]["ttft_s"], oh["in_process"]["ttft_s"])) if oh.get("http") and oh.get("in_process") else []
+    pairs = [(h, p) for h, p in pairs if h is not None and p is not None]
+    if oh and not pairs:
+        out["overhead_unmeasured"] = "no overhead probe streamed text over HTTP"
+    if pairs:
+        http, local = [h for h, _ in pairs], [p for _, p in pairs]
         out["overhead_ratio"] = statistics.median(http) / statistics.median(local)
         out["overhead_ratio_of_minima"] = min(http) / min(local)
         # The history is what the measured turn reused; the prompt adds the new message to it.
@@ -439,10 +444,12 @@ def markdown(res: dict) -> str:
         oh = res["overhead"]
         lines.append(f"Serving overhead at a {h['overhead_history_tokens']:.0f}-token history "
                      f"({h['overhead_prompt_tokens']:.0f}-token prompt): HTTP TTFT "
-                     f"{_ms(statistics.median(oh['http']['ttft_s']))} ms / in-process "
+                     f"{_ms(statistics.median(t for t in oh['http']['ttft_s'] if t is not None))} ms / in-process "
                      f"{_ms(statistics.median(oh['in_process']['ttft_s']))} ms = {h['overhead_ratio']:.2f}x "
                      f"(medians of {len(oh['http']['ttft_s'])} alternating samples; of the minima "
                      f"{h['overhead_ratio_of_minima']:.2f}x; target <= 1.3x).")
+    if "overhead_unmeasured" in h:
+        lines.append(f"Serving overhead: not measured ({h['overhead_unmeasured']}).")
     for note in res["not_run"]:
         lines.append(f"- Not run: {note}")
     for note in res.get("notes", []):
