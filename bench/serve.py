@@ -87,7 +87,7 @@ QUICK = Plan(conversations=2, turns=4, system_tokens=300, user_tokens=(60, 80), 
              overhead_history_tokens=500, overhead_samples=3, request_timeout_s=300, mode_budget_s=600)
 # Proves the benchmark runs (CI, tests/bench): the tiny checkpoint, one short conversation; measures nothing.
 SMOKE = Plan(conversations=1, turns=2, system_tokens=60, user_tokens=(10, 16), reply_tokens=(2, 3),
-             overhead_history_tokens=200, overhead_samples=1, request_timeout_s=120, mode_budget_s=120, preset="tiny")
+             overhead_history_tokens=200, overhead_samples=1, request_timeout_s=300, mode_budget_s=600, preset="tiny")
 
 MODES = {
     "a": "(a) our app, conversation cache on",
