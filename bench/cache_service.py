@@ -8,7 +8,8 @@ directly with redis-py. Each of C concurrent clients works on its own conversati
 measure overhead, not lease contention. Also measures state tier put/get throughput
 (fresh and incremental puts), next to plain redis-py SET/GET of the same bytes.
 
-Writes bench/results/cache_service.json and bench/results/cache_service.md.
+Writes bench/results/cache_service.json and bench/results/cache_service.md (--smoke:
+cache_service.smoke.*, --results-dir elsewhere).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import grpc
 import redis
 import redis.asyncio as aioredis
 
+from bench.common import write_results
 from cache_service import scripts
 from cache_service.client import CacheClient, Conversation
 from cache_service.config import FsyncPolicy
@@ -61,6 +63,7 @@ class Plan:
 
 FULL = Plan(10.0, 10, (1, 16, 64), 64 << 20, 256 << 20, (FsyncPolicy.EVERYSEC, FsyncPolicy.ALWAYS))
 QUICK = Plan(1.5, 3, (1, 16, 64), 16 << 20, 64 << 20, (FsyncPolicy.EVERYSEC,))
+SMOKE = Plan(0.2, 1, (1, 4), 1 << 20, 8 << 20, (FsyncPolicy.EVERYSEC,))  # proves it runs, measures nothing
 
 
 @dataclass
@@ -315,13 +318,14 @@ async def main_async(plan: Plan, mode: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="short run (CI smoke)")
+    parser.add_argument("--quick", action="store_true", help="a short run")
+    parser.add_argument("--smoke", action="store_true", help="a fraction of a second per point: proves it runs")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
-    plan, mode = (QUICK, "quick") if args.quick else (FULL, "full")
+    plan, mode = (SMOKE, "smoke") if args.smoke else (QUICK, "quick") if args.quick else (FULL, "full")
     results = asyncio.run(main_async(plan, mode))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cache_service.json").write_text(json.dumps(results, indent=2) + "\n")
-    (RESULTS / "cache_service.md").write_text(markdown(results))
+    name = "cache_service.smoke" if args.smoke else "cache_service"
+    write_results(name, results, markdown(results), args.results_dir)
     print(markdown(results))
 
 

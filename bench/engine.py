@@ -19,7 +19,8 @@ the same events (`bench.engine_sides`):
     decode tokens/s  = tokens produced after t_first / (t_end - t_first)
     e2e tokens/s     = generated tokens / (t_end - t0)
 
-Writes bench/results/engine.{json,md,png} (a quick run: engine.quick.*).
+Writes bench/results/engine.{json,md,png} (a quick run: engine.quick.*; --smoke, the tiny
+checkpoints in seconds: engine.smoke.*; --results-dir elsewhere).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Plan:
 # unlucky run too often. Two more cost about 3 minutes per family.
 FULL = Plan((1, 8, 32), 128, 64, 5, (2048, 8192), 8, 32)
 QUICK = Plan((1, 8), 128, 16, 1, (2048,), 8, 16)
+SMOKE = Plan((2,), 16, 4, 1, (64,), 2, 4)  # with the tiny checkpoint: proves the benchmark runs, measures nothing
 
 
 def checkpoint_dir(arch: Arch, preset: Preset, seed: int, model_dir: Path | None) -> Path:
@@ -88,11 +90,12 @@ def _sides(arch: Arch, model_dir: Path, plan: Plan, threads: int, with_vllm: boo
     longest = max(plan.long_histories, default=0) + plan.long_new_tokens
     kv, _ = layouts_for(read_model_config(model_dir), 1, 16, 1, torch.float32)
     kv_bytes = max(512 << 20, 2 * plan.long_concurrency * longest * kv.block_bytes // 16)  # the long rows fit
-    sides: dict[Side, object] = {Side.OURS: OursRunner(model_dir, threads, kv_bytes)}
-    sides[Side.TRANSFORMERS] = TransformersRunner(model_dir)
+    ours = OursRunner(model_dir, threads, kv_bytes)
+    never_sampled = tuple(ours.engine.tokenizer.never_sample_ids)  # suppressed on every side alike
+    sides: dict[Side, object] = {Side.OURS: ours, Side.TRANSFORMERS: TransformersRunner(model_dir, never_sampled)}
     if with_vllm and vllm_runs(arch):
         max_len = max(longest, plan.prompt_len + plan.new_tokens) + 64
-        sides[Side.VLLM] = VllmRunner(model_dir, threads, max_model_len=max_len)
+        sides[Side.VLLM] = VllmRunner(model_dir, threads, max_model_len=max_len, suppress=never_sampled)
     if with_int8:
         sides[Side.OURS_INT8] = OursRunner(model_dir, threads, weight_quantization=WeightQuantization.INT8)  # no long rows
     torch.set_num_threads(threads)  # the engine sets it too; make sure every in-process side uses the same
@@ -125,40 +128,43 @@ def _rotated(sides: list[Side], r: int) -> list[Side]:
 
 
 def _agreement(outputs: dict[Side, list[list[int]]], never_sampled: frozenset[int]) -> dict[str, dict[str, float]]:
-    """Greedy agreement of each peer with ours, per sequence.
+    """Greedy agreement of each peer with ours over whole sequences.
 
     Our engine never samples control tokens (the tokenizer's `never_sample_token_ids`: a chat
-    server must not emit a turn marker as text); `transformers` and vLLM do when greedy picks
-    one, and from there the two sequences go different ways by policy, not by arithmetic. So
-    beside the strict figure, `until_peer_control_token` is the share of sequences equal up to
-    the peer's first control token, among those with at least one token before it (an empty
-    prefix compares nothing), `peer_sampled_control` how often the peer sampled one, and
-    `tokens_compared` the mean length of the compared prefixes (random `bench` weights pick
-    control tokens often enough to matter).
+    server must not emit a turn marker as text); every peer gets the same ids suppressed
+    (transformers `suppress_tokens`, vLLM `allowed_token_ids` = the rest) and EOS is an
+    ordinary token on all sides (ignore_eos), so the sequences compare whole:
+
+        first_token          share of sequences whose first token is equal
+        all_tokens           share of sequences whose N tokens are all equal
+        agreeing_prefix      mean length of the equal prefix (N when all agree), and its minimum
     """
     ours = outputs[Side.OURS]
 
-    def until_control(theirs: list[int]) -> int:
-        return next((i for i, t in enumerate(theirs) if t in never_sampled), len(theirs))
+    def prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
     result = {}
     for side, theirs in outputs.items():
+        sampled = sorted({t for seq in theirs for t in seq} & never_sampled)
+        if sampled:
+            raise RuntimeError(f"{side.value} sampled the suppressed control ids {sampled}")
         if side is Side.OURS:
             continue
-        cut = [until_control(t) for t in theirs]
-        compared = [(a[:n], b[:n]) for a, b, n in zip(ours, theirs, cut) if n > 0]
+        prefixes = [prefix(a, b) for a, b in zip(ours, theirs)]
         result[side.value] = {
             "first_token": sum(a[:1] == b[:1] for a, b in zip(ours, theirs)) / len(ours),
             "all_tokens": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
-            "until_peer_control_token": sum(a == b for a, b in compared) / len(compared) if compared else None,
-            "peer_sampled_control": sum(n < len(t) for t, n in zip(theirs, cut)) / len(ours),
-            "tokens_compared": sum(cut) / len(ours),
+            "agreeing_prefix_mean": sum(prefixes) / len(prefixes),
+            "agreeing_prefix_min": min(prefixes),
+            "tokens_per_sequence": len(ours[0]),
         }
     return result
 
 
 def bench_arch(
-    arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int, with_vllm: bool, with_int8: bool = True
+    arch: Arch, plan: Plan, model_dir: Path, threads: int, seed: int, with_vllm: bool, with_int8: bool = True,
+    preset: Preset = Preset.BENCH,
 ) -> dict:
     sides = _sides(arch, model_dir, plan, threads, with_vllm, with_int8)
     names = list(sides)
@@ -194,10 +200,10 @@ def bench_arch(
     finally:
         for side in sides.values():
             side.close()
-    shape = preset_shape(arch, Preset.BENCH)
+    shape = preset_shape(arch, preset)
     return {
         "model": {
-            "arch": arch.value, "preset": Preset.BENCH.value, "parameters": parameters, "dtype": "float32",
+            "arch": arch.value, "preset": preset.value, "parameters": parameters, "dtype": "float32",
             "hidden_size": shape.hidden_size, "layer_pattern": shape.layer_pattern, "checkpoint": str(model_dir),
         },  # fmt: skip
         "sides": [s.value for s in names if s is not Side.OURS_INT8],  # the like-for-like tables' columns
@@ -342,8 +348,10 @@ METHOD = {
     "cores' pace during that run, which moves by up to a third within seconds here",
     "prompts": "fixed length, random ids from the ordinary (non-special) vocabulary, the same prompts for all sides",
     "generation": "greedy, exactly N new tokens per sequence (EOS ignored): ours SamplingParams(temperature=0, "
-    "ignore_eos=True); vLLM SamplingParams(temperature=0, min_tokens=max_tokens=N, ignore_eos=True); transformers "
-    "generate(do_sample=False, min_new_tokens=max_new_tokens=N), left padding",
+    "ignore_eos=True); vLLM SamplingParams(temperature=0, min_tokens=max_tokens=N, ignore_eos=True, allowed_token_ids="
+    "= all but our never-sampled control ids); transformers generate(do_sample=False, max_new_tokens=N, "
+    "eos_token_id=None, suppress_tokens=our never-sampled control ids), left padding; so greedy agreement compares "
+    "whole sequences",
     "vllm_settings": "LLM(dtype=float32, enable_prefix_caching=False, kv_cache_memory_bytes=1 GiB, max_num_seqs=64, "
     "default compilation), driven by LLMEngine.add_request/step in process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
     "phases": "t0 = inputs ready; t_first = every sequence has its first token (ours and vLLM: between engine steps; "
@@ -371,9 +379,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--long-histories", type=int, nargs="*", default=None, help="history lengths of the long-context rows")
     parser.add_argument("--seed", type=int, default=0, help="checkpoint and prompt seed")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--smoke", action="store_true", help="tiny checkpoints, seconds: proves it runs, measures nothing")
     args = parser.parse_args(argv)
 
-    plan = QUICK if args.quick else FULL
+    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    preset = Preset.TINY if args.smoke else Preset.BENCH
     plan = replace(plan, new_tokens=args.new_tokens or plan.new_tokens, repeats=args.repeats or plan.repeats)
     if args.long_histories is not None:
         plan = replace(plan, long_histories=tuple(args.long_histories))
@@ -382,17 +392,20 @@ def main(argv: list[str] | None = None) -> dict:
     env = environment_info()
     started = time.perf_counter()
     families: dict[str, dict] = {}
-    name = "engine.quick" if args.quick else "engine"
+    name = "engine.smoke" if args.smoke else "engine.quick" if args.quick else "engine"
     for arch in archs:  # results are rewritten after every family, so a long run keeps what it measured
-        model_dir = checkpoint_dir(arch, Preset.BENCH, args.seed, None)
-        families[arch.value] = bench_arch(arch, plan, model_dir, args.threads, args.seed, not args.no_vllm, not args.no_int8)
+        model_dir = checkpoint_dir(arch, preset, args.seed, None)
+        families[arch.value] = bench_arch(
+            arch, plan, model_dir, args.threads, args.seed, not args.no_vllm, not args.no_int8, preset
+        )
         results = {
             "benchmark": "engine",
             "environment": env,
             "load_average_at_end": list(os.getloadavg()),
             "wall_seconds": time.perf_counter() - started,
             "settings": asdict(plan)
-            | {"threads": args.threads, "quick": args.quick, "with_vllm": not args.no_vllm, "with_int8": not args.no_int8},
+            | {"threads": args.threads, "quick": args.quick, "smoke": args.smoke, "with_vllm": not args.no_vllm,
+               "with_int8": not args.no_int8},
             "method": METHOD,
             "targets": TARGETS,
             "families": families,

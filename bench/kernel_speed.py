@@ -22,7 +22,8 @@ Rows:
 
 Each figure is the minimum over repeats of process CPU time (what the two threads spent, which
 a shared machine inflates less than wall time) and of wall time, the two sides alternated.
-The largest output difference is recorded beside each row. Writes bench/results/kernels[.quick].{json,md}.
+The largest output difference is recorded beside each row. Writes bench/results/kernels[.quick].{json,md}
+(--smoke, tiny shapes in seconds: kernels.smoke.*; --results-dir elsewhere).
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ QUICK = {
     "prefill_attention": [(2048, 6144)],
     "attention": [(8, 2048), (1, 8192)],
     "decode_mixer": [8],
+}
+SMOKE = {  # with the tiny checkpoint: proves the benchmark runs, measures nothing
+    "scan": [(1, 64)],
+    "mixer": [(2, 32)],
+    "prefill_attention": [(32, 64)],
+    "attention": [(2, 64)],
+    "decode_mixer": [2],
 }
 
 
@@ -247,11 +255,11 @@ def _sides(times: dict[str, dict[str, float]]) -> dict:
     return out
 
 
-def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool) -> str:
+def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool, preset: str = Preset.BENCH.value) -> str:
     cpu = env["cpu"]
     head = (
         f"# Mixer kernels, fast vs reference{' (quick)' if quick else ''}\n\n"
-        f"`{arch.value}` / `bench` shapes, fp32, {env['torch_threads']} threads, CPU {cpu['model']} "
+        f"`{arch.value}` / `{preset}` shapes, fp32, {env['torch_threads']} threads, CPU {cpu['model']} "
         f"({', '.join(cpu['simd_flags'])}), torch {env['torch']}. Load average at start: "
         f"{[round(v, 2) for v in env['load_average_1_5_15m']]} (a shared machine inflates every figure). "
         "Min over repeats, sides alternated; ms of process CPU time (wall in brackets).\n\n"
@@ -294,23 +302,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repeat: proves it runs, measures nothing")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    plan, repeats = (QUICK, 3) if args.quick else (FULL, 7)
+    plan, repeats = (SMOKE, 1) if args.smoke else (QUICK, 3) if args.quick else (FULL, 7)
     repeats = args.repeats or repeats
-    config = read_model_config(checkpoint_dir(args.arch, Preset.BENCH, 0, None))
+    preset = Preset.TINY if args.smoke else Preset.BENCH
+    config = read_model_config(checkpoint_dir(args.arch, preset, 0, None))
     built = {"scan_kernel_built": scan_kernels() is not None, "decode_kernels_built": decode_kernels() is not None}
     env = environment_info() | built
     rows = [scan_row(config.mamba, b, t, repeats) for b, t in plan["scan"]]
-    rows.append(scan_row(config.mamba, 8, 2048 if not args.quick else 512, repeats, short=32))
+    rows.append(scan_row(config.mamba, 8, 128 if args.smoke else 512 if args.quick else 2048, repeats, short=32))
     rows += [mixer_row(config.mamba, config.hidden_size, b, t, repeats) for b, t in plan["mixer"]]
     rows += [prefill_attention_row(config.attention, n, t, repeats) for n, t in plan["prefill_attention"]]
     rows += [attention_row(config.attention, b, t, repeats) for b, t in plan["attention"]]
     probes = memory_probes()
     rows += [decode_mixer_row(config, b, repeats, probes) for b in plan["decode_mixer"]]
-    name = "kernels.quick" if args.quick else "kernels"
-    data = {"environment": env, "arch": args.arch.value, "repeats": repeats, "rows": rows}
-    json_path, md_path = write_results(name, data, markdown(rows, env, args.arch, args.quick), args.results_dir)
+    name = "kernels.smoke" if args.smoke else "kernels.quick" if args.quick else "kernels"
+    data = {
+        "environment": env, "arch": args.arch.value, "preset": preset.value, "quick": args.quick, "repeats": repeats,
+        "rows": rows,
+    }  # fmt: skip
+    json_path, md_path = write_results(
+        name, data, markdown(rows, env, args.arch, args.quick, preset.value), args.results_dir
+    )
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
 

@@ -18,7 +18,8 @@ reads), GFLOPS, and the largest output difference from F.linear. The panel kerne
 given against its two floors, both from the same run: the memory floor, its own 1-row pass (a
 pass over the weights with next to no arithmetic), and the compute floor, the pass's flops at the
 measured fp32 peak (`bench.roofline.fp32_peak`, operands hot in the caches). Writes
-bench/results/linear_speed[.quick].{json,md,png}.
+bench/results/linear_speed[.quick].{json,md,png} (--smoke, the tiny checkpoint in seconds:
+linear_speed.smoke.*; --results-dir elsewhere).
 """
 
 from __future__ import annotations
@@ -95,12 +96,14 @@ def add_floors(rows: list[dict], peak_gflops: float) -> None:
         }
 
 
-def markdown(rows: list[dict], env: dict, arch: Arch, quick: bool, weight_mib: float) -> str:
+def markdown(
+    rows: list[dict], env: dict, arch: Arch, quick: bool, weight_mib: float, preset: str = Preset.BENCH.value
+) -> str:
     cpu = env["cpu"]
     backends = list(rows[0]["ms"])
     head = (
         f"# Weight matmuls per backend{' (quick)' if quick else ''}\n\n"
-        f"`{arch.value}` / `bench` preset: a pass over every block linear ({weight_mib:.0f} MiB of fp32 weights), "
+        f"`{arch.value}` / `{preset}` preset: a pass over every block linear ({weight_mib:.0f} MiB of fp32 weights), "
         f"{env['torch_threads']} threads, CPU {cpu['model']} ({', '.join(cpu['simd_flags'])}), torch {env['torch']}. "
         f"Load average at start: {[round(v, 2) for v in env['load_average_1_5_15m']]}. Min over repeats, backends "
         "alternated. GB/s = fp32 weight bytes / time (for panels_int8 the bytes it stands for; it reads a quarter). "
@@ -158,14 +161,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--smoke", action="store_true", help="tiny checkpoint, rows 1 and 8, one repeat: proves it runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(checkpoint_dir(args.arch, Preset.BENCH, 0, None), torch.float32, "cpu")
+    preset = Preset.TINY if args.smoke else Preset.BENCH
+    model = load_model(checkpoint_dir(args.arch, preset, 0, None), torch.float32, "cpu")
     linears = [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
     backends = available_backends()
     if LinearBackend.PANELS in backends:
         backends += (LinearBackend.PANELS_INT8,)
-    row_counts, repeats = (ROWS_QUICK, 3) if args.quick else (ROWS_FULL, 5)
+    row_counts, repeats = ((1, 8), 1) if args.smoke else (ROWS_QUICK, 3) if args.quick else (ROWS_FULL, 5)
     repeats = args.repeats or repeats
     env = environment_info()
     with torch.inference_mode():
@@ -175,9 +180,13 @@ def main() -> None:
             env["fp32_peak_gflops"] = max(env["fp32_peak_probes_gflops"].values())
             add_floors(rows, env["fp32_peak_gflops"])
     weight_mib = sum(m.weight.numel() * 4 for m in linears) / 2**20
-    name = "linear_speed.quick" if args.quick else "linear_speed"
-    data = {"environment": env, "arch": args.arch.value, "repeats": repeats, "weight_mib": weight_mib, "rows": rows}
-    json_path, md_path = write_results(name, data, markdown(rows, env, args.arch, args.quick, weight_mib), args.results_dir)
+    name = "linear_speed.smoke" if args.smoke else "linear_speed.quick" if args.quick else "linear_speed"
+    data = {
+        "environment": env, "arch": args.arch.value, "preset": preset.value, "quick": args.quick, "repeats": repeats,
+        "weight_mib": weight_mib, "rows": rows,
+    }  # fmt: skip
+    markdown_text = markdown(rows, env, args.arch, args.quick, weight_mib, preset.value)
+    json_path, md_path = write_results(name, data, markdown_text, args.results_dir)
     plot(rows, args.results_dir / f"{name}.png")
     print(md_path.read_text())
     print(f"wrote {json_path}, {md_path} and {args.results_dir / f'{name}.png'}")

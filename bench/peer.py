@@ -67,8 +67,9 @@ class VllmPeer:
             raise PeerError(reply["error"])
         return reply
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> dict:
-        return self._call({"op": "generate", "prompts": prompts, "new_tokens": new_tokens})
+    def generate(self, prompts: list[list[int]], new_tokens: int, suppress: tuple[int, ...] = ()) -> dict:
+        """`suppress`: ids vLLM must never sample (our engine's never-sampled control ids)."""
+        return self._call({"op": "generate", "prompts": prompts, "new_tokens": new_tokens, "suppress": list(suppress)})
 
     def info(self) -> dict:
         return self._call({"op": "info"})

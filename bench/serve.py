@@ -34,7 +34,8 @@ machine is oversubscribed: its OpenMP threads spin).
 
 Targets: (a) TTFT p50 >= 5x lower than (b) and than vLLM at the last turn of a >=2k-token
 conversation; overhead <= 1.3x at a 500-token history.
-Writes bench/results/serve.{json,md,png} (the quick run: serve.quick.*).
+Writes bench/results/serve.{json,md,png} (the quick run: serve.quick.*; --smoke, the tiny
+checkpoint and one short conversation: serve.smoke.*; --results-dir elsewhere).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Plan:
     request_timeout_s: float
     mode_budget_s: float  # wall-time budget of one mode's workload; turns not done by then are cut off
     seed: int = 0
+    preset: str = "bench"
 
 
 # The built-in tokenizer is one token per character, so lengths below are token counts.
@@ -83,6 +85,9 @@ FULL = Plan(conversations=2, turns=12, system_tokens=800, user_tokens=(80, 100),
             overhead_history_tokens=500, overhead_samples=7, request_timeout_s=600, mode_budget_s=1200)
 QUICK = Plan(conversations=2, turns=4, system_tokens=300, user_tokens=(60, 80), reply_tokens=(8, 12),
              overhead_history_tokens=500, overhead_samples=3, request_timeout_s=300, mode_budget_s=600)
+# Proves the benchmark runs (CI, tests/bench): the tiny checkpoint, one short conversation; measures nothing.
+SMOKE = Plan(conversations=1, turns=2, system_tokens=60, user_tokens=(10, 16), reply_tokens=(2, 3),
+             overhead_history_tokens=200, overhead_samples=1, request_timeout_s=300, mode_budget_s=600, preset="tiny")
 
 MODES = {
     "a": "(a) our app, conversation cache on",
@@ -368,8 +373,13 @@ def headline(res: dict) -> dict:
                 "ratio": o[t]["ttft_p50_s"] / a[t]["ttft_p50_s"],
                 "a_ttft_p50_s": a[t]["ttft_p50_s"], "other_ttft_p50_s": o[t]["ttft_p50_s"]}
     oh = res.get("overhead", {})
-    if oh.get("http") and oh.get("in_process"):
-        http, local = oh["http"]["ttft_s"], oh["in_process"]["ttft_s"]
+    # A probe whose reply streamed no text (a greedy reply that ended at once) has no HTTP TTFT.
+    pairs = list(zip(oh["http"]["ttft_s"], oh["in_process"]["ttft_s"])) if oh.get("http") and oh.get("in_process") else []
+    pairs = [(h, p) for h, p in pairs if h is not None and p is not None]
+    if oh and not pairs:
+        out["overhead_unmeasured"] = "no overhead probe streamed text over HTTP"
+    if pairs:
+        http, local = [h for h, _ in pairs], [p for _, p in pairs]
         out["overhead_ratio"] = statistics.median(http) / statistics.median(local)
         out["overhead_ratio_of_minima"] = min(http) / min(local)
         # The history is what the measured turn reused; the prompt adds the new message to it.
@@ -387,7 +397,7 @@ def markdown(res: dict) -> str:
     modes, h = res["modes"], res["headline"]
     lines = [f"# Serving benchmark{' (quick)' if res['quick'] else ''}", "",
              f"{res['plan']['conversations']} concurrent conversations x {res['plan']['turns']} turns, "
-             f"GraniteMoeHybrid `bench` checkpoint, greedy, streamed over HTTP with `openai`. "
+             f"GraniteMoeHybrid `{res['plan'].get('preset', 'bench')}` checkpoint, greedy, streamed over HTTP with `openai`. "
              f"CPU: {res['env']['cpu']['model']} ({res['env']['cpu_count']} cores), load average at start "
              f"{res['env']['load_average_1_5_15m']}. The machine was shared with other work.", ""]
     present = [m for m in MODES if m in modes and "per_turn" in modes[m]]
@@ -434,10 +444,12 @@ def markdown(res: dict) -> str:
         oh = res["overhead"]
         lines.append(f"Serving overhead at a {h['overhead_history_tokens']:.0f}-token history "
                      f"({h['overhead_prompt_tokens']:.0f}-token prompt): HTTP TTFT "
-                     f"{_ms(statistics.median(oh['http']['ttft_s']))} ms / in-process "
+                     f"{_ms(statistics.median(t for t in oh['http']['ttft_s'] if t is not None))} ms / in-process "
                      f"{_ms(statistics.median(oh['in_process']['ttft_s']))} ms = {h['overhead_ratio']:.2f}x "
                      f"(medians of {len(oh['http']['ttft_s'])} alternating samples; of the minima "
                      f"{h['overhead_ratio_of_minima']:.2f}x; target <= 1.3x).")
+    if "overhead_unmeasured" in h:
+        lines.append(f"Serving overhead: not measured ({h['overhead_unmeasured']}).")
     for note in res["not_run"]:
         lines.append(f"- Not run: {note}")
     for note in res.get("notes", []):
@@ -480,7 +492,7 @@ def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool, vllm_results: 
     scripts = make_scripts(plan)
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = make_model(tmp / "granitemoehybrid-bench", "granitemoehybrid", "bench", seed=0)
+        model_dir = make_model(tmp / f"granitemoehybrid-{plan.preset}", "granitemoehybrid", plan.preset, seed=0)
         # Our app first: its numbers are the point; vLLM's engine may hang or die.
         if skip_app:
             res["not_run"].append("(a), (b), overhead: --skip-app")
@@ -512,14 +524,16 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true", help="only our app")
     parser.add_argument("--skip-app", action="store_true", help="only vLLM")
     parser.add_argument("--vllm-results", type=Path, help="take (c), (d) from an earlier run's JSON (same plan)")
+    parser.add_argument("--smoke", action="store_true", help="tiny checkpoint, one short conversation: proves it runs")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
-    plan = QUICK if args.quick else FULL
-    res = run(plan, args.quick, args.skip_vllm, args.skip_app, args.vllm_results)
-    stem = "serve.quick" if args.quick else "serve"
+    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    res = run(plan, args.quick or args.smoke, args.skip_vllm, args.skip_app, args.vllm_results)
+    stem = "serve.smoke" if args.smoke else "serve.quick" if args.quick else "serve"
     md = markdown(res)
-    write_results(stem, res, md)
+    write_results(stem, res, md, args.results_dir)
     if res["modes"]:
-        plot(res, RESULTS_DIR / f"{stem}.png")
+        plot(res, args.results_dir / f"{stem}.png")
     print(md)
     print(json.dumps(res["headline"], indent=2))
 

@@ -5,13 +5,14 @@ our package is not on that venv's path). The model loads once; each command line
 gets one result line on the protocol pipe. vLLM logs to stdout, so the protocol uses a
 duplicate of the original stdout and fd 1 is pointed at stderr.
 
-    -> {"op": "generate", "prompts": [[ids...], ...], "new_tokens": N}
+    -> {"op": "generate", "prompts": [[ids...], ...], "new_tokens": N, "suppress": [ids...]}
     <- {"prefill_s", "decode_s", "prefill_cpu_s", "decode_cpu_s", "decode_tokens", "outputs": [[ids...]]}
     -> {"op": "info"}          <- {"vllm": version, "settings": {...}}
     -> {"op": "quit"}
 
 Phases are cut exactly as on our side: t0 = requests added, t_first = every sequence has its
-first token (between engine steps), t_end = all done.
+first token (between engine steps), t_end = all done. The ids in `suppress` (our engine's
+never-sampled control ids) are never sampled: every other id of the vocabulary is allowed.
 """
 
 from __future__ import annotations
@@ -51,10 +52,14 @@ class Peer:
         self.engine = self.llm.llm_engine
         self._next = 0
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> dict:
+    def generate(self, prompts: list[list[int]], new_tokens: int, suppress: list[int]) -> dict:
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
+        banned = set(suppress)
+        allowed = [i for i in range(self.engine.model_config.get_vocab_size()) if i not in banned] if banned else None
+        params = SamplingParams(
+            temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, allowed_token_ids=allowed
+        )
         ids = [f"peer-{self._next + i}" for i in range(len(prompts))]
         self._next += len(prompts)
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -113,7 +118,7 @@ def main() -> None:
             if command["op"] == "info":
                 reply = peer.info()
             else:
-                reply = peer.generate(command["prompts"], command["new_tokens"])
+                reply = peer.generate(command["prompts"], command["new_tokens"], command.get("suppress", []))
         except Exception:
             reply = {"error": traceback.format_exc()}
         proto.write(json.dumps(reply) + "\n")

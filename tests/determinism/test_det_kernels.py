@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.determinism.helpers import new_engine
 from workers.cache.layout import allocate_caches, layouts_for
 from workers.checkpoint import Arch
+from workers.deterministic.tile_attention import gather_key_block, tile_attention
 from workers.deterministic.tile_model import TileBatch, TileModel
 from workers.deterministic.tile_ssd import state_at
 from workers.model.loader import load_model
@@ -115,6 +115,36 @@ def test_a_partial_tile_gives_the_bits_of_the_full_tile(det_models):
     assert all(a.equal(b) for a, b in zip(short[1] + short[2], longer[1] + longer[2]))
 
 
-def test_window_must_be_a_multiple_of_the_block_size(det_models):
-    with pytest.raises(ValueError, match="multiple of the KV block size"):
-        new_engine(det_models[Arch.BAMBA], window=8, block=16)
+def _paged(keys: torch.Tensor, bs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [G, L, kv, d] stored in pages of `bs` positions, in a shuffled order (page 0 is the
+    null page): (cache [pages, bs, kv, d], tables [G, ceil(L / bs)])."""
+    g, n = keys.shape[:2]
+    per_row = -(-n // bs)
+    order = torch.randperm(g * per_row, generator=torch.Generator().manual_seed(seed)) + 1
+    cache = torch.full((1 + g * per_row, bs, *keys.shape[2:]), float("nan"))
+    tables = order.view(g, per_row)
+    padded = torch.cat([keys, torch.zeros(g, per_row * bs - n, *keys.shape[2:])], dim=1)
+    cache[tables.flatten()] = padded.reshape(g * per_row, bs, *keys.shape[2:])
+    return cache, tables
+
+
+@pytest.mark.parametrize("bs", [4, 6, 16, 40, 544])
+def test_key_blocks_follow_the_tile_grid_whatever_the_page_size(bs):
+    """A key block is positions [jT, (j+1)T) whether pages divide T, straddle its edges or
+    hold several tiles; tile attention over them has the bits of contiguous keys."""
+    g, h, kv, d, k_hist = 3, 4, 2, 8, 3
+    gen = torch.Generator().manual_seed(7)
+    history_k, history_v = (torch.randn(g, k_hist * T, kv, d, generator=gen) for _ in range(2))
+    q, k, v = torch.randn(g, T, h, d, generator=gen), torch.randn(g, T, kv, d, generator=gen), torch.randn(g, T, kv, d, generator=gen)
+    blocks = torch.tensor([3, 1, 0])  # rows with fewer tiles of history see the rest masked
+    outputs = []
+    for size in (T, bs):
+        keys, tables = _paged(history_k, size, seed=size)
+        values, _ = _paged(history_v, size, seed=size)
+        for j in range(k_hist):
+            assert gather_key_block(keys, tables, j, T).equal(history_k[:, j * T : (j + 1) * T])
+            assert gather_key_block(values, tables, j, T).equal(history_v[:, j * T : (j + 1) * T])
+        null_padded = tables.masked_fill(torch.arange(tables.shape[1])[None] * size >= blocks[:, None] * T, 0)
+        cache = torch.stack([keys, values]).nan_to_num(0.0)
+        outputs.append(tile_attention(q, k, v, cache, null_padded, blocks, 0.3))
+    assert outputs[0].equal(outputs[1])

@@ -10,7 +10,8 @@ class DeterministicConfig:
     """One verify pass is always `rows` x `window` tokens.
 
     window:        tile length T = verify window W; tiles sit on absolute positions [kT, (k+1)T)
-                   and a key block of the tile attention is one tile long
+                   and a key block of the tile attention is one tile long (any KV block size:
+                   key blocks are cut at tile boundaries, pages are gathered position by position)
     rows:          G, request rows per verify pass (topped up with dummy rows)
     ssd_chunk:     the fixed chunk of the tile's SSD scan (divides the window)
     num_threads:   torch threads while a verify pass runs (restored afterwards)

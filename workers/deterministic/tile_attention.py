@@ -5,7 +5,15 @@ fixed order (an online softmax), so no reduction's order depends on the context 
     key block:      j = 0    |    j = 1     |    j = 2     |   the tile's own keys (causal)
                     from the paged cache, one block per step  |   folded last
 
-Every step has the shape [G, H, T, T]. A row with fewer history blocks than the longest one
+A key block is cut at tile boundaries, not at KV pages: the two grids are independent, and
+the keys of positions [jT, (j+1)T) are gathered position by position through the block table
+
+    pages (bs = 6):  | p0    | p1    | p2    | p3    | ...        T = 8
+    positions:       0 1 2 3 4 5 6 7 8 9 ...
+    key block j=1:                   [8 ........... 15]  = p1[2:6] + p2[0:4]
+
+so the bits of a pass depend on the tokens and absolute positions only, whatever the KV
+block size. Every step has the shape [G, H, T, T]. A row with fewer history blocks than the longest one
 sees its missing blocks fully masked: the running maximum stays, the rescale factor is
 exp(0) = 1 and the added terms are exact zeros, so its bits are those of a pass with only
 its own blocks. The running maximum starts at a finite floor, not -inf, for the same
@@ -22,13 +30,13 @@ _FLOOR = -1e30
 def gather_key_block(cache: torch.Tensor, tables: torch.Tensor, j: int, window: int) -> torch.Tensor:
     """Keys (or values) of positions [jT, (j+1)T) of every row: [G, T, kv, d].
 
-        cache [num_blocks, bs, kv, d];  tables [G, pages] with pages = blocks per row
-        key block j = cache pages tables[:, j*T/bs : (j+1)*T/bs]
+        cache [num_blocks, bs, kv, d];  tables [G, pages], pages >= ceil((j+1)T / bs)
+        position p = page tables[:, p // bs], offset p % bs
     """
-    per = window // cache.shape[1]
-    pages = tables[:, j * per : (j + 1) * per]  # [G, T/bs]
-    g = pages.shape[0]
-    return cache[pages].reshape(g, window, cache.shape[2], cache.shape[3])
+    bs = cache.shape[1]
+    positions = torch.arange(j * window, (j + 1) * window, device=tables.device)
+    slots = tables[:, positions // bs] * bs + positions % bs  # [G, T]
+    return cache.flatten(0, 1)[slots]
 
 
 def tile_attention(
@@ -36,7 +44,7 @@ def tile_attention(
     k: torch.Tensor,  # [G, T, kv, d], the tile's own keys
     v: torch.Tensor,  # [G, T, kv, d]
     kv_cache: torch.Tensor,  # [2, num_blocks, bs, kv, d]
-    tables: torch.Tensor,  # [G, pages] long, NULL-padded; row r's first k_r*T/bs pages hold its history
+    tables: torch.Tensor,  # [G, pages] long, NULL-padded; row r's first ceil(k_r*T/bs) pages hold its history
     history_blocks: torch.Tensor,  # [G] long: k_r = tile start / T
     scale: float,
 ) -> torch.Tensor:

