@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cache_service, conversation_report, decode_step, determinism, engine_report, kernel_speed
+from bench import cache_service, chaos, conversation_report, decode_step, determinism, engine_report, kernel_speed
 from bench import linear_speed, serve
 from bench.common import RESULTS_DIR
 from bench.vllm_env import VENV_DIR
@@ -42,6 +42,7 @@ class Smoke:
 
 SMOKES = {
     "cache_service": Smoke(("--smoke",), "cache_service.smoke", cache_service.markdown),
+    "chaos": Smoke(("--smoke",), "chaos.smoke", chaos.markdown),
     "conversation": Smoke(("--smoke", *NO_VLLM), "conversation.smoke", conversation_report.markdown),
     "decode_step": Smoke(
         ("--smoke", "--arch", "nemotron_h", "--concurrency", "2"),

@@ -1,0 +1,150 @@
+"""Chaos run: `python -m bench.chaos [--quick] [--seed S]`.
+
+The property of `bench/chaos_driver.py` (what every client was told is what the ledger holds;
+outputs equal a fault-free replay) over a longer run than the test's: 16 conversations x 13
+turns with client disconnects, duplicate retries, worker SIGKILLs, cache-service restarts and
+Redis pauses longer than the cache client's deadline, on a stack of its own:
+
+    EmbeddedRedis (AOF) <── python -m cache_service <── Ray Serve app (2 workers, tier async)
+                 ^ SIGSTOP/SIGCONT        ^ SIGTERM + start       ^ ray.kill(replica)
+
+Writes bench/results/chaos.{json,md} (the quick run: chaos.quick.*; --smoke, 2 x 2 turns and
+one fault: chaos.smoke.*; --results-dir elsewhere). Not a speed benchmark:
+the table is counts, and the run fails (exit 1) on any divergence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from bench.chaos_driver import ChaosPlan, ChaosRun, Fault
+from bench.common import environment_info, markdown_table, write_results
+from cache_service.config import FsyncPolicy
+from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+from deployments.app import build_app
+from tests.cache_service.cs_helpers import ServiceProcess  # restartable on its port: the faults need that
+from workers.checkpoint import Arch, Preset, make_model
+
+
+APP = "hybridserve-chaos"
+FULL = ChaosPlan(conversations=16, turns=13, max_tokens=12, seed=0, infra_every_turns=12, budget_s=2400.0)
+QUICK = ChaosPlan(conversations=8, turns=4, max_tokens=8, seed=0, infra_every_turns=7, budget_s=600.0)
+# Proves the run works end to end (one service restart among 2 x 2 turns); measures nothing.
+SMOKE = ChaosPlan(conversations=2, turns=2, max_tokens=4, seed=0, infra_every_turns=2,
+                  infra_faults=(Fault.RESTART_SERVICE,), budget_s=300.0)
+
+
+class StackInfrastructure:
+    """Faults on processes this run started; `app` names the Serve application."""
+
+    def __init__(self, redis: EmbeddedRedis, service: ServiceProcess, app: str):
+        self.redis, self.service, self.app = redis, service, app
+
+    async def kill_worker(self, replica_id: str) -> None:
+        actor = ray.get_actor(f"SERVE_REPLICA::{self.app}#Worker#{replica_id}", namespace="serve")
+        ray.kill(actor, no_restart=True)
+
+    async def restart_service(self) -> None:
+        def restart() -> None:
+            self.service.terminate()
+            self.service.start()
+
+        await asyncio.to_thread(restart)
+
+    async def pause_redis(self, seconds: float) -> None:
+        os.kill(self.redis.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)  # the fault is the pause itself
+        finally:
+            os.kill(self.redis.pid, signal.SIGCONT)
+
+    async def settled(self) -> None:
+        """Serve has no event for a replacement replica coming up: its status is polled."""
+        while True:
+            status = (await asyncio.to_thread(serve.status)).applications[self.app]
+            if status.status == "RUNNING" and all(
+                set(d.replica_states) <= {"RUNNING"} for d in status.deployments.values()
+            ):
+                return
+            await asyncio.sleep(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def markdown(result: dict) -> str:
+    report = result["report"]
+    rows = [["turns attempted", report["attempts"]], ["turns committed (client told success)", report["committed"]],
+            ["attempts failed and told", report["failed_and_told"]]]
+    rows += [[f"fault: {kind}", n] for kind, n in report["faults"].items()]
+    rows += [["faults injected", report["faults_total"]], ["divergences", len(report["divergences"])],
+             ["wall time (s)", f"{report['wall_s']:.0f}"]]
+    plan = result["plan"]
+    lines = [f"# Chaos run ({plan['conversations']} conversations x {plan['turns']} turns, seed {plan['seed']})", "",
+             markdown_table(["", "count"], rows, "lr"), ""]
+    if report["divergences"]:
+        lines += ["## Divergences", "", *[f"- {d}" for d in report["divergences"]], ""]
+    lines += [f"Errors clients saw: {report['errors_seen']}", "", f"CPU: {result['environment'].get('cpu')}"]
+    return "\n".join(lines)
+
+
+def run(plan: ChaosPlan) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as cleanup:
+        root = Path(tmp)
+        model_dir = make_model(root / "model", Arch.BAMBA, Preset.TINY, seed=4)
+        redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=root / "redis", fsync=FsyncPolicy.ALWAYS))
+        cleanup.callback(redis.stop)
+        redis.start()
+        service = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
+        cleanup.callback(service.close)
+        service.start()
+        port = _free_port()
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
+        cleanup.callback(ray.shutdown)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        cleanup.callback(serve.shutdown)
+        args = {"model": str(model_dir), "cache_service": service.target, "kv_cache_mb": 16, "head_cache_mb": 8,
+                "max_num_seqs": 8, "lease_ttl_s": 10, "busy_wait_s": 30, "tier_export": "async"}
+        serve.run(build_app(args), name=APP, route_prefix="/")
+        chaos = ChaosRun(plan, f"http://127.0.0.1:{port}", model_dir.name, StackInfrastructure(redis, service, APP))
+        report = asyncio.run(chaos.run())
+    plan_dict = {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.__dict__.items()}
+    plan_dict["infra_faults"] = [f.value for f in plan.infra_faults]
+    return {"plan": plan_dict, "report": report.as_dict(), "environment": environment_info()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the CI-sized run (8 x 4 turns)")
+    parser.add_argument("--smoke", action="store_true", help="2 x 2 turns, one fault: proves it runs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results-dir", type=Path, default=None, help="where to write (default bench/results)")
+    opts = parser.parse_args()
+    base = SMOKE if opts.smoke else QUICK if opts.quick else FULL
+    plan = ChaosPlan(**{**base.__dict__, "seed": opts.seed})
+    result = run(plan)
+    name = "chaos.smoke" if opts.smoke else "chaos.quick" if opts.quick else "chaos"
+    kwargs = {"results_dir": opts.results_dir} if opts.results_dir else {}
+    json_path, md_path = write_results(name, result, markdown(result), **kwargs)
+    print(markdown(result))
+    print(f"wrote {json_path} and {md_path}")
+    sys.exit(1 if result["report"]["divergences"] else 0)
+
+
+if __name__ == "__main__":
+    main()
