@@ -65,7 +65,7 @@ class ChaosPlan:
     infra_faults: tuple[Fault, ...] = (Fault.KILL_WORKER, Fault.RESTART_SERVICE, Fault.PAUSE_REDIS)
     infra_every_turns: int = 7     # an infrastructure fault after about every this many committed turns
     redis_pause_s: float = 12.0    # longer than the cache client's per-call deadline
-    max_attempts: int = 30
+    max_attempts: int = 60
     budget_s: float = 600.0
 
 
@@ -133,7 +133,9 @@ class ChaosRun:
         for turn in range(1, self.plan.turns + 1):
             text = f"conversation {index} turn {turn}: {rng.randrange(10**6)}"
             key = uuid.uuid4().hex
-            for _ in range(self.plan.max_attempts):
+            for attempt in range(self.plan.max_attempts):
+                if attempt:  # as a client would: back off before trying again (503s say Retry-After: 1)
+                    await asyncio.sleep(min(2.0, 0.25 * 2 ** (attempt - 1)))
                 self.report.attempts += 1
                 outcome = await self._attempt(client, conv_id, text, key, rng)
                 if outcome is not None:

@@ -95,6 +95,19 @@ def _check_id(conversation_id: str) -> None:
         raise APIError(400, "conversation_id must be 1..256 bytes", "invalid_request", param="conversation_id")
 
 
+class _ClosingStream(StreamingResponse):
+    """A stream whose body generator is closed however the response ends. Starlette leaves it
+    suspended at its last `yield` when the client hangs up, to be closed whenever the garbage
+    collector gets to it; its `finally` settles the turn (cancels the worker's run, discards the
+    lease) and the ingress's in-flight count, which cannot wait that long."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self.body_iterator.aclose())
+
+
 def _idempotency(request: Request, body: ChatCompletionRequest) -> IdempotencyKey | None:
     """The request's Idempotency-Key, bound to its body (the parts that change the turn)."""
     key = request.headers.get("idempotency-key")
@@ -172,7 +185,7 @@ class ChatIngress:
             self._finished(error.status)
             raise error
         if body.stream:
-            return StreamingResponse(self._sse(body, run, first, events, arrived), media_type="text/event-stream")
+            return _ClosingStream(self._sse(body, run, first, events, arrived), media_type="text/event-stream")
         return await self._complete(body, run, first, events, arrived)
 
     def _finished(self, status: int) -> None:

@@ -70,6 +70,7 @@ class TurnRun:
         self._renewer: KeptLease | None = None
         self._response = None
         self._fenced = False  # the lease was discarded to learn the turn's outcome: nothing to settle
+        self._base_turn = job.head.turn if job.head is not None else 0  # the turn can only land after it
         self._lease_lost: asyncio.Future = asyncio.get_running_loop().create_future()
 
     @classmethod
@@ -217,13 +218,15 @@ class TurnRun:
         while True:
             try:
                 await self._fence()
-                base = self.job.head.turn if self.job.head is not None else 0
-                return await turn_outcome.find_turn(self.cache, self.lease.conv, after_turn=base,
-                                                    match=lambda pid: pid == self.job.publish_name)
+                return await self._find_own_turn()
             except CacheError:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
+
+    async def _find_own_turn(self):
+        return await turn_outcome.find_turn(self.cache, self.lease.conv, after_turn=self._base_turn,
+                                            match=lambda pid: pid == self.job.publish_name)
 
     async def _fence(self) -> None:
         if self._fenced:
@@ -251,7 +254,13 @@ class TurnRun:
         self.lease, self._fenced = Lease(self.lease.conv, granted), False
         self.job = replace(self.job, lease=granted, head=HeadRef.of(head) if head.version else None)
         self._keep_lease()
-        return True
+        # While the lease was free, a duplicate of this request (same Idempotency-Key and body,
+        # so the same publish name) may have taken it and committed the turn: then it is not run
+        # again (False: the ledger's verdict answers it).
+        try:
+            return await self._find_own_turn() is None
+        except CacheError:
+            return False
 
     async def close(self) -> None:
         if self._response is not None and self.done is None:

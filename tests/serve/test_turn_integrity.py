@@ -15,7 +15,7 @@ from ray import serve
 from deployments.protocol import ReplicaCall
 
 from tests.serve.conftest import APP, NOTIER_APP
-from tests.serve.helpers import chat_turn, conversation, user
+from tests.serve.helpers import chat_turn, conversation, metric, user
 from tests.serve.test_recovery import kill_replica, replica_replaced, replicas_settled
 
 
@@ -141,3 +141,27 @@ async def test_with_the_tier_off_no_export_is_left_pending(stack, notier, conv_i
         head = (await conversation(http, conv_id, "p", prefix=notier, headers={"Authorization": "Bearer k2"}))["head"]
     workers = serve.get_deployment_handle("Worker", app_name=NOTIER_APP)
     assert await workers.pending_exports.remote(ReplicaCall(head["owner"])) == (head["owner"], 0)
+
+
+async def test_clients_that_hang_up_leave_nothing_in_flight(stack, conv_id):
+    """A stream's generator left suspended when its client hung up kept its slot of
+    `max_inflight` (and its lease) until the garbage collector closed it: a chaos run ended
+    with every request answered 503 "too many requests in flight"."""
+    client = stack.client()
+    for i in range(4):
+        stream = await client.chat.completions.create(
+            model=stack.model, messages=[user("never mind")], max_tokens=3000, temperature=0, stream=True,
+            extra_body={"conversation_id": f"{conv_id}-{i}", "cache_salt": "h"})
+        async for _chunk in stream:
+            break
+        await stream.close()
+    async with stack.http() as http:
+        async def settled() -> None:  # the ingress settles a hung-up turn on its own time: polled
+            while await metric(http, "hybridserve_inflight_requests") != 0:
+                await asyncio.sleep(0.1)
+
+        await asyncio.wait_for(settled(), 30)
+        for i in range(4):  # and the leases went with them: each conversation takes a turn at once
+            r = await http.post("/v1/chat/completions", json=body(stack.model, f"{conv_id}-{i}", "again") | {
+                "cache_salt": "h"})
+            assert r.status_code == 200, r.text
