@@ -79,9 +79,9 @@ class EngineSession:
     async def forget(self, conversation_id: str, cache_salt: str, deleted: HeadRef | None = None) -> None:
         """Drop the conversation's local ledger and heads; with `deleted` only if the ledger is
         exactly that head (compared off the engine thread, like `holds`), not a re-created
-        conversation's. An older local copy of the deleted one stays until eviction, and serves
-        only if a re-created conversation's ledger has its very tokens (adopt_ledger drops it
-        otherwise), when its state is exact anyway."""
+        conversation's. An older local copy of the deleted one stays until evicted or idle for
+        replica_copy_ttl_s, and serves only if a re-created conversation's ledger has its very
+        tokens (adopt_ledger drops it otherwise), when its state is exact anyway."""
 
         def ledger(_e) -> tuple[int, int, list[int]] | None:
             state = self.cache.ledger_state(conversation_id, cache_salt)
@@ -197,6 +197,9 @@ class EngineSession:
 
         return self.aengine.stream(request_id, start)
 
+    # Each verdict also drops the ledgers that hold no head here: O(ledgers + heads) on the
+    # engine thread, and ledgers stay few (those with a head, within the head budget, and those
+    # of turns running here or failed since the last verdict).
     async def commit(self, record: TurnCommit) -> HeadInfo:
         keep = list(self._in_use)  # now, before any later turn's engine call is submitted
 
