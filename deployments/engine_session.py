@@ -13,6 +13,11 @@ Local state is reused only if it is exactly the service's head (version, turn, t
 otherwise the worker rebuilds it (tier import or ledger recompute), never trusting a copy that
 may lag or lead the service.
 
+The engine's ledgers are a cache of the service's too: after each turn's verdict, a ledger with
+no head here and no turn on its way is dropped (the next turn here reads the service's again),
+and a conversation idle here for `replica_copy_ttl_s` is forgotten whole (`forget_idle`): a
+DELETE that reached another replica leaves this copy for at most that long.
+
 A tier entry is an export cut into parts: its format is stated in
 `workers/conversation/export_format.py` (`pack_export`, `unpack_export`).
 """
@@ -20,6 +25,8 @@ A tier entry is an export cut into parts: its format is stated in
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -53,6 +60,11 @@ class EngineSession:
         self.cache = ConversationCache(engine, retain_turns=1)
         self.identity, self.layout = self.cache.export_identity()
         self.aengine = AsyncEngine(engine)
+        # Conversations a turn is recovering, running or resolving here (kept whatever their
+        # heads: the recovery ladder adopts a ledger before the turn begins), and when each
+        # conversation was last used here (for forget_idle). Both on the event loop only.
+        self._in_use: Counter[tuple[str, str]] = Counter()
+        self._last_used: dict[tuple[str, str], float] = {}
 
     def shutdown(self) -> None:
         self.aengine.shutdown()
@@ -67,9 +79,9 @@ class EngineSession:
     async def forget(self, conversation_id: str, cache_salt: str, deleted: HeadRef | None = None) -> None:
         """Drop the conversation's local ledger and heads; with `deleted` only if the ledger is
         exactly that head (compared off the engine thread, like `holds`), not a re-created
-        conversation's. An older local copy of the deleted one stays until eviction, and serves
-        only if a re-created conversation's ledger has its very tokens (adopt_ledger drops it
-        otherwise), when its state is exact anyway."""
+        conversation's. An older local copy of the deleted one stays until evicted or idle for
+        replica_copy_ttl_s, and serves only if a re-created conversation's ledger has its very
+        tokens (adopt_ledger drops it otherwise), when its state is exact anyway."""
 
         def ledger(_e) -> tuple[int, int, list[int]] | None:
             state = self.cache.ledger_state(conversation_id, cache_salt)
@@ -87,6 +99,46 @@ class EngineSession:
                 self.cache.delete(conversation_id, cache_salt)
 
         await self.aengine.call(drop)
+
+    def turn_started(self, conversation_id: str, cache_salt: str) -> None:
+        """A turn of the conversation begins here (before its recovery): its ledger is kept."""
+        key = (conversation_id, cache_salt)
+        self._in_use[key] += 1
+        self._last_used[key] = time.monotonic()
+
+    def turn_ended(self, conversation_id: str, cache_salt: str) -> None:
+        key = (conversation_id, cache_salt)
+        self._in_use[key] -= 1
+        if not self._in_use[key]:
+            del self._in_use[key]
+        self._last_used[key] = time.monotonic()
+
+    async def forget_idle(self, ttl_s: float) -> int:
+        """Forget (ledger and heads) the conversations unused here for more than `ttl_s`;
+        returns how many. One with a turn still awaiting its verdict is kept and counts as used."""
+        now = time.monotonic()
+        idle = [key for key, used in self._last_used.items() if now - used > ttl_s and key not in self._in_use]
+
+        def drop(_e) -> tuple[int, list[tuple[str, str]]]:
+            dropped, busy = 0, []
+            for conversation_id, cache_salt in idle:
+                state = self.cache.ledger_state(conversation_id, cache_salt)
+                if state is not None and state.busy:
+                    busy.append((conversation_id, cache_salt))
+                elif state is not None:
+                    self.cache.delete(conversation_id, cache_salt)
+                    dropped += 1
+            return dropped, busy
+
+        # Submitted before any later turn's engine call (commands run in order): a turn that
+        # starts meanwhile finds the conversation gone and recovers it from the service.
+        dropped, busy = await self.aengine.call(drop)
+        for key in idle:
+            if self._last_used.get(key) is not None and self._last_used[key] <= now:
+                del self._last_used[key]
+        for key in busy:
+            self._last_used[key] = time.monotonic()
+        return dropped
 
     async def held_heads(self, conversation_id: str | None = None, cache_salt: str = "") -> int:
         return await self.aengine.call(lambda _e: self.cache.head_count(conversation_id, cache_salt))
@@ -145,11 +197,30 @@ class EngineSession:
 
         return self.aengine.stream(request_id, start)
 
+    # Each verdict also drops the ledgers that hold no head here: O(ledgers + heads) on the
+    # engine thread, and ledgers stay few (those with a head, within the head budget, and those
+    # of turns running here or failed since the last verdict).
     async def commit(self, record: TurnCommit) -> HeadInfo:
-        return await self.aengine.call(lambda _e: self.cache.commit(record))
+        keep = list(self._in_use)  # now, before any later turn's engine call is submitted
+
+        def commit(_e) -> HeadInfo:
+            try:
+                return self.cache.commit(record)
+            finally:
+                self.cache.drop_headless_ledgers(keep)
+
+        return await self.aengine.call(commit)
 
     async def abandon(self, record: TurnCommit) -> None:
-        await self.aengine.call(lambda _e: self.cache.abandon(record))
+        keep = list(self._in_use)
+
+        def abandon(_e) -> None:
+            try:
+                self.cache.abandon(record)
+            finally:
+                self.cache.drop_headless_ledgers(keep)
+
+        await self.aengine.call(abandon)
 
     def token_text(self, token_id: int) -> str:
         return self.cache.engine.tokenizer.decode_exact([token_id])

@@ -319,7 +319,8 @@ class ChatIngress:
         """The owner's local copy frees its blocks now. Best effort and bounded: the conversation
         is gone from the service already, and a stale copy is never used (workers check it
         against the head). With every replica at max_ongoing_requests the call would back off
-        for as long as they stay full; DELETE does not wait for that."""
+        for as long as they stay full; DELETE does not wait for that. A copy left behind (here,
+        or on a replica that served an earlier turn) expires within replica_copy_ttl_s."""
         if not deleted.owner:
             return
         response = self.workers.forget.remote(ReplicaCall(deleted.owner), conv.id, conv.salt, deleted)
@@ -327,10 +328,10 @@ class ChatIngress:
             await asyncio.wait_for(response, self.settings.forget_timeout_s)
         except TimeoutError:
             response.cancel()
-            log.warning("the owner of %s did not answer within %.1f s: its local copy stays until eviction",
+            log.warning("the owner of %s did not answer within %.1f s: its local copy stays until it expires",
                         conv.id, self.settings.forget_timeout_s)
         except (RayError, BackPressureError) as e:
-            log.warning("the owner of %s kept its local copy until eviction: %s", conv.id, e)
+            log.warning("the owner of %s kept its local copy until it expires: %s", conv.id, e)
 
     @api.get("/health")
     async def health(self) -> Response:

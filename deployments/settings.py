@@ -54,6 +54,9 @@ class AppSettings(BaseModel):
     forget_timeout_s: float = Field(
         5.0, gt=0, le=300, description="DELETE: longest wait for the owner replica to free its local copy "
                                        "(best effort: the answer is 200 either way, a stale copy is never used)")
+    replica_copy_ttl_s: float = Field(
+        3600.0, gt=0, description="a conversation idle on a worker replica this long is forgotten there (heads "
+                                  "and ledger): how long a DELETE served by another replica leaves its copy")
     kv_cache_mb: int = Field(256, ge=1)
     head_cache_mb: int = Field(128, ge=1)
     max_model_len: int = Field(0, ge=0, description="0: the model's own limit")

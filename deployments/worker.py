@@ -51,6 +51,7 @@ from deployments.tier_export import TierExporter
 from workers.conversation.records import TurnCommit
 from workers.errors import (
     ConversationBusyError,
+    EngineShutdownError,
     InvalidRequestError,
     PromptTooLongError,
     TurnResolvedError,
@@ -88,6 +89,7 @@ class Worker:
         self._client: CacheClient | None = None
         self._connection = CacheConnection(settings, cache_host, f"worker:{self.replica_id}", self._connected)
         self._tasks: set[asyncio.Task] = set()
+        self._expiring = False  # the sweep of idle copies, started with the first turn
         self.exporter = TierExporter(self.session, settings, self._cache, self._spawn)
 
     # -- cache service ------------------------------------------------------------------------
@@ -121,6 +123,19 @@ class Worker:
             log.warning("not forgetting %s: %s", conversation_id, e)
         return self.replica_id
 
+    async def _expire_idle_copies(self) -> None:
+        """Forget conversations idle here for replica_copy_ttl_s (a DELETE routed to another
+        replica leaves this copy until then); checked every min(60 s, ttl / 4)."""
+        ttl = self.settings.replica_copy_ttl_s
+        while True:
+            await asyncio.sleep(min(60.0, ttl / 4))
+            try:
+                await self.session.forget_idle(ttl)
+            except EngineShutdownError:
+                return
+            except Exception:  # the next sweep tries again; a copy is only ever older, never wrong
+                log.exception("forgetting idle conversations")
+
     async def pending_exports(self, call: ReplicaCall) -> tuple[str, int]:
         """(this replica, committed heads waiting for their export to the tier): bounded by the
         conversations committed within the export delay; for operators and tests."""
@@ -143,6 +158,10 @@ class Worker:
             if job.conversation_id is None:
                 stream, recovery = self.session.stream_stateless(job.messages, params, job.request_id), Recovery.NEW
             else:
+                if not self._expiring:
+                    self._expiring = True
+                    self._spawn(self._expire_idle_copies())
+                self.session.turn_started(job.conversation_id, job.cache_salt)
                 self.exporter.turn_started((job.conversation_id, job.cache_salt))
                 recovery = await attach(self.session, self.settings, self._cache, job)
                 stream = self.session.stream_turn(
@@ -157,6 +176,7 @@ class Worker:
             yield TurnFailed(ErrorKind.UNAVAILABLE, f"cache service: {e}")
         finally:
             if job.conversation_id is not None:
+                self.session.turn_ended(job.conversation_id, job.cache_salt)
                 self.exporter.turn_ended((job.conversation_id, job.cache_salt))
 
     async def _run(self, job: TurnJob, params: SamplingParams, stream, recovery: Recovery) -> AsyncIterator[TurnEvent]:

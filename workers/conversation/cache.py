@@ -16,6 +16,7 @@ the API is documented in API.md next to this file.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from proto.contract import ModelIdentity, conversation_key
@@ -137,6 +138,18 @@ class ConversationCache:
             return len(self.heads)
         return len(self.heads.of_conversation(conversation_key(conversation_id, cache_salt)))
 
+    def drop_headless_ledgers(self, keep: Iterable[tuple[str, str]] = ()) -> int:
+        """Forget the ledgers of conversations that hold no head here and have no turn (or head
+        rebuild) in flight, except the (conversation_id, cache_salt) pairs in `keep`; returns
+        how many. Only for a caller whose ledgers are a cache of a record kept elsewhere (the
+        worker: the cache service's ledger, read again when a turn needs it); in-process callers
+        never call it, their ledger is the record. O(conversations + heads)."""
+        kept = {h.conversation_key for h in self.heads.all()} | {conversation_key(c, s) for c, s in keep}
+        gone = [key for key, conv in self.conversations.items() if conv.in_flight is None and key not in kept]
+        for key in gone:
+            del self.conversations[key]
+        return len(gone)
+
     # -- history operations (see history.py) ----------------------------------------------------------
     def conversation_of(self, conversation_id: str, cache_salt: str) -> Conversation:
         return find_conversation(self.conversations, conversation_id, cache_salt)
@@ -171,6 +184,7 @@ class ConversationCache:
             "cow_block_copies": self.caches.counters["cow_block_copies"],
             "state_copies": self.caches.counters["state_copies"],
             "heads": len(self.heads),
+            "ledgers": len(self.conversations),
             "head_bytes": self.heads.bytes_used(),
             "head_budget_bytes": self.heads.budget_bytes,
         }
