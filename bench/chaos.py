@@ -39,7 +39,10 @@ from workers.checkpoint import Arch, Preset, make_model
 
 APP = "hybridserve-chaos"
 FULL = ChaosPlan(conversations=16, turns=13, max_tokens=12, seed=0, infra_every_turns=12, budget_s=2400.0)
-QUICK = ChaosPlan(conversations=8, turns=4, max_tokens=8, seed=0, infra_every_turns=7, budget_s=600.0)
+# The slow fault last: a kill returns only once Serve has noticed it, and the clients must not
+# finish their 32 turns before every kind of fault has happened.
+QUICK = ChaosPlan(conversations=8, turns=4, max_tokens=8, seed=0, infra_every_turns=5, budget_s=600.0,
+                  infra_faults=(Fault.PAUSE_REDIS, Fault.RESTART_SERVICE, Fault.KILL_WORKER))
 # Proves the run works end to end (one service restart among 2 x 2 turns); measures nothing.
 SMOKE = ChaosPlan(conversations=2, turns=2, max_tokens=4, seed=0, infra_every_turns=2,
                   infra_faults=(Fault.RESTART_SERVICE,), budget_s=300.0)
@@ -51,9 +54,22 @@ class StackInfrastructure:
     def __init__(self, redis: EmbeddedRedis, service: ServiceProcess, app: str):
         self.redis, self.service, self.app = redis, service, app
 
-    async def kill_worker(self, replica_id: str) -> None:
+    async def kill_worker(self, replica_id: str, timeout_s: float = 60.0) -> None:
+        """Returns once Serve counts the replica dead: until its next health check it still lists
+        it as running, and `settled()` would return with one replica missing."""
+        running = await self._running_workers()
         actor = ray.get_actor(f"SERVE_REPLICA::{self.app}#Worker#{replica_id}", namespace="serve")
         ray.kill(actor, no_restart=True)
+
+        async def noticed() -> None:
+            while await self._running_workers() >= running:
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(noticed(), timeout_s)
+
+    async def _running_workers(self) -> int:
+        status = (await asyncio.to_thread(serve.status)).applications[self.app]
+        return status.deployments["Worker"].replica_states.get("RUNNING", 0)
 
     async def restart_service(self) -> None:
         def restart() -> None:

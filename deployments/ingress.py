@@ -242,9 +242,9 @@ class ChatIngress:
                     text.append(event.text)
                     logprobs.extend(event.logprobs or ())
             status = 200
-        finally:
-            await run.close()
+        finally:  # counted out first: a second cancellation may interrupt the await below
             self._finished(status)
+            await run.close()
         return JSONResponse(self._format(body, run).completion("".join(text), logprobs, event))
 
     async def _sse(self, body: ChatCompletionRequest, run: TurnRun, first: TurnEvent,
@@ -264,9 +264,9 @@ class ChatIngress:
             for chunk in form.sse_end(event, include_usage):
                 yield chunk
             status = 200
-        finally:
-            await run.close()
+        finally:  # counted out first: a second cancellation may interrupt the await below
             self._finished(status)
+            await run.close()
 
     # -- models, conversations, health, metrics ------------------------------------------------
     @api.get("/v1/models")
