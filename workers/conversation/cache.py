@@ -22,7 +22,7 @@ from typing import Any
 from proto.contract import ModelIdentity, conversation_key
 from workers.conversation import export, history
 from workers.conversation.export_install import install_head
-from workers.conversation.ledger import Conversation, find_conversation
+from workers.conversation.ledger import ConversationLedger, find_conversation
 from workers.conversation.records import CommitMode, HeadInfo, LedgerState, LedgerTurn, TurnCommit
 from workers.conversation.recovery import LedgerRecovery
 from workers.conversation.retention import HeadRetention
@@ -41,7 +41,7 @@ class ConversationCache:
         self.kv = engine.caches.kv
         self.states = engine.caches.states
         self.heads = engine.caches.heads
-        self.conversations: dict[str, Conversation] = {}
+        self.conversations: dict[str, ConversationLedger] = {}
         self.counters: Counter[str] = Counter(
             {"hits": 0, "misses": 0, "tokens_reused": 0, "published": 0, "discarded": 0, "materialized": 0}
         )
@@ -151,7 +151,7 @@ class ConversationCache:
         return len(gone)
 
     # -- history operations (see history.py) ----------------------------------------------------------
-    def conversation_of(self, conversation_id: str, cache_salt: str) -> Conversation:
+    def conversation_of(self, conversation_id: str, cache_salt: str) -> ConversationLedger:
         return find_conversation(self.conversations, conversation_id, cache_salt)
 
     def rewind(self, conversation_id: str, cache_salt: str, turn: int) -> None:

@@ -35,7 +35,7 @@ from workers.conversation.export_format import (
 )
 from workers.conversation.export_install import install_head
 from workers.conversation.export_verify import VerifiedHead, verify_export
-from workers.conversation.ledger import Conversation
+from workers.conversation.ledger import ConversationLedger
 from workers.engine import LLMEngine
 from workers.errors import ConversationNotFoundError
 
@@ -60,7 +60,7 @@ class HeadSnapshot:
     ssm: torch.Tensor
 
 
-def snapshot_head(engine: LLMEngine, conv: Conversation) -> HeadSnapshot:
+def snapshot_head(engine: LLMEngine, conv: ConversationLedger) -> HeadSnapshot:
     caches = engine.caches
     head = caches.heads.find(conv.key, conv.turn)
     if head is None:

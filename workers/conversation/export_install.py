@@ -13,7 +13,7 @@ from proto.contract import conversation_key, tokens_digest
 from workers.cache.holders import HolderSlots, SlotRole
 from workers.conversation.export_format import messages_digest
 from workers.conversation.export_verify import VerifiedHead
-from workers.conversation.ledger import Conversation
+from workers.conversation.ledger import ConversationLedger
 from workers.conversation.records import HeadInfo
 from workers.conversation.retention import HeadRetention
 from workers.engine import LLMEngine
@@ -22,7 +22,7 @@ from workers.errors import ConversationNotFoundError, CorruptStateError
 
 def install_head(
     engine: LLMEngine,
-    conversations: dict[str, Conversation],
+    conversations: dict[str, ConversationLedger],
     retention: HeadRetention,
     conversation_id: str,
     cache_salt: str,

@@ -12,18 +12,18 @@ from typing import Any
 from proto.contract import conversation_key, tokens_digest
 from workers.cache.coordinator import CacheCoordinator
 from workers.cache.heads import HeadManager
-from workers.conversation.ledger import Conversation
+from workers.conversation.ledger import ConversationLedger
 from workers.conversation.records import LedgerTurn
 from workers.errors import ConversationNotFoundError, InvalidRequestError
 
 
-def check_idle_turn(conv: Conversation, turn: int) -> None:
+def check_idle_turn(conv: ConversationLedger, turn: int) -> None:
     conv.ensure_idle()
     if isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn <= conv.turn:
         raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn!r}")
 
 
-def rewind(heads: HeadManager, conv: Conversation, turn: int) -> None:
+def rewind(heads: HeadManager, conv: ConversationLedger, turn: int) -> None:
     check_idle_turn(conv, turn)
     for head in [h for h in heads.of_conversation(conv.key) if h.turn > turn]:
         heads.drop(head)
@@ -34,8 +34,8 @@ def rewind(heads: HeadManager, conv: Conversation, turn: int) -> None:
 
 def fork(
     caches: CacheCoordinator,
-    conversations: dict[str, Conversation],
-    conv: Conversation,
+    conversations: dict[str, ConversationLedger],
+    conv: ConversationLedger,
     cache_salt: str,
     turn: int,
     new_conversation_id: str,
@@ -44,7 +44,7 @@ def fork(
     new_key = conversation_key(new_conversation_id, cache_salt)
     if new_key in conversations:
         raise InvalidRequestError(f"conversation {new_conversation_id!r} already exists")
-    forked = Conversation(new_key, new_conversation_id, version=turn)
+    forked = ConversationLedger(new_key, new_conversation_id, version=turn)
     for t in conv.turns[:turn]:
         forked.append([dict(m) for m in t.messages], conv.token_ids[t.start : t.end])
     source = caches.heads.find(conv.key, turn)
@@ -53,14 +53,14 @@ def fork(
     conversations[new_key] = forked
 
 
-def delete(heads: HeadManager, conversations: dict[str, Conversation], conv: Conversation) -> None:
+def delete(heads: HeadManager, conversations: dict[str, ConversationLedger], conv: ConversationLedger) -> None:
     conv.ensure_idle()
     for head in heads.of_conversation(conv.key):
         heads.drop(head)
     del conversations[conv.key]
 
 
-def describe(heads: HeadManager, conv: Conversation) -> dict[str, Any]:
+def describe(heads: HeadManager, conv: ConversationLedger) -> dict[str, Any]:
     return {
         "conversation_id": conv.conversation_id,
         "turn": conv.turn,

@@ -30,7 +30,7 @@ class Turn:
 
 
 @dataclass
-class Conversation:
+class ConversationLedger:
     key: str
     conversation_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -77,7 +77,7 @@ class Conversation:
         )
 
 
-def find_conversation(conversations: dict[str, Conversation], conversation_id: str, cache_salt: str) -> Conversation:
+def find_conversation(conversations: dict[str, ConversationLedger], conversation_id: str, cache_salt: str) -> ConversationLedger:
     """The engine's ledger of a conversation, by key; ConversationNotFoundError if none."""
     conv = conversations.get(conversation_key(conversation_id, cache_salt))
     if conv is None:

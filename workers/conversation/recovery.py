@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from proto.contract import conversation_key
 from workers.cache.heads import CommittedHead
-from workers.conversation.ledger import Conversation, find_conversation
+from workers.conversation.ledger import ConversationLedger, find_conversation
 from workers.conversation.records import LedgerTurn
 from workers.conversation.retention import HeadRetention
 from workers.engine import LLMEngine
@@ -65,7 +65,7 @@ class LedgerRecovery:
     def __init__(
         self,
         engine: LLMEngine,
-        conversations: dict[str, Conversation],
+        conversations: dict[str, ConversationLedger],
         retention: HeadRetention,
         counters: Counter[str],
     ):
@@ -83,7 +83,7 @@ class LedgerRecovery:
         old = self.conversations.get(key)
         if old is not None:
             old.ensure_idle()
-        new = Conversation(key, conversation_id, version=version)
+        new = ConversationLedger(key, conversation_id, version=version)
         for turn in _validated(self.engine.model_config.vocab_size, turns):
             new.append([dict(m) for m in turn.messages], list(turn.token_ids))
         if old is not None and (old.version, old.token_ids, old.messages) == (version, new.token_ids, new.messages):

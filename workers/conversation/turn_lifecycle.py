@@ -21,7 +21,7 @@ from typing import Any
 
 from proto.contract import conversation_key
 from workers.cache.heads import CommittedHead
-from workers.conversation.ledger import Conversation, find_conversation
+from workers.conversation.ledger import ConversationLedger, find_conversation
 from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import CommitMode, HeadInfo, Resolution, TurnCommit, TurnOutcome
 from workers.conversation.retention import HeadRetention
@@ -38,7 +38,7 @@ class TurnLifecycle:
     def __init__(
         self,
         engine: LLMEngine,
-        conversations: dict[str, Conversation],
+        conversations: dict[str, ConversationLedger],
         retention: HeadRetention,
         counters: Counter[str],
     ):
@@ -67,7 +67,7 @@ class TurnLifecycle:
         if not isinstance(commit, CommitMode):
             raise InvalidRequestError(f"commit must be a CommitMode, got {commit!r}")
         key = conversation_key(conversation_id, cache_salt)
-        conv = self.conversations.get(key) or Conversation(key, conversation_id)
+        conv = self.conversations.get(key) or ConversationLedger(key, conversation_id)
         conv.ensure_idle()
         base = conv.turn if base_turn is None else base_turn
         if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base <= conv.turn:
@@ -187,7 +187,7 @@ class TurnLifecycle:
         self._end_turn(self.conversations[record.conversation_key], TurnOutcome.DISCARDED)
         self._resolved.remember(record.request_id, Resolution.EXPIRED)
 
-    def _end_turn(self, conv: Conversation, outcome: TurnOutcome) -> None:
+    def _end_turn(self, conv: ConversationLedger, outcome: TurnOutcome) -> None:
         conv.in_flight = None
         self.counters[outcome.value] += 1
         if conv.turn == 0 and not self.heads.of_conversation(conv.key):

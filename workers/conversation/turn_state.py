@@ -14,7 +14,7 @@ from typing import Any
 
 from proto.contract import tokens_digest
 from workers.cache.heads import CommittedHead, PreparedState
-from workers.conversation.ledger import Conversation
+from workers.conversation.ledger import ConversationLedger
 from workers.conversation.records import CommitMode, Resolution, TurnCommit
 from workers.engine import LLMEngine
 from workers.request import FinishReason, Request
@@ -55,7 +55,7 @@ class Resolutions:
         return self._how.get(request_id)
 
 
-def turn_record(engine: LLMEngine, conv: Conversation, pending: PendingTurn, request: Request) -> TurnCommit:
+def turn_record(engine: LLMEngine, conv: ConversationLedger, pending: PendingTurn, request: Request) -> TurnCommit:
     """The record of a turn whose request completed with a prepared state."""
     output = request.output_token_ids
     if request.finish_reason is FinishReason.STOP and output and output[-1] in engine.eos_token_ids:
