@@ -29,12 +29,12 @@ RENEWALS_PER_TTL = 4  # two renewals may be late or lost before the lease lapses
 class KeptLease:
     """One turn's lease under renewal; `stop()` when the turn ends."""
 
-    def __init__(self, future: concurrent.futures.Future):
-        self._future = future
+    def __init__(self) -> None:
+        self.future: concurrent.futures.Future | None = None
         self.worst_delay_s = 0.0
 
     def stop(self) -> None:
-        self._future.cancel()
+        self.future.cancel()
 
 
 class LeaseKeeper:
@@ -48,13 +48,11 @@ class LeaseKeeper:
     def keep(self, conv: Conversation, granted: Any, ttl_ms: int, on_lost: Callable[[LeaseLost], None]) -> KeptLease:
         """Renew `granted` every ttl/4 until stopped; `on_lost` (called on the keeper's thread)
         when the service says the lease is gone."""
-        holder: list[KeptLease] = []
-        future = asyncio.run_coroutine_threadsafe(self._renew(conv, granted, ttl_ms, on_lost, holder), self._loop)
-        kept = KeptLease(future)
-        holder.append(kept)
+        kept = KeptLease()
+        kept.future = asyncio.run_coroutine_threadsafe(self._renew(conv, granted, ttl_ms, on_lost, kept), self._loop)
         return kept
 
-    async def _renew(self, conv: Conversation, granted: Any, ttl_ms: int, on_lost, holder: list[KeptLease]) -> None:
+    async def _renew(self, conv: Conversation, granted: Any, ttl_ms: int, on_lost, kept: KeptLease) -> None:
         if self._client is None:  # made on this thread's loop: a gRPC aio channel belongs to one loop
             self._client = CacheClient(self._target, self._config)
         period = ttl_ms / 1000 / RENEWALS_PER_TTL
@@ -62,7 +60,7 @@ class LeaseKeeper:
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             delay = time.monotonic() - due
-            holder[0].worst_delay_s = max(holder[0].worst_delay_s, delay)
+            kept.worst_delay_s = max(kept.worst_delay_s, delay)
             self._on_delay(delay)
             due += period
             try:

@@ -86,8 +86,7 @@ class Worker:
         self.settings = settings
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.session = EngineSession(settings.model or str(builtin_model_dir()), settings)
-        self._client: CacheClient | None = None
-        self._connection = CacheConnection(settings, cache_host, f"worker:{self.replica_id}", self._connected)
+        self._connection = CacheConnection(settings, cache_host, f"worker:{self.replica_id}")
         self._tasks: set[asyncio.Task] = set()
         self._expiring = False  # the sweep of idle copies, started with the first turn
         self.exporter = TierExporter(self.session, settings, self._cache, self._spawn)
@@ -95,9 +94,6 @@ class Worker:
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
         return await self._connection.get()
-
-    def _connected(self, client: CacheClient) -> None:
-        self._client = client  # closed at shutdown
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -278,5 +274,5 @@ class Worker:
         for task in list(self._tasks):
             task.cancel()
         self.session.shutdown()
-        if self._client is not None:
-            await self._client.close()
+        if self._connection.client is not None:
+            await self._connection.client.close()
