@@ -3,6 +3,7 @@
 - the name of a conversation: a salted hash of (conversation_id, cache_salt);
 - the digest of a conversation's committed token ids (the head's `tokens_sha256`);
 - the name of a state chunk (sha256 of its bytes);
+- the names of a chat's message prefixes (the prefix index's keys);
 - the identity of a model: what makes the bits of its state differ across machines.
 
 Pure standard library: the service imports this without torch.
@@ -29,6 +30,30 @@ def conversation_key(conversation_id: str, cache_salt: str) -> str:
     ident = conversation_id.encode()
     material = _DOMAIN + len(salt).to_bytes(4, "big") + salt + len(ident).to_bytes(4, "big") + ident
     return hashlib.sha256(material).hexdigest()[:32]
+
+
+_PREFIX_DOMAIN = b"hybridserve/message-prefix/v1\0"
+
+
+def _framed(text: str) -> bytes:
+    data = text.encode()
+    return len(data).to_bytes(4, "big") + data
+
+
+def message_prefix_digests(scope: str, messages: list[dict[str, str]]) -> list[str]:
+    """Names of a chat's message prefixes within a cache scope: entry k names messages[:k + 1].
+
+    The prefix index (which replica holds the state of which prefix) is keyed by these, so a
+    router finds the replica for a request from its messages alone, without a tokenizer. They
+    are hints: the worker attaches a prefix only where the token ids match exactly. Chained
+    (entry k hashes entry k - 1 and message k) and framed like `conversation_key`, so no two
+    (scope, messages) split alike; another scope (salt, API key) names other prefixes."""
+    state = hashlib.sha256(_PREFIX_DOMAIN + _framed(scope)).digest()
+    names = []
+    for message in messages:
+        state = hashlib.sha256(state + _framed(message.get("role", "")) + _framed(message.get("content", ""))).digest()
+        names.append(state.hex()[:32])
+    return names
 
 
 def tokens_digest(token_ids: Iterable[int]) -> str:

@@ -9,7 +9,7 @@ import shutil
 
 import torch
 
-from proto.contract import ModelIdentity, chunk_digest, conversation_key, tokens_digest
+from proto.contract import ModelIdentity, chunk_digest, conversation_key, message_prefix_digests, tokens_digest
 from workers.checkpoint import Arch
 from workers.config import WeightQuantization
 from workers.identity import model_identity
@@ -23,6 +23,18 @@ def test_names_and_digests_are_stable():
     assert conversation_key("conv", "salt") != conversation_key("convs", "alt")  # no re-splitting
     assert tokens_digest([1, 2, 3]) == "4636993d3e1da4e9d6b8f87b79e8f7c6d018580d52661950eabc3845c5897a4d"
     assert chunk_digest(b"") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_message_prefix_names_chain_and_never_cross_scopes():
+    system, user = {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}
+    both = message_prefix_digests("salt", [system, user])
+    assert both == ["bc9046173d7c0f25bff90ddf8a83445d", "a65265ec3f5c9dc533bf73a1ffe3df01"]  # stored in Redis
+    assert message_prefix_digests("salt", [system]) == both[:1]  # a prefix names the same
+    assert message_prefix_digests("other", [system, user])[0] != both[0]  # another scope: other names
+    # Framed: moving text across the role/content or message boundary gives another name.
+    assert message_prefix_digests("salt", [{"role": "system", "content": "be brie"}, user])[0] != both[0]
+    assert message_prefix_digests("salt", [{"role": "systemb", "content": "e brief"}])[0] != both[0]
+    assert message_prefix_digests("salt", [{"role": "user", "content": "hi"}, system])[1] != both[1]
 
 
 def test_model_identity_covers_weights_config_dtype_and_machine(tiny, tmp_path):
