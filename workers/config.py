@@ -32,6 +32,8 @@ class CacheConfig:
     # snapshot), plus room for retained heads (two slots each) within head_cache_bytes.
     num_state_slots: int = 0
     head_cache_bytes: int = 256 << 20  # budget for committed conversation heads (evictable)
+    # budget for prefix checkpoints (message boundaries, finished stateless requests); 0: none kept
+    prefix_cache_bytes: int = 128 << 20
     mamba_align_tokens: int = 0  # aligned Mamba snapshots every N tokens; 0: the block size
     prepared_turn_timeout_s: float = 60.0  # a prepared turn never committed or abandoned is abandoned
 
@@ -40,7 +42,7 @@ class CacheConfig:
         return self.mamba_align_tokens or self.block_size
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.kv_cache_bytes <= 0 or self.num_state_slots < 0:
+        if self.block_size < 1 or self.kv_cache_bytes <= 0 or self.num_state_slots < 0 or self.prefix_cache_bytes < 0:
             raise ValueError(f"invalid cache config: {self}")
         if self.mamba_align_tokens % self.block_size:
             raise ValueError("mamba_align_tokens must be a multiple of block_size")

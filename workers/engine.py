@@ -31,7 +31,8 @@ from proto.contract import ModelIdentity
 from workers.errors import InvalidRequestError, PromptTooLongError, RequestIdInUseError
 from workers.identity import model_identity
 from workers.model.loader import load_model
-from workers.request import FinishReason, HeadAttachment, KeepState, Request, RequestStatus
+from workers.cache.prefix_index import prefix_keys
+from workers.request import CheckpointMark, FinishReason, HeadAttachment, KeepState, Request, RequestStatus, ReuseSource
 from workers.runner import ModelRunner
 from workers.sampling import SampledToken, SamplingParams, sample
 from workers.scheduler import Scheduler
@@ -56,6 +57,10 @@ class RequestOutput:
     # What the request's on_finished returned, on its final output: a conversation turn's
     # `TurnCommit` (see workers/conversation/API.md).
     turn_commit: Any = None
+    # Prefix reuse, on the final output: the prefix checkpoints the request made, as (the mark's
+    # label, tokens), and where its reused state came from.
+    checkpoints: tuple[tuple[int, int], ...] = ()
+    reused_from: ReuseSource = ReuseSource.NONE
 
     @property
     def new_token_ids(self) -> list[int]:
@@ -81,8 +86,9 @@ class LLMEngine:
         num_blocks = max(2, cache.kv_cache_bytes // max(1, probe_kv.block_bytes) + 1)
         max_seqs = config.scheduler.max_num_seqs
         head_slots = min(4 * max_seqs, max(8, cache.head_cache_bytes // probe_state.slot_bytes))
+        checkpoint_slots = min(4 * max_seqs, cache.prefix_cache_bytes // probe_state.slot_bytes)
         # A turn that will publish holds two slots (running state + aligned snapshot).
-        num_slots = cache.num_state_slots or 2 * max_seqs + head_slots
+        num_slots = cache.num_state_slots or 2 * max_seqs + head_slots + checkpoint_slots
         self.kv_layout, self.state_layout = layouts_for(
             self.model_config, num_blocks, cache.block_size, num_slots, config.dtype
         )
@@ -92,7 +98,9 @@ class LLMEngine:
             self.model, self.kv_layout, self.state_layout, config.device, weight_quantization=config.weight_quantization
         )
         kv, states = KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout)
-        heads = HeadManager(kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s)
+        heads = HeadManager(
+            kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s, cache.prefix_cache_bytes
+        )
         self.caches = CacheCoordinator(kv, states, heads, self.runner.copy_slots)
         self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
         self.verifier = Verifier(
@@ -111,12 +119,36 @@ class LLMEngine:
         keep: KeepState = KeepState.FREE,
         on_finished: Callable[[Request], Any] | None = None,
         prefill_only: bool = False,
+        prefix_scope: str | None = None,
+        marks: tuple[CheckpointMark, ...] = (),
+        final_label: int = 0,
     ) -> Request:
         """Queue a request. `keep` says what happens to its state when it completes;
-        `on_finished` runs on this thread when it ends, however it ends (see Request)."""
+        `on_finished` runs on this thread when it ends, however it ends (see Request).
+
+        With a `prefix_scope` (the cache salt) its states are named by their token prefixes in
+        that scope: without a `head`, it attaches the longest held prefix of its prompt; it
+        checkpoints its state at `marks`; a kept state (prepared turn, keep=CHECKPOINT, labelled
+        `final_label`) is named too. Deterministic requests neither look up nor mark: no
+        checkpoint is canonical (they recompute in tiles, as on a miss)."""
         self._validate(request_id, prompt_token_ids, params)
         if params.deterministic and head is not None and head.canonical_window != self.config.deterministic.window:
             head = None  # the fast path made that state: recompute the whole prompt in tiles (a miss)
+        reuse = prefix_scope is not None and not params.deterministic and self.config.cache.prefix_cache_bytes > 0
+        if reuse and head is None:
+            found = self.caches.heads.longest_prefix(prefix_scope, prompt_token_ids, len(prompt_token_ids) - 1)
+            head = found.attachment() if found is not None else None
+        if reuse and marks:
+            positions = sorted({m.position for m in marks if 0 < m.position < len(prompt_token_ids)})
+            keys = {k.length: k for k in prefix_keys(prefix_scope, list(prompt_token_ids), positions)}
+            marks = tuple(
+                dataclasses.replace(m, key=keys[m.position]) for m in sorted(marks, key=lambda m: m.position)
+                if m.position in keys
+            )
+        else:
+            marks = ()
+        if keep is KeepState.CHECKPOINT and not reuse:
+            keep = KeepState.FREE
         if params.seed is None and params.deterministic:
             params = dataclasses.replace(params, seed=derived_seed(prompt_token_ids))  # same on every replica
         elif params.seed is None:
@@ -130,6 +162,9 @@ class LLMEngine:
             on_finished=on_finished,
             prefill_only=prefill_only,
         )
+        request.prefix_scope = prefix_scope if reuse or (prefix_scope is not None and keep is KeepState.PREPARE) else None
+        request.marks = marks
+        request.final_label = final_label
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
         return request
@@ -329,6 +364,8 @@ class LLMEngine:
             error=error or request.finish_error,
             seed=request.params.resolved_seed,
             turn_commit=request.finish_record if request.is_finished else None,
+            checkpoints=tuple(request.checkpoints_made) if request.is_finished else (),
+            reused_from=request.reused_from,
         )
 
     # -- conveniences -------------------------------------------------------------------------

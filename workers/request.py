@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from workers.cache.holders import Holder
+from workers.cache.prefix_index import PrefixKey
 from workers.sampling import SampledToken, SamplingParams
 
 
@@ -39,6 +40,28 @@ class KeepState(Enum):
 
     FREE = "free"
     PREPARE = "prepare"  # kept as a prepared state (with an aligned snapshot) for a commit or abandon
+    CHECKPOINT = "checkpoint"  # kept as a prefix checkpoint of its tokens (a stateless request)
+
+
+class ReuseSource(Enum):
+    """Where the state a request started from came from (metrics: tokens reused by source)."""
+
+    NONE = ""
+    HEAD = "head"  # a committed head of an explicit conversation
+    PREFIX = "prefix"  # a checkpoint at a message boundary or at the end of an earlier request
+    SYSTEM = "system"  # a checkpoint at the end of a system message (shared by conversations)
+
+
+@dataclass(frozen=True)
+class CheckpointMark:
+    """Keep the state at `position` of the prompt as a prefix checkpoint (a message boundary).
+    `label` is the caller's name for it (the worker: how many messages it covers), reported
+    back in the final output when the checkpoint was made."""
+
+    position: int
+    label: int
+    source: ReuseSource = ReuseSource.PREFIX
+    key: PrefixKey | None = None  # set by the engine
 
 
 class KeptState(Protocol):
@@ -94,6 +117,14 @@ class Request:
     # Set by the verifier: the state it committed is canonical for tiles of W; reset to 0
     # whenever a fast step moves num_computed_tokens past it.
     tile_window: int = 0
+    # Prefix reuse (workers/cache/prefix_index.py): the cache scope its states are named in
+    # (None: neither looked up nor kept), the boundaries to checkpoint, the label of its final
+    # state (keep=CHECKPOINT), and what it reused and made.
+    prefix_scope: str | None = None
+    marks: tuple[CheckpointMark, ...] = ()
+    final_label: int = 0
+    reused_from: ReuseSource = ReuseSource.NONE
+    checkpoints_made: list[tuple[int, int]] = field(default_factory=list)  # (label, tokens)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -215,20 +215,25 @@ class ModelRunner:
         return host if self.device == "cpu" else host.to(self.device)
 
     def _segments(self, row: int, chunk: ScheduledChunk) -> list[PrefillSegment]:
-        r"""One segment per chunk, or two when the Mamba state must be snapshot inside it.
+        r"""One segment per chunk, or more when the Mamba state must be snapshot inside it (the
+        aligned snapshot, checkpoint marks at message boundaries):
 
-            chunk [start ........ a ..... end)     a = aligned snapshot position
-                  \_ segment 1 _/\_ segment 2 _/  the state after segment 1 is copied
+            chunk [start ........ a ..... m ..... end)     a, m = snapshot positions
+                  \_ segment 1 _/\_ seg 2 _/\_ seg 3 _/  the state after segments 1, 2 is copied
         """
         end = chunk.start + chunk.num_tokens
         table = torch.tensor(chunk.block_table[: -(-end // self.block_size)])
-        if chunk.snapshot is None:
-            return [PrefillSegment(row, chunk.num_tokens, chunk.start, table, chunk.state_slot)]
-        aligned, slot = chunk.snapshot
-        first = PrefillSegment(row, aligned - chunk.start, chunk.start, table, chunk.state_slot, snapshot_slot=slot)
-        if aligned == end:
-            return [first]
-        return [first, PrefillSegment(row + aligned - chunk.start, end - aligned, aligned, table, chunk.state_slot)]
+        cuts: dict[int, list[int]] = {}
+        for position, slot in chunk.snapshots:
+            cuts.setdefault(position, []).append(slot)
+        segments, start = [], chunk.start
+        for position in sorted(cuts):
+            segments.append(PrefillSegment(
+                row + start - chunk.start, position - start, start, table, chunk.state_slot, tuple(cuts[position])))
+            start = position
+        if start < end:
+            segments.append(PrefillSegment(row + start - chunk.start, end - start, start, table, chunk.state_slot))
+        return segments
 
     def _decode_group(self, rows: list[int], chunks: list[ScheduledChunk], covers_batch: bool) -> DecodeGroup | None:
         if not chunks:

@@ -27,6 +27,14 @@ class ScheduledChunk:
     block_table: list[int]
     state_slot: int
     snapshot: tuple[int, int] | None = None  # (aligned position in (start, end], slot to copy the state to)
+    # (position in (start, end], slot) of prefix checkpoint marks: prefill chunks only (a decode
+    # row snapshots at most its aligned position)
+    marks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def snapshots(self) -> tuple[tuple[int, int], ...]:
+        """Every (position, slot) the Mamba state is copied to after that position."""
+        return ((self.snapshot,) if self.snapshot is not None else ()) + self.marks
 
     @property
     def samples(self) -> bool:
@@ -122,7 +130,10 @@ class Scheduler:
             aligned = (start + n) // self.align_tokens * self.align_tokens
             if aligned > start:
                 snapshot = (aligned, aligned_slot)
-        return ScheduledChunk(request, start, n, list(table), state_slot, snapshot)
+        marks = ()
+        if request.marks and not request.deterministic and (n > 1 or start == 0):
+            marks = tuple(self.caches.marks_in(request, start, start + n))
+        return ScheduledChunk(request, start, n, list(table), state_slot, snapshot, marks)
 
     def _make_room(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.caches.can_grow(request, num_tokens):
@@ -153,6 +164,8 @@ class Scheduler:
             chunk.request.tile_window = 0
             if chunk.snapshot is not None:
                 chunk.request.aligned_len = chunk.snapshot[0]
+            if chunk.request.marks:
+                self.caches.reach_marks(chunk.request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Stop a request wherever it is: waiting, running or mid-prefill."""

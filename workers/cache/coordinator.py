@@ -20,14 +20,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from proto.contract import tokens_digest
 from workers.cache.chunk_index import ChunkIndex
 from workers.cache.heads import CommittedHead, HeadManager, PreparedState
 from workers.cache.holders import Holder, HolderKind, HolderSlots
 from workers.cache.kv_blocks import KVCacheManager, blocks_for
 from workers.cache.manager import CacheManager
 from workers.cache.mamba_slots import MambaStateManager
+from workers.cache.prefix_index import PrefixKey
 from workers.errors import OutOfCacheError
-from workers.request import KeepState, Request
+from workers.request import KeepState, Request, ReuseSource
 
 
 @dataclass
@@ -91,6 +93,7 @@ class CacheCoordinator:
         request.num_cached_tokens = 0
         request.aligned_len = 0
         if head is None:
+            self._open_marks(request, None)
             # A fast-path prompt's first segment (context_len 0) starts from zeros without
             # reading its terminal slot (MambaMixer), so only what is read before it is written
             # is zeroed: the aligned slot (a head keeps it even if no aligned position was
@@ -107,16 +110,74 @@ class CacheCoordinator:
             self.pending.blocks.append((head_table[length // bs], self.kv.table(holder)[-1]))
             self.counters["cow_block_copies"] += 1
         # Terminal state, and (for a request that will publish) the aligned state too.
-        self.pending.slots.extend(zip(self.states.slots[head.holder], held))
+        head_slots = self.states.slots[head.holder]
+        self.pending.slots.extend(zip(head_slots, held))
+        if held.aligned is not None and head_slots.aligned is None:  # a checkpoint keeps no aligned
+            self.pending.zero_slots.append(held.aligned)  # state: the request's starts at position 0
         self.counters["state_copies"] += 1
         self.kv.grow(holder, length + num_new_tokens)
         request.num_computed_tokens = length
         request.aligned_len = head.aligned_len if held.aligned is not None else 0
         request.num_cached_tokens = length
+        request.reused_from = head.source
         if request.deterministic:
             # Tiles restart at the head's canonical aligned state: [aligned_len, L) is recomputed
             # in the tile a miss would use (never written into the blocks shared with the head).
             request.num_computed_tokens = request.num_cached_tokens = head.aligned_len
+        self._open_marks(request, head.holder)
+        return True
+
+    # -- prefix checkpoints ---------------------------------------------------------------------
+    def _open_marks(self, request: Request, protect: Holder | None) -> None:
+        """Slots for the request's marks still ahead of it and not held yet: from free slots or
+        by evicting other checkpoints, never a conversation's head (a mark is optional)."""
+        for mark in request.marks:
+            if mark.position <= request.num_computed_tokens or mark.key is None or mark.key in self.heads.index:
+                continue
+            if not self.heads.room_for_mark(protect):
+                return
+            self.heads.open_mark(request.request_id, mark)
+
+    def marks_in(self, request: Request, start: int, end: int) -> list[tuple[int, int]]:
+        """(position, slot) of the request's marks in (start, end]: a chunk running those tokens
+        cuts its prefill there and snapshots the state."""
+        cut = []
+        for pending in self.heads.marks_of(request.request_id):
+            if start < pending.mark.position <= end:
+                pending.scheduled = True
+                cut.append((pending.mark.position, pending.slot))
+        return cut
+
+    def reach_marks(self, request: Request) -> None:
+        """The request's state now covers num_computed_tokens: marks up to there become checkpoints."""
+        for pending in self.heads.marks_of(request.request_id):
+            if pending.mark.position > request.num_computed_tokens:
+                break
+            made = self.heads.close_mark(pending, self.kv.table(Holder.request(request.request_id)))
+            if made is not None:
+                request.checkpoints_made.append((pending.mark.label, made.state_len))
+        self.heads.enforce_checkpoint_budget()
+
+    def _final_prefix(self, request: Request) -> PrefixKey | None:
+        """The name of a finished request's state (prompt + generated tokens but the last)."""
+        if request.prefix_scope is None or request.num_computed_tokens == 0:
+            return None
+        covered = request.token_ids[: request.num_computed_tokens]
+        return PrefixKey(request.prefix_scope, len(covered), tokens_digest(covered))
+
+    def _keep_checkpoint(self, request: Request, base: CommittedHead | None) -> bool:
+        key = self._final_prefix(request)
+        if key is None:
+            return False
+        src = Holder.request(request.request_id)
+        self.kv.truncate(src, key.length)
+        made = self.heads.keep_checkpoint(src, key.length, key, ReuseSource.PREFIX)
+        if made is None:
+            return False
+        request.checkpoints_made.append((request.final_label, key.length))
+        if base is not None and base.holder.kind is HolderKind.CHECKPOINT:
+            base.superseded = True  # the chain goes on from the longer one
+        self.heads.enforce_checkpoint_budget()
         return True
 
     def can_grow(self, request: Request, num_tokens: int) -> bool:
@@ -129,17 +190,24 @@ class CacheCoordinator:
 
     def release(self, request: Request) -> None:
         """Free a request's blocks and slots (preemption); its pin on a head stays."""
+        self.heads.drop_marks(request.request_id)
         self._free(Holder.request(request.request_id))
         self.admitted.discard(request.request_id)
 
     def finish(self, request: Request, completed: bool) -> PreparedState | None:
         """What happens to a finished request's state: its own `keep` field decides."""
         base = self.heads.head_of(request.head)  # a detached request no longer pins anything
-        if completed and request.keep is KeepState.PREPARE and request.request_id in self.admitted:
+        self.heads.drop_marks(request.request_id)
+        admitted = request.request_id in self.admitted
+        if completed and request.keep is KeepState.PREPARE and admitted:
             self.admitted.discard(request.request_id)
-            prepared = self.heads.prepare(request, base, time.monotonic())
+            prepared = self.heads.prepare(request, base, time.monotonic(), prefix=self._final_prefix(request))
             request.prepared = prepared
             return prepared
+        if completed and request.keep is KeepState.CHECKPOINT and admitted and self._keep_checkpoint(request, base):
+            self.admitted.discard(request.request_id)
+            self.heads.unpin(base, request.request_id)
+            return None
         self.discard(request)
         return None
 

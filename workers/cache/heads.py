@@ -17,6 +17,14 @@ ids, so the next turn recomputes them (a miss). Only when the pools are short an
 runs may a head pinned solely by queued (not admitted) requests go: they are detached and
 recompute. Without this, queued turns pinning heads could starve the pool (a deadlock).
 A head pinned by an admitted or prepared turn, or by the request being admitted, never goes.
+
+Prefix checkpoints (`Holder.checkpoint`-kind heads that no conversation owns) are the state
+at a message boundary of some prompt, or at the end of a finished stateless request. Heads and
+checkpoints are named by their token prefix in one `PrefixIndex` (under their cache scope),
+live in the same LRU and follow the same pin rules; checkpoints have a byte budget of their own.
+Eviction takes first the checkpoints a longer one of the same request chain superseded (hit at
+most once: a shared system prompt is hit by every conversation and stays), then the least
+recently used of all.
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ from dataclasses import dataclass, field
 from workers.cache.holders import Holder, HolderKind
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
+from workers.cache.prefix_index import PrefixIndex, PrefixKey
 from workers.errors import HeadExistsError
-from workers.request import HeadAttachment, Request, RequestStatus
+from workers.request import CheckpointMark, HeadAttachment, Request, RequestStatus, ReuseSource
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +57,10 @@ class CommittedHead:
     canonical_window: int = 0  # see HeadAttachment
     pinned_by: dict[str, Request] = field(default_factory=dict)  # request id -> the turn continuing it
     last_used: float = field(default_factory=time.monotonic)
+    prefix: PrefixKey | None = None  # the token prefix it covers, if named in the prefix index
+    source: ReuseSource = ReuseSource.HEAD  # what a request attaching it reuses (metrics)
+    hits: int = 0  # requests that attached it by prefix lookup
+    superseded: bool = False  # a checkpoint a longer one of the same request chain replaced
 
     @property
     def pins(self) -> int:
@@ -67,19 +80,46 @@ class PreparedState:
     deadline: float
     on_expire: Callable[[PreparedState], None] | None = None
     canonical_window: int = 0  # see HeadAttachment
+    prefix: PrefixKey | None = None  # the head it becomes is named by it
+
+
+@dataclass
+class PendingMark:
+    """A checkpoint being made: its slot receives the Mamba state when the prefill passes the
+    mark; then it shares the request's blocks up to there and joins the index."""
+
+    holder: Holder
+    request_id: str
+    mark: CheckpointMark
+    slot: int
+    scheduled: bool = False  # a chunk cut its prefill there (else the slot never got the state)
 
 
 class HeadManager:
-    def __init__(self, kv: KVCacheManager, states: MambaStateManager, budget_bytes: int, prepared_timeout_s: float):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        states: MambaStateManager,
+        budget_bytes: int,
+        prepared_timeout_s: float,
+        checkpoint_budget_bytes: int = 0,
+    ):
         self.kv = kv
         self.states = states
         self.budget_bytes = budget_bytes
+        self.checkpoint_budget_bytes = checkpoint_budget_bytes  # 0: no prefix checkpoints are kept
         self.prepared_timeout_s = prepared_timeout_s
         self.heads: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
+        self.checkpoints: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
+        self.index: PrefixIndex[CommittedHead] = PrefixIndex()
+        self.marking: dict[Holder, PendingMark] = {}
         self._by_turn: dict[tuple[str, int], CommittedHead] = {}
         self.prepared: dict[Holder, PreparedState] = {}
         self._serials = itertools.count(1)
-        self.counters = {"evictions": 0, "detached": 0, "prepared_expired": 0}
+        self.counters = {
+            "evictions": 0, "detached": 0, "prepared_expired": 0, "checkpoint_evictions": 0,
+            "prefix_hits": 0, "prefix_misses": 0, "checkpoints_made": 0,
+        }
 
     # -- lookup -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -115,21 +155,102 @@ class HeadManager:
             head.pinned_by.pop(request_id, None)
 
     def head_of(self, attachment: HeadAttachment | None) -> CommittedHead | None:
-        return None if attachment is None else self.heads.get(attachment.holder)
+        if attachment is None:
+            return None
+        return self.heads.get(attachment.holder) or self.checkpoints.get(attachment.holder)
 
     # -- heads --------------------------------------------------------------------------------
     def add(self, head: CommittedHead) -> None:
-        assert head.holder not in self.heads and (head.conversation_key, head.turn) not in self._by_turn
-        self.heads[head.holder] = head
-        self._by_turn[head.conversation_key, head.turn] = head
+        if head.holder.kind is HolderKind.CHECKPOINT:
+            assert head.holder not in self.checkpoints and head.prefix is not None
+            self.checkpoints[head.holder] = head
+        else:
+            assert head.holder not in self.heads and (head.conversation_key, head.turn) not in self._by_turn
+            self.heads[head.holder] = head
+            self._by_turn[head.conversation_key, head.turn] = head
+        if head.prefix is not None:
+            self.index.add(head.prefix, head)
 
     def drop(self, head: CommittedHead) -> None:
         """Release a head (rewind, delete, replaced). Turns pinning it keep their own copies."""
         self._detach(head)
-        del self.heads[head.holder]
-        del self._by_turn[head.conversation_key, head.turn]
+        if head.holder.kind is HolderKind.CHECKPOINT:
+            del self.checkpoints[head.holder]
+        else:
+            del self.heads[head.holder]
+            del self._by_turn[head.conversation_key, head.turn]
+        if head.prefix is not None:
+            self.index.remove(head.prefix, head)
         self.kv.free(head.holder)
         self.states.free(head.holder)
+
+    # -- prefix lookup --------------------------------------------------------------------------
+    def longest_prefix(self, scope: str, token_ids: list[int], max_length: int) -> CommittedHead | None:
+        """The held state (head or checkpoint) of the longest prefix of `token_ids` (at most
+        max_length tokens) under `scope`, counted as a hit and touched; None is a miss."""
+        found = self.index.longest(scope, token_ids, max_length)
+        if found is None:
+            self.counters["prefix_misses"] += 1
+            return None
+        state = max(found[1], key=lambda h: h.last_used)
+        state.hits += 1
+        self.counters["prefix_hits"] += 1
+        self.touch(state)
+        return state
+
+    def touch(self, head: CommittedHead) -> None:
+        head.last_used = time.monotonic()
+        (self.checkpoints if head.holder.kind is HolderKind.CHECKPOINT else self.heads).move_to_end(head.holder)
+
+    def keep_checkpoint(self, src: Holder, state_len: int, key: PrefixKey, source: ReuseSource) -> CommittedHead | None:
+        """`src`'s state (its KV already trimmed to state_len) becomes a checkpoint, without a
+        copy; None (src untouched) if that prefix is already held or checkpoints are off."""
+        if key in self.index or not self.checkpoint_budget_bytes:
+            return None
+        holder = self.new_holder(HolderKind.CHECKPOINT)
+        self._move(src, holder)
+        return self._add_checkpoint(holder, state_len, key, source)
+
+    def _add_checkpoint(self, holder: Holder, state_len: int, key: PrefixKey, source: ReuseSource) -> CommittedHead:
+        checkpoint = CommittedHead(holder, "", 0, 0, state_len, 0, prefix=key, source=source)
+        self.add(checkpoint)
+        self.counters["checkpoints_made"] += 1
+        return checkpoint
+
+    # -- checkpoints being made -----------------------------------------------------------------
+    def room_for_mark(self, protect: Holder | None) -> bool:
+        """A free slot for a mark, evicting other unpinned checkpoints only (a mark is optional:
+        it never costs a conversation its head or a request its admission)."""
+        if not self.checkpoint_budget_bytes:
+            return False
+        self._evict_while(lambda: self.states.num_free < 1, lambda h: False, protect, kind=HolderKind.CHECKPOINT)
+        return self.states.num_free >= 1
+
+    def open_mark(self, request_id: str, mark: CheckpointMark) -> PendingMark:
+        """A slot for the state at the mark (the caller made room for it)."""
+        holder = self.new_holder(HolderKind.CHECKPOINT)
+        held = self.states.allocate(holder, aligned=False)
+        pending = self.marking[holder] = PendingMark(holder, request_id, mark, held.terminal)
+        return pending
+
+    def marks_of(self, request_id: str) -> list[PendingMark]:
+        return sorted((p for p in self.marking.values() if p.request_id == request_id), key=lambda p: p.mark.position)
+
+    def close_mark(self, pending: PendingMark, request_table: list[int]) -> CommittedHead | None:
+        """The prefill passed the mark: a checkpoint if its state was snapshot and is new."""
+        del self.marking[pending.holder]
+        position, key = pending.mark.position, pending.mark.key
+        if not pending.scheduled or key is None or key in self.index:
+            self.states.free(pending.holder)
+            return None
+        self.kv.share(pending.holder, request_table[: -(-position // self.kv.block_size)])
+        return self._add_checkpoint(pending.holder, position, key, pending.mark.source)
+
+    def drop_marks(self, request_id: str) -> None:
+        """The request stopped (finished, failed, preempted) before reaching these marks."""
+        for pending in self.marks_of(request_id):
+            del self.marking[pending.holder]
+            self.states.free(pending.holder)
 
     def _detach(self, head: CommittedHead) -> None:
         """Requests still pinning a head that goes: queued ones recompute from their prompt."""
@@ -139,13 +260,19 @@ class HeadManager:
                 self.counters["detached"] += 1
         head.pinned_by.clear()
 
-    def bytes_used(self) -> int:
-        blocks = {b for h, t in self.kv.tables.items() if h.kind is HolderKind.HEAD for b in t}
-        slots = sum(len(s) for h, s in self.states.slots.items() if h.kind is HolderKind.HEAD)
+    def bytes_used(self, kind: HolderKind = HolderKind.HEAD) -> int:
+        """Bytes the holders of `kind` reference (a block shared by several is counted once)."""
+        blocks = {b for h, t in self.kv.tables.items() if h.kind is kind for b in t}
+        slots = sum(len(s) for h, s in self.states.slots.items() if h.kind is kind)
         return len(blocks) * self.kv.layout.block_bytes + slots * self.states.layout.slot_bytes
 
     def enforce_budget(self) -> None:
-        self._evict_while(lambda: self.bytes_used() > self.budget_bytes, lambda h: False)
+        self._evict_while(lambda: self.bytes_used() > self.budget_bytes, lambda h: False, kind=HolderKind.HEAD)
+        self.enforce_checkpoint_budget()
+
+    def enforce_checkpoint_budget(self) -> None:
+        over = lambda: self.bytes_used(HolderKind.CHECKPOINT) > self.checkpoint_budget_bytes  # noqa: E731
+        self._evict_while(over, lambda h: False, kind=HolderKind.CHECKPOINT)
 
     def make_room(self, blocks: int, slots: int, protect: Holder | None, idle: bool, admitted: set[str]) -> bool:
         """Evict until `blocks` KV blocks and `slots` state slots are free; False if impossible.
@@ -166,20 +293,36 @@ class HeadManager:
         return not short()
 
     def _evict_while(
-        self, short: Callable[[], bool], take_pinned: Callable[[CommittedHead], bool], protect: Holder | None = None
+        self,
+        short: Callable[[], bool],
+        take_pinned: Callable[[CommittedHead], bool],
+        protect: Holder | None = None,
+        kind: HolderKind | None = None,
     ) -> None:
         while short():
-            candidates = [h for h in self.heads.values() if h.holder != protect]
+            candidates = [h for h in self._eviction_order(kind) if h.holder != protect]
             victim = next((h for h in candidates if h.pins == 0), None)
             if victim is None:
                 victim = next((h for h in candidates if take_pinned(h)), None)
             if victim is None:
                 return
             self.drop(victim)
-            self.counters["evictions"] += 1
+            is_checkpoint = victim.holder.kind is HolderKind.CHECKPOINT
+            self.counters["checkpoint_evictions" if is_checkpoint else "evictions"] += 1
+
+    def _eviction_order(self, kind: HolderKind | None) -> list[CommittedHead]:
+        """Superseded checkpoints hit at most once first, then least recently used first."""
+        if kind is HolderKind.HEAD or not self.checkpoints:
+            return list(self.heads.values())
+        checkpoints = list(self.checkpoints.values())
+        spent = [c for c in checkpoints if c.superseded and c.hits <= 1]
+        rest = checkpoints if kind is HolderKind.CHECKPOINT else [*self.heads.values(), *checkpoints]
+        return spent + sorted((h for h in rest if not (h.superseded and h.hits <= 1)), key=lambda h: h.last_used)
 
     # -- prepared turns -------------------------------------------------------------------------
-    def prepare(self, request: Request, base: CommittedHead | None, now: float) -> PreparedState:
+    def prepare(
+        self, request: Request, base: CommittedHead | None, now: float, prefix: PrefixKey | None = None
+    ) -> PreparedState:
         """A finished request's state, kept for its verdict (no copy; KV trimmed to state_len).
         All-or-nothing: if a move fails, the request still holds everything."""
         src = Holder.request(request.request_id)
@@ -189,7 +332,7 @@ class HeadManager:
         self._move(src, holder)
         prepared = PreparedState(
             holder, request.request_id, state_len, request.aligned_len, base, now + self.prepared_timeout_s,
-            canonical_window=request.tile_window if request.deterministic else 0,
+            canonical_window=request.tile_window if request.deterministic else 0, prefix=prefix,
         )
         self.prepared[holder] = prepared
         return prepared
@@ -211,7 +354,8 @@ class HeadManager:
         if current is not None:
             self.drop(current)
         head = CommittedHead(
-            holder, key, turn, version, prepared.state_len, prepared.aligned_len, prepared.canonical_window
+            holder, key, turn, version, prepared.state_len, prepared.aligned_len, prepared.canonical_window,
+            prefix=prepared.prefix,
         )
         self.add(head)
         return head
@@ -254,7 +398,10 @@ class HeadManager:
     # -- integrity ------------------------------------------------------------------------------
     def check(self) -> None:
         """Every block or slot held by a head or prepared turn belongs to one this manager knows."""
-        for kind, known in ((HolderKind.HEAD, self.heads), (HolderKind.PREPARED, self.prepared)):
+        checkpoints = {**self.checkpoints, **self.marking}
+        for kind, known in (
+            (HolderKind.HEAD, self.heads), (HolderKind.PREPARED, self.prepared), (HolderKind.CHECKPOINT, checkpoints)
+        ):
             for what, manager in (("KV blocks", self.kv), ("Mamba slots", self.states)):
                 stray = [h for h in manager.holders() if h.kind is kind and h not in known]
                 assert not stray, f"{what} held by unknown {kind.value} holders (a leak): {stray}"
@@ -263,13 +410,19 @@ class HeadManager:
         assert {(h.conversation_key, h.turn): h for h in self.heads.values()} == self._by_turn, "head index"
         # A pin that outlives its request keeps the head from eviction forever (a leak).
         awaiting = {(p.base.holder, p.request_id) for p in self.prepared.values() if p.base is not None}
-        for head in self.heads.values():
+        for head in [*self.heads.values(), *self.checkpoints.values()]:
             stale = [
                 rid for rid, r in head.pinned_by.items()
                 if r.status is RequestStatus.FINISHED and (head.holder, rid) not in awaiting
             ]
             assert not stale, f"{head.holder} pinned by requests that ended: {stale}"
         bs = self.kv.block_size
-        for head in self.heads.values():
+        for head in [*self.heads.values(), *self.checkpoints.values()]:
             assert len(self.kv.table(head.holder)) == -(-head.state_len // bs), f"head table vs state_len: {head}"
             assert 0 <= head.aligned_len <= head.state_len, head
+            assert head.prefix is None or head.prefix.length == head.state_len, f"prefix key vs state_len: {head}"
+        named = {(key, id(h)) for key, held in self.index.items() for h in held}
+        holding = {(h.prefix, id(h)) for h in [*self.heads.values(), *self.checkpoints.values()] if h.prefix}
+        assert named == holding, "prefix index vs the held heads and checkpoints"
+        for pending in self.marking.values():
+            assert pending.holder not in self.kv.tables, f"a checkpoint being made holds KV blocks: {pending}"

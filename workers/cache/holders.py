@@ -1,7 +1,8 @@
-"""Who holds a cache resource: a running request, a prepared turn, or a committed head.
+"""Who holds a cache resource: a running request, a prepared turn, a committed head or a
+prefix checkpoint.
 
-Requests' and prepared turns' resources are "in use"; resources held only by heads are
-"cached" (evictable); the rest are "free". Both managers report the same triple and assert
+Requests' and prepared turns' resources are "in use"; resources held only by heads and
+checkpoints are "cached" (evictable); the rest are "free". Both managers report the same triple and assert
 it adds up. Prepared turns and heads are named by serials the head manager issues, never
 by formatted strings.
 """
@@ -17,6 +18,12 @@ class HolderKind(Enum):
     REQUEST = "request"
     PREPARED = "prepared"  # a finished turn's state awaiting commit or abandon
     HEAD = "head"
+    CHECKPOINT = "checkpoint"  # the state at a prefix of some prompt, owned by no conversation
+
+    @property
+    def cached(self) -> bool:
+        """Evictable: nothing running needs it."""
+        return self in (HolderKind.HEAD, HolderKind.CHECKPOINT)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from workers.cache.holders import CacheUsage, Holder, HolderKind
+from workers.cache.holders import CacheUsage, Holder
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout
 from workers.cache.manager import CacheManager
 from workers.errors import OutOfCacheError
@@ -131,7 +131,7 @@ class KVCacheManager(CacheManager):
         by_request: set[int] = set()
         by_head: set[int] = set()
         for holder, table in self.tables.items():
-            (by_head if holder.kind is HolderKind.HEAD else by_request).update(table)
+            (by_head if holder.kind.cached else by_request).update(table)
         # Every reference is one table entry (a table never lists a block twice).
         refs = sum(len(t) for t in self.tables.values())
         assert refs == sum(self.pool.ref_counts) - 1, "block reference counts disagree with the tables"

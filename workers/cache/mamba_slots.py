@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from workers.cache.holders import CacheUsage, Holder, HolderKind, HolderSlots
+from workers.cache.holders import CacheUsage, Holder, HolderSlots
 from workers.cache.layout import MambaStateLayout
 from workers.cache.manager import CacheManager
 from workers.errors import OutOfCacheError
@@ -63,6 +63,6 @@ class MambaStateManager(CacheManager):
             self._free.update(held)
 
     def usage(self) -> CacheUsage:
-        in_use = sum(len(s) for h, s in self.slots.items() if h.kind is not HolderKind.HEAD)
-        cached = sum(len(s) for h, s in self.slots.items() if h.kind is HolderKind.HEAD)
+        in_use = sum(len(s) for h, s in self.slots.items() if not h.kind.cached)
+        cached = sum(len(s) for h, s in self.slots.items() if h.kind.cached)
         return CacheUsage(free=len(self._free), cached=cached, in_use=in_use, total=self.layout.num_slots)

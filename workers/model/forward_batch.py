@@ -25,7 +25,7 @@ class PrefillSegment:
     context_len: int
     block_table: torch.Tensor  # [blocks covering positions < context_len + num_tokens], long
     state_slot: int
-    snapshot_slot: int | None = None  # copy the Mamba state here after this segment
+    snapshot_slots: tuple[int, ...] = ()  # copy the Mamba state here after this segment
 
 
 @dataclass(frozen=True)

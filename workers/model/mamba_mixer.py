@@ -142,9 +142,9 @@ class MambaMixer(nn.Module):
         scan = (scan + x * c.D[:, None]).reshape(k, longest, s.intermediate)
         y[rows[valid]] = scan[valid].to(y.dtype)
         for seg in segs:
-            if seg.snapshot_slot is not None:
-                conv[seg.snapshot_slot] = conv[seg.state_slot]
-                ssm[seg.snapshot_slot] = ssm[seg.state_slot]
+            for snapshot in seg.snapshot_slots:
+                conv[snapshot] = conv[seg.state_slot]
+                ssm[snapshot] = ssm[seg.state_slot]
 
     def _prefill_fused(self, xbc, dt, conv, ssm, segs: list[PrefillSegment], y: torch.Tensor) -> None:
         """`_prefill` in two C++ passes over the flat rows (`csrc/ssd_scan.cpp`): no padded wave.
@@ -163,9 +163,9 @@ class MambaMixer(nn.Module):
         out = kernel.prefill_conv(xbc, conv, starts, counts, slots, c.conv_weight, c.kernel_conv_bias, fresh)
         kernel.prefill_scan(out, dt, c.dt_bias, c.A, c.D, ssm, starts, counts, slots, s.dt_min, s.dt_max, y, fresh)
         for seg in segs:
-            if seg.snapshot_slot is not None:
-                conv[seg.snapshot_slot] = conv[seg.state_slot]
-                ssm[seg.snapshot_slot] = ssm[seg.state_slot]
+            for snapshot in seg.snapshot_slots:
+                conv[snapshot] = conv[seg.state_slot]
+                ssm[snapshot] = ssm[seg.state_slot]
 
     def _decode_fused(self, zxbcdt, conv, ssm, group, norm: bool = False) -> torch.Tensor:
         """`_decode` in one kernel reading the in_proj rows as they are: conv and recurrence make

@@ -1,0 +1,149 @@
+"""Prefix checkpoints: a request attaches the longest held state whose tokens are a prefix of
+its prompt (a finished request's end, a message boundary it was marked at) and runs only the
+rest; its tokens and logits equal a run without any reuse. Another scope never attaches it;
+deterministic requests never do; a small budget evicts, and never returns a wrong state."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import GREEDY, LogitRecorder, assert_logits_close, kv_bytes_for_blocks, new_engine, prompt_of
+from workers.checkpoint import Arch
+from workers.engine import LLMEngine, RequestOutput
+from workers.request import CheckpointMark, KeepState, ReuseSource
+from workers.sampling import SamplingParams
+
+CHAIN = KeepState.CHECKPOINT
+
+
+class Driver:
+    """One engine, requests run to completion one call at a time (several at once: `run_all`)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.recorder = LogitRecorder(engine)
+        self._n = 0
+
+    def run(self, prompt, **kw) -> tuple[list[int], RequestOutput]:
+        return self.run_all([prompt], **kw)[0]
+
+    def run_all(self, prompts, scope="tenant", keep=CHAIN, marks=(), params=GREEDY) -> list[tuple[list[int], RequestOutput]]:
+        ids = []
+        for prompt in prompts:
+            self._n += 1
+            rid = f"r{self._n}"
+            self.engine.add_request(rid, prompt, params, prefix_scope=scope, keep=keep, marks=tuple(marks),
+                                    final_label=99)
+            ids.append(rid)
+        tokens = {rid: [] for rid in ids}
+        final: dict[str, RequestOutput] = {}
+        for _ in range(10_000):
+            if not self.engine.has_unfinished():
+                break
+            for out in self.engine.step():
+                assert out.error is None, out.error
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    final[out.request_id] = out
+        return [(tokens[rid], final[rid]) for rid in ids]
+
+
+@pytest.fixture(params=list(Arch), ids=lambda a: a.value)
+def pair(request, tiny):
+    """(an engine keeping prefix checkpoints, one without any reuse) on the same checkpoint."""
+    path = tiny[request.param].path
+    return Driver(new_engine(path)), Driver(new_engine(path, prefix_cache_bytes=0))
+
+
+def test_full_history_requests_attach_the_previous_requests_end(pair):
+    ours, plain = pair
+    history = prompt_of(40, seed=1)
+    for turn in range(4):
+        tokens, out = ours.run(history)
+        expected, ref = plain.run(history)
+        assert tokens == expected
+        assert_logits_close(ours.recorder.stacked(out.request_id), plain.recorder.stacked(ref.request_id))
+        assert ref.num_cached_tokens == 0 and ref.checkpoints == ()
+        if turn:
+            # everything the previous request saw and generated but its last token
+            assert out.num_cached_tokens == previous - 1 and out.reused_from is ReuseSource.PREFIX
+        else:
+            assert out.num_cached_tokens == 0 and out.reused_from is ReuseSource.NONE
+        assert out.checkpoints == ((99, len(history) + len(tokens) - 1),)
+        history = history + tokens
+        previous = len(history)
+        history += prompt_of(9 + turn, seed=10 + turn)  # the next user message
+
+
+@pytest.mark.parametrize("budget", [2048, 16, 37], ids=["one-chunk", "chunks-of-16", "chunk-ends-at-the-mark"])
+def test_a_marked_system_prompt_is_shared_within_its_scope_only(tiny, budget):
+    path = tiny[Arch.BAMBA].path
+    ours = Driver(new_engine(path, max_num_batched_tokens=budget))
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    system = prompt_of(37, seed=3)
+    mark = CheckpointMark(len(system), label=1, source=ReuseSource.SYSTEM)
+    first = system + prompt_of(20, seed=4)
+    tokens, out = ours.run(first, keep=KeepState.FREE, marks=[mark])
+    assert out.checkpoints == ((1, 37),) and out.num_cached_tokens == 0
+    assert tokens == plain.run(first)[0]
+
+    second = system + prompt_of(25, seed=5)
+    tokens, out = ours.run(second, keep=KeepState.FREE, marks=[mark])
+    assert out.num_cached_tokens == 37 and out.reused_from is ReuseSource.SYSTEM
+    assert out.checkpoints == ()  # already held: not made twice
+    expected, ref = plain.run(second)
+    assert tokens == expected
+    assert_logits_close(ours.recorder.stacked(out.request_id), plain.recorder.stacked(ref.request_id))
+
+    assert ours.run(second, scope="another tenant", keep=KeepState.FREE)[1].num_cached_tokens == 0
+    deterministic = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, deterministic=True)
+    assert ours.run(second, keep=KeepState.FREE, params=deterministic)[1].num_cached_tokens == 0
+
+
+def test_the_longest_held_prefix_wins_and_a_token_is_always_left_to_run(tiny):
+    ours = Driver(new_engine(tiny[Arch.BAMBA].path))
+    prompt = prompt_of(50, seed=6)
+    marks = [CheckpointMark(n, label=n) for n in (10, 20, 30)]
+    assert ours.run(prompt, keep=KeepState.FREE, marks=marks)[1].checkpoints == ((10, 10), (20, 20), (30, 30))
+    assert ours.run(prompt[:35], keep=KeepState.FREE)[1].num_cached_tokens == 30
+    assert ours.run(prompt[:30], keep=KeepState.FREE)[1].num_cached_tokens == 20  # 30 would leave nothing
+    assert ours.run(prompt[:25] + [7] * 10, keep=KeepState.FREE)[1].num_cached_tokens == 20
+    assert ours.run([7] + prompt[1:40], keep=KeepState.FREE)[1].num_cached_tokens == 0  # token ids, exactly
+
+
+def test_marks_under_preemption_leave_nothing_behind(tiny):
+    """A pool so small that requests are preempted mid-prefill: their unfinished marks are
+    dropped (the integrity check after the test finds any leak), outputs are unchanged."""
+    path = tiny[Arch.BAMBA].path
+    ours = Driver(new_engine(path, kv_cache_bytes=kv_bytes_for_blocks(path, 12, 16), max_num_batched_tokens=32))
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    system = prompt_of(30, seed=7)
+    prompts = [system + prompt_of(40 + i, seed=20 + i) for i in range(6)]
+    marks = [CheckpointMark(30, label=1, source=ReuseSource.SYSTEM)]
+    results = ours.run_all(prompts, keep=KeepState.FREE, marks=marks)
+    assert ours.engine.scheduler.requests == {}
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == plain.run(prompt)[0]
+
+
+def test_a_small_budget_evicts_spent_chains_first_and_never_returns_a_wrong_state(tiny):
+    path = tiny[Arch.BAMBA].path
+    probe = new_engine(path, prefix_cache_bytes=0)
+    slot, block = probe.state_layout.slot_bytes, probe.kv_layout.block_bytes
+    ours = Driver(new_engine(path, prefix_cache_bytes=4 * slot + 24 * block))
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    system = prompt_of(33, seed=8)
+    mark = CheckpointMark(33, label=1, source=ReuseSource.SYSTEM)
+    histories = [system + prompt_of(10 + i, seed=30 + i) for i in range(4)]
+    for round in range(3):  # every chain takes a turn
+        for i, history in enumerate(histories):
+            tokens, out = ours.run(history, marks=[mark])
+            assert tokens == plain.run(history)[0]
+            if round or i:
+                assert out.num_cached_tokens >= 33  # the system prompt at least, whatever was evicted
+            histories[i] = history + tokens + prompt_of(5, seed=40 + i)
+    heads = ours.engine.caches.heads
+    assert heads.counters["checkpoint_evictions"] > 0
+    kept = [c for c in heads.checkpoints.values() if c.state_len == 33]
+    assert kept and kept[0].hits >= 3  # the shared system prompt outlived the spent chain links
+    assert heads.bytes_used(kept[0].holder.kind) <= heads.checkpoint_budget_bytes
