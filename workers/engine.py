@@ -56,6 +56,10 @@ class RequestOutput:
     # What the request's on_finished returned, on its final output: a conversation turn's
     # `TurnCommit` (see workers/conversation/API.md).
     turn_commit: Any = None
+    # On the final output: the message-boundary states the engine kept, as (k, tokens): the state
+    # after messages[:k] (k == len(messages) + 1: the messages and the reply), `tokens` long.
+    # The worker announces them to the prefix index (deployments/prefix_index.py).
+    checkpoints: tuple[tuple[int, int], ...] = ()
 
     @property
     def new_token_ids(self) -> list[int]:
