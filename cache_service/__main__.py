@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ReadLedger page size [CACHE_LEDGER_PAGE_BYTES]")
     p.add_argument("--health-interval-s", type=float, default=float(env("CACHE_HEALTH_INTERVAL_S", "0.5")),
                    help="Redis probe period [CACHE_HEALTH_INTERVAL_S]")
+    p.add_argument("--prefix-ttl-s", type=float, default=float(env("CACHE_PREFIX_TTL_S", "1800")),
+                   help="a prefix-index entry lives this long after its last announce [CACHE_PREFIX_TTL_S]")
     return p
 
 
@@ -81,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port, fsync=FsyncPolicy(args.appendfsync), grace_s=args.grace_s,
         limits=Limits(max_lease_ttl_ms=args.max_lease_ttl_ms, ledger_page_bytes=args.ledger_page_bytes),
         puts=PutLimits(max_staged_bytes=args.max_staged_bytes, idle_timeout_s=args.put_idle_timeout_s),
-        auth_token=auth or None, health_interval_s=args.health_interval_s)
+        auth_token=auth or None, health_interval_s=args.health_interval_s, prefix_ttl_s=args.prefix_ttl_s)
 
 
 def main() -> None:

@@ -105,6 +105,15 @@ class ClientConfig:
 LeaseArg = int | pb.Lease
 
 
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest of a chat's prefixes some replica holds: `index` into the names asked for
+    (entry k names messages[:k + 1]) and its holders as (replica, tokens)."""
+
+    index: int
+    holders: tuple[tuple[str, int], ...]
+
+
 def _messages(messages: Sequence[pb.Message | Mapping[str, Any]]) -> list[pb.Message]:
     out = []
     for m in messages:
@@ -330,6 +339,48 @@ class CacheClient:
         return await self._unary("TransferOwnership", pb.TransferOwnershipRequest(
             key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=expected_version,
             new_owner=new_owner))
+
+    # -- the prefix index -------------------------------------------------------------
+
+    async def announce_prefixes(self, replica: str, entries: Sequence[tuple[str, int]]) -> None:
+        """Record that `replica` holds the state of each (prefix name, tokens); more than one
+        request's worth (SERVICE_LIMITS.max_prefix_entries) is sent in several."""
+        step = SERVICE_LIMITS.max_prefix_entries
+        for start in range(0, len(entries), step):
+            await self._unary("AnnouncePrefixes", pb.AnnouncePrefixesRequest(replica=replica, entries=[
+                pb.PrefixEntry(name=name, tokens=tokens) for name, tokens in entries[start:start + step]]))
+
+    async def forget_prefixes(self, replica: str, names: Sequence[str]) -> None:
+        """`replica` no longer holds these prefixes (names it never announced are fine)."""
+        step = SERVICE_LIMITS.max_prefix_entries
+        for start in range(0, len(names), step):
+            await self._unary("ForgetPrefixes", pb.ForgetPrefixesRequest(
+                replica=replica, names=list(names[start:start + step])))
+
+    async def find_prefix(self, names: Sequence[str], *, timeout_s: float | None = None) -> PrefixMatch | None:
+        """The longest prefix among `names` (a chat's message_prefix_digests) that a replica
+        holds, None if none does. With `timeout_s` the call is one attempt within that deadline
+        (a routing hint must not wait for retries); without, as every call."""
+        if not names:
+            return None
+        request = pb.FindPrefixRequest(names=list(names))
+        if timeout_s is None:
+            reply = await self._unary("FindPrefix", request)
+        else:
+            reply = await self._once("FindPrefix", request, timeout_s)
+        if reply.index < 0:
+            return None
+        return PrefixMatch(reply.index, tuple((h.replica, h.tokens) for h in reply.holders))
+
+    async def _once(self, method: str, request, timeout_s: float) -> Any:
+        """One attempt, no retries; errors typed as by the retry loop."""
+        try:
+            return await getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            error = from_status(exc.code(), exc.details() or "", exc.trailing_metadata())
+            if error is None:
+                raise
+            raise error from exc
 
     async def stats(self) -> pb.Stats:
         return await self._unary("GetStats", pb.GetStatsRequest())

@@ -37,12 +37,14 @@ class Limits:
     max_chunks_per_state: int = 1 << 16
     max_ledger_turns_per_read: int = 4096
     ledger_page_bytes: int = 4 << 20   # one ReadLedger page (a single larger turn still fits)
+    max_prefix_entries: int = 256      # names per AnnouncePrefixes / ForgetPrefixes
+    max_prefix_names: int = 512        # names per FindPrefix (a chat's messages, one name each)
 
     def __post_init__(self) -> None:
         if not 0 < self.min_ttl_ms <= self.max_lease_ttl_ms:
             raise ValueError("need 0 < min_ttl_ms <= max_lease_ttl_ms")
         if min(self.max_id_bytes, self.max_chunk_bytes, self.max_chunks_per_state,
-               self.ledger_page_bytes) <= 0:
+               self.ledger_page_bytes, self.max_prefix_entries, self.max_prefix_names) <= 0:
             raise ValueError("limits must be positive")
 
     @property
@@ -103,11 +105,14 @@ class ServerConfig:
     # after that the fence key expires (no key per conversation is kept forever).
     fence_retention_ms: int = 3_600_000
     health_interval_s: float = 0.5     # Redis liveness probe (and embedded restart) period
+    # A prefix-index entry lives this long after the last announce of its name (any replica).
+    prefix_ttl_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"bad port {self.port}")
-        if self.redis_timeout_s <= 0 or self.grace_s < 0 or self.health_interval_s <= 0:
+        if self.redis_timeout_s <= 0 or self.grace_s < 0 or self.health_interval_s <= 0 \
+                or self.prefix_ttl_s <= 0:
             raise ValueError("timeouts must be positive")
         if self.fence_retention_ms < self.limits.max_lease_ttl_ms:
             raise ValueError("fence_retention_ms must be at least limits.max_lease_ttl_ms")

@@ -52,6 +52,21 @@ class ConversationKeys:
         return self._key("fence")
 
 
+class PrefixKeys:
+    """The prefix index: one hash per prefix name (field replica -> tokens, with a TTL) and one
+    sorted set of the live names (score: expiry, Unix ms) that counts them without a SCAN.
+
+    One hash tag for the whole index: its scripts touch many names at once, which a Redis
+    Cluster allows only within one slot (the index is small: hints, not state)."""
+
+    PREFIX = f"{NAMESPACE}:prefix:{{index}}"
+    live = f"{PREFIX}:live"
+
+    @classmethod
+    def name(cls, name: str) -> str:
+        return f"{cls.PREFIX}:name:{name}"
+
+
 # The service's lease-proof key (leases.py): created once, shared by every service
 # process using this Redis.
 LEASE_KEY = f"{NAMESPACE}:lease-proof-key"

@@ -251,3 +251,41 @@ return {'OK', head_reply(KEYS[1])}
 DELETE = """
 return redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[1])
 """
+
+# -- the prefix index (keys.PrefixKeys); hints, so no fencing -------------------------------
+
+# KEYS: live, then one name key per entry
+# ARGV: replica, now_ms, ttl_ms, then (name, tokens) per entry
+# Names expired since the last announce leave the live set here, so it stays bounded by the
+# live names plus those expired since.
+ANNOUNCE_PREFIXES = """
+local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+for i = 2, #KEYS do
+  redis.call('HSET', KEYS[i], ARGV[1], ARGV[2 * i + 1])
+  redis.call('PEXPIRE', KEYS[i], ttl)
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[2 * i])
+end
+return {'OK'}
+"""
+
+# KEYS: live, then one name key per name   ARGV: replica, then the names
+FORGET_PREFIXES = """
+for i = 2, #KEYS do
+  if redis.call('HDEL', KEYS[i], ARGV[1]) == 1 and redis.call('EXISTS', KEYS[i]) == 0 then
+    redis.call('ZREM', KEYS[1], ARGV[i])
+  end
+end
+return {'OK'}
+"""
+
+# KEYS: the name keys of a chat's prefixes, shortest first
+# Reply: {index (0-based, -1 = none), {replica, tokens, ...}}: the longest prefix held, looked
+# up from the longest down, so a hit near the end (the usual case) reads few keys.
+FIND_PREFIX = """
+for i = #KEYS, 1, -1 do
+  local holders = redis.call('HGETALL', KEYS[i])
+  if #holders > 0 then return {i - 1, holders} end
+end
+return {-1, {}}
+"""

@@ -68,7 +68,8 @@ class CacheServer:
             ("grpc.so_reuseport", 0),
         ])
         wire.add_servicer(CacheServicer(self._store, tier, signer, limits=cfg.limits, puts=cfg.puts,
-                                        fence_retention_ms=cfg.fence_retention_ms), self._server)
+                                        fence_retention_ms=cfg.fence_retention_ms,
+                                        prefix_ttl_ms=round(cfg.prefix_ttl_s * 1000)), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:

@@ -53,7 +53,7 @@ def publish_digest(request: pb.PublishTurnRequest) -> str:
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def __init__(self, store: MetadataStore, tier: StateTier, signer: LeaseSigner, *,
-                 limits: Limits, puts: PutLimits, fence_retention_ms: int):
+                 limits: Limits, puts: PutLimits, fence_retention_ms: int, prefix_ttl_ms: int):
         self.store = store
         self.tier = tier
         self.signer = signer
@@ -61,6 +61,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self.puts = puts
         self.staging = StagingBudget(puts.max_staged_bytes)
         self._fence_retention_ms = fence_retention_ms
+        self._prefix_ttl_ms = prefix_ttl_ms
         self.counters = RpcCounters()
         # Serializes tier commits against deletes and rewinds of the same conversation,
         # so a put racing them cannot resurrect state they dropped.
@@ -269,8 +270,33 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             data = await asyncio.to_thread(self.tier.read_chunk, conv, entry, ref)
             yield pb.GetStateResponse(chunk=pb.Chunk(digest=ref.digest, data=data))
 
+    # -- prefix index -------------------------------------------------------------------
+
+    @rpc
+    async def AnnouncePrefixes(self, request, context):
+        entries = validation.announce_prefixes(request, self.limits)
+        if entries:
+            await self.store.announce_prefixes(request.replica, entries, self._prefix_ttl_ms)
+        return pb.AnnouncePrefixesResponse()
+
+    @rpc
+    async def ForgetPrefixes(self, request, context):
+        validation.identifier(request.replica, "replica", self.limits)
+        names = validation.prefix_names(request.names, "names", self.limits.max_prefix_entries)
+        if names:
+            await self.store.forget_prefixes(request.replica, names)
+        return pb.ForgetPrefixesResponse()
+
+    @rpc
+    async def FindPrefix(self, request, context):
+        names = validation.prefix_names(request.names, "names", self.limits.max_prefix_names)
+        index, holders = await self.store.find_prefix(names)
+        return pb.FindPrefixResponse(index=index, holders=[
+            pb.PrefixHolder(replica=replica, tokens=tokens) for replica, tokens in holders])
+
     @rpc
     async def GetStats(self, request, context):
+        prefix_names = await self.store.prefix_names()
         t = self.tier.stats()
         return pb.Stats(
             tier_memory_bytes=t.memory_bytes, tier_disk_bytes=t.disk_bytes,
@@ -278,4 +304,4 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             tier_chunks=t.chunks, tier_spills=t.spills, tier_disk_reads=t.disk_reads,
             tier_checksum_failures=t.checksum_failures,
             rpc_counts=dict(self.counters.calls), rpc_errors=dict(self.counters.errors),
-            tier_staged_bytes=self.staging.used)
+            tier_staged_bytes=self.staging.used, prefix_index_names=prefix_names)

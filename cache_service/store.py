@@ -17,7 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from cache_service import errors, leases, scripts
-from cache_service.keys import LEASE_KEY, ConversationKeys
+from cache_service.keys import LEASE_KEY, ConversationKeys, PrefixKeys
 from cache_service.leases import Fence
 from proto import cache_pb2 as pb
 
@@ -90,6 +90,9 @@ class MetadataStore:
         self._read_ledger = r.register_script(scripts.READ_LEDGER)
         self._mark_tier = r.register_script(scripts.MARK_TIER)
         self._delete = r.register_script(scripts.DELETE)
+        self._announce_prefixes = r.register_script(scripts.ANNOUNCE_PREFIXES)
+        self._forget_prefixes = r.register_script(scripts.FORGET_PREFIXES)
+        self._find_prefix = r.register_script(scripts.FIND_PREFIX)
 
     async def ping(self) -> None:
         await self._redis.ping()
@@ -206,3 +209,26 @@ class MetadataStore:
         # The fence goes too: a re-created conversation starts a new incarnation, so
         # no proof of an old holder matches any later lease.
         return await self._delete(keys=[keys.fence, keys.head, keys.lease, keys.ledger, keys.marks]) > 0
+
+    # -- the prefix index ---------------------------------------------------------------
+
+    async def announce_prefixes(self, replica: str, entries: list[tuple[str, int]], ttl_ms: int) -> None:
+        args: list[str | int] = [replica, now_ms(), ttl_ms]
+        for name, tokens in entries:
+            args += [name, tokens]
+        await self._announce_prefixes(keys=[PrefixKeys.live, *(PrefixKeys.name(n) for n, _ in entries)],
+                                      args=args)
+
+    async def forget_prefixes(self, replica: str, names: list[str]) -> None:
+        await self._forget_prefixes(keys=[PrefixKeys.live, *map(PrefixKeys.name, names)], args=[replica, *names])
+
+    async def find_prefix(self, names: list[str]) -> tuple[int, list[tuple[str, int]]]:
+        """(the highest index whose name has holders, [(replica, tokens)]); (-1, []) if none."""
+        if not names:
+            return -1, []
+        index, flat = await self._find_prefix(keys=list(map(PrefixKeys.name, names)))
+        return int(index), [(_s(flat[i]), _i(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+    async def prefix_names(self) -> int:
+        """Names with a live entry (not expired, not forgotten by every holder)."""
+        return await self._redis.zcount(PrefixKeys.live, f"({now_ms()}", "+inf")

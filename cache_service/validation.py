@@ -15,6 +15,7 @@ from proto import cache_pb2 as pb
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _INCARNATION_HEX = re.compile(r"[0-9a-f]{16}")
+_PREFIX_NAME = re.compile(r"[0-9a-f]{32}")
 DIGEST_BYTES = 32
 ATTEMPT_KEY_BYTES = (16, 64)
 
@@ -117,3 +118,23 @@ def manifest(m: pb.StateManifest, limits: Limits) -> ConversationKeys:
             raise InvalidArgument(f"manifest.chunks[{i}] repeats a digest with another size "
                                   f"({chunk.size} vs {sizes[chunk.digest]})")
     return keys
+
+
+def prefix_names(values, field: str, bound: int) -> list[str]:
+    """Prefix-index names (proto.contract.message_prefix_digests entries)."""
+    values = list(values)
+    if len(values) > bound:
+        raise InvalidArgument(f"{field} has {len(values)} entries, over the limit of {bound}")
+    for i, name in enumerate(values):
+        if not _PREFIX_NAME.fullmatch(name):
+            raise InvalidArgument(f"{field}[{i}] must be a prefix name: 32 lowercase hex digits")
+    return values
+
+
+def announce_prefixes(req: pb.AnnouncePrefixesRequest, limits: Limits) -> list[tuple[str, int]]:
+    identifier(req.replica, "replica", limits)
+    prefix_names((e.name for e in req.entries), "entries", limits.max_prefix_entries)
+    for i, entry in enumerate(req.entries):
+        if entry.tokens <= 0:
+            raise InvalidArgument(f"entries[{i}].tokens must be the prefix's length in tokens (> 0)")
+    return [(e.name, e.tokens) for e in req.entries]

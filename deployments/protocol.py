@@ -1,6 +1,6 @@
 """What travels between the ingress and a worker replica (pickled by Ray), stated once.
 
-    ingress ── TurnJob ──> router (reads `owner`) ──> Worker.run_turn
+    ingress ── TurnJob ──> router (reads `owner`, `prefix_holders`) ──> Worker.run_turn
     ingress <── TurnDelta* then TurnDone | TurnFailed ──┘
 
 Plain dataclasses and enums only: the ingress never imports torch or the engine.
@@ -51,6 +51,9 @@ class TurnJob:
     # Names the turn's publish: the ingress finds the turn in the ledger by it when the publish's
     # outcome is unknown, and an idempotent retry (same Idempotency-Key and body) by its prefix.
     publish_id: str = ""
+    # Replicas (Serve replica unique ids) the prefix index names as holding the longest message
+    # prefix of a stateless request or a new conversation: the router prefers them. A hint.
+    prefix_holders: tuple[str, ...] = ()
 
     @property
     def publish_name(self) -> str:

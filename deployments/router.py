@@ -5,8 +5,17 @@ names as the holder of the conversation's head. Serve calls `choose_replicas` wi
 replicas and tries the returned ranks in order, probing queue lengths; a rank whose replicas
 are all full (`max_ongoing_requests`) is skipped:
 
-    owner alive:   [[owner], [least loaded], [next], ...]   owner full -> the next rank takes it
-    no owner / owner gone (not a candidate):  [[least loaded], [next], ...]
+    owner alive:         [[owner], [least loaded], [next], ...]   owner full -> the next rank takes it
+    else, holders alive: [[least loaded holder], [next holder], ..., [least loaded other], [next], ...]
+    else:                [[least loaded], [next], ...]
+
+    owner gone = not a candidate; holder = a candidate the job's `prefix_holders` names that
+    runs at most PREFIX_SLACK requests more than the least loaded candidate
+
+Prefix holders: for a stateless request or a new conversation the ingress asks the cache
+service's prefix index which replicas hold the longest prefix of its messages (a shared system
+prompt, the history of a stateless chat resent in full): `TurnJob.prefix_holders`. There the
+prompt's start is a local hit; elsewhere it is recomputed once, and then held there too.
 
 Load = requests this router sent (Serve's queue-length cache) plus the choices it made that
 Serve has not counted yet, then the worker's routing stats (`record_routing_stats`: running
@@ -47,6 +56,11 @@ from deployments.protocol import ReplicaCall, TurnJob
 # A choice no request was sent for (cancelled while probing, or sent to a later rank) stops
 # counting after this.
 CHOICE_TTL_S = 2.0
+# A prefix holder is preferred while it runs at most this many more requests than the least
+# loaded replica. Without a bound, one hot system prompt would pin every new conversation on the
+# replica that computed it first; past it, another replica computes the prefix once and from
+# then on holds it too, so the load spreads over the holders.
+PREFIX_SLACK = 2
 
 
 def requested_owner(pending_request: PendingRequest | None) -> str:
@@ -56,6 +70,15 @@ def requested_owner(pending_request: PendingRequest | None) -> str:
         if isinstance(arg, (TurnJob, ReplicaCall)):
             return arg.owner
     return ""
+
+
+def requested_prefix_holders(pending_request: PendingRequest | None) -> tuple[str, ...]:
+    if pending_request is None:
+        return ()
+    for arg in [*pending_request.args, *pending_request.kwargs.values()]:
+        if isinstance(arg, TurnJob):
+            return arg.prefix_holders
+    return ()
 
 
 def load_key(queue_len: int | None, chosen: int, stats: dict[str, Any]) -> tuple[int, int, int, float]:
@@ -84,10 +107,16 @@ class StickyConversationRouter(RequestRouter):
         chosen = self._chosen_counts()
         owner = requested_owner(pending_request)
         cache = self.replica_queue_len_cache
-        by_load = sorted(candidate_replicas, key=lambda r: load_key(
-            cache.get(r.replica_id), chosen[r.replica_id], r.routing_stats))
-        owned = [r for r in by_load if owner and r.replica_id.unique_id == owner]
-        ranks = owned + [r for r in by_load if r not in owned]
+        loads = {r.replica_id: load_key(cache.get(r.replica_id), chosen[r.replica_id], r.routing_stats)
+                 for r in candidate_replicas}
+        by_load = sorted(candidate_replicas, key=lambda r: loads[r.replica_id])
+        first = [r for r in by_load if owner and r.replica_id.unique_id == owner]
+        if not first and by_load:
+            holders = requested_prefix_holders(pending_request)
+            least = loads[by_load[0].replica_id][0]  # load_key's first element: requests sent or chosen
+            first = [r for r in by_load
+                     if r.replica_id.unique_id in holders and loads[r.replica_id][0] - least <= PREFIX_SLACK]
+        ranks = first + [r for r in by_load if r not in first]
         if request_id is not None and ranks:
             self._chosen[request_id] = (ranks[0].replica_id, time.monotonic())
         return [[r] for r in ranks]

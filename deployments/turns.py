@@ -11,6 +11,10 @@
                            says whether the turn committed, and the client is told that
     stateless request:  TurnJob with the full history, no lease
 
+A stateless request and a conversation's first turn carry the replicas the prefix index names
+as holding the longest prefix of their messages (prefix_index.py; a failed or slow lookup: none,
+the router then goes by load).
+
 A replica lost before it produced anything is retried on another, under a new lease (at most
 one run per lease: the old one is fenced first, and a turn it committed is answered from the
 ledger); once tokens have gone out, the client gets the ledger's verdict instead.
@@ -34,6 +38,7 @@ from cache_service.client import CacheClient, CacheError, Conversation, LeaseHel
 from deployments import errors, turn_outcome
 from deployments.errors import APIError
 from deployments.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
+from deployments.prefix_index import find_holders
 from deployments.protocol import ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob
 from deployments.settings import AppSettings
 from deployments.turn_outcome import IdempotencyKey
@@ -79,7 +84,9 @@ class TurnRun:
                     wait_if_busy: bool, idempotency: IdempotencyKey | None = None) -> "TurnRun":
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if conversation_id is None:  # nothing is committed: a retry is harmless, no key needed
-            return cls(settings, workers, cache, TurnJob(request_id, messages, sampling), None)
+            holders = await find_holders(cache, cache_salt, messages)
+            return cls(settings, workers, cache, TurnJob(request_id, messages, sampling, cache_salt=cache_salt,
+                                                         prefix_holders=holders), None)
         conv = Conversation(conversation_id, cache_salt)
         granted = await _acquire(settings, cache, conv, request_id, wait_if_busy)
         head = granted.head  # the head at the time of the acquire; version 0: a new conversation
@@ -87,6 +94,12 @@ class TurnRun:
                       HeadRef.of(head) if head.version else None,
                       publish_id=idempotency.publish_id if idempotency else "")
         run = cls(settings, workers, cache, job, Lease(conv, granted), keeper)
+        if not head.version:
+            try:
+                run.job = replace(job, prefix_holders=await find_holders(cache, cache_salt, messages))
+            except BaseException:
+                await run.close()  # cancelled meanwhile: the lease is settled, as after any failure
+                raise
         if idempotency is not None and head.version:
             try:
                 await run._find_earlier_run(idempotency, head.turn)

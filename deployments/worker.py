@@ -8,6 +8,8 @@
                 ok -> commit locally, TurnDone;  conflict / lease lost -> abandon, TurnFailed
       export:   the new head to the state tier (tier_export.py): before answering (sync), never
                 (off), or write-behind (async)
+      announce: a stateless request's or a first turn's checkpointed prefixes to the prefix index
+                (prefix_index.py), in a task of its own after the answer
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from cache_service.client import (
 )
 from deployments.cache_access import CacheConnection
 from deployments.engine_session import EngineSession
+from deployments.prefix_index import Announcer
 from deployments.protocol import (
     ErrorKind,
     HeadRef,
@@ -90,6 +93,7 @@ class Worker:
         self._tasks: set[asyncio.Task] = set()
         self._expiring = False  # the sweep of idle copies, started with the first turn
         self.exporter = TierExporter(self.session, settings, self._cache, self._spawn)
+        self.announcer = Announcer(self.replica_id, self._cache, self._spawn)
 
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
@@ -176,13 +180,14 @@ class Worker:
                 self.exporter.turn_ended((job.conversation_id, job.cache_salt))
 
     async def _run(self, job: TurnJob, params: SamplingParams, stream, recovery: Recovery) -> AsyncIterator[TurnEvent]:
-        completion, last = 0, None
+        completion, last, reply = 0, None, []
         async for out in stream:
             last = out
             if out.error:
                 yield TurnFailed(ErrorKind.INTERNAL, out.error)
                 return
             completion += len(out.new_tokens)
+            reply.append(out.text_delta)
             if out.new_tokens or out.text_delta:
                 yield TurnDelta(out.text_delta, tuple(out.new_token_ids), self._logprobs(out.new_tokens, params))
         if last is None or not last.finished:
@@ -194,12 +199,16 @@ class Worker:
         done = TurnDone(last.finish_reason.value, last.num_prompt_tokens, completion, last.num_cached_tokens,
                         recovery, self.replica_id)
         if job.conversation_id is None:
+            self.announcer.after_turn(job.cache_salt, job.messages, "".join(reply), last.checkpoints)
             yield done
             return
         if last.turn_commit is None:
             yield TurnFailed(ErrorKind.INTERNAL, "the engine finished the turn without preparing it")
             return
-        yield await self._commit(job, done, last.turn_commit)
+        outcome = await self._commit(job, done, last.turn_commit)
+        if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
+            self.announcer.after_turn(job.cache_salt, job.messages, "".join(reply), last.checkpoints)
+        yield outcome
 
     async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:
         """Publish the prepared turn, then commit or abandon it here as the service decided.

@@ -318,12 +318,66 @@ class GetStateResponse(_message.Message):
     chunk: Chunk
     def __init__(self, manifest: _Optional[_Union[StateManifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
+class PrefixEntry(_message.Message):
+    __slots__ = ("name", "tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tokens: int
+    def __init__(self, name: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class AnnouncePrefixesRequest(_message.Message):
+    __slots__ = ("replica", "entries")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    entries: _containers.RepeatedCompositeFieldContainer[PrefixEntry]
+    def __init__(self, replica: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[PrefixEntry, _Mapping]]] = ...) -> None: ...
+
+class AnnouncePrefixesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ForgetPrefixesRequest(_message.Message):
+    __slots__ = ("replica", "names")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, replica: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ForgetPrefixesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FindPrefixRequest(_message.Message):
+    __slots__ = ("names",)
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefixHolder(_message.Message):
+    __slots__ = ("replica", "tokens")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    tokens: int
+    def __init__(self, replica: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class FindPrefixResponse(_message.Message):
+    __slots__ = ("index", "holders")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    holders: _containers.RepeatedCompositeFieldContainer[PrefixHolder]
+    def __init__(self, index: _Optional[int] = ..., holders: _Optional[_Iterable[_Union[PrefixHolder, _Mapping]]] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("tier_memory_bytes", "tier_disk_bytes", "tier_budget_bytes", "tier_entries", "tier_chunks", "tier_spills", "tier_disk_reads", "tier_checksum_failures", "rpc_counts", "rpc_errors", "tier_staged_bytes")
+    __slots__ = ("tier_memory_bytes", "tier_disk_bytes", "tier_budget_bytes", "tier_entries", "tier_chunks", "tier_spills", "tier_disk_reads", "tier_checksum_failures", "rpc_counts", "rpc_errors", "tier_staged_bytes", "prefix_index_names")
     class RpcCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +403,7 @@ class Stats(_message.Message):
     RPC_COUNTS_FIELD_NUMBER: _ClassVar[int]
     RPC_ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIER_STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_INDEX_NAMES_FIELD_NUMBER: _ClassVar[int]
     tier_memory_bytes: int
     tier_disk_bytes: int
     tier_budget_bytes: int
@@ -360,4 +415,5 @@ class Stats(_message.Message):
     rpc_counts: _containers.ScalarMap[str, int]
     rpc_errors: _containers.ScalarMap[str, int]
     tier_staged_bytes: int
-    def __init__(self, tier_memory_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_budget_bytes: _Optional[int] = ..., tier_entries: _Optional[int] = ..., tier_chunks: _Optional[int] = ..., tier_spills: _Optional[int] = ..., tier_disk_reads: _Optional[int] = ..., tier_checksum_failures: _Optional[int] = ..., rpc_counts: _Optional[_Mapping[str, int]] = ..., rpc_errors: _Optional[_Mapping[str, int]] = ..., tier_staged_bytes: _Optional[int] = ...) -> None: ...
+    prefix_index_names: int
+    def __init__(self, tier_memory_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_budget_bytes: _Optional[int] = ..., tier_entries: _Optional[int] = ..., tier_chunks: _Optional[int] = ..., tier_spills: _Optional[int] = ..., tier_disk_reads: _Optional[int] = ..., tier_checksum_failures: _Optional[int] = ..., rpc_counts: _Optional[_Mapping[str, int]] = ..., rpc_errors: _Optional[_Mapping[str, int]] = ..., tier_staged_bytes: _Optional[int] = ..., prefix_index_names: _Optional[int] = ...) -> None: ...

@@ -104,6 +104,21 @@ class CacheServiceStub:
                 request_serializer=proto_dot_cache__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=proto_dot_cache__pb2.GetStateResponse.FromString,
                 _registered_method=True)
+        self.AnnouncePrefixes = channel.unary_unary(
+                '/hybridserve.cache.v1.CacheService/AnnouncePrefixes',
+                request_serializer=proto_dot_cache__pb2.AnnouncePrefixesRequest.SerializeToString,
+                response_deserializer=proto_dot_cache__pb2.AnnouncePrefixesResponse.FromString,
+                _registered_method=True)
+        self.ForgetPrefixes = channel.unary_unary(
+                '/hybridserve.cache.v1.CacheService/ForgetPrefixes',
+                request_serializer=proto_dot_cache__pb2.ForgetPrefixesRequest.SerializeToString,
+                response_deserializer=proto_dot_cache__pb2.ForgetPrefixesResponse.FromString,
+                _registered_method=True)
+        self.FindPrefix = channel.unary_unary(
+                '/hybridserve.cache.v1.CacheService/FindPrefix',
+                request_serializer=proto_dot_cache__pb2.FindPrefixRequest.SerializeToString,
+                response_deserializer=proto_dot_cache__pb2.FindPrefixResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/hybridserve.cache.v1.CacheService/GetStats',
                 request_serializer=proto_dot_cache__pb2.GetStatsRequest.SerializeToString,
@@ -210,6 +225,32 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnnouncePrefixes(self, request, context):
+        """The prefix index: which replica holds the state of which message prefix, named by
+        proto/contract.py `message_prefix_digests(scope, messages)` (32 lowercase hex; the scope is
+        the request's cache salt, so another salt or API key names other prefixes). Hints only: a
+        worker attaches a prefix only where the token ids match exactly, so a stale or wrong entry
+        costs a recompute, never a wrong answer. An entry lives `--prefix-ttl-s` (30 min) after the
+        last announce of its name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForgetPrefixes(self, request, context):
+        """A replica no longer holds these prefixes (it evicted them); best-effort, absent is fine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FindPrefix(self, request, context):
+        """The longest of a chat's prefixes that some replica holds, in one Redis round trip.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -288,6 +329,21 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=proto_dot_cache__pb2.GetStateRequest.FromString,
                     response_serializer=proto_dot_cache__pb2.GetStateResponse.SerializeToString,
+            ),
+            'AnnouncePrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnouncePrefixes,
+                    request_deserializer=proto_dot_cache__pb2.AnnouncePrefixesRequest.FromString,
+                    response_serializer=proto_dot_cache__pb2.AnnouncePrefixesResponse.SerializeToString,
+            ),
+            'ForgetPrefixes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetPrefixes,
+                    request_deserializer=proto_dot_cache__pb2.ForgetPrefixesRequest.FromString,
+                    response_serializer=proto_dot_cache__pb2.ForgetPrefixesResponse.SerializeToString,
+            ),
+            'FindPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindPrefix,
+                    request_deserializer=proto_dot_cache__pb2.FindPrefixRequest.FromString,
+                    response_serializer=proto_dot_cache__pb2.FindPrefixResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -673,6 +729,87 @@ class CacheService:
             '/hybridserve.cache.v1.CacheService/GetState',
             proto_dot_cache__pb2.GetStateRequest.SerializeToString,
             proto_dot_cache__pb2.GetStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnnouncePrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridserve.cache.v1.CacheService/AnnouncePrefixes',
+            proto_dot_cache__pb2.AnnouncePrefixesRequest.SerializeToString,
+            proto_dot_cache__pb2.AnnouncePrefixesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetPrefixes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridserve.cache.v1.CacheService/ForgetPrefixes',
+            proto_dot_cache__pb2.ForgetPrefixesRequest.SerializeToString,
+            proto_dot_cache__pb2.ForgetPrefixesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridserve.cache.v1.CacheService/FindPrefix',
+            proto_dot_cache__pb2.FindPrefixRequest.SerializeToString,
+            proto_dot_cache__pb2.FindPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,159 @@
+"""The prefix index from the app's side, against a real cache service (no Ray): a request carries
+the holders of its longest prefix; a cache service that is down or hung costs the request at
+most PREFIX_LOOKUP_S and routes it by load; a worker announces what the engine checkpointed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+
+import pytest
+
+from cache_service.client import CacheClient, ClientConfig, RetryPolicy
+from cache_service.config import FsyncPolicy
+from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+from deployments.cache_access import cache_client_config
+from deployments.lease_keeper import LeaseKeeper
+from deployments.prefix_index import LOOKUP_FAILURES, PREFIX_LOOKUP_S, Announcer, announcement
+from deployments.settings import AppSettings
+from deployments.turns import TurnRun
+from proto.contract import message_prefix_digests
+from tests.cache_service.cs_helpers import ServiceProcess
+
+pytestmark = pytest.mark.timeout(60)
+SETTINGS = AppSettings()
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "how are you?"}]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefix-routing")
+    redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=root / "redis", fsync=FsyncPolicy.ALWAYS))
+    redis.start()
+    proc = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
+    try:
+        proc.start()
+        yield proc
+        assert proc.terminate() == 0
+    finally:
+        proc.close()
+        redis.stop()
+
+
+def app_client(target: str) -> CacheClient:
+    """Configured as the app's processes are: many retries, a long deadline per call."""
+    return CacheClient(target, cache_client_config("ingress", SETTINGS))
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens on it once the socket is closed
+
+
+async def start(cache: CacheClient, salt: str, *, conversation_id: str | None = None,
+                keeper: LeaseKeeper | None = None) -> TurnRun:
+    return await TurnRun.start(SETTINGS, None, cache, keeper, messages=CHAT, sampling={},
+                               conversation_id=conversation_id, cache_salt=salt, wait_if_busy=False)
+
+
+async def test_a_stateless_request_carries_the_holders_of_its_longest_prefix(service):
+    salt = f"salt-{uuid.uuid4().hex}"
+    names = message_prefix_digests(salt, CHAT)
+    async with app_client(service.target) as cache:
+        run = await start(cache, salt)
+        assert run.job.prefix_holders == () and run.job.cache_salt == salt
+        await cache.announce_prefixes("replica-a", [(names[0], 12)])
+        await cache.announce_prefixes("replica-b", [(names[2], 30)])
+        assert (await start(cache, salt)).job.prefix_holders == ("replica-b",)
+        assert (await start(cache, f"other-{salt}")).job.prefix_holders == ()  # another scope
+
+
+async def test_a_new_conversation_carries_them_a_continued_one_does_not(service):
+    salt, conversation_id = f"salt-{uuid.uuid4().hex}", f"conv-{uuid.uuid4().hex}"
+    names = message_prefix_digests(salt, CHAT)
+    async with app_client(service.target) as cache:
+        keeper = LeaseKeeper(cache.target, cache.config)
+        try:
+            await cache.announce_prefixes("replica-a", [(names[1], 20)])
+            run = await start(cache, salt, conversation_id=conversation_id, keeper=keeper)
+            try:
+                assert run.job.head is None and run.job.prefix_holders == ("replica-a",)
+            finally:
+                await run.close()  # discards the lease
+        finally:
+            keeper.close()
+
+
+@pytest.mark.parametrize("fault", ["unreachable", "hung"])
+async def test_a_failed_lookup_routes_by_load_quickly(service, fault):
+    salt = f"salt-{uuid.uuid4().hex}"
+    failures = LOOKUP_FAILURES.count
+    if fault == "unreachable":
+        target = f"127.0.0.1:{closed_port()}"
+    else:
+        target = service.target
+        os.kill(service.proc.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+    try:
+        async with app_client(target) as cache:
+            started = time.monotonic()
+            run = await start(cache, salt)
+            elapsed = time.monotonic() - started
+    finally:
+        if fault == "hung":
+            os.kill(service.proc.pid, signal.SIGCONT)
+    assert run.job.prefix_holders == ()
+    assert elapsed < PREFIX_LOOKUP_S + 0.5, f"the hint held the request up for {elapsed:.2f} s"
+    assert LOOKUP_FAILURES.count == failures + 1
+
+
+def test_checkpoints_name_the_prefixes_they_cover():
+    salt = "scope"
+    messages = CHAT[:2]
+    chat = [*messages, {"role": "assistant", "content": "the reply"}]
+    names = message_prefix_digests(salt, chat)
+    assert announcement(salt, messages, "the reply", [(1, 7), (2, 15), (3, 24)]) == [
+        (names[0], 7), (names[1], 15), (names[2], 24)]
+    assert announcement(salt, messages, "the reply", []) == []
+    # k outside 1..len(messages) + 1 names nothing (never the wrong prefix)
+    assert announcement(salt, messages, "the reply", [(0, 3), (4, 30), (2, 0)]) == []
+
+
+async def test_a_worker_announces_off_the_turn_and_survives_a_dead_service(service):
+    salt = f"salt-{uuid.uuid4().hex}"
+    tasks: set[asyncio.Task] = set()
+
+    def spawn(coro) -> None:
+        tasks.add(asyncio.create_task(coro))
+
+    async with app_client(service.target) as cache:
+        async def live() -> CacheClient:
+            return cache
+
+        announcer = Announcer("replica-w", live, spawn)
+        announcer.after_turn(salt, CHAT[:2], "hello", [(1, 9), (3, 21)])
+        assert len(tasks) == 1 and announcer.in_flight == 1  # spawned, not awaited
+        await asyncio.gather(*tasks)
+        names = message_prefix_digests(salt, [*CHAT[:2], {"role": "assistant", "content": "hello"}])
+        match = await cache.find_prefix(names)
+        assert (match.index, match.holders) == (2, (("replica-w", 21),))
+        assert (await cache.find_prefix(names[:2])).index == 0
+        assert announcer.announced == 2 and announcer.failures.count == 0
+
+    dead = CacheClient(f"127.0.0.1:{closed_port()}", ClientConfig(timeout_s=0.2, retry=RetryPolicy(attempts=2)))
+    try:
+        async def down() -> CacheClient:
+            return dead
+
+        announcer = Announcer("replica-w", down, spawn)
+        tasks.clear()
+        announcer.after_turn(salt, CHAT[:2], "hello", [(1, 9)])
+        await asyncio.gather(*tasks)  # the announce's own failure is not raised anywhere
+        assert announcer.failures.count == 1 and announcer.in_flight == 0
+    finally:
+        await dead.close()
