@@ -36,12 +36,13 @@ from proto.contract import tokens_digest
 from workers.async_engine import AsyncEngine
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation import export as head_export
+from workers.conversation.boundaries import message_marks, reply_label
 from workers.conversation.cache import ConversationCache
 from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
-from workers.request import Request
+from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
 
 
@@ -53,7 +54,8 @@ class EngineSession:
             num_threads=settings.torch_threads,
             max_model_len=settings.max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=settings.max_num_seqs),
-            cache=CacheConfig(kv_cache_bytes=settings.kv_cache_mb << 20, head_cache_bytes=settings.head_cache_mb << 20),
+            cache=CacheConfig(kv_cache_bytes=settings.kv_cache_mb << 20, head_cache_bytes=settings.head_cache_mb << 20,
+                              prefix_cache_bytes=settings.prefix_cache_mb << 20),
             weight_quantization=settings.weight_quantization,
         )
         engine = LLMEngine(config)
@@ -189,11 +191,17 @@ class EngineSession:
         return self.aengine.stream(request_id, start)
 
     def stream_stateless(
-        self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str
+        self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str, cache_salt: str
     ) -> AsyncIterator[RequestOutput]:
+        """A full-history request: it attaches the longest prefix of its prompt held here under
+        its salt, checkpoints its message boundaries and its end (the final output's
+        `checkpoints`, labelled by the messages they cover, see workers/conversation/boundaries.py)."""
+
         def start(e: LLMEngine) -> Request:  # the stream follows the request start returns
             prompt = e.tokenizer.encode(e.tokenizer.render_chat(messages, add_generation_prompt=True))
-            return e.add_request(request_id, prompt, params)
+            return e.add_request(
+                request_id, prompt, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT,
+                marks=message_marks(e.tokenizer, messages, prompt), final_label=reply_label(messages))
 
         return self.aengine.stream(request_id, start)
 

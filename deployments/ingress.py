@@ -40,6 +40,7 @@ from deployments.turn_outcome import IdempotencyKey
 from deployments.turns import TurnRun, first_error
 
 DEFAULT_MAX_TOKENS = 256
+STATS_SCRAPE_S = 0.5  # the longest a /metrics scrape waits for the cache service's index size
 log = logging.getLogger("hybridserve.ingress")
 api = FastAPI(title="hybridserve", version="0.1.0",
               description="OpenAI-compatible chat completions with conversation state kept between turns")
@@ -210,7 +211,8 @@ class ChatIngress:
             return
         head = run.job.head
         self.metrics.turn_done(continued=head is not None, cached_tokens=done.cached_tokens,
-                               recovery=done.recovery, moved=head is not None and head.owner != done.replica)
+                               recovery=done.recovery, moved=head is not None and head.owner != done.replica,
+                               reused_from=done.reused_from)
 
     async def _events(self, run: TurnRun, first: TurnEvent, events: AsyncIterator[TurnEvent],
                       arrived: float) -> AsyncIterator[TurnEvent]:
@@ -344,4 +346,9 @@ class ChatIngress:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
+        try:  # the index size is the service's; a scrape never waits long for it
+            stats = await asyncio.wait_for((await self._cache()).stats(), STATS_SCRAPE_S)
+            self.metrics.prefix_index_names.set(stats.prefix_index_names)
+        except Exception:  # noqa: BLE001 (a scrape reports the other metrics whatever the service does)
+            pass
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")

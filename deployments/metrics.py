@@ -22,6 +22,18 @@ class ServeMetrics:
         self.cache_hits = Counter("hybridserve_cache_hits", "continued turns that reused a committed head", registry=r)
         self.cache_misses = Counter("hybridserve_cache_misses", "continued turns that recomputed", registry=r)
         self.tokens_reused = Counter("hybridserve_cached_tokens", "prompt tokens reused from heads", registry=r)
+        self.tokens_reused_by_source = Counter(
+            "hybridserve_cached_tokens_by_source", "prompt tokens reused, by where the state came from: head (the "
+            "conversation's), prefix (a message boundary or an earlier request's end), system (a shared system "
+            "prompt)", ["source"], registry=r)
+        self.prefix_lookups = Counter(
+            "hybridserve_prefix_lookups", "requests without a conversation head (stateless, first turns, misses) by "
+            "whether a held prefix served them", ["result"], registry=r)
+        for result in ("hit", "miss"):
+            self.prefix_lookups.labels(result)  # exported from the start (rate() needs the zero)
+        self.prefix_index_names = Gauge(
+            "hybridserve_prefix_index_names", "message prefixes the cache service's prefix index names (read at "
+            "each scrape)", registry=r)
         self.migrations = Counter("hybridserve_migrations", "turns served away from the head's owner", registry=r)
         self.tier_imports = Counter("hybridserve_tier_imports", "heads imported from the state tier", registry=r)
         self.tier_prefix_imports = Counter(
@@ -38,10 +50,15 @@ class ServeMetrics:
             "hybridserve_lease_renewal_delay_max_seconds", "the latest any lease renewal ran past its time",
             registry=r)
 
-    def turn_done(self, *, continued: bool, cached_tokens: int, recovery: Recovery, moved: bool) -> None:
+    def turn_done(self, *, continued: bool, cached_tokens: int, recovery: Recovery, moved: bool,
+                  reused_from: str = "") -> None:
         if continued:
             (self.cache_hits if cached_tokens > 0 else self.cache_misses).inc()
+        if reused_from != "head":
+            self.prefix_lookups.labels("hit" if reused_from else "miss").inc()
         self.tokens_reused.inc(cached_tokens)
+        if reused_from:
+            self.tokens_reused_by_source.labels(reused_from).inc(cached_tokens)
         if recovery is Recovery.TIER_IMPORT:
             self.tier_imports.inc()
         elif recovery is Recovery.TIER_PREFIX:

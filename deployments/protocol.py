@@ -120,6 +120,9 @@ class TurnDone:
     replica: str
     turn: int = 0  # the committed turn (0: stateless)
     head_version: int = 0
+    # where the cached tokens came from: "head" (the conversation's), "prefix" (a checkpoint at a
+    # message boundary or an earlier request's end), "system" (a shared system prompt), "" none
+    reused_from: str = ""
 
 
 @dataclass(frozen=True)

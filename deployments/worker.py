@@ -156,7 +156,8 @@ class Worker:
             return
         try:
             if job.conversation_id is None:
-                stream, recovery = self.session.stream_stateless(job.messages, params, job.request_id), Recovery.NEW
+                stream = self.session.stream_stateless(job.messages, params, job.request_id, job.cache_salt)
+                recovery = Recovery.NEW
             else:
                 if not self._expiring:
                     self._expiring = True
@@ -197,7 +198,7 @@ class Worker:
             yield TurnFailed(ErrorKind.INTERNAL, f"the turn ended with {last.finish_reason}")
             return
         done = TurnDone(last.finish_reason.value, last.num_prompt_tokens, completion, last.num_cached_tokens,
-                        recovery, self.replica_id)
+                        recovery, self.replica_id, reused_from=last.reused_from.value)
         if job.conversation_id is None:
             self.announcer.after_turn(job.cache_salt, job.messages, "".join(reply), last.checkpoints)
             yield done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass
 
 import openai
@@ -57,6 +58,9 @@ async def chat_turn(client: openai.AsyncOpenAI, model: str, messages: list[dict]
 
 
 async def stateless_reference(client: openai.AsyncOpenAI, model: str, history: list[dict], **kw) -> Reply:
+    """The history computed from scratch: a stateless request under a salt of its own (a scope no
+    held prefix belongs to), unless the caller gives one."""
+    kw.setdefault("cache_salt", f"reference-{uuid.uuid4().hex}")
     return await chat_turn(client, model, history, conversation_id=None, **kw)
 
 

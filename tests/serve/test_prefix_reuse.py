@@ -1,0 +1,60 @@
+"""Exact reuse for ordinary OpenAI clients (no conversation_id): a client resending its whole
+history gets everything the previous turn saw and generated from cache; conversations opening
+with the same long system prompt compute it once; another salt gets nothing; the tokens are
+those of a request computed from scratch."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.serve.helpers import chat_turn, metric, stateless_reference, user
+
+pytestmark = pytest.mark.timeout(300)
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 54}  # 1,566 characters: tokens here
+
+
+def _salt() -> str:
+    return f"prefix-{uuid.uuid4().hex[:8]}"
+
+
+async def test_full_history_turns_reuse_everything_the_previous_turn_saw(stack):
+    client, salt = stack.client(), _salt()
+    history: list[dict] = []
+    previous = None
+    async with stack.http() as http:
+        hits_before = await metric(http, 'hybridserve_prefix_lookups_total{result="hit"}')
+    for turn in range(1, 7):
+        history.append(user(f"turn {turn}: and what about {turn * 11}?"))
+        reply = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
+        reference = await stateless_reference(client, stack.model, history)
+        assert reply.tokens == reference.tokens and reply.text == reference.text
+        assert reference.cached_tokens == 0 and reply.prompt_tokens == reference.prompt_tokens
+        if previous is None:
+            assert reply.cached_tokens == 0
+        else:
+            # the previous prompt and reply but its last token (the state covers all it computed)
+            assert reply.cached_tokens >= previous.prompt_tokens + len(previous.tokens) - 1, turn
+        assert reply.cached_tokens < reply.prompt_tokens
+        history.append({"role": "assistant", "content": reply.text})
+        previous = reply
+    async with stack.http() as http:
+        assert await metric(http, 'hybridserve_prefix_lookups_total{result="hit"}') >= hits_before + 5
+        assert await metric(http, "hybridserve_prefix_index_names") > 0
+
+
+async def test_a_shared_system_prompt_is_computed_once_per_scope(stack):
+    client, salt = stack.client(), _salt()
+    cached = []
+    for i in range(4):
+        messages = [SYSTEM, user(f"question {i}: how far is {i * 13}?")]
+        reply = await chat_turn(client, stack.model, messages, conversation_id=None, cache_salt=salt)
+        reference = await stateless_reference(client, stack.model, messages)
+        assert reply.tokens == reference.tokens
+        cached.append(reply.cached_tokens)
+    assert cached[0] == 0 and min(cached[1:]) >= len(SYSTEM["content"]), cached
+    other = await chat_turn(client, stack.model, [SYSTEM, user("question 0: how far is 0?")], conversation_id=None,
+                            cache_salt=_salt())
+    assert other.cached_tokens == 0  # another salt: another scope
