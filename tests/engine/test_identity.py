@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 import shutil
 
+import pytest
 import torch
 
-from proto.contract import ModelIdentity, chunk_digest, conversation_key, tokens_digest
+from proto.contract import ConversationRef, ModelIdentity, chunk_digest, conversation_key, tokens_digest
 from workers.checkpoint import Arch
 from workers.config import WeightQuantization
 from workers.identity import model_identity
@@ -23,6 +24,17 @@ def test_names_and_digests_are_stable():
     assert conversation_key("conv", "salt") != conversation_key("convs", "alt")  # no re-splitting
     assert tokens_digest([1, 2, 3]) == "4636993d3e1da4e9d6b8f87b79e8f7c6d018580d52661950eabc3845c5897a4d"
     assert chunk_digest(b"") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_a_conversation_ref_is_named_by_its_id_and_salt():
+    ref = ConversationRef("conv", "salt")
+    assert ref.key == conversation_key("conv", "salt")
+    assert ref == ConversationRef("conv", "salt") and len({ref, ConversationRef("conv", "salt")}) == 1
+    assert ConversationRef("conv", "other") != ref  # another salt: another conversation
+    assert ConversationRef("conv", "other").key != ref.key
+    assert ref.fork("conv2") == ConversationRef("conv2", "salt")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ref.salt = "other"  # a ref never changes under its key
 
 
 def test_model_identity_covers_weights_config_dtype_and_machine(tiny, tmp_path):
