@@ -25,7 +25,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, NotFound
+from cache_service.client import CacheClient, CacheError, LeaseHeld, NotFound
 from deployments import errors
 from deployments.api_models import CacheSalt, ChatCompletionRequest
 from deployments.body_limit import BodyLimit
@@ -38,6 +38,7 @@ from deployments.protocol import HeadRef, Recovery, ReplicaCall, TurnDelta, Turn
 from deployments.settings import AppSettings
 from deployments.turn_outcome import IdempotencyKey
 from deployments.turns import TurnRun, first_error
+from proto.contract import ConversationRef
 
 DEFAULT_MAX_TOKENS = 256
 log = logging.getLogger("hybridserve.ingress")
@@ -165,8 +166,9 @@ class ChatIngress:
             run = await TurnRun.start(
                 self.settings, self.workers, await self._cache(), self._keeper,
                 messages=[m.as_engine_message() for m in body.messages],
-                sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation_id=body.conversation_id,
-                cache_salt=salt, wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body))
+                sampling=body.sampling(DEFAULT_MAX_TOKENS),
+                conversation=None if body.conversation_id is None else ConversationRef(body.conversation_id, salt),
+                wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body))
         except BaseException as e:
             self._finished(e.status if isinstance(e, APIError) else 500)
             if isinstance(e, APIError) and e.code == "conversation_busy":
@@ -227,7 +229,8 @@ class ChatIngress:
             event = await anext(events)
 
     def _format(self, body: ChatCompletionRequest, run: TurnRun) -> ChatFormat:
-        return ChatFormat(run.job.request_id, self.model, run.job.conversation_id, bool(body.logprobs))
+        conv = run.job.conversation
+        return ChatFormat(run.job.request_id, self.model, conv.id if conv else None, bool(body.logprobs))
 
     async def _complete(self, body: ChatCompletionRequest, run: TurnRun, first: TurnEvent,
                         events: AsyncIterator[TurnEvent], arrived: float) -> Response:
@@ -277,7 +280,7 @@ class ChatIngress:
     @api.get("/v1/conversations/{conversation_id}")
     async def get_conversation(self, conversation_id: str, request: Request,
                                cache_salt: Annotated[CacheSalt, Query()]) -> dict:
-        conv = Conversation(conversation_id, self._salt(request, cache_salt))
+        conv = ConversationRef(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
         try:
             ledger = await (await self._cache()).read_ledger(conv)
@@ -298,7 +301,7 @@ class ChatIngress:
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,
                                   cache_salt: Annotated[CacheSalt, Query()]) -> dict:
-        conv = Conversation(conversation_id, self._salt(request, cache_salt))
+        conv = ConversationRef(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
         cache = await self._cache()
         try:
@@ -315,7 +318,7 @@ class ChatIngress:
         await self._forget_locally(conv, HeadRef.of(lease.head))
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
-    async def _forget_locally(self, conv: Conversation, deleted: HeadRef) -> None:
+    async def _forget_locally(self, conv: ConversationRef, deleted: HeadRef) -> None:
         """The owner's local copy frees its blocks now. Best effort and bounded: the conversation
         is gone from the service already, and a stale copy is never used (workers check it
         against the head). With every replica at max_ongoing_requests the call would back off
@@ -323,7 +326,7 @@ class ChatIngress:
         or on a replica that served an earlier turn) expires within replica_copy_ttl_s."""
         if not deleted.owner:
             return
-        response = self.workers.forget.remote(ReplicaCall(deleted.owner), conv.id, conv.salt, deleted)
+        response = self.workers.forget.remote(ReplicaCall(deleted.owner), conv, deleted)
         try:
             await asyncio.wait_for(response, self.settings.forget_timeout_s)
         except TimeoutError:

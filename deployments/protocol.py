@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from proto.contract import ConversationRef
+
 
 @dataclass(frozen=True)
 class HeadRef:
@@ -44,8 +46,7 @@ class TurnJob:
     request_id: str
     messages: list[dict[str, Any]]  # the new suffix (conversation) or the full history (stateless)
     sampling: dict[str, Any]  # SamplingParams fields; the worker validates them
-    conversation_id: str | None = None  # None: a stateless request
-    cache_salt: str = ""  # already scoped to the API key when auth is on
+    conversation: ConversationRef | None = None  # None: stateless; salt scoped to the API key if auth is on
     lease: Any = None  # the cache client's Lease (token + proof of holding), passed back as given
     head: HeadRef | None = None  # None: the conversation's first turn
     # Names the turn's publish: the ingress finds the turn in the ledger by it when the publish's
