@@ -144,17 +144,19 @@ class ChatIngress:
     def _connected(self, client: CacheClient) -> None:
         self._keeper = LeaseKeeper(client.target, client.config, on_delay=self.metrics.lease_renewal_delay)
 
-    def _salt(self, request: Request, cache_salt: str) -> str:
-        """The caller's salt, scoped to its API key when authentication is on (checked by _guard)."""
-        if not self.settings.auth_enabled:
-            return cache_salt
-        return f"{AppSettings.key_scope(_bearer(request))}:{cache_salt}"
+    def _conversation(self, request: Request, conversation_id: str, cache_salt: str) -> ConversationRef:
+        """The caller's conversation: its salt scoped to its API key when authentication is on
+        (checked by _guard)."""
+        if self.settings.auth_enabled:
+            cache_salt = f"{AppSettings.key_scope(_bearer(request))}:{cache_salt}"
+        return ConversationRef(conversation_id, cache_salt)
 
     # -- chat ------------------------------------------------------------------------------
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrived = time.monotonic()
-        salt = self._salt(request, body.cache_salt)
+        conv = None if body.conversation_id is None else self._conversation(request, body.conversation_id,
+                                                                            body.cache_salt)
         if body.model != self.model:
             raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model!r}",
                            "model_not_found", param="model")
@@ -166,8 +168,7 @@ class ChatIngress:
             run = await TurnRun.start(
                 self.settings, self.workers, await self._cache(), self._keeper,
                 messages=[m.as_engine_message() for m in body.messages],
-                sampling=body.sampling(DEFAULT_MAX_TOKENS),
-                conversation=None if body.conversation_id is None else ConversationRef(body.conversation_id, salt),
+                sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation=conv,
                 wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body))
         except BaseException as e:
             self._finished(e.status if isinstance(e, APIError) else 500)
@@ -280,7 +281,7 @@ class ChatIngress:
     @api.get("/v1/conversations/{conversation_id}")
     async def get_conversation(self, conversation_id: str, request: Request,
                                cache_salt: Annotated[CacheSalt, Query()]) -> dict:
-        conv = ConversationRef(conversation_id, self._salt(request, cache_salt))
+        conv = self._conversation(request, conversation_id, cache_salt)
         _check_id(conversation_id)
         try:
             ledger = await (await self._cache()).read_ledger(conv)
@@ -301,7 +302,7 @@ class ChatIngress:
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,
                                   cache_salt: Annotated[CacheSalt, Query()]) -> dict:
-        conv = ConversationRef(conversation_id, self._salt(request, cache_salt))
+        conv = self._conversation(request, conversation_id, cache_salt)
         _check_id(conversation_id)
         cache = await self._cache()
         try:
