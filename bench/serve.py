@@ -236,8 +236,8 @@ class InProcessReference:
         from workers.sampling import SamplingParams
 
         t0 = time.perf_counter()
-        request = self.cache.begin_turn(ConversationRef(conv, "bench"), messages, SamplingParams(max_tokens=max_tokens, temperature=0),
-                                        request_id)
+        request = self.cache.begin_turn(ConversationRef(conv, "bench"), messages,
+                                        SamplingParams(max_tokens=max_tokens, temperature=0), request_id)
         first = None
         while self.engine.has_unfinished():
             for out in self.engine.step():

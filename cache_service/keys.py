@@ -1,8 +1,8 @@
 """Conversation identity and the Redis key layout (see README.md for the full schema).
 
-A conversation is (conversation_id, cache_salt), a `ConversationRef`. Redis never sees either: every key
-of a conversation is derived from sha256 over both, length-prefixed so that no
-(id, salt) pair can be re-split into another. A wrong salt therefore addresses a
+A conversation is (conversation_id, cache_salt): a `ConversationRef`. Redis never sees
+either: every key of a conversation is derived from sha256 over both (`ref.key`),
+length-prefixed so that no (id, salt) pair can be re-split into another. A wrong salt therefore addresses a
 different, empty conversation: a miss, never someone else's state.
 
 All keys of one conversation share the hash tag {<conv hash>} so the Lua scripts

@@ -194,7 +194,8 @@ def check_turn_against_reference(
     request_id: str,
 ) -> Result:
     """One turn through the cache, and the same turn sent stateless with the ledger's history."""
-    history = cc.describe(ConversationRef(conversation_id, salt))["messages"] if conversation(cc, conversation_id, salt) else []
+    known = conversation(cc, conversation_id, salt)
+    history = cc.describe(ConversationRef(conversation_id, salt))["messages"] if known else []
     cached = run_turn(cc, conversation_id, salt, messages, params, request_id)
     expected = run_stateless(ref, {f"ref-{request_id}": reference_prompt(ref, history, messages)}, params)
     assert_same_output(cached, expected[f"ref-{request_id}"], request_id)

@@ -47,7 +47,8 @@ def _raise_once(monkeypatch, obj, name: str):
 def _two_conversations(cc):
     for cid in ("a", "b"):
         run_turn(cc, cid, "s", user(f"hello {cid}"), greedy(6), f"{cid}1")
-    return {cid: (snapshot(cc.engine, head_of(cc, cid, "s").holder), cc.describe(ConversationRef(cid, "s"))) for cid in ("a", "b")}
+    return {cid: (snapshot(cc.engine, head_of(cc, cid, "s").holder), cc.describe(ConversationRef(cid, "s")))
+            for cid in ("a", "b")}
 
 
 def test_a_raising_publish_fails_only_its_turn(models, reference_engines, monkeypatch):
@@ -77,7 +78,8 @@ def test_a_failing_state_move_leaves_the_ledger_and_the_head(models, monkeypatch
     _raise_once(monkeypatch, cc.engine.caches.kv, "transfer")
     results = drive(cc.engine)
     assert results["a2"].error
-    assert cc.describe(ConversationRef("a", "s")) == before["a"][1], "a turn was appended whose state never became a head"
+    assert cc.describe(ConversationRef("a", "s")) == before["a"][1], \
+        "a turn was appended whose state never became a head"
     snapshot(cc.engine, head_of(cc, "a", "s").holder).assert_equal(before["a"][0])
 
 

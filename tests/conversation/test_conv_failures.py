@@ -28,6 +28,8 @@ from tests.families import ARCHS
 from workers.checkpoint import Arch
 from workers.request import FinishReason
 
+C1 = ConversationRef("c1", "s")  # the conversation most tests here use
+
 LONG = greedy(24, ignore_eos=True)  # the failed turn must still be decoding when it fails
 
 
@@ -61,9 +63,9 @@ def assert_untouched(cc, cid, head, state, ledger):
 def test_abort_mid_decode_leaves_head_intact(models, reference_engines, arch):
     eng, cc, ref = conversation_with_head(models, reference_engines, arch)
     head = head_of(cc, "c1", "s")
-    state, ledger, stats = snapshot(eng, head.holder), cc.describe(ConversationRef("c1", "s")), cc.stats()
+    state, ledger, stats = snapshot(eng, head.holder), cc.describe(C1), cc.stats()
 
-    request = cc.begin_turn(ConversationRef("c1", "s"), user("go on, please"), LONG, "doomed")
+    request = cc.begin_turn(C1, user("go on, please"), LONG, "doomed")
     outputs = [out for _ in range(4) for out in eng.step()]
     assert len(request.output) == 4 and not request.is_finished, "aborted mid-decode"
     assert request.num_cached_tokens == head.state_len
@@ -81,8 +83,8 @@ def test_abort_mid_decode_leaves_head_intact(models, reference_engines, arch):
 def test_abort_while_waiting(models, reference_engines):
     eng, cc, ref = conversation_with_head(models, reference_engines, Arch.BAMBA)
     head = head_of(cc, "c1", "s")
-    state, ledger = snapshot(eng, head.holder), cc.describe(ConversationRef("c1", "s"))
-    request = cc.begin_turn(ConversationRef("c1", "s"), user("never runs"), LONG, "queued")
+    state, ledger = snapshot(eng, head.holder), cc.describe(C1)
+    request = cc.begin_turn(C1, user("never runs"), LONG, "queued")
     assert head.pins == 1
     eng.abort("queued")
     assert request.finish_reason is FinishReason.ABORT and not eng.has_unfinished()
@@ -132,28 +134,28 @@ def test_busy_conversation_rejects_everything_and_changes_nothing(models, refere
 
     eng, cc, ref = conversation_with_head(models, reference_engines, Arch.NEMOTRON_H)
     head = head_of(cc, "c1", "s")
-    cc.begin_turn(ConversationRef("c1", "s"), user("first"), greedy(5), "inflight")
-    state, ledger, stats = snapshot(eng, head.holder), cc.describe(ConversationRef("c1", "s")), cc.stats()
+    cc.begin_turn(C1, user("first"), greedy(5), "inflight")
+    state, ledger, stats = snapshot(eng, head.holder), cc.describe(C1), cc.stats()
     requests = set(eng.scheduler.requests)
     attempts = [
-        lambda: cc.begin_turn(ConversationRef("c1", "s"), user("second"), greedy(5), "second"),
-        lambda: cc.regenerate(ConversationRef("c1", "s"), greedy(5), "second"),
-        lambda: cc.rewind(ConversationRef("c1", "s"), 1),
-        lambda: cc.fork(ConversationRef("c1", "s"), 1, "c1-fork"),
-        lambda: cc.delete(ConversationRef("c1", "s")),
+        lambda: cc.begin_turn(C1, user("second"), greedy(5), "second"),
+        lambda: cc.regenerate(C1, greedy(5), "second"),
+        lambda: cc.rewind(C1, 1),
+        lambda: cc.fork(C1, 1, "c1-fork"),
+        lambda: cc.delete(C1),
     ]
     for attempt in attempts:
         with pytest.raises(ConversationBusyError):
             attempt()
         assert set(eng.scheduler.requests) == requests and set(cc.pending) == {"inflight"}
         assert head.pins == 1 and cc.stats() == stats
-        assert cc.describe(ConversationRef("c1", "s")) == ledger
+        assert cc.describe(C1) == ledger
         snapshot(eng, head.holder).assert_equal(state)
     assert "c1-fork" not in {c.ref.id for c in cc.conversations.values()}
 
     results = drive(eng)
     expected = ref.generate([reference_prompt(ref, ledger["messages"], user("first"))], greedy(5))[0]
     assert results["inflight"].tokens == [t.token_id for t in expected]
-    assert cc.describe(ConversationRef("c1", "s"))["turn"] == ledger["turn"] + 1
+    assert cc.describe(C1)["turn"] == ledger["turn"] + 1
     # The rejected request id was never registered: it can be used now.
     check_turn_against_reference(cc, ref, "c1", "s", user("second"), greedy(5), "second")

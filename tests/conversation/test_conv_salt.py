@@ -28,7 +28,8 @@ def test_other_salt_is_a_miss_and_shares_nothing(models, reference_engines):
     for turn, text in enumerate(["my secret is 1234", "repeat it"], start=1):
         check_turn_against_reference(cc, ref, "c1", "alice", user(text), greedy(6), f"a{turn}")
     alice_head = head_of(cc, "c1", "alice")
-    alice_state, alice_ledger, stats = snapshot(eng, alice_head.holder), cc.describe(ConversationRef("c1", "alice")), cc.stats()
+    alice_state, stats = snapshot(eng, alice_head.holder), cc.stats()
+    alice_ledger = cc.describe(ConversationRef("c1", "alice"))
 
     # Bob sends the same conversation id with his salt: a fresh conversation.
     bob = check_turn_against_reference(cc, ref, "c1", "bob", user("what was it?"), greedy(6), "b1")

@@ -137,10 +137,10 @@ class ConversationCache:
 
     def drop_headless_ledgers(self, keep: Iterable[ConversationRef] = ()) -> int:
         """Forget the ledgers of conversations that hold no head here and have no turn (or head
-        rebuild) in flight, except the conversations in `keep`; returns
-        how many. Only for a caller whose ledgers are a cache of a record kept elsewhere (the
-        worker: the cache service's ledger, read again when a turn needs it); in-process callers
-        never call it, their ledger is the record. O(conversations + heads)."""
+        rebuild) in flight, except those in `keep`; returns how many. Only for a caller whose
+        ledgers are a cache of a record kept elsewhere (the worker: the cache service's ledger,
+        read again when a turn needs it); in-process callers never call it, their ledger is the
+        record. O(conversations + heads)."""
         kept = {h.conversation_key for h in self.heads.all()} | {ref.key for ref in keep}
         gone = [key for key, conv in self.conversations.items() if conv.in_flight is None and key not in kept]
         for key in gone:
