@@ -281,8 +281,8 @@ class ChatIngress:
     @api.get("/v1/conversations/{conversation_id}")
     async def get_conversation(self, conversation_id: str, request: Request,
                                cache_salt: Annotated[CacheSalt, Query()]) -> dict:
-        conv = self._conversation(request, conversation_id, cache_salt)
         _check_id(conversation_id)
+        conv = self._conversation(request, conversation_id, cache_salt)
         try:
             ledger = await (await self._cache()).read_ledger(conv)
         except NotFound:
@@ -302,8 +302,8 @@ class ChatIngress:
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,
                                   cache_salt: Annotated[CacheSalt, Query()]) -> dict:
-        conv = self._conversation(request, conversation_id, cache_salt)
         _check_id(conversation_id)
+        conv = self._conversation(request, conversation_id, cache_salt)
         cache = await self._cache()
         try:
             lease = await cache.acquire_lease(conv, int(self.settings.lease_ttl_s * 1000))
