@@ -36,13 +36,13 @@ import redis.asyncio as aioredis
 
 from bench.common import write_results
 from cache_service import scripts
-from cache_service.client import CacheClient, Conversation
+from cache_service.client import CacheClient
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from cache_service.keys import ConversationKeys
 from cache_service.leases import new_incarnation
 from cache_service.store import now_ms
-from proto.contract import tokens_digest
+from proto.contract import ConversationRef, tokens_digest
 from proto import cache_pb2 as pb
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -126,7 +126,7 @@ async def compare(concurrency: int, seconds: float, rounds: int, service_factory
 
 def service_cycle_factory(client: CacheClient):
     async def make(i: int):
-        conv = Conversation(f"bench-{uuid.uuid4().hex}", "salt")
+        conv = ConversationRef(f"bench-{uuid.uuid4().hex}", "salt")
         state = {"tokens": 0}
         new_tokens = list(range(TOKENS_PER_TURN))
         messages = [{"role": "user", "content": MESSAGE}]
@@ -147,7 +147,7 @@ def redis_cycle_factory(r: aioredis.Redis):
     publish = r.register_script(scripts.PUBLISH)
 
     async def make(i: int):
-        keys = ConversationKeys.of(f"raw-{uuid.uuid4().hex}", "salt")
+        keys = ConversationKeys.of(ConversationRef(f"raw-{uuid.uuid4().hex}", "salt"))
         state = {"tokens": 0}
         new_tokens = list(range(TOKENS_PER_TURN))
         sha = tokens_digest(new_tokens)
@@ -222,7 +222,7 @@ async def bench_tier(plan: Plan, workdir: Path) -> dict:
         proc, target = start_service(server.url, workdir / "svc-tier", plan.tier_budget)
         try:
             async with CacheClient(target) as client:
-                conv = Conversation(f"tier-{uuid.uuid4().hex}", "salt")
+                conv = ConversationRef(f"tier-{uuid.uuid4().hex}", "salt")
                 lease = await client.acquire_lease(conv, ttl_ms=60_000)
                 head = await client.publish_turn(conv, lease_token=lease, expected_version=0, messages=[],
                                                  token_ids=[1], committed_tokens=1, tokens_sha256=tokens_digest([1]),

@@ -62,11 +62,11 @@ from bench.common import chat_text, cpu_info, write_results
 from bench.conversation_report import ENGINE_MODES, markdown, plot, summarize
 from bench.conversation_vllm import VllmTurns, recheck_prefix_caching
 from bench.peer import vllm_runs
+from proto.contract import ConversationRef
 from workers.checkpoint import Arch, make_model
 from workers.checkpoint.tokens import EOS_TOKEN_ID, NEVER_SAMPLE_TOKEN_IDS, PAD_TOKEN_ID
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation.cache import ConversationCache
-from workers.conversation.ledger import conversation_key
 from workers.conversation.prompt import build_turn_prompt
 from workers.engine import LLMEngine
 from workers.sampling import SamplingParams
@@ -213,7 +213,7 @@ def drive(engine: LLMEngine, request_id: str, submit) -> tuple[Timing, object]:
 def cut_to_aligned(cache: ConversationCache, conversation_id: str, turn: int, block: int) -> dict:
     """Make the committed head what align mode keeps: KV up to the last full block and the
     Mamba state at that block boundary (copied into the head's terminal slot)."""
-    key = conversation_key(conversation_id, SALT)
+    key = ConversationRef(conversation_id, SALT).key
     head = next(h for h in cache.heads.of_conversation(key) if h.turn == turn)
     committed = head.state_len
     aligned = head.aligned_len
@@ -228,7 +228,7 @@ def cut_to_aligned(cache: ConversationCache, conversation_id: str, turn: int, bl
 
 def turn_prompt(cache: ConversationCache, conversation_id: str, suffix: list[dict]) -> list[int]:
     """The full prompt ids begin_turn builds for the next turn (ledger ids + template delta)."""
-    conv = cache.conversations.get(conversation_key(conversation_id, SALT))
+    conv = cache.conversations.get(ConversationRef(conversation_id, SALT).key)
     if conv is None:
         return build_turn_prompt(cache.engine.tokenizer, [], [], suffix).token_ids
     return build_turn_prompt(cache.engine.tokenizer, conv.tokens_until(conv.turn), conv.messages, suffix).token_ids
@@ -339,7 +339,7 @@ def run(plan: Plan, quick: bool, arch: Arch, with_vllm: bool) -> dict:
                             submit = lambda e=engine, r=rid: e.add_request(r, prompt_c, params)  # noqa: E731
                         else:
                             submit = lambda c=caches[mode], r=rid, s=suffix_of(script, t): c.begin_turn(  # noqa: E731
-                                cid, SALT, s, params, r
+                                ConversationRef(cid, SALT), s, params, r
                             )
                         if rep < PROBES:
                             samples[mode].append(probe_ttft(engine, rid, submit))

@@ -232,11 +232,12 @@ class InProcessReference:
         self.cache = ConversationCache(self.engine, retain_turns=2)
 
     def _turn(self, conv: str, messages: list[dict], max_tokens: int, request_id: str) -> tuple[float, object]:
+        from proto.contract import ConversationRef
         from workers.sampling import SamplingParams
 
         t0 = time.perf_counter()
-        request = self.cache.begin_turn(conv, "bench", messages, SamplingParams(max_tokens=max_tokens, temperature=0),
-                                        request_id)
+        request = self.cache.begin_turn(ConversationRef(conv, "bench"), messages,
+                                        SamplingParams(max_tokens=max_tokens, temperature=0), request_id)
         first = None
         while self.engine.has_unfinished():
             for out in self.engine.step():

@@ -1,7 +1,7 @@
 """Async client of the cache service, for the router and the workers.
 
     async with CacheClient("127.0.0.1:50051") as cache:
-        conv = Conversation("c-42", salt="user-7")
+        conv = ConversationRef("c-42", salt="user-7")
         lease = await cache.acquire_lease(conv, ttl_ms=30_000, wait_s=2.0)
         head = lease.head                      # version 0: a new conversation
         ...
@@ -57,6 +57,7 @@ from cache_service.errors import (  # noqa: F401
 from cache_service.wire import bearer
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
+from proto.contract import ConversationRef
 
 TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(result=...))
 
@@ -65,15 +66,9 @@ TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(resul
 SERVICE_LIMITS = Limits()
 
 
-@dataclass(frozen=True)
-class Conversation:
-    """A conversation's identity: (conversation_id, cache_salt)."""
-
-    id: str
-    salt: str = ""
-
-    def pb(self) -> pb.ConversationKey:
-        return pb.ConversationKey(conversation_id=self.id, cache_salt=self.salt)
+def key_message(conv: ConversationRef) -> pb.ConversationKey:
+    """The conversation as the wire names it: its id and salt, never its key (the service hashes)."""
+    return pb.ConversationKey(conversation_id=conv.id, cache_salt=conv.salt)
 
 
 @dataclass(frozen=True)
@@ -142,7 +137,7 @@ class CacheClient:
         ])
         self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
         self._metadata = bearer(self.config.auth_token) if self.config.auth_token else None
-        self._proofs: OrderedDict[tuple[Conversation, int], bytes] = OrderedDict()
+        self._proofs: OrderedDict[tuple[ConversationRef, int], bytes] = OrderedDict()
 
     async def close(self) -> None:
         await self._channel.close()
@@ -183,7 +178,7 @@ class CacheClient:
 
     # -- lease proofs -----------------------------------------------------------------
 
-    def _remember(self, conv: Conversation, lease: pb.Lease) -> None:
+    def _remember(self, conv: ConversationRef, lease: pb.Lease) -> None:
         # Kept after release too (bounded, least recent out): a late call with the bare
         # token must still present its proof to learn it is stale, not merely invalid.
         self._proofs[(conv, lease.token)] = lease.proof
@@ -191,7 +186,7 @@ class CacheClient:
         while len(self._proofs) > self.config.max_remembered_leases:
             self._proofs.popitem(last=False)
 
-    def _fence(self, conv: Conversation, lease: LeaseArg, proof: bytes | None) -> tuple[int, bytes]:
+    def _fence(self, conv: ConversationRef, lease: LeaseArg, proof: bytes | None) -> tuple[int, bytes]:
         """(token, proof) for a fenced call; an unknown bare token goes without a proof
         (the service then answers LeaseLost)."""
         if isinstance(lease, pb.Lease):
@@ -200,7 +195,7 @@ class CacheClient:
 
     # -- leases -----------------------------------------------------------------------
 
-    async def acquire_lease(self, conv: Conversation, ttl_ms: int, *, holder: str | None = None,
+    async def acquire_lease(self, conv: ConversationRef, ttl_ms: int, *, holder: str | None = None,
                             wait_s: float = 0.0) -> pb.Lease:
         """Take the conversation's lease; LeaseHeld if busy for longer than wait_s.
 
@@ -208,7 +203,7 @@ class CacheClient:
         `head`, the conversation's current head (version 0 if it has none yet), so no
         separate get_head is needed before a turn."""
         request = pb.AcquireLeaseRequest(
-            key=conv.pb(), ttl_ms=ttl_ms,
+            key=key_message(conv), ttl_ms=ttl_ms,
             holder=holder or f"{self.config.holder_prefix}:{uuid.uuid4().hex}",
             attempt_key=secrets.token_bytes(16))  # one per call: its retries get the same lease
         give_up = time.monotonic() + wait_s
@@ -224,30 +219,30 @@ class CacheClient:
             await asyncio.sleep(min(self.config.retry.backoff(attempt), max(give_up - time.monotonic(), 0)))
             attempt += 1
 
-    async def renew_lease(self, conv: Conversation, token: LeaseArg, ttl_ms: int, *,
+    async def renew_lease(self, conv: ConversationRef, token: LeaseArg, ttl_ms: int, *,
                           lease_proof: bytes | None = None) -> pb.Lease:
         token, proof = self._fence(conv, token, lease_proof)
         return await self._unary("RenewLease", pb.RenewLeaseRequest(
-            key=conv.pb(), token=token, ttl_ms=ttl_ms, lease_proof=proof))
+            key=key_message(conv), token=token, ttl_ms=ttl_ms, lease_proof=proof))
 
-    async def release_lease(self, conv: Conversation, token: LeaseArg, *,
+    async def release_lease(self, conv: ConversationRef, token: LeaseArg, *,
                             lease_proof: bytes | None = None) -> None:
         token, proof = self._fence(conv, token, lease_proof)
-        await self._unary("ReleaseLease", pb.ReleaseLeaseRequest(key=conv.pb(), token=token, lease_proof=proof))
+        await self._unary("ReleaseLease", pb.ReleaseLeaseRequest(key=key_message(conv), token=token, lease_proof=proof))
 
     # -- heads and ledger -------------------------------------------------------------
 
-    async def get_head(self, conv: Conversation) -> pb.Head:
+    async def get_head(self, conv: ConversationRef) -> pb.Head:
         """NotFound when the conversation has no head (or the salt is wrong)."""
-        return await self._unary("GetHead", pb.GetHeadRequest(key=conv.pb()))
+        return await self._unary("GetHead", pb.GetHeadRequest(key=key_message(conv)))
 
-    async def get_head_or_none(self, conv: Conversation) -> pb.Head | None:
+    async def get_head_or_none(self, conv: ConversationRef) -> pb.Head | None:
         try:
             return await self.get_head(conv)
         except NotFound:
             return None
 
-    async def publish_turn(self, conv: Conversation, *, lease_token: LeaseArg, expected_version: int,
+    async def publish_turn(self, conv: ConversationRef, *, lease_token: LeaseArg, expected_version: int,
                            messages: Sequence[pb.Message | Mapping[str, Any]],
                            token_ids: Sequence[int], committed_tokens: int, tokens_sha256: str,
                            owner_replica: str = "", release_lease: bool = True,
@@ -260,54 +255,54 @@ class CacheClient:
         """
         token, proof = self._fence(conv, lease_token, lease_proof)
         request = pb.PublishTurnRequest(
-            key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=expected_version,
+            key=key_message(conv), lease_token=token, lease_proof=proof, expected_version=expected_version,
             turn=pb.LedgerTurn(messages=_messages(messages), token_ids=token_ids, result=result),
             committed_tokens=committed_tokens, tokens_sha256=tokens_sha256,
             owner_replica=owner_replica, release_lease=release_lease,
             publish_id=publish_id or uuid.uuid4().hex)
         return await self._unary("PublishTurn", request)
 
-    async def discard(self, conv: Conversation, lease_token: LeaseArg, *,
+    async def discard(self, conv: ConversationRef, lease_token: LeaseArg, *,
                       lease_proof: bytes | None = None) -> pb.Head:
         """Give up a turn: release the lease, keep the head. A lease already lost is
         not an error here (the head is unchanged either way); returns the head
         (version 0 if the conversation has none)."""
         token, proof = self._fence(conv, lease_token, lease_proof)
         try:
-            head = await self._unary("Discard", pb.DiscardRequest(key=conv.pb(), lease_token=token,
+            head = await self._unary("Discard", pb.DiscardRequest(key=key_message(conv), lease_token=token,
                                                                    lease_proof=proof))
         except LeaseLost:
             head = await self.get_head_or_none(conv) or pb.Head()
         return head
 
-    async def rewind_conversation(self, conv: Conversation, *, lease_token: LeaseArg,
+    async def rewind_conversation(self, conv: ConversationRef, *, lease_token: LeaseArg,
                                   expected_version: int, turn: int, owner_replica: str = "",
                                   lease_proof: bytes | None = None) -> pb.Head:
         """Keep turns 1..turn as a new head version (turn 0: an empty history); the lease
         stays held. Regenerating the last turn = rewind to turn - 1, then publish."""
         token, proof = self._fence(conv, lease_token, lease_proof)
         return await self._unary("RewindConversation", pb.RewindConversationRequest(
-            key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=expected_version,
+            key=key_message(conv), lease_token=token, lease_proof=proof, expected_version=expected_version,
             turn=turn, owner_replica=owner_replica))
 
-    async def fork_conversation(self, conv: Conversation, new_conversation_id: str, *, turn: int,
+    async def fork_conversation(self, conv: ConversationRef, new_conversation_id: str, *, turn: int,
                                 expected_version: int = 0) -> pb.Head:
-        """Copy turns 1..turn into Conversation(new_conversation_id, conv.salt) and
+        """Copy turns 1..turn into conv.fork(new_conversation_id) (same salt) and
         return its head (version 1); AlreadyExists if it has one."""
         return await self._unary("ForkConversation", pb.ForkConversationRequest(
-            key=conv.pb(), new_conversation_id=new_conversation_id, turn=turn,
+            key=key_message(conv), new_conversation_id=new_conversation_id, turn=turn,
             expected_version=expected_version))
 
-    async def ledger_pages(self, conv: Conversation, *, from_turn: int = 1
+    async def ledger_pages(self, conv: ConversationRef, *, from_turn: int = 1
                            ) -> AsyncIterator[pb.ReadLedgerResponse]:
         """The ledger page by page, as the service cuts it (by turns and by bytes)."""
         nxt = max(from_turn, 1)
         while nxt:
-            page = await self._unary("ReadLedger", pb.ReadLedgerRequest(key=conv.pb(), from_turn=nxt))
+            page = await self._unary("ReadLedger", pb.ReadLedgerRequest(key=key_message(conv), from_turn=nxt))
             yield page
             nxt = page.next_turn
 
-    async def read_ledger(self, conv: Conversation, *, from_turn: int = 1,
+    async def read_ledger(self, conv: ConversationRef, *, from_turn: int = 1,
                           max_turns: int = 0) -> pb.ReadLedgerResponse:
         """Turns from `from_turn` on (all of them, or at most max_turns), gathered over
         as many pages as needed, all from one head version: if the head moves between
@@ -317,7 +312,7 @@ class CacheClient:
             out = pb.ReadLedgerResponse(next_turn=max(from_turn, 1))
             while out.next_turn and not (max_turns and len(out.turns) >= max_turns):
                 page = await self._unary("ReadLedger", pb.ReadLedgerRequest(
-                    key=conv.pb(), from_turn=out.next_turn,
+                    key=key_message(conv), from_turn=out.next_turn,
                     max_turns=max_turns - len(out.turns) if max_turns else 0))
                 if out.HasField("head") and page.head.version != out.head.version:
                     break  # the head moved between pages: start over
@@ -328,16 +323,16 @@ class CacheClient:
                 return out
         raise VersionConflict("the ledger kept changing while it was read", current_version=out.head.version)
 
-    async def delete_conversation(self, conv: Conversation) -> bool:
-        reply = await self._unary("DeleteConversation", pb.DeleteConversationRequest(key=conv.pb()))
+    async def delete_conversation(self, conv: ConversationRef) -> bool:
+        reply = await self._unary("DeleteConversation", pb.DeleteConversationRequest(key=key_message(conv)))
         return reply.existed
 
-    async def transfer_ownership(self, conv: Conversation, *, lease_token: LeaseArg,
+    async def transfer_ownership(self, conv: ConversationRef, *, lease_token: LeaseArg,
                                  expected_version: int, new_owner: str,
                                  lease_proof: bytes | None = None) -> pb.Head:
         token, proof = self._fence(conv, lease_token, lease_proof)
         return await self._unary("TransferOwnership", pb.TransferOwnershipRequest(
-            key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=expected_version,
+            key=key_message(conv), lease_token=token, lease_proof=proof, expected_version=expected_version,
             new_owner=new_owner))
 
     # -- the prefix index -------------------------------------------------------------
@@ -387,7 +382,7 @@ class CacheClient:
 
     # -- state tier -------------------------------------------------------------------
 
-    async def put_state(self, conv: Conversation, version: int | pb.Head,
+    async def put_state(self, conv: ConversationRef, version: int | pb.Head,
                         data: bytes | Sequence[bytes], *, incarnation: str | None = None,
                         lease: pb.Lease | None = None) -> pb.PutStateResponse:
         """Export the state of a head. Only chunks the tier lacks travel.
@@ -416,12 +411,12 @@ class CacheClient:
         pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
         chunks = [c for piece in pieces for c in hashing.split(piece, self.config.chunk_bytes)]
         digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
-        manifest = pb.StateManifest(key=conv.pb(), version=version, incarnation=incarnation, chunks=[
+        manifest = pb.StateManifest(key=key_message(conv), version=version, incarnation=incarnation, chunks=[
             pb.ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks, strict=True)])
         if lease is not None:
             manifest.lease_token, manifest.lease_proof = lease.token, lease.proof
         missing = await self._unary("MissingChunks", pb.MissingChunksRequest(
-            key=conv.pb(), digests=list(dict.fromkeys(digests))))
+            key=key_message(conv), digests=list(dict.fromkeys(digests))))
         try:
             return await self._put_stream(manifest, chunks, digests, set(missing.digests))
         except MissingChunks:
@@ -442,10 +437,10 @@ class CacheClient:
             lambda: self._stub.PutState(requests(), timeout=self.config.stream_timeout_s,
                                         metadata=self._metadata), stream=True)
 
-    async def get_state(self, conv: Conversation, version: int = 0) -> tuple[int, bytes]:
+    async def get_state(self, conv: ConversationRef, version: int = 0) -> tuple[int, bytes]:
         """Import a head's state: (version, bytes), every chunk verified end to end."""
         async def attempt() -> tuple[int, bytes]:
-            call = self._stub.GetState(pb.GetStateRequest(key=conv.pb(), version=version),
+            call = self._stub.GetState(pb.GetStateRequest(key=key_message(conv), version=version),
                                        timeout=self.config.stream_timeout_s, metadata=self._metadata)
             manifest, parts = None, []
             async for reply in call:

@@ -1,8 +1,8 @@
 """Conversation identity and the Redis key layout (see README.md for the full schema).
 
-A conversation is (conversation_id, cache_salt). Redis never sees either: every key
-of a conversation is derived from sha256 over both, length-prefixed so that no
-(id, salt) pair can be re-split into another. A wrong salt therefore addresses a
+A conversation is (conversation_id, cache_salt): a `ConversationRef`. Redis never sees
+either: every key of a conversation is derived from sha256 over both (`ref.key`),
+length-prefixed so that no (id, salt) pair can be re-split into another. A wrong salt therefore addresses a
 different, empty conversation: a miss, never someone else's state.
 
 All keys of one conversation share the hash tag {<conv hash>} so the Lua scripts
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proto.contract import conversation_key  # the shared contract
+from proto.contract import ConversationRef  # the shared contract
 
 NAMESPACE = "hs:v1"
 
@@ -25,8 +25,8 @@ class ConversationKeys:
     conv_hash: str
 
     @classmethod
-    def of(cls, conversation_id: str, cache_salt: str) -> "ConversationKeys":
-        return cls(conversation_key(conversation_id, cache_salt))
+    def of(cls, ref: ConversationRef) -> "ConversationKeys":
+        return cls(ref.key)
 
     def _key(self, suffix: str) -> str:
         return f"{NAMESPACE}:conv:{{{self.conv_hash}}}:{suffix}"

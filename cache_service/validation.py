@@ -12,6 +12,7 @@ from cache_service.config import Limits
 from cache_service.errors import InvalidArgument
 from cache_service.keys import ConversationKeys
 from proto import cache_pb2 as pb
+from proto.contract import ConversationRef
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _INCARNATION_HEX = re.compile(r"[0-9a-f]{16}")
@@ -32,7 +33,7 @@ def identifier(value: str, field: str, limits: Limits, *, required: bool = True)
 def conversation(key: pb.ConversationKey, limits: Limits) -> ConversationKeys:
     identifier(key.conversation_id, "key.conversation_id", limits)
     identifier(key.cache_salt, "key.cache_salt", limits, required=False)
-    return ConversationKeys.of(key.conversation_id, key.cache_salt)
+    return ConversationKeys.of(ConversationRef(key.conversation_id, key.cache_salt))
 
 
 def lease_ttl(value: int, limits: Limits) -> int:

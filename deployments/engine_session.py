@@ -32,7 +32,7 @@ from typing import Any
 
 from deployments.protocol import HeadRef
 from deployments.settings import AppSettings
-from proto.contract import tokens_digest
+from proto.contract import ConversationRef, tokens_digest
 from workers.async_engine import AsyncEngine
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation import export as head_export
@@ -65,20 +65,20 @@ class EngineSession:
         # Conversations a turn is recovering, running or resolving here (kept whatever their
         # heads: the recovery ladder adopts a ledger before the turn begins), and when each
         # conversation was last used here (for forget_idle). Both on the event loop only.
-        self._in_use: Counter[tuple[str, str]] = Counter()
-        self._last_used: dict[tuple[str, str], float] = {}
+        self._in_use: Counter[ConversationRef] = Counter()
+        self._last_used: dict[ConversationRef, float] = {}
 
     def shutdown(self) -> None:
         self.aengine.shutdown()
 
     # -- what this engine holds -------------------------------------------------------------
-    async def holds(self, conversation_id: str, cache_salt: str, head: HeadRef) -> bool:
+    async def holds(self, ref: ConversationRef, head: HeadRef) -> bool:
         """Whether this engine holds exactly `head`: its ledger at that version and its state."""
         tokens = await self.aengine.call(
-            lambda _e: self.cache.idle_head_tokens(conversation_id, cache_salt, head.version, head.turn))
+            lambda _e: self.cache.idle_head_tokens(ref, head.version, head.turn))
         return tokens is not None and _is_head(tokens, head)
 
-    async def forget(self, conversation_id: str, cache_salt: str, deleted: HeadRef | None = None) -> None:
+    async def forget(self, ref: ConversationRef, deleted: HeadRef | None = None) -> None:
         """Drop the conversation's local ledger and heads; with `deleted` only if the ledger is
         exactly that head (compared off the engine thread, like `holds`), not a re-created
         conversation's. An older local copy of the deleted one stays until evicted or idle for
@@ -86,7 +86,7 @@ class EngineSession:
         tokens (adopt_ledger drops it otherwise), when its state is exact anyway."""
 
         def ledger(_e) -> tuple[int, int, list[int]] | None:
-            state = self.cache.ledger_state(conversation_id, cache_salt)
+            state = self.cache.ledger_state(ref)
             return None if state is None else (state.version, state.turn, list(state.token_ids))
 
         seen = None
@@ -98,63 +98,60 @@ class EngineSession:
         def drop(_e) -> None:
             now = ledger(_e)
             if now is not None and (seen is None or now == seen):  # unchanged meanwhile
-                self.cache.delete(conversation_id, cache_salt)
+                self.cache.delete(ref)
 
         await self.aengine.call(drop)
 
-    def turn_started(self, conversation_id: str, cache_salt: str) -> None:
+    def turn_started(self, ref: ConversationRef) -> None:
         """A turn of the conversation begins here (before its recovery): its ledger is kept."""
-        key = (conversation_id, cache_salt)
-        self._in_use[key] += 1
-        self._last_used[key] = time.monotonic()
+        self._in_use[ref] += 1
+        self._last_used[ref] = time.monotonic()
 
-    def turn_ended(self, conversation_id: str, cache_salt: str) -> None:
-        key = (conversation_id, cache_salt)
-        self._in_use[key] -= 1
-        if not self._in_use[key]:
-            del self._in_use[key]
-        self._last_used[key] = time.monotonic()
+    def turn_ended(self, ref: ConversationRef) -> None:
+        self._in_use[ref] -= 1
+        if not self._in_use[ref]:
+            del self._in_use[ref]
+        self._last_used[ref] = time.monotonic()
 
     async def forget_idle(self, ttl_s: float) -> int:
         """Forget (ledger and heads) the conversations unused here for more than `ttl_s`;
         returns how many. One with a turn still awaiting its verdict is kept and counts as used."""
         now = time.monotonic()
-        idle = [key for key, used in self._last_used.items() if now - used > ttl_s and key not in self._in_use]
+        idle = [ref for ref, used in self._last_used.items() if now - used > ttl_s and ref not in self._in_use]
 
-        def drop(_e) -> tuple[int, list[tuple[str, str]]]:
+        def drop(_e) -> tuple[int, list[ConversationRef]]:
             dropped, busy = 0, []
-            for conversation_id, cache_salt in idle:
-                state = self.cache.ledger_state(conversation_id, cache_salt)
+            for ref in idle:
+                state = self.cache.ledger_state(ref)
                 if state is not None and state.busy:
-                    busy.append((conversation_id, cache_salt))
+                    busy.append(ref)
                 elif state is not None:
-                    self.cache.delete(conversation_id, cache_salt)
+                    self.cache.delete(ref)
                     dropped += 1
             return dropped, busy
 
         # Submitted before any later turn's engine call (commands run in order): a turn that
         # starts meanwhile finds the conversation gone and recovers it from the service.
         dropped, busy = await self.aengine.call(drop)
-        for key in idle:
-            if self._last_used.get(key) is not None and self._last_used[key] <= now:
-                del self._last_used[key]
-        for key in busy:
-            self._last_used[key] = time.monotonic()
+        for ref in idle:
+            if self._last_used.get(ref) is not None and self._last_used[ref] <= now:
+                del self._last_used[ref]
+        for ref in busy:
+            self._last_used[ref] = time.monotonic()
         return dropped
 
-    async def held_heads(self, conversation_id: str | None = None, cache_salt: str = "") -> int:
-        return await self.aengine.call(lambda _e: self.cache.head_count(conversation_id, cache_salt))
+    async def held_heads(self, ref: ConversationRef | None = None) -> int:
+        return await self.aengine.call(lambda _e: self.cache.head_count(ref))
 
-    async def adopt_ledger(self, conversation_id: str, cache_salt: str, head: HeadRef,
-                           turns: list[LedgerTurn]) -> None:
+    async def adopt_ledger(self, ref: ConversationRef, head: HeadRef, turns: list[LedgerTurn]) -> None:
         """Take the service's ledger at `head` as this engine's (the next turn recomputes from it)."""
         tokens = [t for turn in turns for t in turn.token_ids]
         if len(turns) != head.turn or not _is_head(tokens, head):
             raise CorruptStateError("the ledger does not add up to the conversation's head")
         await self.aengine.call(
-            lambda _e: self.cache.adopt_ledger(conversation_id, cache_salt, version=head.version, turns=turns))
+            lambda _e: self.cache.adopt_ledger(ref, version=head.version, turns=turns))
 
-    async def import_state(self, conversation_id: str, cache_salt: str, blob: bytes) -> HeadInfo:
+    async def import_state(self, ref: ConversationRef, blob: bytes) -> HeadInfo:
         """Install a head exported by another replica; the ledger must be adopted first."""
         held = await self.aengine.call(lambda _e: self.cache.held_chunk_digests())
 
@@ -163,11 +160,11 @@ class EngineSession:
             return head_export.verify_export(header, chunks, self.identity, self.layout, held)
 
         verified = await asyncio.to_thread(verify)
-        return await self.aengine.call(lambda _e: self.cache.install_head(conversation_id, cache_salt, verified))
+        return await self.aengine.call(lambda _e: self.cache.install_head(ref, verified))
 
-    async def export_state(self, conversation_id: str, cache_salt: str) -> tuple[int, list[bytes]]:
+    async def export_state(self, ref: ConversationRef) -> tuple[int, list[bytes]]:
         """(head version, tier parts) of the conversation's latest head."""
-        snapshot = await self.aengine.call(lambda _e: self.cache.snapshot_head(conversation_id, cache_salt))
+        snapshot = await self.aengine.call(lambda _e: self.cache.snapshot_head(ref))
         exported = await asyncio.to_thread(head_export.build_export, snapshot)
         await self.aengine.call(lambda _e: self.cache.remember_chunks(snapshot, exported))
         return snapshot.meta["version"], pack_export(exported)
@@ -179,15 +176,14 @@ class EngineSession:
     # -- turns ------------------------------------------------------------------------------
     def stream_turn(
         self,
-        conversation_id: str,
-        cache_salt: str,
+        ref: ConversationRef,
         suffix: list[dict[str, Any]],
         params: SamplingParams,
         request_id: str,
     ) -> AsyncIterator[RequestOutput]:
         """The final output's `turn_commit` is the prepared turn (None if it was discarded)."""
         start = lambda _e: self.cache.begin_turn(  # noqa: E731
-            conversation_id, cache_salt, suffix, params, request_id, commit=CommitMode.PREPARE)
+            ref, suffix, params, request_id, commit=CommitMode.PREPARE)
         return self.aengine.stream(request_id, start)
 
     def stream_stateless(

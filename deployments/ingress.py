@@ -25,7 +25,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, NotFound
+from cache_service.client import CacheClient, CacheError, LeaseHeld, NotFound
 from deployments import errors
 from deployments.api_models import CacheSalt, ChatCompletionRequest
 from deployments.body_limit import BodyLimit
@@ -38,6 +38,7 @@ from deployments.protocol import HeadRef, Recovery, ReplicaCall, TurnDelta, Turn
 from deployments.settings import AppSettings
 from deployments.turn_outcome import IdempotencyKey
 from deployments.turns import TurnRun, first_error
+from proto.contract import ConversationRef
 
 DEFAULT_MAX_TOKENS = 256
 STATS_SCRAPE_S = 0.5  # the longest a /metrics scrape waits for the cache service's index size
@@ -144,17 +145,23 @@ class ChatIngress:
     def _connected(self, client: CacheClient) -> None:
         self._keeper = LeaseKeeper(client.target, client.config, on_delay=self.metrics.lease_renewal_delay)
 
-    def _salt(self, request: Request, cache_salt: str) -> str:
-        """The caller's salt, scoped to its API key when authentication is on (checked by _guard)."""
-        if not self.settings.auth_enabled:
-            return cache_salt
-        return f"{AppSettings.key_scope(_bearer(request))}:{cache_salt}"
+    def _scope(self, request: Request, cache_salt: str) -> str:
+        """The caller's cache scope: its salt, scoped to its API key when authentication is on
+        (checked by _guard)."""
+        if self.settings.auth_enabled:
+            return f"{AppSettings.key_scope(_bearer(request))}:{cache_salt}"
+        return cache_salt
+
+    def _conversation(self, request: Request, conversation_id: str, cache_salt: str) -> ConversationRef:
+        """The caller's conversation, named in its cache scope."""
+        return ConversationRef(conversation_id, self._scope(request, cache_salt))
 
     # -- chat ------------------------------------------------------------------------------
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrived = time.monotonic()
-        salt = self._salt(request, body.cache_salt)
+        conv = None if body.conversation_id is None else self._conversation(request, body.conversation_id,
+                                                                            body.cache_salt)
         if body.model != self.model:
             raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model!r}",
                            "model_not_found", param="model")
@@ -166,8 +173,9 @@ class ChatIngress:
             run = await TurnRun.start(
                 self.settings, self.workers, await self._cache(), self._keeper,
                 messages=[m.as_engine_message() for m in body.messages],
-                sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation_id=body.conversation_id,
-                cache_salt=salt, wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body))
+                sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation=conv,
+                scope=self._scope(request, body.cache_salt),
+                wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body))
         except BaseException as e:
             self._finished(e.status if isinstance(e, APIError) else 500)
             if isinstance(e, APIError) and e.code == "conversation_busy":
@@ -229,7 +237,8 @@ class ChatIngress:
             event = await anext(events)
 
     def _format(self, body: ChatCompletionRequest, run: TurnRun) -> ChatFormat:
-        return ChatFormat(run.job.request_id, self.model, run.job.conversation_id, bool(body.logprobs))
+        conv = run.job.conversation
+        return ChatFormat(run.job.request_id, self.model, conv.id if conv else None, bool(body.logprobs))
 
     async def _complete(self, body: ChatCompletionRequest, run: TurnRun, first: TurnEvent,
                         events: AsyncIterator[TurnEvent], arrived: float) -> Response:
@@ -279,8 +288,8 @@ class ChatIngress:
     @api.get("/v1/conversations/{conversation_id}")
     async def get_conversation(self, conversation_id: str, request: Request,
                                cache_salt: Annotated[CacheSalt, Query()]) -> dict:
-        conv = Conversation(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
+        conv = self._conversation(request, conversation_id, cache_salt)
         try:
             ledger = await (await self._cache()).read_ledger(conv)
         except NotFound:
@@ -300,8 +309,8 @@ class ChatIngress:
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,
                                   cache_salt: Annotated[CacheSalt, Query()]) -> dict:
-        conv = Conversation(conversation_id, self._salt(request, cache_salt))
         _check_id(conversation_id)
+        conv = self._conversation(request, conversation_id, cache_salt)
         cache = await self._cache()
         try:
             lease = await cache.acquire_lease(conv, int(self.settings.lease_ttl_s * 1000))
@@ -317,7 +326,7 @@ class ChatIngress:
         await self._forget_locally(conv, HeadRef.of(lease.head))
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
-    async def _forget_locally(self, conv: Conversation, deleted: HeadRef) -> None:
+    async def _forget_locally(self, conv: ConversationRef, deleted: HeadRef) -> None:
         """The owner's local copy frees its blocks now. Best effort and bounded: the conversation
         is gone from the service already, and a stale copy is never used (workers check it
         against the head). With every replica at max_ongoing_requests the call would back off
@@ -325,7 +334,7 @@ class ChatIngress:
         or on a replica that served an earlier turn) expires within replica_copy_ttl_s."""
         if not deleted.owner:
             return
-        response = self.workers.forget.remote(ReplicaCall(deleted.owner), conv.id, conv.salt, deleted)
+        response = self.workers.forget.remote(ReplicaCall(deleted.owner), conv, deleted)
         try:
             await asyncio.wait_for(response, self.settings.forget_timeout_s)
         except TimeoutError:

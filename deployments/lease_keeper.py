@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cache_service.client import CacheClient, CacheError, ClientConfig, Conversation, LeaseLost
+from cache_service.client import CacheClient, CacheError, ClientConfig, LeaseLost
+from proto.contract import ConversationRef
 
 log = logging.getLogger("hybridserve.ingress")
 RENEWALS_PER_TTL = 4  # two renewals may be late or lost before the lease lapses
@@ -45,14 +46,14 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._loop.run_forever, name="lease-keeper", daemon=True)
         self._thread.start()
 
-    def keep(self, conv: Conversation, granted: Any, ttl_ms: int, on_lost: Callable[[LeaseLost], None]) -> KeptLease:
+    def keep(self, conv: ConversationRef, granted: Any, ttl_ms: int, on_lost: Callable[[LeaseLost], None]) -> KeptLease:
         """Renew `granted` every ttl/4 until stopped; `on_lost` (called on the keeper's thread)
         when the service says the lease is gone."""
         kept = KeptLease()
         kept.future = asyncio.run_coroutine_threadsafe(self._renew(conv, granted, ttl_ms, on_lost, kept), self._loop)
         return kept
 
-    async def _renew(self, conv: Conversation, granted: Any, ttl_ms: int, on_lost, kept: KeptLease) -> None:
+    async def _renew(self, conv: ConversationRef, granted: Any, ttl_ms: int, on_lost, kept: KeptLease) -> None:
         if self._client is None:  # made on this thread's loop: a gRPC aio channel belongs to one loop
             self._client = CacheClient(self._target, self._config)
         period = ttl_ms / 1000 / RENEWALS_PER_TTL

@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from proto.contract import ConversationRef
+
 
 @dataclass(frozen=True)
 class HeadRef:
@@ -44,8 +46,7 @@ class TurnJob:
     request_id: str
     messages: list[dict[str, Any]]  # the new suffix (conversation) or the full history (stateless)
     sampling: dict[str, Any]  # SamplingParams fields; the worker validates them
-    conversation_id: str | None = None  # None: a stateless request
-    cache_salt: str = ""  # already scoped to the API key when auth is on
+    conversation: ConversationRef | None = None  # None: stateless; salt scoped to the API key if auth is on
     lease: Any = None  # the cache client's Lease (token + proof of holding), passed back as given
     head: HeadRef | None = None  # None: the conversation's first turn
     # Names the turn's publish: the ingress finds the turn in the ledger by it when the publish's
@@ -54,6 +55,13 @@ class TurnJob:
     # Replicas (Serve replica unique ids) the prefix index names as holding the longest message
     # prefix of a stateless request or a new conversation: the router prefers them. A hint.
     prefix_holders: tuple[str, ...] = ()
+    # A stateless request's cache scope (its salt, scoped to the API key if auth is on): the
+    # prefixes it reuses and keeps are named in it. A conversation's scope is its ref's salt.
+    stateless_scope: str = ""
+
+    @property
+    def scope(self) -> str:
+        return self.conversation.salt if self.conversation is not None else self.stateless_scope
 
     @property
     def publish_name(self) -> str:

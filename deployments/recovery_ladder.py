@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from cache_service.client import CacheClient, CacheError, Conversation
+from cache_service.client import CacheClient, CacheError
 from deployments.engine_session import EngineSession
 from deployments.protocol import Recovery, TurnJob
 from deployments.settings import AppSettings, TierExport
@@ -25,17 +25,17 @@ log = logging.getLogger("hybridserve.worker")
 async def attach(session: EngineSession, settings: AppSettings, cache: Callable[[], Awaitable[CacheClient]],
                  job: TurnJob) -> Recovery:
     """Make this engine hold the conversation's committed head, by the recovery ladder."""
-    conv_id, salt, head = job.conversation_id, job.cache_salt, job.head
+    conv, head = job.conversation, job.head
     if head is None:
-        await session.forget(conv_id, salt)  # a deleted and re-created conversation
+        await session.forget(conv)  # a deleted and re-created conversation
         return Recovery.NEW
-    if await session.holds(conv_id, salt, head):
+    if await session.holds(conv, head):
         return Recovery.LOCAL
-    client, conv = await cache(), Conversation(conv_id, salt)
+    client = await cache()
     ledger = await client.read_ledger(conv)
     turns = [LedgerTurn(tuple({"role": m.role, "content": m.content} for m in t.messages), tuple(t.token_ids))
              for t in ledger.turns]
-    await session.adopt_ledger(conv_id, salt, head, turns)
+    await session.adopt_ledger(conv, head, turns)
     # The ledger's head is fresher than the lease's: a bypassed owner may have exported since.
     tier_version = ledger.head.tier_version
     if settings.tier_export is not TierExport.OFF and 0 < tier_version <= head.version:
@@ -43,8 +43,8 @@ async def attach(session: EngineSession, settings: AppSettings, cache: Callable[
         # turns it covers: the engine continues it and runs only the turns after it.
         try:
             _, blob = await client.get_state(conv, tier_version)
-            await session.import_state(conv_id, salt, blob)
+            await session.import_state(conv, blob)
             return Recovery.TIER_IMPORT if tier_version == head.version else Recovery.TIER_PREFIX
         except (CacheError, CorruptStateError, OutOfCacheError) as e:  # the tier is a cache: never fatal
-            log.warning("tier import of %s failed, recomputing from the ledger: %s", conv_id, e)
+            log.warning("tier import of %s failed, recomputing from the ledger: %s", conv.id, e)
     return Recovery.LEDGER_RECOMPUTE

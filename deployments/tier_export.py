@@ -19,16 +19,14 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 
-from cache_service.client import CacheClient, CacheError, Conversation, VersionConflict
+from cache_service.client import CacheClient, CacheError, VersionConflict
 from deployments.engine_session import EngineSession
 from deployments.protocol import HeadRef
 from deployments.settings import AppSettings, TierExport
+from proto.contract import ConversationRef
 from workers.errors import ConversationBusyError, ConversationNotFoundError
 
 log = logging.getLogger("hybridserve.worker")
-
-Key = tuple[str, str]  # (conversation id, cache salt)
-
 
 class TierExporter:
     """Which heads committed here the tier does not hold yet, and when to send them."""
@@ -40,74 +38,73 @@ class TierExporter:
         self._cache = cache
         self._spawn = spawn
         # Heads committed here whose state the tier does not hold yet: exported on shutdown.
-        self._unexported: dict[Key, HeadRef] = {}
-        self._turns_here: Counter[Key] = Counter()  # turns running here, per conversation
-        self._export_due: dict[Key, asyncio.TimerHandle] = {}  # async exports waiting for quiet
+        self._unexported: dict[ConversationRef, HeadRef] = {}
+        self._turns_here: Counter[ConversationRef] = Counter()  # turns running here, per conversation
+        self._export_due: dict[ConversationRef, asyncio.TimerHandle] = {}  # async exports waiting for quiet
 
-    def turn_started(self, key: Key) -> None:
-        self._turns_here[key] += 1
+    def turn_started(self, conv: ConversationRef) -> None:
+        self._turns_here[conv] += 1
 
-    def turn_ended(self, key: Key) -> None:
-        self._turns_here[key] -= 1
-        if self._turns_here[key] <= 0:
-            del self._turns_here[key]
+    def turn_ended(self, conv: ConversationRef) -> None:
+        self._turns_here[conv] -= 1
+        if self._turns_here[conv] <= 0:
+            del self._turns_here[conv]
         # Also after a failed turn: the head it would have replaced may still wait for its export.
-        if key in self._unexported and self.settings.tier_export is TierExport.ASYNC:
-            self._export_when_quiet(key)
+        if conv in self._unexported and self.settings.tier_export is TierExport.ASYNC:
+            self._export_when_quiet(conv)
 
-    async def committed(self, key: Key, head: HeadRef) -> None:
+    async def committed(self, conv: ConversationRef, head: HeadRef) -> None:
         """A turn committed `head` here: export it now (sync), later (async) or never (off)."""
         if self.settings.tier_export is TierExport.OFF:
             return  # kept nowhere: a pending entry would wait, per conversation, for the replica's life
-        self._unexported[key] = head
+        self._unexported[conv] = head
         if self.settings.tier_export is TierExport.SYNC:
-            await self.export_head(*key, head)
+            await self.export_head(conv, head)
 
-    def forget(self, key: Key, deleted: HeadRef) -> None:
+    def forget(self, conv: ConversationRef, deleted: HeadRef) -> None:
         """Drop the pending export of a deleted head (not of a re-created conversation's head)."""
-        pending = self._unexported.get(key)
+        pending = self._unexported.get(conv)
         if pending is not None and pending.same_state(deleted):
-            del self._unexported[key]
-            due = self._export_due.pop(key, None)
+            del self._unexported[conv]
+            due = self._export_due.pop(conv, None)
             if due is not None:
                 due.cancel()
 
-    def _export_when_quiet(self, key: Key) -> None:
-        due = self._export_due.pop(key, None)
+    def _export_when_quiet(self, conv: ConversationRef) -> None:
+        due = self._export_due.pop(conv, None)
         if due is not None:
             due.cancel()
-        self._export_due[key] = asyncio.get_running_loop().call_later(
-            self.settings.tier_export_delay_s, self._export_if_quiet, key)
+        self._export_due[conv] = asyncio.get_running_loop().call_later(
+            self.settings.tier_export_delay_s, self._export_if_quiet, conv)
 
-    def _export_if_quiet(self, key: Key) -> None:
-        self._export_due.pop(key, None)
-        head = self._unexported.get(key)
-        if head is not None and not self._turns_here[key]:  # else the running turn's end schedules again
-            self._spawn(self.export_head(*key, head))
+    def _export_if_quiet(self, conv: ConversationRef) -> None:
+        self._export_due.pop(conv, None)
+        head = self._unexported.get(conv)
+        if head is not None and not self._turns_here[conv]:  # else the running turn's end schedules again
+            self._spawn(self.export_head(conv, head))
 
-    async def export_head(self, conversation_id: str, cache_salt: str, head: HeadRef) -> None:
-        conv = Conversation(conversation_id, cache_salt)
+    async def export_head(self, conv: ConversationRef, head: HeadRef) -> None:
         try:
-            version, parts = await self.session.export_state(conversation_id, cache_salt)
+            version, parts = await self.session.export_state(conv)
             # The incarnation the turn saw, carried: looked up now, it could be a re-created
             # conversation's at the same version, and this state would land under it.
             await (await self._cache()).put_state(conv, version, parts, incarnation=head.incarnation or None)
         except VersionConflict:
-            log.debug("export of %s v%d superseded by a newer turn", conversation_id, head.version)
+            log.debug("export of %s v%d superseded by a newer turn", conv.id, head.version)
         except (CacheError, ConversationBusyError, ConversationNotFoundError) as e:
             # Not kept for another try: the ledger has the turn, and a next owner recomputes
             # what the tier lacks; a kept entry would pile up while the tier is down.
-            log.warning("export of %s v%d failed: %s", conversation_id, head.version, e)
-        if self._unexported.get((conversation_id, cache_salt)) == head:
-            del self._unexported[(conversation_id, cache_salt)]
+            log.warning("export of %s v%d failed: %s", conv.id, head.version, e)
+        if self._unexported.get(conv) == head:
+            del self._unexported[conv]
 
     async def shutdown(self) -> None:
         """Hand the heads only this replica holds to the tier (unless export is off)."""
         for due in self._export_due.values():
             due.cancel()
         if self.settings.tier_export is not TierExport.OFF:
-            for (conversation_id, cache_salt), head in list(self._unexported.items()):
-                await self.export_head(conversation_id, cache_salt, head)
+            for conv, head in list(self._unexported.items()):
+                await self.export_head(conv, head)
 
     def pending(self) -> int:
         """Heads waiting for their export (bounded by the conversations committed here within

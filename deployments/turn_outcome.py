@@ -20,8 +20,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cache_service.client import CacheClient, Conversation, NotFound, pb
+from cache_service.client import CacheClient, NotFound, pb
 from deployments.protocol import Recovery, TurnDelta, TurnDone, TurnEvent
+from proto.contract import ConversationRef
 
 # A retry is matched against this many of the conversation's latest turns: a client retries
 # the turn it just sent, not one from many turns ago.
@@ -52,7 +53,7 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
-async def find_turn(cache: CacheClient, conv: Conversation, *, after_turn: int,
+async def find_turn(cache: CacheClient, conv: ConversationRef, *, after_turn: int,
                     match: Callable[[str], bool]) -> pb.LedgerTurn | None:
     """The latest ledger turn after `after_turn` whose publish id matches, if any."""
     try:

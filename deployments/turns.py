@@ -34,7 +34,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from cache_service.client import CacheClient, CacheError, Conversation, LeaseHeld, LeaseLost
+from cache_service.client import CacheClient, CacheError, LeaseHeld, LeaseLost
 from deployments import errors, turn_outcome
 from deployments.errors import APIError
 from deployments.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
@@ -42,6 +42,7 @@ from deployments.prefix_index import find_holders
 from deployments.protocol import ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob
 from deployments.settings import AppSettings
 from deployments.turn_outcome import IdempotencyKey
+from proto.contract import ConversationRef
 
 log = logging.getLogger("hybridserve.ingress")
 RETRIES_BEFORE_FIRST_EVENT = 2
@@ -55,7 +56,7 @@ _BEFORE_PUBLISH = (ErrorKind.INVALID, ErrorKind.TOO_LONG)
 
 @dataclass
 class Lease:
-    conv: Conversation
+    conv: ConversationRef
     granted: Any  # the client's Lease: fenced calls get it back as it came
 
 
@@ -80,23 +81,24 @@ class TurnRun:
 
     @classmethod
     async def start(cls, settings: AppSettings, workers: DeploymentHandle, cache: CacheClient, keeper: LeaseKeeper,
-                    *, messages: list[dict], sampling: dict, conversation_id: str | None, cache_salt: str,
+                    *, messages: list[dict], sampling: dict, conversation: ConversationRef | None, scope: str,
                     wait_if_busy: bool, idempotency: IdempotencyKey | None = None) -> "TurnRun":
+        """`scope`: the caller's cache scope (a conversation's is its salt; a stateless request's
+        names the prefixes it may reuse)."""
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if conversation_id is None:  # nothing is committed: a retry is harmless, no key needed
-            holders = await find_holders(cache, cache_salt, messages)
-            return cls(settings, workers, cache, TurnJob(request_id, messages, sampling, cache_salt=cache_salt,
-                                                         prefix_holders=holders), None)
-        conv = Conversation(conversation_id, cache_salt)
-        granted = await _acquire(settings, cache, conv, request_id, wait_if_busy)
+        if conversation is None:  # nothing is committed: a retry is harmless, no key needed
+            holders = await find_holders(cache, scope, messages)
+            return cls(settings, workers, cache, TurnJob(request_id, messages, sampling, prefix_holders=holders,
+                                                         stateless_scope=scope), None)
+        granted = await _acquire(settings, cache, conversation, request_id, wait_if_busy)
         head = granted.head  # the head at the time of the acquire; version 0: a new conversation
-        job = TurnJob(request_id, messages, sampling, conversation_id, cache_salt, granted,
+        job = TurnJob(request_id, messages, sampling, conversation, granted,
                       HeadRef.of(head) if head.version else None,
                       publish_id=idempotency.publish_id if idempotency else "")
-        run = cls(settings, workers, cache, job, Lease(conv, granted), keeper)
+        run = cls(settings, workers, cache, job, Lease(conversation, granted), keeper)
         if not head.version:
             try:
-                run.job = replace(job, prefix_holders=await find_holders(cache, cache_salt, messages))
+                run.job = replace(job, prefix_holders=await find_holders(cache, conversation.salt, messages))
             except BaseException:
                 await run.close()  # cancelled meanwhile: the lease is settled, as after any failure
                 raise
@@ -136,7 +138,7 @@ class TurnRun:
 
     def _on_lease_lost(self, lease: Lease, error: LeaseLost) -> None:
         if lease is self.lease and not self._lease_lost.done() and not self._fenced:
-            log.warning("lease of %s lost mid-turn (%s): stopping the turn", self.job.conversation_id, error)
+            log.warning("lease of %s lost mid-turn (%s): stopping the turn", self.job.conversation.id, error)
             self._lease_lost.set_result(error)
 
     async def events(self) -> AsyncIterator[TurnEvent]:
@@ -281,13 +283,13 @@ class TurnRun:
         if self._renewer is not None:
             self._renewer.stop()
             if self._renewer.worst_delay_s > self.settings.lease_ttl_s / RENEWALS_PER_TTL:
-                log.warning("lease renewals of %s ran up to %.2f s late", self.job.conversation_id,
+                log.warning("lease renewals of %s ran up to %.2f s late", self.job.conversation.id,
                             self._renewer.worst_delay_s)
         if self.lease is not None and not self._fenced:
             await asyncio.shield(_settle(self.cache, self.lease, committed=self.done is not None))
 
 
-async def _acquire(settings: AppSettings, cache: CacheClient, conv: Conversation, request_id: str,
+async def _acquire(settings: AppSettings, cache: CacheClient, conv: ConversationRef, request_id: str,
                    wait_if_busy: bool):
     try:
         return await cache.acquire_lease(conv, int(settings.lease_ttl_s * 1000), holder=f"ingress:{request_id}",

@@ -26,7 +26,6 @@ from ray.serve.handle import DeploymentHandle
 from cache_service.client import (
     CacheClient,
     CacheError,
-    Conversation,
     InvalidArgument,
     LeaseLost,
     TurnResult,
@@ -51,6 +50,7 @@ from deployments.recovery_ladder import attach
 from deployments.router import StickyConversationRouter
 from deployments.settings import AppSettings
 from deployments.tier_export import TierExporter
+from proto.contract import ConversationRef
 from workers.conversation.records import TurnCommit
 from workers.errors import (
     ConversationBusyError,
@@ -110,17 +110,17 @@ class Worker:
         return {"running_requests": running, "free_kv_blocks": free}
 
     # -- state of deleted conversations ---------------------------------------------------------
-    async def forget(self, call: ReplicaCall, conversation_id: str, cache_salt: str, deleted: HeadRef) -> str:
+    async def forget(self, call: ReplicaCall, conv: ConversationRef, deleted: HeadRef) -> str:
         """Drop a deleted conversation's local heads, ledger and pending export now rather than
         at eviction, if they are the deleted head's: a conversation re-created under the same id
         and salt may have committed its first turn here before this call arrived, and keeps its
         head and its export. Returns this replica's id (the router may have sent the call
         elsewhere: a no-op there)."""
-        self.exporter.forget((conversation_id, cache_salt), deleted)
+        self.exporter.forget(conv, deleted)
         try:
-            await self.session.forget(conversation_id, cache_salt, deleted)
+            await self.session.forget(conv, deleted)
         except ConversationBusyError as e:  # a turn of the re-created conversation already runs here
-            log.warning("not forgetting %s: %s", conversation_id, e)
+            log.warning("not forgetting %s: %s", conv.id, e)
         return self.replica_id
 
     async def _expire_idle_copies(self) -> None:
@@ -141,11 +141,10 @@ class Worker:
         conversations committed within the export delay; for operators and tests."""
         return self.replica_id, self.exporter.pending()
 
-    async def held_heads(self, call: ReplicaCall, conversation_id: str | None = None,
-                         cache_salt: str = "") -> tuple[str, int]:
+    async def held_heads(self, call: ReplicaCall, conv: ConversationRef | None = None) -> tuple[str, int]:
         """(this replica, committed heads it holds, of one conversation if given): what DELETE
         frees, for operators and tests."""
-        return self.replica_id, await self.session.held_heads(conversation_id, cache_salt)
+        return self.replica_id, await self.session.held_heads(conv)
 
     # -- a turn -----------------------------------------------------------------------------
     async def run_turn(self, job: TurnJob) -> AsyncIterator[TurnEvent]:
@@ -155,18 +154,17 @@ class Worker:
             yield TurnFailed(ErrorKind.INVALID, str(e))
             return
         try:
-            if job.conversation_id is None:
-                stream = self.session.stream_stateless(job.messages, params, job.request_id, job.cache_salt)
+            if job.conversation is None:
+                stream = self.session.stream_stateless(job.messages, params, job.request_id, job.scope)
                 recovery = Recovery.NEW
             else:
                 if not self._expiring:
                     self._expiring = True
                     self._spawn(self._expire_idle_copies())
-                self.session.turn_started(job.conversation_id, job.cache_salt)
-                self.exporter.turn_started((job.conversation_id, job.cache_salt))
+                self.session.turn_started(job.conversation)
+                self.exporter.turn_started(job.conversation)
                 recovery = await attach(self.session, self.settings, self._cache, job)
-                stream = self.session.stream_turn(
-                    job.conversation_id, job.cache_salt, job.messages, params, job.request_id)
+                stream = self.session.stream_turn(job.conversation, job.messages, params, job.request_id)
             async for event in self._run(job, params, stream, recovery):
                 yield event
         except InvalidRequestError as e:
@@ -176,9 +174,9 @@ class Worker:
         except CacheError as e:
             yield TurnFailed(ErrorKind.UNAVAILABLE, f"cache service: {e}")
         finally:
-            if job.conversation_id is not None:
-                self.session.turn_ended(job.conversation_id, job.cache_salt)
-                self.exporter.turn_ended((job.conversation_id, job.cache_salt))
+            if job.conversation is not None:
+                self.session.turn_ended(job.conversation)
+                self.exporter.turn_ended(job.conversation)
 
     async def _run(self, job: TurnJob, params: SamplingParams, stream, recovery: Recovery) -> AsyncIterator[TurnEvent]:
         completion, last, reply = 0, None, []
@@ -199,8 +197,8 @@ class Worker:
             return
         done = TurnDone(last.finish_reason.value, last.num_prompt_tokens, completion, last.num_cached_tokens,
                         recovery, self.replica_id, reused_from=last.reused_from.value)
-        if job.conversation_id is None:
-            self.announcer.after_turn(job.cache_salt, job.messages, "".join(reply), last.checkpoints)
+        if job.conversation is None:
+            self.announcer.after_turn(job.scope, job.messages, "".join(reply), last.checkpoints)
             yield done
             return
         if last.turn_commit is None:
@@ -208,7 +206,7 @@ class Worker:
             return
         outcome = await self._commit(job, done, last.turn_commit)
         if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
-            self.announcer.after_turn(job.cache_salt, job.messages, "".join(reply), last.checkpoints)
+            self.announcer.after_turn(job.scope, job.messages, "".join(reply), last.checkpoints)
         yield outcome
 
     async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:
@@ -227,7 +225,7 @@ class Worker:
             return TurnFailed(ErrorKind.OUTCOME_UNKNOWN, "the cache service did not answer the publish")
 
     async def _publish_and_resolve(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:
-        client, conv = await self._cache(), Conversation(job.conversation_id, job.cache_salt)
+        client, conv = await self._cache(), job.conversation
         result = TurnResult(finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                             completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
         deadline = asyncio.get_running_loop().time() + PUBLISH_RESOLVE_S
@@ -259,7 +257,7 @@ class Worker:
             await self.session.commit(prepared)
         except TurnResolvedError as e:  # expired meanwhile: the service has the turn, this copy is gone
             log.warning("committed turn %s no longer prepared here: %s", job.request_id, e)
-        await self.exporter.committed((job.conversation_id, job.cache_salt), HeadRef.of(head))
+        await self.exporter.committed(conv, HeadRef.of(head))
         return TurnDone(**{**done.__dict__, "turn": head.turn, "head_version": head.version})
 
     async def _abandon(self, prepared: TurnCommit) -> None:

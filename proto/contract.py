@@ -1,6 +1,7 @@
 """What workers and the cache service must agree on, bit for bit, owned by neither side.
 
-- the name of a conversation: a salted hash of (conversation_id, cache_salt);
+- the name of a conversation: a salted hash of (conversation_id, cache_salt), carried as a
+  `ConversationRef`;
 - the digest of a conversation's committed token ids (the head's `tokens_sha256`);
 - the name of a state chunk (sha256 of its bytes);
 - the names of a chat's message prefixes (the prefix index's keys);
@@ -16,7 +17,7 @@ import json
 import sys
 from array import array
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 _DOMAIN = b"hybridserve/conversation/v1\0"
 
@@ -54,6 +55,24 @@ def message_prefix_digests(scope: str, messages: list[dict[str, str]]) -> list[s
         state = hashlib.sha256(state + _framed(message.get("role", "")) + _framed(message.get("content", ""))).digest()
         names.append(state.hex()[:32])
     return names
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationRef:
+    """A conversation: its id under a cache_salt. The pair is one name, never two loose strings:
+    the same id under another salt is another conversation (an empty one, a miss). `key` is
+    its `conversation_key`, computed once here."""
+
+    id: str
+    salt: str = ""
+    key: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", conversation_key(self.id, self.salt))
+
+    def fork(self, new_id: str) -> "ConversationRef":
+        """The conversation `new_id` under the same salt (a fork's target)."""
+        return ConversationRef(new_id, self.salt)
 
 
 def tokens_digest(token_ids: Iterable[int]) -> str:

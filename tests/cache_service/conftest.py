@@ -13,9 +13,9 @@ import grpc
 import pytest
 from cs_helpers import ServiceProcess, fast_client
 
-from cache_service.client import Conversation
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+from proto.contract import ConversationRef
 from proto import cache_pb2_grpc
 
 
@@ -77,8 +77,8 @@ async def strict_client(strict_service):
 
 
 @pytest.fixture
-def conv() -> Conversation:
-    return Conversation(f"conv-{uuid.uuid4().hex}", salt=f"salt-{uuid.uuid4().hex[:8]}")
+def conv() -> ConversationRef:
+    return ConversationRef(f"conv-{uuid.uuid4().hex}", salt=f"salt-{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture(scope="session")

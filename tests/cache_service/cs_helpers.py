@@ -11,8 +11,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache_service.client import CacheClient, ClientConfig, Conversation, RetryPolicy
-from proto.contract import tokens_digest
+from cache_service.client import CacheClient, ClientConfig, RetryPolicy
+from proto.contract import ConversationRef, tokens_digest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The checkout whose `python -m cache_service` the tests start. Pointing it at an older
@@ -30,7 +30,7 @@ class History:
     version: int = 0
 
 
-async def commit_turn(client: CacheClient, conv: Conversation, history: History, new_tokens: list[int],
+async def commit_turn(client: CacheClient, conv: ConversationRef, history: History, new_tokens: list[int],
                       text: str, *, owner: str = "replica-0") -> None:
     lease = await client.acquire_lease(conv, ttl_ms=10_000, wait_s=5.0)
     tokens = history.tokens + new_tokens

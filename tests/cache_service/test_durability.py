@@ -13,10 +13,10 @@ import uuid
 import pytest
 from cs_helpers import History, ServiceProcess, commit_turn, fast_client
 
-from cache_service.client import CacheClient, ClientConfig, Conversation, DeadlineExceeded
+from cache_service.client import CacheClient, ClientConfig, DeadlineExceeded
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
-from proto.contract import tokens_digest
+from proto.contract import ConversationRef, tokens_digest
 
 # Processes get killed here; a hang must fail fast, not eat the session timeout.
 pytestmark = pytest.mark.timeout(60)
@@ -46,8 +46,8 @@ async def own_client(own_service):
         yield c
 
 
-def new_conv() -> Conversation:
-    return Conversation(f"durable-{uuid.uuid4().hex}", salt="s")
+def new_conv() -> ConversationRef:
+    return ConversationRef(f"durable-{uuid.uuid4().hex}", salt="s")
 
 
 async def snapshot(client, convs):

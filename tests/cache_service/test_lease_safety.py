@@ -7,9 +7,9 @@ import grpc
 import pytest
 import redis
 
-from cache_service.client import (Conversation, LeaseHeld, LeaseLost, StaleFence, VersionConflict)
+from cache_service.client import LeaseHeld, LeaseLost, StaleFence, VersionConflict, key_message
 from cache_service.keys import ConversationKeys
-from proto.contract import tokens_digest
+from proto.contract import ConversationRef, tokens_digest
 from proto import cache_pb2 as pb
 
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -18,7 +18,7 @@ FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 def publish_request(conv, token, proof, *, tokens=(1, 2), content="hi", publish_id="p", version=0,
                     release=True):
     return pb.PublishTurnRequest(
-        key=conv.pb(), lease_token=token, lease_proof=proof, expected_version=version,
+        key=key_message(conv), lease_token=token, lease_proof=proof, expected_version=version,
         turn=pb.LedgerTurn(messages=[pb.Message(role="user", content=content)], token_ids=list(tokens)),
         committed_tokens=len(tokens), tokens_sha256=tokens_digest(tokens), publish_id=publish_id,
         release_lease=release)
@@ -31,8 +31,8 @@ async def refused(call) -> grpc.aio.AioRpcError:
 
 
 async def test_a_lease_is_usable_only_on_its_own_conversation(client, stub, conv):
-    other = Conversation(conv.id + "-b", conv.salt)        # another conversation
-    same_id = Conversation(conv.id, conv.salt + "-other")  # the same id under another salt
+    other = ConversationRef(conv.id + "-b", conv.salt)        # another conversation
+    same_id = ConversationRef(conv.id, conv.salt + "-other")  # the same id under another salt
     mine = await client.acquire_lease(conv, ttl_ms=10_000)
     theirs = await client.acquire_lease(other, ttl_ms=10_000)
     await client.acquire_lease(same_id, ttl_ms=10_000)
@@ -43,7 +43,7 @@ async def test_a_lease_is_usable_only_on_its_own_conversation(client, stub, conv
     for target in (other, same_id):
         for token in (mine.token, 1, 2, 3, 1000):
             for call in (stub.PublishTurn(publish_request(target, token, mine.proof)),
-                         stub.ReleaseLease(pb.ReleaseLeaseRequest(key=target.pb(), token=token,
+                         stub.ReleaseLease(pb.ReleaseLeaseRequest(key=key_message(target), token=token,
                                                                   lease_proof=mine.proof))):
                 error = await refused(call)
                 answers.add((error.code(), error.details(), tuple(error.trailing_metadata())))
@@ -65,18 +65,18 @@ async def test_a_live_lease_cannot_be_taken_over_by_name(client, stub, conv):
     lease = await client.acquire_lease(conv, ttl_ms=10_000, holder="router:req-7")
     # Busy: the holder's name is not disclosed...
     error = await refused(stub.AcquireLease(pb.AcquireLeaseRequest(
-        key=conv.pb(), holder="someone", ttl_ms=10_000)))
+        key=key_message(conv), holder="someone", ttl_ms=10_000)))
     assert "router:req-7" not in error.details() + repr(error.trailing_metadata())
     # ...and knowing it is not enough: acquiring under that name, with or without an
     # attempt key of one's own, does not hand out the live lease or extend it.
     for attempt_key in (b"", os.urandom(16)):
         error = await refused(stub.AcquireLease(pb.AcquireLeaseRequest(
-            key=conv.pb(), holder="router:req-7", ttl_ms=10_000, attempt_key=attempt_key)))
+            key=key_message(conv), holder="router:req-7", ttl_ms=10_000, attempt_key=attempt_key)))
         assert dict(error.trailing_metadata())["hs-reason"] == "lease_held"
         assert int(dict(error.trailing_metadata())["hs-expires-in-ms"]) <= 10_000
     # Lease TTLs are capped by configuration (an hour is not a lease).
     error = await refused(stub.AcquireLease(pb.AcquireLeaseRequest(
-        key=Conversation(conv.id + "-long", conv.salt).pb(), holder="h", ttl_ms=3_600_000)))
+        key=key_message(ConversationRef(conv.id + "-long", conv.salt)), holder="h", ttl_ms=3_600_000)))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     # The real holder's turn goes through.
     head = await stub.PublishTurn(publish_request(conv, lease.token, lease.proof))
@@ -94,7 +94,7 @@ async def test_a_publish_is_a_retry_only_with_the_same_content_and_lease(client,
         release=False)))
     assert error.code() == grpc.StatusCode.ABORTED
     # The same content under someone else's lease is not answered either.
-    intruder = await client.acquire_lease(Conversation(conv.id + "-x", conv.salt), ttl_ms=10_000)
+    intruder = await client.acquire_lease(ConversationRef(conv.id + "-x", conv.salt), ttl_ms=10_000)
     error = await refused(stub.PublishTurn(publish_request(conv, intruder.token, intruder.proof,
                                                            publish_id="p1", release=False)))
     assert dict(error.trailing_metadata())["hs-reason"] == "lease_lost"
@@ -108,7 +108,7 @@ async def test_a_publish_is_a_retry_only_with_the_same_content_and_lease(client,
 
 
 async def test_fence_keys_expire_and_go_with_the_conversation(client, conv, redis_server):
-    keys = ConversationKeys.of(conv.id, conv.salt)
+    keys = ConversationKeys.of(conv)
     r = redis.Redis.from_url(redis_server.url)
     try:
         lease = await client.acquire_lease(conv, ttl_ms=10_000)

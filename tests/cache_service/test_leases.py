@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from cache_service.client import Conversation, LeaseHeld, LeaseLost, NotFound, StaleFence
-from proto.contract import tokens_digest
+from cache_service.client import LeaseHeld, LeaseLost, NotFound, StaleFence, key_message
+from proto.contract import ConversationRef, tokens_digest
 from proto import cache_pb2 as pb
 
 
@@ -58,7 +58,7 @@ async def test_expired_lease_nobody_took_is_lost_not_stale(client, conv):
 async def test_a_retried_acquire_is_the_same_lease(client, conv, stub):
     # A retry of one acquire (same holder, same attempt key: its reply was lost) gets
     # the same lease back; another call, even under the same holder name, does not.
-    request = pb.AcquireLeaseRequest(key=conv.pb(), holder="router:req-1", ttl_ms=5_000,
+    request = pb.AcquireLeaseRequest(key=key_message(conv), holder="router:req-1", ttl_ms=5_000,
                                      attempt_key=b"k" * 16)
     a = await stub.AcquireLease(request)
     b = await stub.AcquireLease(request)
@@ -103,7 +103,7 @@ async def test_renew_release_and_tokens_only_grow(client, conv):
 async def test_wrong_salt_is_another_conversation(client, conv):
     lease = await client.acquire_lease(conv, ttl_ms=5_000)
     await publish_first_turn(client, conv, lease.token)
-    wrong = Conversation(conv.id, salt=conv.salt + "x")
+    wrong = ConversationRef(conv.id, salt=conv.salt + "x")
     with pytest.raises(NotFound):
         await client.get_head(wrong)
     with pytest.raises(NotFound):

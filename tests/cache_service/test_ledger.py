@@ -3,10 +3,10 @@
 import pytest
 from cs_helpers import History, commit_turn
 
-from cache_service.client import (AlreadyExists, Conversation, InvalidArgument, LeaseLost, NotFound,
-                                  VersionConflict)
+from cache_service.client import (AlreadyExists, InvalidArgument, LeaseLost, NotFound,
+                                  VersionConflict, key_message)
 from cache_service.scripts import EMPTY_TOKENS_SHA256
-from proto.contract import tokens_digest
+from proto.contract import ConversationRef, tokens_digest
 from proto import cache_pb2 as pb
 
 
@@ -28,10 +28,10 @@ async def test_unknown_fields_are_not_stored(client, stub, conv):
     smuggled = with_unknown_field(pb.Message(role="user", content="hi"), 15, b"\0" * (9 << 20))
     assert smuggled.ByteSize() > 9 << 20
     await stub.PublishTurn(pb.PublishTurnRequest(
-        key=conv.pb(), lease_token=lease.token, lease_proof=lease.proof, expected_version=0,
+        key=key_message(conv), lease_token=lease.token, lease_proof=lease.proof, expected_version=0,
         turn=pb.LedgerTurn(messages=[smuggled], token_ids=[1, 2]), committed_tokens=2,
         tokens_sha256=tokens_digest([1, 2]), publish_id="p"))
-    page = await stub.ReadLedger(pb.ReadLedgerRequest(key=conv.pb()))
+    page = await stub.ReadLedger(pb.ReadLedgerRequest(key=key_message(conv)))
     (turn,) = page.turns
     assert [(m.role, m.content) for m in turn.messages] == [("user", "hi")]
     # What was stored is what the schema declares: a small turn that any reply can carry.
@@ -55,11 +55,11 @@ async def test_a_default_read_pages_by_bytes(client, stub, conv):
                                   tokens_sha256=tokens_digest(history.tokens))
     await commit_turn(client, conv, History(tokens=history.tokens, version=2), [7], "small")
     # Together the turns are larger than one reply may be; each page holds what fits.
-    first = await stub.ReadLedger(pb.ReadLedgerRequest(key=conv.pb()))
+    first = await stub.ReadLedger(pb.ReadLedgerRequest(key=key_message(conv)))
     assert [t.turn for t in first.turns] == [1] and first.next_turn == 2
-    second = await stub.ReadLedger(pb.ReadLedgerRequest(key=conv.pb(), from_turn=2))
+    second = await stub.ReadLedger(pb.ReadLedgerRequest(key=key_message(conv), from_turn=2))
     assert [t.turn for t in second.turns] == [2] and second.next_turn == 3
-    third = await stub.ReadLedger(pb.ReadLedgerRequest(key=conv.pb(), from_turn=3))
+    third = await stub.ReadLedger(pb.ReadLedgerRequest(key=key_message(conv), from_turn=3))
     assert [t.turn for t in third.turns] == [3] and third.next_turn == 0
     # The client walks the pages.
     ledger = await client.read_ledger(conv)
@@ -87,7 +87,7 @@ async def test_rewind_truncates_as_a_new_version_and_regenerates(client, conv):
         await client.rewind_conversation(conv, lease_token=lease, expected_version=2, turn=1)
     with pytest.raises(InvalidArgument):
         await client.rewind_conversation(conv, lease_token=lease, expected_version=3, turn=4)
-    intruder = await client.acquire_lease(Conversation(conv.id + "-x", conv.salt), ttl_ms=10_000)
+    intruder = await client.acquire_lease(ConversationRef(conv.id + "-x", conv.salt), ttl_ms=10_000)
     with pytest.raises(LeaseLost):
         await client.rewind_conversation(conv, lease_token=intruder, expected_version=3, turn=1)
 
@@ -116,7 +116,7 @@ async def test_rewind_truncates_as_a_new_version_and_regenerates(client, conv):
 async def test_fork_copies_a_prefix_into_a_new_conversation(client, conv):
     await three_turns(client, conv)
     before = await client.read_ledger(conv)
-    fork = Conversation(conv.id + "-fork", conv.salt)
+    fork = ConversationRef(conv.id + "-fork", conv.salt)
     head = await client.fork_conversation(conv, fork.id, turn=2, expected_version=3)
     assert (head.version, head.turn, head.committed_tokens) == (1, 2, 3)
     assert head.tokens_sha256 == tokens_digest([1, 2, 3]) and head.incarnation
@@ -128,7 +128,7 @@ async def test_fork_copies_a_prefix_into_a_new_conversation(client, conv):
     with pytest.raises(VersionConflict):
         await client.fork_conversation(conv, fork.id + "2", turn=1, expected_version=2)
     with pytest.raises(NotFound):  # the salt scopes the source too
-        await client.fork_conversation(Conversation(conv.id, conv.salt + "x"), fork.id + "3", turn=1)
+        await client.fork_conversation(ConversationRef(conv.id, conv.salt + "x"), fork.id + "3", turn=1)
     # The fork lives on its own.
     await commit_turn(client, fork, History(tokens=[1, 2, 3], version=1), [9], "forked turn")
     assert [list(t.token_ids) for t in (await client.read_ledger(fork)).turns] == [[1, 2], [3], [9]]

@@ -8,8 +8,8 @@ import pytest
 from cs_helpers import History, ServiceProcess, commit_turn, fast_client
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.client import Conversation
 from cache_service.server import SERVICE_NAME
+from proto.contract import ConversationRef
 
 # Processes get killed here; a hang must fail fast, not eat the session timeout.
 pytestmark = pytest.mark.timeout(60)
@@ -43,7 +43,7 @@ def embedded_service(tmp_path):
 
 async def test_embedded_redis_default_persists_across_restarts(embedded_service, tmp_path):
     proc = embedded_service
-    conv = Conversation("embedded", salt="s")
+    conv = ConversationRef("embedded", salt="s")
     history = History()
 
     proc.start()

@@ -10,11 +10,12 @@ import pytest
 from cs_helpers import History, ServiceProcess, commit_turn, fast_client
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.client import CacheClient, ClientConfig, Conversation, InvalidArgument, Unauthenticated
+from cache_service.client import CacheClient, ClientConfig, InvalidArgument, Unauthenticated
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from cache_service.errors import from_status
 from cache_service.server import SERVICE_NAME
+from proto.contract import ConversationRef
 
 # Processes get killed here; a hang must fail fast, not eat the session timeout.
 pytestmark = pytest.mark.timeout(60)
@@ -50,7 +51,7 @@ def supervised_env():
 async def test_a_killed_embedded_redis_is_restarted_and_health_says_so(tmp_path, supervised_env):
     proc = ServiceProcess(data_dir=tmp_path, redis_url=None, extra_env=supervised_env)
     proc.start()
-    conv = Conversation("supervised", "s")
+    conv = ConversationRef("supervised", "s")
     watch = HealthWatch(proc.target)
     try:
         async with fast_client(proc.target) as client:
@@ -81,7 +82,7 @@ async def test_health_follows_an_external_redis(tmp_path, supervised_env):
         redis_server.start()
         await watch.until(SERVING)
         async with fast_client(proc.target) as client:
-            await commit_turn(client, Conversation("external", "s"), History(), [1], "back")
+            await commit_turn(client, ConversationRef("external", "s"), History(), [1], "back")
     finally:
         await watch.close()
         proc.close()
@@ -109,18 +110,18 @@ async def test_malformed_messages_are_invalid_argument(service, method, streamin
 
 
 async def test_the_shared_secret_is_required_when_configured(strict_service, strict_client):
-    conv = Conversation("auth", "s")
+    conv = ConversationRef("auth", "s")
     await commit_turn(strict_client, conv, History(), [1], "authenticated")
     for token in (None, "wrong-secret-but-long-enough"):
         async with CacheClient(strict_service.target, ClientConfig(auth_token=token)) as anonymous:
             with pytest.raises(Unauthenticated):
                 await anonymous.get_head(conv)
             with pytest.raises(Unauthenticated):
-                await anonymous.acquire_lease(Conversation("intruder", "s"), ttl_ms=60_000)
+                await anonymous.acquire_lease(ConversationRef("intruder", "s"), ttl_ms=60_000)
             with pytest.raises(Unauthenticated):
                 await anonymous.get_state(conv)
     # Health probes (Kubernetes) need no secret.
     async with grpc.aio.insecure_channel(strict_service.target) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
         assert reply.status == SERVING
-    await strict_client.acquire_lease(Conversation("intruder", "s"), ttl_ms=60_000)  # not held by the intruder
+    await strict_client.acquire_lease(ConversationRef("intruder", "s"), ttl_ms=60_000)  # not held by the intruder

@@ -8,7 +8,6 @@ from cs_helpers import TIER_BUDGET, History, commit_turn
 
 from cache_service.client import DataLoss, NotFound, VersionConflict
 from cache_service.tier import SPILL_SUBDIR
-from proto.contract import conversation_key
 
 
 async def conversation_at_version(client, conv, versions=1):
@@ -82,7 +81,7 @@ async def test_corrupted_chunk_on_disk_is_detected(client, conv, service):
     await conversation_at_version(client, conv)
     data = os.urandom(TIER_BUDGET + (4 << 20))  # larger than the budget: its head spills
     await client.put_state(conv, 1, data)
-    spilled = service.data_dir / "tier" / SPILL_SUBDIR / conversation_key(conv.id, conv.salt)
+    spilled = service.data_dir / "tier" / SPILL_SUBDIR / conv.key
     victim = sorted(spilled.iterdir())[0]
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0xFF

@@ -12,10 +12,10 @@ import pytest
 from conftest import STRICT_STAGED_BYTES, STRICT_TIER_BUDGET, STRICT_TOKEN
 from cs_helpers import TIER_BUDGET, History, commit_turn
 
-from cache_service.client import Conversation, InvalidArgument, LeaseLost, NotFound, ResourceExhausted
+from cache_service.client import InvalidArgument, LeaseLost, NotFound, ResourceExhausted, key_message
 from cache_service.tier import SPILL_SUBDIR
 from cache_service.wire import bearer
-from proto.contract import conversation_key
+from proto.contract import ConversationRef
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 
@@ -33,7 +33,7 @@ async def strict_stub(strict_service):
 def manifest(conv, chunks, *, version=1, incarnation="0" * 16, sizes=None):
     sizes = sizes or [len(c) for c in chunks]
     return pb.PutStateRequest(manifest=pb.StateManifest(
-        key=conv.pb(), version=version, incarnation=incarnation,
+        key=key_message(conv), version=version, incarnation=incarnation,
         chunks=[pb.ChunkRef(digest=hashlib.sha256(c).digest(), size=s) for c, s in zip(chunks, sizes)]))
 
 
@@ -55,7 +55,7 @@ async def test_staged_bytes_are_bounded_and_idle_puts_are_cut(strict_client, str
 
     def hanging_put(name):
         async def requests():
-            yield manifest(Conversation(name), [data, b"never sent"])
+            yield manifest(ConversationRef(name), [data, b"never sent"])
             yield chunk(data)
             await never.wait()  # a client that stops sending mid-put
 
@@ -83,7 +83,7 @@ async def test_staged_bytes_are_bounded_and_idle_puts_are_cut(strict_client, str
     assert await staged_is(0)
     # One stream cannot announce more than the staging limit either.
     huge = pb.PutStateRequest(manifest=pb.StateManifest(
-        key=Conversation("huge").pb(), version=1, incarnation="0" * 16,
+        key=key_message(ConversationRef("huge")), version=1, incarnation="0" * 16,
         chunks=[pb.ChunkRef(digest=i.to_bytes(32, "big"), size=4 << 20) for i in range(3)]))
 
     async def one(message):
@@ -118,7 +118,7 @@ async def test_chunk_sizes_must_agree_with_the_tier(client, stub, conv):
 
 
 async def test_a_disk_error_while_spilling_installs_nothing(strict_client, strict_service):
-    conv = Conversation("spill-fails")
+    conv = ConversationRef("spill-fails")
     await commit_turn(strict_client, conv, History(), [1], "t")
     data = os.urandom(STRICT_TIER_BUDGET + (2 << 20))  # must spill
     before = await strict_client.stats()
@@ -180,7 +180,7 @@ async def test_a_put_for_a_deleted_incarnation_is_refused(client, stub, conv):
 async def test_deleting_removes_the_spill_directory(client, conv, service):
     await commit_turn(client, conv, History(), [1], "t")
     await client.put_state(conv, 1, os.urandom(TIER_BUDGET + (2 << 20)))
-    spilled = service.data_dir / "tier" / SPILL_SUBDIR / conversation_key(conv.id, conv.salt)
+    spilled = service.data_dir / "tier" / SPILL_SUBDIR / conv.key
     assert any(spilled.iterdir())
     await client.delete_conversation(conv)
     assert not spilled.exists()
@@ -201,7 +201,7 @@ async def test_a_put_naming_a_lease_is_fenced_by_it(client, conv):
     await client.release_lease(conv, lease)
     with pytest.raises(LeaseLost):
         await client.put_state(conv, head, b"exported after the lease was gone", lease=lease)
-    other = await client.acquire_lease(Conversation(conv.id + "-x", conv.salt), ttl_ms=10_000)
+    other = await client.acquire_lease(ConversationRef(conv.id + "-x", conv.salt), ttl_ms=10_000)
     with pytest.raises(LeaseLost):
         await client.put_state(conv, head, b"under another conversation's lease", lease=other)
     assert await client.get_state(conv) == (1, b"exported under the lease")

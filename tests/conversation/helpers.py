@@ -20,7 +20,7 @@ from workers.cache.holders import Holder, HolderKind
 from workers.checkpoint import EOS_TOKEN_ID
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation.cache import ConversationCache
-from proto.contract import conversation_key
+from proto.contract import ConversationRef
 from workers.cache.heads import CommittedHead
 from workers.engine import LLMEngine
 from workers.request import FinishReason, KeepState, Request
@@ -154,7 +154,7 @@ def run_turn(
     params: SamplingParams,
     request_id: str,
 ) -> Result:
-    request = cc.begin_turn(conversation_id, salt, messages, params, request_id)
+    request = cc.begin_turn(ConversationRef(conversation_id, salt), messages, params, request_id)
     result = drive(cc.engine)[request_id]
     result.request = request
     return result
@@ -194,7 +194,8 @@ def check_turn_against_reference(
     request_id: str,
 ) -> Result:
     """One turn through the cache, and the same turn sent stateless with the ledger's history."""
-    history = cc.describe(conversation_id, salt)["messages"] if conversation(cc, conversation_id, salt) else []
+    known = conversation(cc, conversation_id, salt)
+    history = cc.describe(ConversationRef(conversation_id, salt))["messages"] if known else []
     cached = run_turn(cc, conversation_id, salt, messages, params, request_id)
     expected = run_stateless(ref, {f"ref-{request_id}": reference_prompt(ref, history, messages)}, params)
     assert_same_output(cached, expected[f"ref-{request_id}"], request_id)
@@ -203,12 +204,12 @@ def check_turn_against_reference(
 
 # -- heads and their state ------------------------------------------------------------------------
 def conversation(cc: ConversationCache, conversation_id: str, salt: str):
-    return cc.conversations.get(conversation_key(conversation_id, salt))
+    return cc.conversations.get(ConversationRef(conversation_id, salt).key)
 
 
 def head_of(cc: ConversationCache, conversation_id: str, salt: str, turn: int | None = None) -> CommittedHead | None:
     """The retained head of `turn` (default: the latest), without touching the LRU order."""
-    key = conversation_key(conversation_id, salt)
+    key = ConversationRef(conversation_id, salt).key
     conv = cc.conversations.get(key)
     turn = conv.turn if turn is None and conv else turn
     return next((h for h in cc.heads.of_conversation(key) if h.turn == turn), None)

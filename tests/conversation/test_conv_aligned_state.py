@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     BLOCK,
     assert_state_close,
@@ -36,7 +37,7 @@ TAILS = [5, 0, 3]
 
 
 def max_tokens_for_tail(engine, cc, messages, tail: int, align: int) -> int:
-    history = cc.describe("c1", "s")["messages"] if conversation(cc, "c1", "s") else []
+    history = cc.describe(ConversationRef("c1", "s"))["messages"] if conversation(cc, "c1", "s") else []
     n = len(reference_prompt(engine, history, messages))
     return next(m for m in range(4, 4 + align) if (n + m - 1) % align == tail)
 
@@ -55,7 +56,7 @@ def test_head_states_equal_fresh_prefill(models, reference_engines, arch, align)
         m = max_tokens_for_tail(eng, cc, messages, tail, align)
         check_turn_against_reference(cc, ref, "c1", "s", messages, greedy(m), f"t{turn}")
         head = head_of(cc, "c1", "s")
-        ids = cc.describe("c1", "s")["token_ids"]
+        ids = cc.describe(ConversationRef("c1", "s"))["token_ids"]
         assert head.state_len == len(ids) - 1 and head.state_len % align == tail
         assert head.aligned_len == head.state_len // align * align > 0
 

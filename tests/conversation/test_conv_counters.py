@@ -4,6 +4,7 @@ committed length is not block-aligned), Mamba state copies, discarded turns, hea
 
 from __future__ import annotations
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     BLOCK,
     check_turn_against_reference,
@@ -28,7 +29,7 @@ def counters(cc) -> dict[str, int]:
 
 
 def max_tokens_for_tail(engine, cc, messages, tail: int) -> int:
-    history = cc.describe("c1", "s")["messages"] if conversation(cc, "c1", "s") else []
+    history = cc.describe(ConversationRef("c1", "s"))["messages"] if conversation(cc, "c1", "s") else []
     n = len(reference_prompt(engine, history, messages))
     return next(m for m in range(4, 4 + BLOCK) if (n + m - 1) % BLOCK == tail)
 
@@ -63,13 +64,13 @@ def test_counters_move_as_expected(models, reference_engines):
     expected.update(hits=2, published=3, tokens_reused=head1.state_len + head2.state_len, state_copies=2)
     assert counters(cc) == expected
 
-    cc.begin_turn("c1", "s", user("aborted"), greedy(20), "t4")
+    cc.begin_turn(ConversationRef("c1", "s"), user("aborted"), greedy(20), "t4")
     eng.step()
     eng.abort("t4")
     expected.update(hits=3, discarded=1, cow_block_copies=2, state_copies=3)  # head 3 is unaligned
     assert counters(cc) == expected
 
-    cc.rewind("c1", "s", 2)  # head 2 was released when turn 3 committed (retain_turns=1)
+    cc.rewind(ConversationRef("c1", "s"), 2)  # head 2 was released when turn 3 committed (retain_turns=1)
     miss = turn("after rewind", 1, "t3b")
     assert miss.num_cached_tokens == 0
     expected.update(misses=1, published=4)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     assert_same_output,
     drive,
@@ -46,37 +47,39 @@ def _raise_once(monkeypatch, obj, name: str):
 def _two_conversations(cc):
     for cid in ("a", "b"):
         run_turn(cc, cid, "s", user(f"hello {cid}"), greedy(6), f"{cid}1")
-    return {cid: (snapshot(cc.engine, head_of(cc, cid, "s").holder), cc.describe(cid, "s")) for cid in ("a", "b")}
+    return {cid: (snapshot(cc.engine, head_of(cc, cid, "s").holder), cc.describe(ConversationRef(cid, "s")))
+            for cid in ("a", "b")}
 
 
 def test_a_raising_publish_fails_only_its_turn(models, reference_engines, monkeypatch):
     arch = Arch.BAMBA
     cc = new_cache(new_engine(models[arch]))
     before = _two_conversations(cc)
-    cc.begin_turn("a", "s", user("short"), greedy(3), "a2")  # finishes first: its publish raises
-    cc.begin_turn("b", "s", user("longer"), greedy(9), "b2")
+    cc.begin_turn(ConversationRef("a", "s"), user("short"), greedy(3), "a2")  # finishes first: its publish raises
+    cc.begin_turn(ConversationRef("b", "s"), user("longer"), greedy(9), "b2")
     _raise_once(monkeypatch, cc.engine.tokenizer, "decode_exact")
     results = drive(cc.engine)  # must not raise: one turn's failure is not the batch's
     assert results["a2"].error and "injected failure" in results["a2"].error
     assert results["b2"].error is None
     snapshot(cc.engine, head_of(cc, "a", "s").holder).assert_equal(before["a"][0])
-    assert cc.describe("a", "s") == before["a"][1], "the failed turn left no trace in the ledger"
+    assert cc.describe(ConversationRef("a", "s")) == before["a"][1], "the failed turn left no trace in the ledger"
     ref = reference_engines[arch]
     expected = run_stateless(ref, {"b2": reference_prompt(ref, before["b"][1]["messages"], user("longer"))}, greedy(9))
     assert_same_output(results["b2"], expected["b2"], "b2")
     # The conversation whose publish failed is usable again.
     run_turn(cc, "a", "s", user("short"), greedy(3), "a2-retry")
-    assert cc.describe("a", "s")["turn"] == 2
+    assert cc.describe(ConversationRef("a", "s"))["turn"] == 2
 
 
 def test_a_failing_state_move_leaves_the_ledger_and_the_head(models, monkeypatch):
     cc = new_cache(new_engine(models[Arch.GRANITEMOEHYBRID]))
     before = _two_conversations(cc)
-    cc.begin_turn("a", "s", user("next"), greedy(4), "a2")
+    cc.begin_turn(ConversationRef("a", "s"), user("next"), greedy(4), "a2")
     _raise_once(monkeypatch, cc.engine.caches.kv, "transfer")
     results = drive(cc.engine)
     assert results["a2"].error
-    assert cc.describe("a", "s") == before["a"][1], "a turn was appended whose state never became a head"
+    assert cc.describe(ConversationRef("a", "s")) == before["a"][1], \
+        "a turn was appended whose state never became a head"
     snapshot(cc.engine, head_of(cc, "a", "s").holder).assert_equal(before["a"][0])
 
 
@@ -88,7 +91,7 @@ def test_fork_never_evicts_its_own_source(models):
     source = head_of(cc, "c1", "s")
     before = snapshot(cc.engine, source.holder)
     try:
-        cc.fork("c1", "s", 1, "c2")
+        cc.fork(ConversationRef("c1", "s"), 1, "c2")
         forked = True
     except OutOfCacheError:
         forked = False
@@ -122,7 +125,7 @@ def test_the_slot_pool_holds_max_num_seqs_publishing_turns(models):
     )
     cc = new_cache(engine)
     for i in range(seqs):
-        cc.begin_turn(f"c{i}", "s", user(f"conversation {i}"), greedy(4), f"t{i}")
+        cc.begin_turn(ConversationRef(f"c{i}", "s"), user(f"conversation {i}"), greedy(4), f"t{i}")
     engine.step()
     assert len(engine.scheduler.running) == seqs, "publishing turns were kept waiting for state slots"
     drive(engine)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     assert_same_output,
     conversation,
@@ -66,10 +67,10 @@ def test_evictions_keep_every_conversation_exact(models, reference_engines, pres
                 expected_cached[cid] = head.state_len if head else 0
                 evicted_turns += conv is not None and head is None
                 hit_turns += head is not None
-                histories[cid] = cc.describe(cid, "s")["messages"] if conv else []
+                histories[cid] = cc.describe(ConversationRef(cid, "s"))["messages"] if conv else []
                 messages[cid] = user(f"round {rnd} for {cid}")
                 params[cid] = greedy(5 + 2 * i)  # finishing at different steps
-                cc.begin_turn(cid, "s", messages[cid], params[cid], f"{cid}-{rnd}")
+                cc.begin_turn(ConversationRef(cid, "s"), messages[cid], params[cid], f"{cid}-{rnd}")
             results = drive(eng)
             expected = run_stateless(
                 ref,
@@ -99,13 +100,13 @@ def two_long_turns(models, reference_engines, usable_blocks: int):
     cc = new_cache(eng)
     ref = reference_engines[arch]
     for cid in ("a", "b"):
-        cc.begin_turn(cid, "s", user(f"hello {cid}"), greedy(6), f"{cid}-1")
+        cc.begin_turn(ConversationRef(cid, "s"), user(f"hello {cid}"), greedy(6), f"{cid}-1")
     drive(eng)
     heads = {cid: head_of(cc, cid, "s") for cid in ("a", "b")}
     assert [h.state_len for h in heads.values()] == [30, 30]
-    histories = {cid: cc.describe(cid, "s")["messages"] for cid in heads}
+    histories = {cid: cc.describe(ConversationRef(cid, "s"))["messages"] for cid in heads}
     long = greedy(40, ignore_eos=True)
-    requests = {cid: cc.begin_turn(cid, "s", user("a long answer"), long, f"{cid}-2") for cid in heads}
+    requests = {cid: cc.begin_turn(ConversationRef(cid, "s"), user("a long answer"), long, f"{cid}-2") for cid in heads}
     results = drive(eng, max_steps=300)
     assert sum(r.num_preemptions for r in requests.values()) > 0, "the pool was meant to force a preemption"
     expected = run_stateless(

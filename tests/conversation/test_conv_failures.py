@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     BLOCK,
     check_turn_against_reference,
@@ -27,11 +28,13 @@ from tests.families import ARCHS
 from workers.checkpoint import Arch
 from workers.request import FinishReason
 
+C1 = ConversationRef("c1", "s")  # the conversation most tests here use
+
 LONG = greedy(24, ignore_eos=True)  # the failed turn must still be decoding when it fails
 
 
 def unaligned_max_tokens(engine, cc, cid: str, messages) -> int:
-    history = cc.describe(cid, "s")["messages"] if conversation(cc, cid, "s") else []
+    history = cc.describe(ConversationRef(cid, "s"))["messages"] if conversation(cc, cid, "s") else []
     n = len(reference_prompt(engine, history, messages))
     return next(m for m in range(3, 3 + BLOCK) if (n + m - 1) % BLOCK == 3)
 
@@ -53,16 +56,16 @@ def conversation_with_head(models, reference_engines, arch, cids=("c1",)):
 def assert_untouched(cc, cid, head, state, ledger):
     assert head_of(cc, cid, "s") is head and head.pins == 0
     snapshot(cc.engine, head.holder).assert_equal(state)
-    assert cc.describe(cid, "s") == ledger
+    assert cc.describe(ConversationRef(cid, "s")) == ledger
 
 
 @ARCHS
 def test_abort_mid_decode_leaves_head_intact(models, reference_engines, arch):
     eng, cc, ref = conversation_with_head(models, reference_engines, arch)
     head = head_of(cc, "c1", "s")
-    state, ledger, stats = snapshot(eng, head.holder), cc.describe("c1", "s"), cc.stats()
+    state, ledger, stats = snapshot(eng, head.holder), cc.describe(C1), cc.stats()
 
-    request = cc.begin_turn("c1", "s", user("go on, please"), LONG, "doomed")
+    request = cc.begin_turn(C1, user("go on, please"), LONG, "doomed")
     outputs = [out for _ in range(4) for out in eng.step()]
     assert len(request.output) == 4 and not request.is_finished, "aborted mid-decode"
     assert request.num_cached_tokens == head.state_len
@@ -80,8 +83,8 @@ def test_abort_mid_decode_leaves_head_intact(models, reference_engines, arch):
 def test_abort_while_waiting(models, reference_engines):
     eng, cc, ref = conversation_with_head(models, reference_engines, Arch.BAMBA)
     head = head_of(cc, "c1", "s")
-    state, ledger = snapshot(eng, head.holder), cc.describe("c1", "s")
-    request = cc.begin_turn("c1", "s", user("never runs"), LONG, "queued")
+    state, ledger = snapshot(eng, head.holder), cc.describe(C1)
+    request = cc.begin_turn(C1, user("never runs"), LONG, "queued")
     assert head.pins == 1
     eng.abort("queued")
     assert request.finish_reason is FinishReason.ABORT and not eng.has_unfinished()
@@ -97,7 +100,7 @@ def test_model_step_error_leaves_heads_intact(models, reference_engines, arch, f
     eng, cc, ref = conversation_with_head(models, reference_engines, arch, cids=("c1", "c2"))
     heads = {cid: head_of(cc, cid, "s") for cid in ("c1", "c2")}
     states = {cid: snapshot(eng, h.holder) for cid, h in heads.items()}
-    ledgers = {cid: cc.describe(cid, "s") for cid in heads}
+    ledgers = {cid: cc.describe(ConversationRef(cid, "s")) for cid in heads}
 
     model = eng.runner.model
     forward = model.forward
@@ -112,7 +115,7 @@ def test_model_step_error_leaves_heads_intact(models, reference_engines, arch, f
 
     monkeypatch.setattr(model, "forward", failing_forward)
     for cid in heads:
-        cc.begin_turn(cid, "s", user("fail me"), LONG, f"{cid}-bad")
+        cc.begin_turn(ConversationRef(cid, "s"), user("fail me"), LONG, f"{cid}-bad")
     results = drive(eng)
     monkeypatch.undo()
     for cid in heads:
@@ -131,28 +134,28 @@ def test_busy_conversation_rejects_everything_and_changes_nothing(models, refere
 
     eng, cc, ref = conversation_with_head(models, reference_engines, Arch.NEMOTRON_H)
     head = head_of(cc, "c1", "s")
-    cc.begin_turn("c1", "s", user("first"), greedy(5), "inflight")
-    state, ledger, stats = snapshot(eng, head.holder), cc.describe("c1", "s"), cc.stats()
+    cc.begin_turn(C1, user("first"), greedy(5), "inflight")
+    state, ledger, stats = snapshot(eng, head.holder), cc.describe(C1), cc.stats()
     requests = set(eng.scheduler.requests)
     attempts = [
-        lambda: cc.begin_turn("c1", "s", user("second"), greedy(5), "second"),
-        lambda: cc.regenerate("c1", "s", greedy(5), "second"),
-        lambda: cc.rewind("c1", "s", 1),
-        lambda: cc.fork("c1", "s", 1, "c1-fork"),
-        lambda: cc.delete("c1", "s"),
+        lambda: cc.begin_turn(C1, user("second"), greedy(5), "second"),
+        lambda: cc.regenerate(C1, greedy(5), "second"),
+        lambda: cc.rewind(C1, 1),
+        lambda: cc.fork(C1, 1, "c1-fork"),
+        lambda: cc.delete(C1),
     ]
     for attempt in attempts:
         with pytest.raises(ConversationBusyError):
             attempt()
         assert set(eng.scheduler.requests) == requests and set(cc.pending) == {"inflight"}
         assert head.pins == 1 and cc.stats() == stats
-        assert cc.describe("c1", "s") == ledger
+        assert cc.describe(C1) == ledger
         snapshot(eng, head.holder).assert_equal(state)
-    assert "c1-fork" not in {c.conversation_id for c in cc.conversations.values()}
+    assert "c1-fork" not in {c.ref.id for c in cc.conversations.values()}
 
     results = drive(eng)
     expected = ref.generate([reference_prompt(ref, ledger["messages"], user("first"))], greedy(5))[0]
     assert results["inflight"].tokens == [t.token_id for t in expected]
-    assert cc.describe("c1", "s")["turn"] == ledger["turn"] + 1
+    assert cc.describe(C1)["turn"] == ledger["turn"] + 1
     # The rejected request id was never registered: it can be used now.
     check_turn_against_reference(cc, ref, "c1", "s", user("second"), greedy(5), "second")

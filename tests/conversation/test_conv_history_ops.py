@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     BLOCK,
     assert_same_output,
@@ -26,6 +27,7 @@ from workers.cache.holders import Holder
 from workers.checkpoint import Arch
 from workers.errors import ConversationNotFoundError, InvalidRequestError
 
+C1 = ConversationRef("c1", "s")  # the conversation most tests here use
 
 
 def holders_of(kv, block: int) -> set:
@@ -43,13 +45,13 @@ def three_turns(models, reference_engines, request):
     cc = new_cache(new_engine(models[arch]), retain_turns=2)
     for turn, text in enumerate(TEXTS[:3], start=1):
         check_turn_against_reference(cc, ref, "c1", "s", user(text), greedy(5 + turn), f"t{turn}")
-    assert cc.describe("c1", "s")["retained_turns"] == [2, 3]
+    assert cc.describe(C1)["retained_turns"] == [2, 3]
     return cc, ref
 
 
 def history_until(cc, turn: int) -> list[dict]:
     """Messages of turns 1..turn, from the ledger."""
-    ledger = cc.describe("c1", "s")
+    ledger = cc.describe(C1)
     per_turn = len(ledger["messages"]) // ledger["turn"]  # one user message + one reply per turn
     return ledger["messages"][: per_turn * turn]
 
@@ -60,17 +62,17 @@ def test_regenerate_reuses_previous_head(three_turns):
     eng = cc.engine
     base = head_of(cc, "c1", "s", 2)
     base_state, old_last = snapshot(eng, base.holder), head_of(cc, "c1", "s", 3)
-    history, last_user = history_until(cc, 2), cc.describe("c1", "s")["messages"][4]
+    history, last_user = history_until(cc, 2), cc.describe(C1)["messages"][4]
     hits = cc.stats()["hits"]
 
-    request = cc.regenerate("c1", "s", greedy(4), "regen")
+    request = cc.regenerate(C1, greedy(4), "regen")
     regen = drive(eng)["regen"]
     expected = run_stateless(ref, {"x": reference_prompt(ref, history, [last_user])}, greedy(4))["x"]
     assert_same_output(regen, expected, "regenerate")
     assert regen.num_cached_tokens == base.state_len and cc.stats()["hits"] == hits + 1
-    assert request.token_ids[: base.state_len + 1] == cc.describe("c1", "s")["token_ids"][: base.state_len + 1]
+    assert request.token_ids[: base.state_len + 1] == cc.describe(C1)["token_ids"][: base.state_len + 1]
 
-    ledger = cc.describe("c1", "s")
+    ledger = cc.describe(C1)
     assert ledger["turn"] == 3 and ledger["messages"][:5] == history + [last_user]
     assert ledger["messages"][5]["content"] == eng.tokenizer.decode(regen.tokens)
     assert ledger["token_ids"] == request.token_ids
@@ -85,9 +87,9 @@ def test_regenerate_without_retained_base_is_a_miss(models, reference_engines):
     cc = new_cache(new_engine(models[Arch.NEMOTRON_H]), retain_turns=1)
     for turn, text in enumerate(TEXTS[:2], start=1):
         check_turn_against_reference(cc, ref, "c1", "s", user(text), greedy(6), f"t{turn}")
-    history, last_user = history_until(cc, 1), cc.describe("c1", "s")["messages"][2]
+    history, last_user = history_until(cc, 1), cc.describe(C1)["messages"][2]
     misses = cc.stats().get("misses", 0)
-    cc.regenerate("c1", "s", greedy(9), "regen")
+    cc.regenerate(C1, greedy(9), "regen")
     regen = drive(cc.engine)["regen"]
     assert regen.num_cached_tokens == 0 and cc.stats()["misses"] == misses + 1
     expected = run_stateless(ref, {"x": reference_prompt(ref, history, [last_user])}, greedy(9))["x"]
@@ -97,29 +99,29 @@ def test_regenerate_without_retained_base_is_a_miss(models, reference_engines):
 
 def test_rewind_to_retained_and_evicted_turns(three_turns):
     cc, ref = three_turns
-    full = cc.describe("c1", "s")
+    full = cc.describe(C1)
     head2 = head_of(cc, "c1", "s", 2)
 
-    cc.rewind("c1", "s", 2)
-    ledger = cc.describe("c1", "s")
+    cc.rewind(C1, 2)
+    ledger = cc.describe(C1)
     assert ledger["turn"] == 2 and ledger["retained_turns"] == [2]
     assert ledger["token_ids"] == full["token_ids"][: head2.state_len + 1]
     assert ledger["messages"] == full["messages"][:4]
     hit = check_turn_against_reference(cc, ref, "c1", "s", user("something else"), greedy(7), "r3")
     assert hit.num_cached_tokens == head2.state_len
 
-    cc.rewind("c1", "s", 1)  # turn 1's head was never retained: recompute from the ledger's ids
-    turn1_ids = cc.describe("c1", "s")["token_ids"]
-    assert turn1_ids == full["token_ids"][: len(turn1_ids)] and cc.describe("c1", "s")["retained_turns"] == []
+    cc.rewind(C1, 1)  # turn 1's head was never retained: recompute from the ledger's ids
+    turn1_ids = cc.describe(C1)["token_ids"]
+    assert turn1_ids == full["token_ids"][: len(turn1_ids)] and cc.describe(C1)["retained_turns"] == []
     misses = cc.stats().get("misses", 0)
     miss = check_turn_against_reference(cc, ref, "c1", "s", user("other"), greedy(7), "r2")
     assert miss.num_cached_tokens == 0 and cc.stats()["misses"] == misses + 1
-    assert miss.request.prompt_token_ids[: len(turn1_ids)] == turn1_ids and cc.describe("c1", "s")["turn"] == 2
+    assert miss.request.prompt_token_ids[: len(turn1_ids)] == turn1_ids and cc.describe(C1)["turn"] == 2
 
     with pytest.raises(ConversationNotFoundError):
-        cc.rewind("c1", "s", 3)
-    cc.rewind("c1", "s", 0)
-    assert cc.describe("c1", "s")["token_ids"] == [] and len(cc.heads) == 0
+        cc.rewind(C1, 3)
+    cc.rewind(C1, 0)
+    assert cc.describe(C1)["token_ids"] == [] and len(cc.heads) == 0
     fresh = check_turn_against_reference(cc, ref, "c1", "s", user("start over"), greedy(5), "r1")
     assert fresh.num_cached_tokens == 0
 
@@ -133,7 +135,7 @@ def test_fork_shares_blocks_and_both_branches_are_exact(three_turns):
 
     last = head_of(cc, "c1", "s", 3)
     counts_before = [kv.pool.ref_counts[b] for b in kv.table(source.holder)]
-    cc.fork("c1", "s", 2, "c2")
+    cc.fork(C1, 2, "c2")
     fork = head_of(cc, "c2", "s", 2)
     assert fork is not None and fork.state_len == source.state_len and fork.aligned_len == source.aligned_len
     blocks = kv.table(fork.holder)
@@ -147,14 +149,14 @@ def test_fork_shares_blocks_and_both_branches_are_exact(three_turns):
     fork_state = snapshot(eng, fork.holder)
     for a, b in zip(fork_state.conv + fork_state.ssm, source_state.conv + source_state.ssm):
         assert torch.equal(a, b)
-    fork_ledger = cc.describe("c2", "s")
+    fork_ledger = cc.describe(ConversationRef("c2", "s"))
     assert fork_ledger["turn"] == 2 and fork_ledger["messages"] == history_until(cc, 2)
-    assert fork_ledger["token_ids"] == cc.describe("c1", "s")["token_ids"][: fork.state_len + 1]
+    assert fork_ledger["token_ids"] == cc.describe(C1)["token_ids"][: fork.state_len + 1]
 
     # Both branches continue in the same batch; each turn shares its head's full blocks.
-    c1_history, c2_history = cc.describe("c1", "s")["messages"], fork_ledger["messages"]
-    cc.begin_turn("c1", "s", user("branch one"), greedy(6), "b1")
-    cc.begin_turn("c2", "s", user("branch two"), greedy(6), "b2")
+    c1_history, c2_history = cc.describe(C1)["messages"], fork_ledger["messages"]
+    cc.begin_turn(C1, user("branch one"), greedy(6), "b1")
+    cc.begin_turn(ConversationRef("c2", "s"), user("branch two"), greedy(6), "b2")
     first = {out.request_id: out for out in eng.step()}
     assert set(first) == {"b1", "b2"} and first["b2"].num_cached_tokens == fork.state_len
     turns = {Holder.request("b1"), Holder.request("b2")}
@@ -180,17 +182,17 @@ def test_fork_shares_blocks_and_both_branches_are_exact(three_turns):
     snapshot(eng, fork.holder).assert_equal(fork_state)  # c2's turn wrote only its own copies
 
     with pytest.raises(InvalidRequestError):
-        cc.fork("c1", "s", 1, "c2")  # exists already
+        cc.fork(C1, 1, "c2")  # exists already
     # Deleting the original leaves the fork intact.
-    cc.delete("c1", "s")
+    cc.delete(C1)
     assert head_of(cc, "c1", "s") is None
     check_turn_against_reference(cc, ref, "c2", "s", user("still here?"), greedy(6), "b3")
 
 
 def test_fork_of_unretained_turn_recomputes(three_turns):
     cc, ref = three_turns
-    cc.fork("c1", "s", 1, "c3")
-    assert head_of(cc, "c3", "s") is None and cc.describe("c3", "s")["turn"] == 1
+    cc.fork(C1, 1, "c3")
+    assert head_of(cc, "c3", "s") is None and cc.describe(ConversationRef("c3", "s"))["turn"] == 1
     misses = cc.stats().get("misses", 0)
     r = check_turn_against_reference(cc, ref, "c3", "s", user("from turn one"), greedy(6), "f1")
     assert r.num_cached_tokens == 0 and cc.stats()["misses"] == misses + 1
@@ -198,13 +200,13 @@ def test_fork_of_unretained_turn_recomputes(three_turns):
 
 def test_delete_frees_everything(three_turns):
     cc, ref = three_turns
-    cc.fork("c1", "s", 3, "c2")
-    cc.delete("c1", "s")
-    cc.delete("c2", "s")
+    cc.fork(C1, 3, "c2")
+    cc.delete(C1)
+    cc.delete(ConversationRef("c2", "s"))
     assert len(cc.heads) == 0 and not cc.conversations
     usage = cc.engine.caches.kv.usage()
     assert usage.free == usage.total, usage
     with pytest.raises(ConversationNotFoundError):
-        cc.delete("c1", "s")
+        cc.delete(C1)
     again = check_turn_against_reference(cc, ref, "c1", "s", user("hello"), greedy(6), "new")
-    assert again.num_cached_tokens == 0 and cc.describe("c1", "s")["turn"] == 1
+    assert again.num_cached_tokens == 0 and cc.describe(C1)["turn"] == 1

@@ -9,6 +9,7 @@ and reuse the head, not fall back to re-tokenizing a history the model never saw
 
 from __future__ import annotations
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     check_turn_against_reference,
     greedy,
@@ -26,7 +27,7 @@ def test_reply_with_inner_end_of_turn_keeps_its_token_ids(models, reference_engi
     cc = new_cache(new_engine(models[arch]))
     first = run_turn(cc, "c1", "s", user("abc def"), greedy(12, ignore_eos=True), "t1")
     assert EOS_TOKEN_ID in first.tokens[:-1], "the reply was meant to hold an inner <|end_of_turn|>"
-    committed = cc.describe("c1", "s")["token_ids"]
+    committed = cc.describe(ConversationRef("c1", "s"))["token_ids"]
     head = head_of(cc, "c1", "s")
 
     second = check_turn_against_reference(cc, reference_engines[arch], "c1", "s", user("next"), greedy(6), "t2")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     LOGPROB_TOL,
     STATE_ATOL,
@@ -30,10 +31,12 @@ from workers.conversation.export import build_export, verify_export
 from workers.conversation.records import LedgerTurn
 from workers.errors import ConversationBusyError, ConversationNotFoundError, InvalidRequestError
 
+C = ConversationRef("c", "s")  # the conversation most tests here use
+
 
 def adopt(src, dst, cid="c"):
-    ledger = src.describe(cid, "s")
-    dst.adopt_ledger(cid, "s", version=ledger["version"], turns=ledger["ledger"])
+    ledger = src.describe(ConversationRef(cid, "s"))
+    dst.adopt_ledger(ConversationRef(cid, "s"), version=ledger["version"], turns=ledger["ledger"])
 
 
 @ARCHS
@@ -45,8 +48,8 @@ def test_adopted_ledger_and_materialized_head_equal_the_original(models, arch):
 
     rebuilt = new_cache(new_engine(models[arch]))
     adopt(original, rebuilt)
-    assert rebuilt.describe("c", "s") == {**original.describe("c", "s"), "retained_turns": []}
-    request = rebuilt.materialize_head("c", "s", "rebuild")
+    assert rebuilt.describe(C) == {**original.describe(C), "retained_turns": []}
+    request = rebuilt.materialize_head(C, "rebuild")
     outputs = drive(rebuilt.engine)
     assert outputs["rebuild"].error is None and outputs["rebuild"].tokens == [], "nothing is sampled"
     assert request.num_computed_tokens == lost.state_len
@@ -64,7 +67,7 @@ def test_adopted_ledger_and_materialized_head_equal_the_original(models, arch):
     after_rebuilt = run_turn(rebuilt, "c", "s", user("next"), greedy(10), "n2")
     assert after_rebuilt.num_cached_tokens == lost.state_len, "the rebuilt head is reused"
     assert_same_output(after_rebuilt, after_original, "after recovery")
-    assert rebuilt.describe("c", "s")["token_ids"] == original.describe("c", "s")["token_ids"]
+    assert rebuilt.describe(C)["token_ids"] == original.describe(C)["token_ids"]
     assert rebuilt.stats()["materialized"] == 1 and LOGPROB_TOL > 0
 
 
@@ -75,14 +78,14 @@ def test_adopting_the_same_version_is_a_no_op_and_a_new_ledger_drops_stale_heads
     adopt(cc, cc)
     assert head_of(cc, "c", "s") is head, "the engine already caches that version"
 
-    ledger = cc.describe("c", "s")["ledger"]
+    ledger = cc.describe(C)["ledger"]
     other = LedgerTurn(ledger[0].messages, ledger[0].token_ids[:-1] + (ledger[0].token_ids[-1] ^ 1,))
-    cc.adopt_ledger("c", "s", version=7, turns=[other])
+    cc.adopt_ledger(C, version=7, turns=[other])
     assert head_of(cc, "c", "s") is None, "a head of other tokens is not this ledger's"
-    assert cc.describe("c", "s")["version"] == 7
-    cc.adopt_ledger("c", "s", version=8, turns=[])
+    assert cc.describe(C)["version"] == 7
+    cc.adopt_ledger(C, version=8, turns=[])
     with pytest.raises(ConversationNotFoundError):
-        cc.describe("c", "s")
+        cc.describe(C)
 
 
 def test_a_head_that_appears_while_a_rebuild_runs_is_never_overwritten(models):
@@ -92,14 +95,14 @@ def test_a_head_that_appears_while_a_rebuild_runs_is_never_overwritten(models):
     rebuild then fails alone and frees its state, and the installed head stays."""
     original = new_cache(new_engine(models[Arch.BAMBA]))
     run_turn(original, "c", "s", user("one"), greedy(6), "t1")
-    exported = build_export(original.snapshot_head("c", "s"))
+    exported = build_export(original.snapshot_head(C))
     rebuilt = new_cache(new_engine(models[Arch.BAMBA]))
     adopt(original, rebuilt)
-    assert rebuilt.materialize_head("c", "s", "rebuild") is not None
-    conv = rebuilt.conversation_of("c", "s")
+    assert rebuilt.materialize_head(C, "rebuild") is not None
+    conv = rebuilt.conversation_of(C)
     conv.in_flight = None
     identity, layout = rebuilt.export_identity()
-    rebuilt.install_head("c", "s", verify_export(exported.header, dict(exported.chunks), identity, layout, set()))
+    rebuilt.install_head(C, verify_export(exported.header, dict(exported.chunks), identity, layout, set()))
     conv.in_flight = "rebuild"
     installed = head_of(rebuilt, "c", "s")
     assert installed is not None
@@ -112,17 +115,17 @@ def test_a_head_that_appears_while_a_rebuild_runs_is_never_overwritten(models):
 def test_adopt_and_materialize_refuse_bad_input_and_busy_conversations(models):
     cc = new_cache(new_engine(models[Arch.NEMOTRON_H]))
     with pytest.raises(ConversationNotFoundError):
-        cc.materialize_head("nobody", "s", "m0")
+        cc.materialize_head(ConversationRef("nobody", "s"), "m0")
     for turns in ([LedgerTurn((), ())], [LedgerTurn((), (1, -1))], [LedgerTurn((), (1, 10**6))]):
         with pytest.raises(InvalidRequestError):
-            cc.adopt_ledger("c", "s", version=1, turns=turns)
+            cc.adopt_ledger(C, version=1, turns=turns)
     with pytest.raises(InvalidRequestError):
-        cc.adopt_ledger("c", "s", version=-1, turns=[])
+        cc.adopt_ledger(C, version=-1, turns=[])
     run_turn(cc, "c", "s", user("one"), greedy(6), "t1")
-    assert cc.materialize_head("c", "s", "m1") is None, "the head is held already"
-    cc.begin_turn("c", "s", user("two"), greedy(6), "t2")
+    assert cc.materialize_head(C, "m1") is None, "the head is held already"
+    cc.begin_turn(C, user("two"), greedy(6), "t2")
     with pytest.raises(ConversationBusyError):
-        cc.materialize_head("c", "s", "m2")
+        cc.materialize_head(C, "m2")
     with pytest.raises(ConversationBusyError):
         adopt(cc, cc)
     drive(cc.engine)
@@ -141,8 +144,8 @@ def test_a_template_that_cannot_append_is_refused_not_rewriting_history(models, 
     template.write_text("{{ messages | length }}" + template.read_text())
     cc = new_cache(new_engine(model))
     run_turn(cc, "c", "s", user("one"), greedy(5), "t1")
-    ledger, head = cc.describe("c", "s"), head_of(cc, "c", "s")
+    ledger, head = cc.describe(C), head_of(cc, "c", "s")
     with pytest.raises(HistoryRewriteError):
-        cc.begin_turn("c", "s", user("two"), greedy(5), "t2")
-    assert cc.describe("c", "s") == ledger and head_of(cc, "c", "s") is head
+        cc.begin_turn(C, user("two"), greedy(5), "t2")
+    assert cc.describe(C) == ledger and head_of(cc, "c", "s") is head
     assert not cc.engine.has_unfinished() and not cc.pending

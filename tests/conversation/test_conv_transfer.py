@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     BLOCK,
     check_turn_against_reference,
@@ -32,6 +33,8 @@ from workers.checkpoint import Arch
 from workers.conversation.export import ChunkKind, ExportedHead, build_export, verify_export
 from workers.errors import ConversationBusyError, ConversationNotFoundError, CorruptStateError, OutOfCacheError
 
+C1 = ConversationRef("c1", "s")  # the conversation most tests here use
+
 
 def conversation(models, reference_engines, arch, turns: int = 2, **limits):
     cc = new_cache(new_engine(models[arch], **limits))
@@ -41,15 +44,15 @@ def conversation(models, reference_engines, arch, turns: int = 2, **limits):
 
 
 def export_from(cc, cid: str = "c1") -> ExportedHead:
-    snap = cc.snapshot_head(cid, "s")  # engine thread: copies only
+    snap = cc.snapshot_head(ConversationRef(cid, "s"))  # engine thread: copies only
     exported = build_export(snap)  # anywhere: hashing and serialization
     cc.remember_chunks(snap, exported)
     return exported
 
 
 def adopt_from(src, dst, cid: str = "c1") -> None:
-    ledger = src.describe(cid, "s")
-    dst.adopt_ledger(cid, "s", version=ledger["version"], turns=ledger["ledger"])
+    ledger = src.describe(ConversationRef(cid, "s"))
+    dst.adopt_ledger(ConversationRef(cid, "s"), version=ledger["version"], turns=ledger["ledger"])
 
 
 def import_into(dst, exported: ExportedHead, chunks: dict[str, bytes] | None = None, cid: str = "c1"):
@@ -59,7 +62,7 @@ def import_into(dst, exported: ExportedHead, chunks: dict[str, bytes] | None = N
         chunks = {d: data for d, data in exported.chunks if d not in held}
     identity, layout = dst.export_identity()
     verified = verify_export(exported.header, chunks, identity, layout, held)
-    return dst.install_head(cid, "s", verified), chunks
+    return dst.install_head(ConversationRef(cid, "s"), verified), chunks
 
 
 def assert_same_head_state(a_cc, b_cc):
@@ -91,7 +94,7 @@ def test_export_import_next_turn_identical(models, reference_engines, arch):
     adopt_from(a_cc, b_cc)
     info, _ = import_into(b_cc, exported)
     assert (info.turn, info.version) == (2, 2)
-    assert b_cc.describe("c1", "s") == a_cc.describe("c1", "s")
+    assert b_cc.describe(C1) == a_cc.describe(C1)
     assert_same_head_state(a_cc, b_cc)
 
     head = head_of(b_cc, "c1", "s")
@@ -118,7 +121,7 @@ def test_consecutive_exports_share_blocks_and_imports_are_incremental(models, re
     adopt_from(a_cc, b_cc)
     _, sent = import_into(b_cc, second)
     assert set(sent) == set(second.digests) - set(first_blocks), "only the new chunks travel"
-    assert b_cc.describe("c1", "s") == a_cc.describe("c1", "s")
+    assert b_cc.describe(C1) == a_cc.describe(C1)
     assert_same_head_state(a_cc, b_cc)
     a_next = run_turn(a_cc, "c1", "s", user("and then"), greedy(8), "a3")
     b_next = run_turn(b_cc, "c1", "s", user("and then"), greedy(8), "b3")
@@ -159,7 +162,8 @@ def test_corruption_of_any_chunk_or_the_header_is_detected(models, reference_eng
         import_into(b_cc, ExportedHead(raw + hashlib.sha256(raw).digest(), exported.chunks))
     with pytest.raises(CorruptStateError, match="another conversation"):
         identity, layout = b_cc.export_identity()
-        b_cc.install_head("c1", "another salt", verify_export(exported.header, intact, identity, layout))
+        b_cc.install_head(ConversationRef("c1", "another salt"),
+                          verify_export(exported.header, intact, identity, layout))
     other = new_cache(new_engine(models[Arch.NEMOTRON_H]))
     adopt_from(a_cc, other)
     with pytest.raises(CorruptStateError):
@@ -195,7 +199,7 @@ def test_an_import_never_evicts_the_blocks_it_shares(models, reference_engines):
     assert head1_len % BLOCK, "turn 1's head must have a tail block for this pool size to be tight"
     block_bytes, _ = sizes(models[arch])
     b_cc = new_cache(new_engine(models[arch], kv_cache_bytes=n2 * block_bytes))
-    b_cc.adopt_ledger("c1", "s", version=1, turns=a_cc.describe("c1", "s")["ledger"][:1])
+    b_cc.adopt_ledger(C1, version=1, turns=a_cc.describe(C1)["ledger"][:1])
     import_into(b_cc, first)
     adopt_from(a_cc, b_cc)  # the ledger at turn 2: turn 1's head stays valid
     assert head_of(b_cc, "c1", "s", turn=1) is not None
@@ -213,19 +217,19 @@ def test_busy_and_unknown_conversations(models, reference_engines):
         import_into(b_cc, exported)  # no ledger adopted
     adopt_from(a_cc, b_cc)
     import_into(b_cc, exported)
-    b_cc.begin_turn("c1", "s", user("in flight"), greedy(4), "busy")
+    b_cc.begin_turn(C1, user("in flight"), greedy(4), "busy")
     with pytest.raises(ConversationBusyError):
         import_into(b_cc, exported)
     with pytest.raises(ConversationBusyError):
         adopt_from(a_cc, b_cc)
     drive(b_cc.engine)
     with pytest.raises(ConversationNotFoundError):
-        a_cc.snapshot_head("nobody", "s")
+        a_cc.snapshot_head(ConversationRef("nobody", "s"))
     with pytest.raises(ConversationNotFoundError):
-        a_cc.snapshot_head("c1", "wrong salt")
-    a_cc.rewind("c1", "s", 1)  # turn 1's head is not retained
+        a_cc.snapshot_head(ConversationRef("c1", "wrong salt"))
+    a_cc.rewind(C1, 1)  # turn 1's head is not retained
     with pytest.raises(ConversationNotFoundError):
-        a_cc.snapshot_head("c1", "s")
+        a_cc.snapshot_head(C1)
 
 
 def test_an_import_that_resends_a_block_never_frees_the_ones_it_shares(models, reference_engines):
@@ -243,7 +247,7 @@ def test_an_import_that_resends_a_block_never_frees_the_ones_it_shares(models, r
     second = export_from(a_cc)
     block_bytes, _ = sizes(models[arch])
     b_cc = new_cache(new_engine(models[arch], kv_cache_bytes=(n1 + nx) * block_bytes))
-    b_cc.adopt_ledger("c1", "s", version=1, turns=a_cc.describe("c1", "s")["ledger"][:1])
+    b_cc.adopt_ledger(C1, version=1, turns=a_cc.describe(C1)["ledger"][:1])
     import_into(b_cc, first)
     adopt_from(a_cc, b_cc, "x")
     import_into(b_cc, other, cid="x")
@@ -305,10 +309,10 @@ def test_an_export_whose_messages_are_not_the_ledgers_is_refused(models, referen
     a_cc = conversation(models, reference_engines, arch)
     exported = export_from(a_cc)
     b_cc = new_cache(new_engine(models[arch]))
-    ledger = a_cc.describe("c1", "s")
+    ledger = a_cc.describe(C1)
     first, *rest = ledger["ledger"]
     edited = type(first)(({**first.messages[0], "content": "something else"}, *first.messages[1:]), first.token_ids)
-    b_cc.adopt_ledger("c1", "s", version=ledger["version"], turns=[edited, *rest])
+    b_cc.adopt_ledger(C1, version=ledger["version"], turns=[edited, *rest])
     with pytest.raises(CorruptStateError, match="ledger"):
         import_into(b_cc, exported)
     assert_nothing_installed(b_cc)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from proto.contract import ConversationRef
 from tests.conversation.helpers import (
     BLOCK,
     Result,
@@ -100,7 +101,7 @@ def test_six_turns_equal_stateless(models, reference_engines, arch):
     seen_kinds, seen_alignment = set(), set()
     prev_state_len, reused, cow = 0, 0, 0
     for turn, kind in enumerate(PLAN, start=1):
-        before = cc.describe("c1", "salt") if turn > 1 else {"messages": [], "token_ids": []}
+        before = cc.describe(ConversationRef("c1", "salt")) if turn > 1 else {"messages": [], "token_ids": []}
         planned = plan_turn(ref, before["messages"], kind, turn)
         result = run_turn(cc, "c1", "salt", planned.messages, planned.params, f"r{turn}")
         assert_same_output(result, planned.expected, f"{arch.value} turn {turn} ({kind})")
@@ -120,7 +121,7 @@ def test_six_turns_equal_stateless(models, reference_engines, arch):
         assert stats["cow_block_copies"] == cow
 
         # The ledger: exactly what the model saw and produced; the head: one token fewer.
-        after = cc.describe("c1", "salt")
+        after = cc.describe(ConversationRef("c1", "salt"))
         assert after["turn"] == turn and after["token_ids"] == request.token_ids
         reply = after["messages"][-1]
         assert reply == {"role": "assistant", "content": eng.tokenizer.decode(result.tokens)}

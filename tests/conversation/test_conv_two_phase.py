@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from proto.contract import conversation_key, tokens_digest
+from proto.contract import ConversationRef, tokens_digest
 from tests.conversation.helpers import (
     check_turn_against_reference,
     drive,
@@ -26,13 +26,15 @@ from workers.conversation.records import CommitMode, TurnCommit
 from workers.errors import ConversationBusyError, RequestIdInUseError, TurnResolvedError
 from workers.request import FinishReason
 
+C = ConversationRef("c", "s")  # the conversation most tests here use
+
 
 def pools(engine):
     return engine.caches.kv.usage(), engine.caches.states.usage()
 
 
 def prepared_turn(cc, cid: str, text: str, rid: str, max_tokens: int = 9) -> TurnCommit:
-    cc.begin_turn(cid, "s", user(text), greedy(max_tokens), rid, commit=CommitMode.PREPARE)
+    cc.begin_turn(ConversationRef(cid, "s"), user(text), greedy(max_tokens), rid, commit=CommitMode.PREPARE)
     outputs = []
     while cc.engine.has_unfinished():
         outputs += [o for o in cc.engine.step() if o.request_id == rid]
@@ -51,17 +53,17 @@ def test_abandon_leaves_the_base_head_byte_identical_and_pools_as_before(bamba_c
     cc = bamba_cc
     run_turn(cc, "c", "s", user("first"), greedy(11), "t1")
     base = head_of(cc, "c", "s")
-    before, counts, ledger = snapshot(cc.engine, base.holder), pools(cc.engine), cc.describe("c", "s")
+    before, counts, ledger = snapshot(cc.engine, base.holder), pools(cc.engine), cc.describe(C)
 
     record = prepared_turn(cc, "c", "second", "t2")
     assert head_of(cc, "c", "s") is base and base.pins == 1, "the base head stays, pinned"
     with pytest.raises(ConversationBusyError):
-        cc.begin_turn("c", "s", user("meanwhile"), greedy(), "t2b")  # busy until resolved
+        cc.begin_turn(C, user("meanwhile"), greedy(), "t2b")  # busy until resolved
     cc.abandon(record)
 
     snapshot(cc.engine, base.holder).assert_equal(before)
     assert pools(cc.engine) == counts
-    assert cc.describe("c", "s") == ledger and base.pins == 0
+    assert cc.describe(C) == ledger and base.pins == 0
     with pytest.raises(TurnResolvedError, match="abandoned"):
         cc.commit(record)
     with pytest.raises(TurnResolvedError, match="abandoned"):
@@ -73,17 +75,17 @@ def test_prepared_record_describes_the_turn_and_commit_is_refused_twice(models, 
     arch = Arch.NEMOTRON_H
     cc = new_cache(new_engine(models[arch]))
     first = check_turn_against_reference(cc, reference_engines[arch], "c", "s", user("hello"), greedy(8), "t1")
-    committed_before = cc.describe("c", "s")
+    committed_before = cc.describe(C)
     record = prepared_turn(cc, "c", "again", "t2", max_tokens=7)
-    assert record.conversation_key == conversation_key("c", "s")
+    assert record.conversation == C
     assert (record.base_turn, record.base_version, record.start) == (1, 1, committed_before["committed_tokens"])
     assert record.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     assert record.messages[0] == user("again")[0] and record.messages[-1]["role"] == "assistant"
     assert record.committed_tokens == record.start + len(record.token_ids) == record.state_len + 1
-    assert cc.describe("c", "s") == committed_before, "nothing is committed before the verdict"
+    assert cc.describe(C) == committed_before, "nothing is committed before the verdict"
 
     info = cc.commit(record)
-    after = cc.describe("c", "s")
+    after = cc.describe(C)
     assert after["token_ids"] == committed_before["token_ids"] + list(record.token_ids)
     assert record.tokens_digest == tokens_digest(after["token_ids"]) == info.tokens_digest
     assert (info.turn, info.version, after["version"]) == (2, 2, 2)
@@ -103,7 +105,7 @@ def test_two_phase_turn_equals_an_at_once_turn(models):
         run_turn(at_once, "c", "s", user(text), greedy(6 + turn), f"t{turn}")
         record = prepared_turn(two_phase, "c", text, f"t{turn}", max_tokens=6 + turn)
         two_phase.commit(record)
-        assert at_once.describe("c", "s") == two_phase.describe("c", "s")
+        assert at_once.describe(C) == two_phase.describe(C)
         a, b = head_of(at_once, "c", "s"), head_of(two_phase, "c", "s")
         sa, sb = snapshot(at_once.engine, a.holder), snapshot(two_phase.engine, b.holder)
         for name in ("kv", "conv", "ssm"):
@@ -124,7 +126,7 @@ def test_a_prepared_turn_nobody_resolves_expires(bamba_cc):
     with pytest.raises(TurnResolvedError, match="expired"):
         cc.commit(record)
     run_turn(cc, "c", "s", user("second, again"), greedy(5), "t2-retry")  # not busy any more
-    assert cc.describe("c", "s")["turn"] == 2
+    assert cc.describe(C)["turn"] == 2
 
 
 def test_an_aborted_two_phase_turn_prepares_nothing(bamba_cc):
@@ -132,7 +134,7 @@ def test_an_aborted_two_phase_turn_prepares_nothing(bamba_cc):
     run_turn(cc, "c", "s", user("first"), greedy(5), "t1")
     base = head_of(cc, "c", "s")
     before, counts = snapshot(cc.engine, base.holder), pools(cc.engine)
-    cc.begin_turn("c", "s", user("second"), greedy(30), "t2", commit=CommitMode.PREPARE)
+    cc.begin_turn(C, user("second"), greedy(30), "t2", commit=CommitMode.PREPARE)
     cc.engine.step()
     cc.engine.abort("t2")
     finals = drive(cc.engine)
@@ -152,19 +154,19 @@ async def test_the_worker_flow_over_the_async_engine(models):
     aother = AsyncEngine(other.engine)
     try:
         for turn in (1, 2):
-            start = lambda e, t=turn: cc.begin_turn(  # noqa: E731
-                "c", "s", user(f"turn {t}"), greedy(6), f"t{t}", commit=CommitMode.PREPARE
+            start = lambda e, t=turn: cc.begin_turn(ConversationRef(# noqa: E731
+                "c", "s"), user(f"turn {t}"), greedy(6), f"t{t}", commit=CommitMode.PREPARE
             )
             outputs = [o async for o in aengine.stream(f"t{turn}", start)]
             record = outputs[-1].turn_commit
             assert record.base_version == turn - 1 and await aengine.call(lambda e: cc.prepared(record.request_id))
             info = await aengine.call(lambda e, r=record: cc.commit(r))
             assert info.version == turn
-        ledger = await aengine.call(lambda e: cc.describe("c", "s"))
-        await aother.call(lambda e: other.adopt_ledger("c", "s", version=ledger["version"], turns=ledger["ledger"]))
-        outs = [o async for o in aother.stream("rebuild", lambda e: other.materialize_head("c", "s", "rebuild"))]
+        ledger = await aengine.call(lambda e: cc.describe(C))
+        await aother.call(lambda e: other.adopt_ledger(C, version=ledger["version"], turns=ledger["ledger"]))
+        outs = [o async for o in aother.stream("rebuild", lambda e: other.materialize_head(C, "rebuild"))]
         assert outs[-1].finished and outs[-1].error is None
-        assert [o async for o in aother.stream("again", lambda e: other.materialize_head("c", "s", "again"))] == []
+        assert [o async for o in aother.stream("again", lambda e: other.materialize_head(C, "again"))] == []
         assert await aother.call(lambda e: head_of(other, "c", "s").state_len) == head_of(cc, "c", "s").state_len
     finally:
         aengine.shutdown()
@@ -179,7 +181,7 @@ def test_pool_pressure_never_takes_the_base_of_a_prepared_turn(models):
     base = head_of(cc, "a", "s")
     before = snapshot(cc.engine, base.holder)
     record = prepared_turn(cc, "a", "second", "a2")
-    cc.begin_turn("b", "s", user("other"), greedy(5), "b1")
+    cc.begin_turn(ConversationRef("b", "s"), user("other"), greedy(5), "b1")
     result = drive(cc.engine)["b1"]
     assert result.error, "it cannot fit while the prepared turn holds its slots"
     assert head_of(cc, "a", "s") is base, "the base of a prepared turn was evicted"
@@ -197,7 +199,7 @@ async def test_the_idle_async_loop_expires_a_prepared_turn(models):
     cc = new_cache(new_engine(models[Arch.BAMBA], prepared_turn_timeout_s=0.2))
     aengine = AsyncEngine(cc.engine)
     try:
-        start = lambda e: cc.begin_turn("c", "s", user("hi"), greedy(4), "t1", commit=CommitMode.PREPARE)  # noqa: E731
+        start = lambda e: cc.begin_turn(C, user("hi"), greedy(4), "t1", commit=CommitMode.PREPARE)  # noqa: E731
         record = [o async for o in aengine.stream("t1", start)][-1].turn_commit
         deadline = time.monotonic() + 30
         while await aengine.call(lambda e: cc.prepared("t1")) is not None:  # no event to await: a deadline
@@ -216,12 +218,12 @@ def test_a_request_id_awaiting_its_verdict_cannot_be_reused(bamba_cc):
     cc = bamba_cc
     record = prepared_turn(cc, "a", "first", "t")
     with pytest.raises(RequestIdInUseError):
-        cc.begin_turn("b", "s", user("other"), greedy(5), "t", commit=CommitMode.PREPARE)
+        cc.begin_turn(ConversationRef("b", "s"), user("other"), greedy(5), "t", commit=CommitMode.PREPARE)
     with pytest.raises(RequestIdInUseError):
         cc.engine.add_request("t", [1, 2, 3], greedy(2))
-    assert cc.describe("a", "s")["turn"] == 0 and cc.conversations.keys() == {record.conversation_key}
+    assert cc.describe(ConversationRef("a", "s"))["turn"] == 0 and cc.conversations.keys() == {record.conversation.key}
     info = cc.commit(record)
-    assert info.turn == 1 and cc.describe("a", "s")["token_ids"] == list(record.token_ids)
+    assert info.turn == 1 and cc.describe(ConversationRef("a", "s"))["token_ids"] == list(record.token_ids)
     run_turn(cc, "b", "s", user("other"), greedy(5), "t")  # free again once resolved
 
 
@@ -232,9 +234,9 @@ def test_a_failed_regenerate_commit_leaves_the_old_head_and_the_ledger_intact(ba
     run_turn(cc, "c", "s", user("one"), greedy(6), "t1")
     run_turn(cc, "c", "s", user("two"), greedy(6), "t2")
     old = head_of(cc, "c", "s", 2)
-    before, ledger = snapshot(cc.engine, old.holder), cc.describe("c", "s")
+    before, ledger = snapshot(cc.engine, old.holder), cc.describe(C)
 
-    cc.regenerate("c", "s", greedy(5), "regen", commit=CommitMode.PREPARE)
+    cc.regenerate(C, greedy(5), "regen", commit=CommitMode.PREPARE)
     record = [o for o in drive_outputs(cc) if o.request_id == "regen"][-1].turn_commit
 
     def failing_transfer(src, dst):
@@ -246,13 +248,13 @@ def test_a_failed_regenerate_commit_leaves_the_old_head_and_the_ledger_intact(ba
     monkeypatch.undo()
     assert head_of(cc, "c", "s", 2) is old, "the old head of the regenerated turn is still held"
     snapshot(cc.engine, old.holder).assert_equal(before)
-    assert cc.describe("c", "s") == ledger and cc.prepared("regen") == record
+    assert cc.describe(C) == ledger and cc.prepared("regen") == record
     cc.engine.check_integrity()
 
     info = cc.commit(record)  # the prepared turn is still whole: the retry succeeds
     assert info.turn == 2 and head_of(cc, "c", "s", 2) is not old
     assert old.holder not in cc.kv.tables and old.holder not in cc.states.slots
-    assert cc.describe("c", "s")["token_ids"] != ledger["token_ids"]
+    assert cc.describe(C)["token_ids"] != ledger["token_ids"]
 
 
 def drive_outputs(cc) -> list:

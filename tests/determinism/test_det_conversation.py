@@ -13,8 +13,10 @@ from workers.conversation.cache import ConversationCache
 from workers.request import FinishReason
 from workers.conversation.export import build_export, verify_export
 from workers.conversation.prompt import build_turn_prompt
-from proto.contract import conversation_key
+from proto.contract import ConversationRef
 from workers.sampling import SamplingParams
+
+C1 = ConversationRef("c1", "s")  # the conversation most tests here use
 
 TURN1 = [{"role": "user", "content": "tell me, how are the tiles doing?"}]
 TURN2 = [{"role": "user", "content": "and once more"}]
@@ -22,7 +24,7 @@ W = 16
 
 
 def _turn(cc: ConversationCache, suffix, params, rid: str):
-    request = cc.begin_turn("c1", "s", suffix, params, rid)
+    request = cc.begin_turn(C1, suffix, params, rid)
     tokens = []
     while cc.engine.has_unfinished():
         for out in cc.engine.step():
@@ -32,7 +34,7 @@ def _turn(cc: ConversationCache, suffix, params, rid: str):
 
 
 def _head(cc: ConversationCache, turn: int):
-    return cc.heads.find(conversation_key("c1", "s"), turn, touch=False)
+    return cc.heads.find(C1.key, turn, touch=False)
 
 
 def _state_bytes(cc: ConversationCache, head) -> tuple:
@@ -60,8 +62,8 @@ def test_hit_miss_and_import_give_the_same_bits(model):
     _turn(hit, TURN1, params, "t1")
     head1 = _head(hit, 1)
     assert head1.canonical_window == W and head1.aligned_len >= W and head1.aligned_len % W == 0
-    exported = build_export(hit.snapshot_head("c1", "s"))
-    ledger = hit.describe("c1", "s")
+    exported = build_export(hit.snapshot_head(C1))
+    ledger = hit.describe(C1)
 
     request, hit_tokens = _turn(hit, TURN2, params, "t2")
     assert request.num_cached_tokens == head1.aligned_len > 0  # restarted at the canonical state
@@ -73,9 +75,9 @@ def test_hit_miss_and_import_give_the_same_bits(model):
     assert request.num_cached_tokens == 0
 
     imported = _cache(model)
-    imported.adopt_ledger("c1", "s", version=ledger["version"], turns=ledger["ledger"])
+    imported.adopt_ledger(C1, version=ledger["version"], turns=ledger["ledger"])
     identity, layout = imported.export_identity()
-    imported.install_head("c1", "s", verify_export(exported.header, dict(exported.chunks), identity, layout, set()))
+    imported.install_head(C1, verify_export(exported.header, dict(exported.chunks), identity, layout, set()))
     assert _head(imported, 1).canonical_window == W
     request, imported_tokens = _turn(imported, TURN2, params, "t2")
     assert request.num_cached_tokens == head1.aligned_len
@@ -155,15 +157,15 @@ def test_a_canonical_materialization_rebuilds_the_lost_head_bit_for_bit(det_mode
     original = _cache(det_models[arch])
     for i, suffix in enumerate(TURNS):
         load = background_load(seed=10 + i, max_requests=6)
-        _run_with_load(original, lambda: original.begin_turn("c1", "s", suffix, det_params(max_tokens=11 + i), f"t{i}"), load)
+        _run_with_load(original, lambda: original.begin_turn(C1, suffix, det_params(max_tokens=11 + i), f"t{i}"), load)
     lost = _head(original, len(TURNS))
     assert lost.canonical_window == W and lost.aligned_len >= 2 * W and lost.state_len > lost.aligned_len
-    ledger = original.describe("c1", "s")
+    ledger = original.describe(C1)
 
     rebuilt = _cache(det_models[arch])
-    rebuilt.adopt_ledger("c1", "s", version=ledger["version"], turns=ledger["ledger"])
+    rebuilt.adopt_ledger(C1, version=ledger["version"], turns=ledger["ledger"])
     request, streamed = _run_with_load(
-        rebuilt, lambda: rebuilt.materialize_head("c1", "s", "rebuild", canonical=True), background_load(seed=99, max_requests=5)
+        rebuilt, lambda: rebuilt.materialize_head(C1, "rebuild", canonical=True), background_load(seed=99, max_requests=5)
     )
     assert streamed == [] and request.num_computed_tokens == lost.state_len
     head = _head(rebuilt, len(TURNS))
@@ -172,8 +174,8 @@ def test_a_canonical_materialization_rebuilds_the_lost_head_bit_for_bit(det_mode
 
     params = det_params(max_tokens=12)
     nxt = [{"role": "user", "content": "and after the recovery?"}]
-    a_request, a = _run_with_load(original, lambda: original.begin_turn("c1", "s", nxt, params, "n1"), background_load(seed=5))
-    b_request, b = _run_with_load(rebuilt, lambda: rebuilt.begin_turn("c1", "s", nxt, params, "n2"), [])
+    a_request, a = _run_with_load(original, lambda: original.begin_turn(C1, nxt, params, "n1"), background_load(seed=5))
+    b_request, b = _run_with_load(rebuilt, lambda: rebuilt.begin_turn(C1, nxt, params, "n2"), [])
     assert a_request.num_cached_tokens == b_request.num_cached_tokens == lost.aligned_len > 0, "both continue the head"
     assert len(a) == 12 and a == b
     assert _state_bytes(original, _head(original, 4)) == _state_bytes(rebuilt, _head(rebuilt, 4))
@@ -191,11 +193,11 @@ def test_a_canonical_rebuild_one_token_past_a_tile_boundary_is_bit_identical(det
     _turn(original, TURN1, det_params(max_tokens=max_tokens), "t1")
     lost = _head(original, 1)
     assert lost.state_len % W == 1 and lost.state_len > W and lost.canonical_window == W
-    ledger = original.describe("c1", "s")
+    ledger = original.describe(C1)
 
     rebuilt = _cache(det_models[arch])
-    rebuilt.adopt_ledger("c1", "s", version=ledger["version"], turns=ledger["ledger"])
-    rebuild = lambda: rebuilt.materialize_head("c1", "s", "rebuild", canonical=True)  # noqa: E731
+    rebuilt.adopt_ledger(C1, version=ledger["version"], turns=ledger["ledger"])
+    rebuild = lambda: rebuilt.materialize_head(C1, "rebuild", canonical=True)  # noqa: E731
     request, streamed = _run_with_load(rebuilt, rebuild, background_load(seed=3, max_requests=5))
     assert streamed == [] and request.num_computed_tokens == lost.state_len
     assert _state_bytes(rebuilt, _head(rebuilt, 1)) == _state_bytes(original, lost)
@@ -208,17 +210,17 @@ def test_a_fast_path_head_serves_ordinary_turns_and_a_canonical_request_replaces
     again then finds it held."""
     original = _cache(det_models[Arch.BAMBA])
     _turn(original, TURN1, det_params(max_tokens=14), "t1")
-    ledger = original.describe("c1", "s")
+    ledger = original.describe(C1)
     rebuilt = _cache(det_models[Arch.BAMBA])
-    rebuilt.adopt_ledger("c1", "s", version=ledger["version"], turns=ledger["ledger"])
-    _run_with_load(rebuilt, lambda: rebuilt.materialize_head("c1", "s", "fast"), [])
+    rebuilt.adopt_ledger(C1, version=ledger["version"], turns=ledger["ledger"])
+    _run_with_load(rebuilt, lambda: rebuilt.materialize_head(C1, "fast"), [])
     fast = _head(rebuilt, 1)
     assert fast.canonical_window == 0 and fast.state_len == _head(original, 1).state_len
-    assert rebuilt.materialize_head("c1", "s", "again") is None, "any held head serves a fast-path request"
+    assert rebuilt.materialize_head(C1, "again") is None, "any held head serves a fast-path request"
 
-    _run_with_load(rebuilt, lambda: rebuilt.materialize_head("c1", "s", "tiles", canonical=True), [])
+    _run_with_load(rebuilt, lambda: rebuilt.materialize_head(C1, "tiles", canonical=True), [])
     canonical = _head(rebuilt, 1)
     assert canonical is not fast and fast.holder not in rebuilt.engine.caches.kv.tables
     assert _state_bytes(rebuilt, canonical) == _state_bytes(original, _head(original, 1))
-    assert rebuilt.materialize_head("c1", "s", "again", canonical=True) is None
+    assert rebuilt.materialize_head(C1, "again", canonical=True) is None
     assert rebuilt.stats()["materialized"] == 2 and len(rebuilt.heads) == 1

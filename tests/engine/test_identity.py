@@ -7,9 +7,17 @@ from __future__ import annotations
 import dataclasses
 import shutil
 
+import pytest
 import torch
 
-from proto.contract import ModelIdentity, chunk_digest, conversation_key, message_prefix_digests, tokens_digest
+from proto.contract import (
+    ConversationRef,
+    ModelIdentity,
+    chunk_digest,
+    conversation_key,
+    message_prefix_digests,
+    tokens_digest,
+)
 from workers.checkpoint import Arch
 from workers.config import WeightQuantization
 from workers.identity import model_identity
@@ -35,6 +43,17 @@ def test_message_prefix_names_chain_and_never_cross_scopes():
     assert message_prefix_digests("salt", [{"role": "system", "content": "be brie"}, user])[0] != both[0]
     assert message_prefix_digests("salt", [{"role": "systemb", "content": "e brief"}])[0] != both[0]
     assert message_prefix_digests("salt", [{"role": "user", "content": "hi"}, system])[1] != both[1]
+
+
+def test_a_conversation_ref_is_named_by_its_id_and_salt():
+    ref = ConversationRef("conv", "salt")
+    assert ref.key == conversation_key("conv", "salt")
+    assert ref == ConversationRef("conv", "salt") and len({ref, ConversationRef("conv", "salt")}) == 1
+    assert ConversationRef("conv", "other") != ref  # another salt: another conversation
+    assert ConversationRef("conv", "other").key != ref.key
+    assert ref.fork("conv2") == ConversationRef("conv2", "salt")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ref.salt = "other"  # a ref never changes under its key
 
 
 def test_model_identity_covers_weights_config_dtype_and_machine(tiny, tmp_path):

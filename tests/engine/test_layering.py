@@ -42,7 +42,7 @@ def test_package_does_not_import(package, forbidden):
 
 
 CONTRACT = "proto/contract.py"
-CONTRACT_NAMES = {"conversation_key", "tokens_digest", "chunk_digest", "ModelIdentity"}
+CONTRACT_NAMES = {"conversation_key", "ConversationRef", "tokens_digest", "chunk_digest", "ModelIdentity"}
 
 
 def test_the_contract_is_stated_once():

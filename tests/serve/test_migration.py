@@ -12,6 +12,7 @@ from ray import serve
 from deployments.app import ChatIngress, Worker
 from deployments.protocol import HeadRef, ReplicaCall
 from deployments.settings import AppSettings
+from proto.contract import ConversationRef
 from tests.serve.conftest import APP, app_args
 from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, tier_copy, user
 
@@ -95,19 +96,19 @@ async def test_delete_frees_the_owners_local_heads_and_a_late_forget_spares_a_re
     """DELETE frees the owner's copy of the conversation. The owner's `forget` names the deleted
     head: arriving after the conversation was re-created under the same id and salt (and its
     first turn committed there), it leaves the new head alone."""
-    workers = serve.get_deployment_handle("Worker", app_name=APP)
+    workers, conv = serve.get_deployment_handle("Worker", app_name=APP), ConversationRef(conv_id, "d")
     async with stack.http() as http:
         await chat_turn(stack.client(), stack.model, [user("short lived")], conversation_id=conv_id, cache_salt="d")
         old = _head_ref(await conversation(http, conv_id, "d"))
-        assert await workers.held_heads.remote(ReplicaCall(old.owner), conv_id, "d") == (old.owner, 1)
+        assert await workers.held_heads.remote(ReplicaCall(old.owner), conv) == (old.owner, 1)
         deleted = await http.delete(f"/v1/conversations/{conv_id}", params={"cache_salt": "d"})
         assert deleted.status_code == 200, deleted.text
-        assert await workers.held_heads.remote(ReplicaCall(old.owner), conv_id, "d") == (old.owner, 0)
+        assert await workers.held_heads.remote(ReplicaCall(old.owner), conv) == (old.owner, 0)
 
         await chat_turn(stack.client(), stack.model, [user("born again")], conversation_id=conv_id, cache_salt="d")
         new = _head_ref(await conversation(http, conv_id, "d"))
         assert (new.version, new.turn) == (old.version, old.turn) and new.tokens_sha256 != old.tokens_sha256
-        assert await workers.forget.remote(ReplicaCall(new.owner), conv_id, "d", old) == new.owner
-        assert await workers.held_heads.remote(ReplicaCall(new.owner), conv_id, "d") == (new.owner, 1)
-        assert await workers.forget.remote(ReplicaCall(new.owner), conv_id, "d", new) == new.owner
-        assert await workers.held_heads.remote(ReplicaCall(new.owner), conv_id, "d") == (new.owner, 0)
+        assert await workers.forget.remote(ReplicaCall(new.owner), conv, old) == new.owner
+        assert await workers.held_heads.remote(ReplicaCall(new.owner), conv) == (new.owner, 1)
+        assert await workers.forget.remote(ReplicaCall(new.owner), conv, new) == new.owner
+        assert await workers.held_heads.remote(ReplicaCall(new.owner), conv) == (new.owner, 0)

@@ -21,7 +21,7 @@ from deployments.lease_keeper import LeaseKeeper
 from deployments.prefix_index import LOOKUP_FAILURES, PREFIX_LOOKUP_S, Announcer, announcement
 from deployments.settings import AppSettings
 from deployments.turns import TurnRun
-from proto.contract import message_prefix_digests
+from proto.contract import ConversationRef, message_prefix_digests
 from tests.cache_service.cs_helpers import ServiceProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,8 +58,9 @@ def closed_port() -> int:
 
 async def start(cache: CacheClient, salt: str, *, conversation_id: str | None = None,
                 keeper: LeaseKeeper | None = None) -> TurnRun:
+    conversation = None if conversation_id is None else ConversationRef(conversation_id, salt)
     return await TurnRun.start(SETTINGS, None, cache, keeper, messages=CHAT, sampling={},
-                               conversation_id=conversation_id, cache_salt=salt, wait_if_busy=False)
+                               conversation=conversation, scope=salt, wait_if_busy=False)
 
 
 async def test_a_stateless_request_carries_the_holders_of_its_longest_prefix(service):
@@ -67,7 +68,7 @@ async def test_a_stateless_request_carries_the_holders_of_its_longest_prefix(ser
     names = message_prefix_digests(salt, CHAT)
     async with app_client(service.target) as cache:
         run = await start(cache, salt)
-        assert run.job.prefix_holders == () and run.job.cache_salt == salt
+        assert run.job.prefix_holders == () and run.job.scope == salt
         await cache.announce_prefixes("replica-a", [(names[0], 12)])
         await cache.announce_prefixes("replica-b", [(names[2], 30)])
         assert (await start(cache, salt)).job.prefix_holders == ("replica-b",)

@@ -9,7 +9,6 @@ import pytest
 
 from cache_service.client import (
     CacheClient,
-    Conversation,
     DataLoss,
     DeadlineExceeded,
     ResourceExhausted,
@@ -20,6 +19,7 @@ from deployments.engine_session import EngineSession
 from deployments.protocol import HeadRef, Recovery, TurnJob
 from deployments.settings import AppSettings
 from deployments.tier_export import TierExporter
+from proto.contract import ConversationRef
 from tests.cache_service.cs_helpers import fast_client
 from workers.sampling import SamplingParams
 
@@ -42,11 +42,11 @@ def settings(stack):
                        tier_export="async")
 
 
-async def commit_turn(cache: CacheClient, session: EngineSession, conv: Conversation, text: str):
+async def commit_turn(cache: CacheClient, session: EngineSession, conv: ConversationRef, text: str):
     """One first turn as a worker runs it: lease, turn, publish, commit here. The service's head."""
     lease = await cache.acquire_lease(conv, ttl_ms=10_000)
     final = None
-    async for out in session.stream_turn(conv.id, SALT, [{"role": "user", "content": text}],
+    async for out in session.stream_turn(conv, [{"role": "user", "content": text}],
                                          SamplingParams(max_tokens=4, temperature=0.0), f"r-{text}"):
         final = out
     turn = final.turn_commit
@@ -63,9 +63,9 @@ async def exported_head(stack, settings, conv_id):
     """A conversation with one committed turn whose state the tier holds: (conversation id, head)."""
     cache, session = fast_client(stack.service.target), EngineSession(stack.model_dir, settings)
     try:
-        conv = Conversation(conv_id, SALT)
+        conv = ConversationRef(conv_id, SALT)
         head = await commit_turn(cache, session, conv, "hello")
-        _version, parts = await session.export_state(conv_id, SALT)
+        _version, parts = await session.export_state(conv)
         await cache.put_state(conv, head, parts)
         yield conv_id, HeadRef.of(await cache.get_head(conv))
     finally:
@@ -86,7 +86,7 @@ async def test_a_failing_tier_read_falls_back_to_the_ledger(stack, settings, exp
         async def cache() -> CacheClient:
             return client
 
-        job = TurnJob("r2", [{"role": "user", "content": "again"}], {}, conv_id, SALT, None, head)
+        job = TurnJob("r2", [{"role": "user", "content": "again"}], {}, ConversationRef(conv_id, SALT), None, head)
         assert await recovery_ladder.attach(session, settings, cache, job) is Recovery.LEDGER_RECOMPUTE
     finally:
         session.shutdown()
@@ -99,7 +99,7 @@ async def test_an_export_never_lands_under_a_re_created_conversation(stack, sett
     store the old state as the new conversation's."""
     cache, session = fast_client(stack.service.target), EngineSession(stack.model_dir, settings)
     try:
-        conv = Conversation(conv_id, SALT)
+        conv = ConversationRef(conv_id, SALT)
         old = HeadRef.of(await commit_turn(cache, session, conv, "before"))
         assert await cache.delete_conversation(conv)
         other = EngineSession(stack.model_dir, settings)  # the re-created conversation's owner
@@ -113,7 +113,7 @@ async def test_an_export_never_lands_under_a_re_created_conversation(stack, sett
             return cache
 
         exporter = TierExporter(session, settings, client, spawn=lambda coro: coro.close())
-        await exporter.export_head(conv_id, SALT, old)  # the old owner's late write-behind export
+        await exporter.export_head(conv, old)  # the old owner's late write-behind export
         assert (await cache.get_head(conv)).tier_version == 0  # refused: the tier holds nothing of it
     finally:
         session.shutdown()

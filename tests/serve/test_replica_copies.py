@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from deployments.engine_session import EngineSession
 from deployments.protocol import HeadRef
 from deployments.settings import AppSettings
+from proto.contract import ConversationRef
 from workers.checkpoint import Arch, Preset, make_model
 from workers.sampling import SamplingParams
 
@@ -33,7 +34,7 @@ def session(model_dir):
 
 async def prepare(session: EngineSession, cid: str, text: str, rid: str):
     final = None
-    async for out in session.stream_turn(cid, SALT, [{"role": "user", "content": text}],
+    async for out in session.stream_turn(ConversationRef(cid, SALT), [{"role": "user", "content": text}],
                                          SamplingParams(max_tokens=4, temperature=0.0), rid):
         final = out
     assert final.turn_commit is not None
@@ -41,11 +42,11 @@ async def prepare(session: EngineSession, cid: str, text: str, rid: str):
 
 
 async def committed_turn(session: EngineSession, cid: str, text: str, rid: str) -> None:
-    session.turn_started(cid, SALT)  # as Worker.run_turn does, around recovery, turn and verdict
+    session.turn_started(ConversationRef(cid, SALT))  # as Worker.run_turn does, around recovery, turn and verdict
     try:
         await session.commit(await prepare(session, cid, text, rid))
     finally:
-        session.turn_ended(cid, SALT)
+        session.turn_ended(ConversationRef(cid, SALT))
 
 
 async def on_engine(session: EngineSession, fn):
@@ -54,19 +55,19 @@ async def on_engine(session: EngineSession, fn):
 
 async def adopt_copy_of(session: EngineSession, source: str, cid: str) -> None:
     """What the recovery ladder does first: adopt the service's ledger (here: source's)."""
-    d = await on_engine(session, lambda cc: cc.describe(source, SALT))
+    d = await on_engine(session, lambda cc: cc.describe(ConversationRef(source, SALT)))
     head = HeadRef(d["version"], d["turn"], d["committed_tokens"], d["tokens_digest"], "", 0)
-    await session.adopt_ledger(cid, SALT, head, d["ledger"])
+    await session.adopt_ledger(ConversationRef(cid, SALT), head, d["ledger"])
 
 
 async def ledger(session: EngineSession, cid: str):
-    return await on_engine(session, lambda cc: cc.ledger_state(cid, SALT))
+    return await on_engine(session, lambda cc: cc.ledger_state(ConversationRef(cid, SALT)))
 
 
 async def test_a_verdict_drops_headless_ledgers_but_not_one_being_recovered(session):
     await committed_turn(session, "a", "first", "r1")
     await adopt_copy_of(session, "a", "headless")  # a turn here that failed before it began
-    session.turn_started("recovering", SALT)  # its ledger adopted, its turn not begun yet
+    session.turn_started(ConversationRef("recovering", SALT))  # its ledger adopted, its turn not begun yet
     await adopt_copy_of(session, "a", "recovering")
     await committed_turn(session, "b", "second", "r2")
     assert await ledger(session, "headless") is None
@@ -76,7 +77,7 @@ async def test_a_verdict_drops_headless_ledgers_but_not_one_being_recovered(sess
     # An abandoned turn's verdict drops them too, and the recovered turn runs on its ledger.
     await adopt_copy_of(session, "a", "headless")
     await session.abandon(await prepare(session, "recovering", "third", "r3"))
-    session.turn_ended("recovering", SALT)
+    session.turn_ended(ConversationRef("recovering", SALT))
     assert await ledger(session, "headless") is None
     assert (await ledger(session, "recovering")).turn == 1  # kept for its turn, untouched by the abandon
     await committed_turn(session, "b", "fourth", "r4")  # the next verdict: now it goes (no head)
@@ -87,20 +88,20 @@ async def test_a_verdict_drops_headless_ledgers_but_not_one_being_recovered(sess
 async def test_idle_copies_are_forgotten_after_the_ttl(session):
     for cid in ("a", "b", "pending"):
         await committed_turn(session, cid, "first", f"{cid}1")
-    session.turn_started("pending", SALT)
+    session.turn_started(ConversationRef("pending", SALT))
     record = await prepare(session, "pending", "awaiting its verdict", "p2")
-    session.turn_ended("pending", SALT)  # the publish outlived the request (answered "unknown")
+    session.turn_ended(ConversationRef("pending", SALT))  # the publish outlived the request (answered "unknown")
     assert await session.forget_idle(10.0) == 0  # nothing idle that long
     await asyncio.sleep(0.3)
-    session.turn_started("a", SALT)  # a turn of a arrives
+    session.turn_started(ConversationRef("a", SALT))  # a turn of a arrives
 
     assert await session.forget_idle(0.2) == 1
-    assert await ledger(session, "b") is None and await session.held_heads("b", SALT) == 0
-    assert await ledger(session, "a") is not None and await session.held_heads("a", SALT) == 1
+    assert await ledger(session, "b") is None and await session.held_heads(ConversationRef("b", SALT)) == 0
+    assert await ledger(session, "a") is not None and await session.held_heads(ConversationRef("a", SALT)) == 1
     assert (await ledger(session, "pending")).busy, "a turn awaiting its verdict is never dropped"
 
     await session.commit(record)
-    session.turn_ended("a", SALT)
+    session.turn_ended(ConversationRef("a", SALT))
     assert await session.forget_idle(0.2) == 0  # used just now: both count from their last use
     await asyncio.sleep(0.3)
     assert await session.forget_idle(0.2) == 2

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from cache_service.client import Conversation, LeaseLost, VersionConflict
+from cache_service.client import LeaseLost, VersionConflict
 from deployments.cache_access import cache_client_config
 from deployments.lease_keeper import LeaseKeeper
 from deployments.protocol import Recovery, TurnDelta, TurnDone, TurnFailed, TurnJob
 from deployments.settings import AppSettings
 from deployments.turns import TurnRun
-from proto.contract import tokens_digest
+from proto.contract import ConversationRef, tokens_digest
 from tests.cache_service.cs_helpers import fast_client
 
 REPLY = "a reply nobody received"
@@ -31,7 +31,7 @@ class Replica:
     async def publish(self) -> None:
         job, ids = self.job, [1, 2, 3]
         await self.cache.publish_turn(
-            Conversation(job.conversation_id, job.cache_salt), lease_token=job.lease,
+            job.conversation, lease_token=job.lease,
             expected_version=job.head.version if job.head else 0,
             messages=[*job.messages, {"role": "assistant", "content": REPLY}], token_ids=ids,
             committed_tokens=len(ids), tokens_sha256=tokens_digest(ids), owner_replica="stand-in",
@@ -90,7 +90,7 @@ async def service(stack):
 
 async def run_turn(settings, cache, keeper, workers, conv_id) -> list:
     run = await TurnRun.start(settings, workers, cache, keeper, messages=[{"role": "user", "content": "hi"}],
-                              sampling={}, conversation_id=conv_id, cache_salt="o", wait_if_busy=False)
+                              sampling={}, conversation=ConversationRef(conv_id, "o"), wait_if_busy=False)
     try:
         return [event async for event in run.events()]
     finally:
@@ -105,7 +105,7 @@ async def test_a_turn_published_by_a_replica_that_died_before_answering_is_answe
     done = events[-1]
     assert isinstance(done, TurnDone) and done.turn == 1 and done.recovery is Recovery.REPLAY
     assert "".join(e.text for e in events if isinstance(e, TurnDelta)) == REPLY  # the rest of the reply
-    ledger = await cache.read_ledger(Conversation(conv_id, "o"))
+    ledger = await cache.read_ledger(ConversationRef(conv_id, "o"))
     assert len(ledger.turns) == 1
 
 
@@ -117,5 +117,5 @@ async def test_a_retry_after_a_lost_replica_runs_under_a_new_lease_and_fences_th
     assert lost.job.lease.token != healthy.job.lease.token  # at most one run per lease
     with pytest.raises((LeaseLost, VersionConflict)):  # the lost run, had it lived on, cannot publish
         await lost.publish()
-    ledger = await cache.read_ledger(Conversation(conv_id, "o"))
+    ledger = await cache.read_ledger(ConversationRef(conv_id, "o"))
     assert len(ledger.turns) == 1

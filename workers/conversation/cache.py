@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from proto.contract import ModelIdentity, conversation_key
+from proto.contract import ConversationRef, ModelIdentity
 from workers.conversation import export, history
 from workers.conversation.export_install import install_head
 from workers.conversation.ledger import ConversationLedger, find_conversation
@@ -54,8 +54,7 @@ class ConversationCache:
     # -- turns (see turn_lifecycle.py) ------------------------------------------------------------
     def begin_turn(
         self,
-        conversation_id: str,
-        cache_salt: str,
+        ref: ConversationRef,
         suffix: list[dict[str, Any]],
         params: SamplingParams,
         request_id: str,
@@ -65,19 +64,18 @@ class ConversationCache:
     ) -> Request:
         """Start a turn continuing `base_turn` (default: the latest) with the new suffix messages."""
         return self.turns.begin_turn(
-            conversation_id, cache_salt, suffix, params, request_id, base_turn=base_turn, commit=commit)
+            ref, suffix, params, request_id, base_turn=base_turn, commit=commit)
 
     def regenerate(
         self,
-        conversation_id: str,
-        cache_salt: str,
+        ref: ConversationRef,
         params: SamplingParams,
         request_id: str,
         *,
         commit: CommitMode = CommitMode.AT_ONCE,
     ) -> Request:
         """Re-run the last turn from the previous head, replacing it on commit."""
-        return self.turns.regenerate(conversation_id, cache_salt, params, request_id, commit=commit)
+        return self.turns.regenerate(ref, params, request_id, commit=commit)
 
     def prepared(self, request_id: str) -> TurnCommit | None:
         return self.turns.prepared(request_id)
@@ -91,19 +89,19 @@ class ConversationCache:
         self.turns.abandon(record)
 
     # -- ledger of record, recovery and exports (see recovery.py, export.py) -----------------------
-    def adopt_ledger(self, conversation_id: str, cache_salt: str, *, version: int, turns: list[LedgerTurn]) -> None:
-        self.recovery.adopt_ledger(conversation_id, cache_salt, version, turns)
+    def adopt_ledger(self, ref: ConversationRef, *, version: int, turns: list[LedgerTurn]) -> None:
+        self.recovery.adopt_ledger(ref, version, turns)
 
     def materialize_head(
-        self, conversation_id: str, cache_salt: str, request_id: str, *, canonical: bool = False
+        self, ref: ConversationRef, request_id: str, *, canonical: bool = False
     ) -> Request | None:
-        return self.recovery.materialize_head(conversation_id, cache_salt, request_id, canonical)
+        return self.recovery.materialize_head(ref, request_id, canonical)
 
-    def snapshot_head(self, conversation_id: str, cache_salt: str) -> export.HeadSnapshot:
-        return export.snapshot_head(self.engine, self.conversation_of(conversation_id, cache_salt))
+    def snapshot_head(self, ref: ConversationRef) -> export.HeadSnapshot:
+        return export.snapshot_head(self.engine, self.conversation_of(ref))
 
-    def install_head(self, conversation_id: str, cache_salt: str, verified: export.VerifiedHead) -> HeadInfo:
-        return install_head(self.engine, self.conversations, self.retention, conversation_id, cache_salt, verified)
+    def install_head(self, ref: ConversationRef, verified: export.VerifiedHead) -> HeadInfo:
+        return install_head(self.engine, self.conversations, self.retention, ref, verified)
 
     def export_identity(self) -> tuple[ModelIdentity, dict[str, Any]]:
         """What `export.verify_export` checks a foreign export against."""
@@ -116,60 +114,59 @@ class ConversationCache:
         export.remember_chunks(self.caches.chunks, snapshot, exported)
 
     # -- what this engine holds ---------------------------------------------------------------------
-    def ledger_state(self, conversation_id: str, cache_salt: str) -> LedgerState | None:
+    def ledger_state(self, ref: ConversationRef) -> LedgerState | None:
         """The engine's ledger of the conversation (None if it holds none); touches no head."""
-        conv = self.conversations.get(conversation_key(conversation_id, cache_salt))
+        conv = self.conversations.get(ref.key)
         if conv is None:
             return None
         return LedgerState(conv.version, conv.turn, tuple(conv.token_ids), busy=conv.in_flight is not None)
 
-    def idle_head_tokens(self, conversation_id: str, cache_salt: str, version: int, turn: int) -> list[int] | None:
+    def idle_head_tokens(self, ref: ConversationRef, version: int, turn: int) -> list[int] | None:
         """The committed token ids if the conversation is idle at exactly (`version`, `turn`) and
         the head of that turn is held (touched: it is about to serve); else None."""
-        key = conversation_key(conversation_id, cache_salt)
-        conv = self.conversations.get(key)
+        conv = self.conversations.get(ref.key)
         if conv is None or conv.in_flight is not None or (conv.version, conv.turn) != (version, turn):
             return None
-        return list(conv.token_ids) if self.heads.find(key, conv.turn) is not None else None
+        return list(conv.token_ids) if self.heads.find(ref.key, conv.turn) is not None else None
 
-    def head_count(self, conversation_id: str | None = None, cache_salt: str = "") -> int:
+    def head_count(self, ref: ConversationRef | None = None) -> int:
         """Heads held: all of them, or the conversation's."""
-        if conversation_id is None:
+        if ref is None:
             return len(self.heads)
-        return len(self.heads.of_conversation(conversation_key(conversation_id, cache_salt)))
+        return len(self.heads.of_conversation(ref.key))
 
-    def drop_headless_ledgers(self, keep: Iterable[tuple[str, str]] = ()) -> int:
+    def drop_headless_ledgers(self, keep: Iterable[ConversationRef] = ()) -> int:
         """Forget the ledgers of conversations that hold no head here and have no turn (or head
-        rebuild) in flight, except the (conversation_id, cache_salt) pairs in `keep`; returns
-        how many. Only for a caller whose ledgers are a cache of a record kept elsewhere (the
-        worker: the cache service's ledger, read again when a turn needs it); in-process callers
-        never call it, their ledger is the record. O(conversations + heads)."""
-        kept = {h.conversation_key for h in self.heads.all()} | {conversation_key(c, s) for c, s in keep}
+        rebuild) in flight, except those in `keep`; returns how many. Only for a caller whose
+        ledgers are a cache of a record kept elsewhere (the worker: the cache service's ledger,
+        read again when a turn needs it); in-process callers never call it, their ledger is the
+        record. O(conversations + heads)."""
+        kept = {h.conversation_key for h in self.heads.all()} | {ref.key for ref in keep}
         gone = [key for key, conv in self.conversations.items() if conv.in_flight is None and key not in kept]
         for key in gone:
             del self.conversations[key]
         return len(gone)
 
     # -- history operations (see history.py) ----------------------------------------------------------
-    def conversation_of(self, conversation_id: str, cache_salt: str) -> ConversationLedger:
-        return find_conversation(self.conversations, conversation_id, cache_salt)
+    def conversation_of(self, ref: ConversationRef) -> ConversationLedger:
+        return find_conversation(self.conversations, ref)
 
-    def rewind(self, conversation_id: str, cache_salt: str, turn: int) -> None:
+    def rewind(self, ref: ConversationRef, turn: int) -> None:
         """Forget turns after `turn`; the head of `turn` is used if it is still retained."""
-        history.rewind(self.heads, self.conversation_of(conversation_id, cache_salt), turn)
+        history.rewind(self.heads, self.conversation_of(ref), turn)
 
-    def fork(self, conversation_id: str, cache_salt: str, turn: int, new_conversation_id: str) -> None:
-        """A new conversation whose history is turns 1..turn; KV blocks are shared by reference.
+    def fork(self, ref: ConversationRef, turn: int, new_conversation_id: str) -> None:
+        """A new conversation `new_conversation_id` (same salt) whose history is turns 1..turn;
+        KV blocks are shared by reference.
 
         All-or-nothing: OutOfCacheError (no room for the head's state copies) changes nothing."""
-        conv = self.conversation_of(conversation_id, cache_salt)
-        history.fork(self.caches, self.conversations, conv, cache_salt, turn, new_conversation_id)
+        history.fork(self.caches, self.conversations, self.conversation_of(ref), turn, new_conversation_id)
 
-    def delete(self, conversation_id: str, cache_salt: str) -> None:
-        history.delete(self.heads, self.conversations, self.conversation_of(conversation_id, cache_salt))
+    def delete(self, ref: ConversationRef) -> None:
+        history.delete(self.heads, self.conversations, self.conversation_of(ref))
 
-    def describe(self, conversation_id: str, cache_salt: str) -> dict[str, Any]:
-        return history.describe(self.heads, self.conversation_of(conversation_id, cache_salt))
+    def describe(self, ref: ConversationRef) -> dict[str, Any]:
+        return history.describe(self.heads, self.conversation_of(ref))
 
     def stats(self) -> dict[str, int]:
         detached = self.heads.counters["detached"]

@@ -64,7 +64,7 @@ def snapshot_head(engine: LLMEngine, conv: ConversationLedger) -> HeadSnapshot:
     caches = engine.caches
     head = caches.heads.find(conv.key, conv.turn)
     if head is None:
-        raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no retained head to export")
+        raise ConversationNotFoundError(f"conversation {conv.ref.id!r} has no retained head to export")
     table = caches.kv.table(head.holder)
     kv = engine.runner.read_blocks(table)
     bs = caches.kv.block_size

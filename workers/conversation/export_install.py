@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from proto.contract import conversation_key, tokens_digest
+from proto.contract import ConversationRef, tokens_digest
 from workers.cache.holders import HolderSlots, SlotRole
 from workers.conversation.export_format import messages_digest
 from workers.conversation.export_verify import VerifiedHead
@@ -24,8 +24,7 @@ def install_head(
     engine: LLMEngine,
     conversations: dict[str, ConversationLedger],
     retention: HeadRetention,
-    conversation_id: str,
-    cache_salt: str,
+    ref: ConversationRef,
     verified: VerifiedHead,
 ) -> HeadInfo:
     """Install a verified head for a conversation whose ledger this engine holds (adopted).
@@ -34,12 +33,12 @@ def install_head(
     OutOfCacheError leave the engine exactly as it was. If a head of that turn or a later one
     is held already, nothing is installed and that head is described."""
     meta = verified.meta
-    key = conversation_key(conversation_id, cache_salt)
+    key = ref.key
     if meta["conversation"] != key:
         raise CorruptStateError("the export belongs to another conversation or cache_salt")
     conv = conversations.get(key)
     if conv is None:
-        raise ConversationNotFoundError(f"no ledger of {conversation_id!r} here: adopt it from the service first")
+        raise ConversationNotFoundError(f"no ledger of {ref.id!r} here: adopt it from the service first")
     conv.ensure_idle()
     turn = meta["turn"]
     committed = conv.tokens_until(turn) if turn <= conv.turn else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proto.contract import conversation_key, tokens_digest
+from proto.contract import tokens_digest
 from workers.cache.coordinator import CacheCoordinator
 from workers.cache.heads import HeadManager
 from workers.conversation.ledger import ConversationLedger
@@ -20,7 +20,7 @@ from workers.errors import ConversationNotFoundError, InvalidRequestError
 def check_idle_turn(conv: ConversationLedger, turn: int) -> None:
     conv.ensure_idle()
     if isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn <= conv.turn:
-        raise ConversationNotFoundError(f"conversation {conv.conversation_id!r} has no turn {turn!r}")
+        raise ConversationNotFoundError(f"conversation {conv.ref.id!r} has no turn {turn!r}")
 
 
 def rewind(heads: HeadManager, conv: ConversationLedger, turn: int) -> None:
@@ -36,21 +36,20 @@ def fork(
     caches: CacheCoordinator,
     conversations: dict[str, ConversationLedger],
     conv: ConversationLedger,
-    cache_salt: str,
     turn: int,
     new_conversation_id: str,
 ) -> None:
     check_idle_turn(conv, turn)
-    new_key = conversation_key(new_conversation_id, cache_salt)
-    if new_key in conversations:
-        raise InvalidRequestError(f"conversation {new_conversation_id!r} already exists")
-    forked = ConversationLedger(new_key, new_conversation_id, version=turn)
+    new = conv.ref.fork(new_conversation_id)
+    if new.key in conversations:
+        raise InvalidRequestError(f"conversation {new.id!r} already exists")
+    forked = ConversationLedger(new, version=turn)
     for t in conv.turns[:turn]:
         forked.append([dict(m) for m in t.messages], conv.token_ids[t.start : t.end])
     source = caches.heads.find(conv.key, turn)
     if source is not None:
-        caches.fork_head(source, new_key, turn, forked.version)  # all-or-nothing
-    conversations[new_key] = forked
+        caches.fork_head(source, new.key, turn, forked.version)  # all-or-nothing
+    conversations[new.key] = forked
 
 
 def delete(heads: HeadManager, conversations: dict[str, ConversationLedger], conv: ConversationLedger) -> None:
@@ -62,7 +61,7 @@ def delete(heads: HeadManager, conversations: dict[str, ConversationLedger], con
 
 def describe(heads: HeadManager, conv: ConversationLedger) -> dict[str, Any]:
     return {
-        "conversation_id": conv.conversation_id,
+        "conversation_id": conv.ref.id,
         "turn": conv.turn,
         "version": conv.version,
         "committed_tokens": len(conv.token_ids),

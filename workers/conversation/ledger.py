@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 # A conversation is named and its tokens digested exactly as the cache service does.
-from proto.contract import conversation_key, tokens_digest  # noqa: F401  (re-exported)
+from proto.contract import ConversationRef, tokens_digest
 from workers.conversation.records import HeadInfo
 from workers.errors import ConversationBusyError, ConversationNotFoundError
 
@@ -31,12 +31,15 @@ class Turn:
 
 @dataclass
 class ConversationLedger:
-    key: str
-    conversation_id: str
+    ref: ConversationRef
     token_ids: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     version: int = 0  # the head version this ledger is (the service's, +1 per publish)
     in_flight: str | None = None  # request id of the turn being computed or awaiting its verdict
+
+    @property
+    def key(self) -> str:
+        return self.ref.key
 
     @property
     def turn(self) -> int:
@@ -50,7 +53,7 @@ class ConversationLedger:
         """Refuse to change a conversation while a turn (or a head rebuild) is in flight or
         awaiting its verdict: that turn's commit would land on a ledger it did not start from."""
         if self.in_flight is not None:
-            raise ConversationBusyError(f"conversation {self.conversation_id!r} has a turn in flight")
+            raise ConversationBusyError(f"conversation {self.ref.id!r} has a turn in flight")
 
     def tokens_until(self, turn: int) -> list[int]:
         return self.token_ids[: self.turns[turn - 1].end] if turn else []
@@ -77,9 +80,9 @@ class ConversationLedger:
         )
 
 
-def find_conversation(conversations: dict[str, ConversationLedger], conversation_id: str, cache_salt: str) -> ConversationLedger:
+def find_conversation(conversations: dict[str, ConversationLedger], ref: ConversationRef) -> ConversationLedger:
     """The engine's ledger of a conversation, by key; ConversationNotFoundError if none."""
-    conv = conversations.get(conversation_key(conversation_id, cache_salt))
+    conv = conversations.get(ref.key)
     if conv is None:
-        raise ConversationNotFoundError(f"no conversation {conversation_id!r} under this cache_salt")
+        raise ConversationNotFoundError(f"no conversation {ref.id!r} under this cache_salt")
     return conv

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from proto.contract import ConversationRef
 from workers.request import FinishReason
 
 
@@ -34,8 +35,7 @@ class TurnCommit:
     """A completed turn awaiting its verdict; maps onto the cache service's PublishTurn."""
 
     request_id: str
-    conversation_key: str
-    conversation_id: str
+    conversation: ConversationRef
     base_version: int  # the head version the turn continues (PublishTurn's expected_version)
     base_turn: int  # 0: none
     start: int  # committed length of base_turn: the new ids start there

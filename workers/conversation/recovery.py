@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proto.contract import conversation_key
+from proto.contract import ConversationRef
 from workers.cache.heads import CommittedHead
 from workers.conversation.ledger import ConversationLedger, find_conversation
 from workers.conversation.records import LedgerTurn
@@ -76,14 +76,14 @@ class LedgerRecovery:
         self.counters = counters
         self.materializing: dict[str, Materializing] = {}  # by request id
 
-    def adopt_ledger(self, conversation_id: str, cache_salt: str, version: int, turns: Sequence[LedgerTurn]) -> None:
+    def adopt_ledger(self, ref: ConversationRef, version: int, turns: Sequence[LedgerTurn]) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidRequestError(f"version must be an integer >= 0, got {version!r}")
-        key = conversation_key(conversation_id, cache_salt)
+        key = ref.key
         old = self.conversations.get(key)
         if old is not None:
             old.ensure_idle()
-        new = ConversationLedger(key, conversation_id, version=version)
+        new = ConversationLedger(ref, version=version)
         for turn in _validated(self.engine.model_config.vocab_size, turns):
             new.append([dict(m) for m in turn.messages], list(turn.token_ids))
         if old is not None and (old.version, old.token_ids, old.messages) == (version, new.token_ids, new.messages):
@@ -100,14 +100,14 @@ class LedgerRecovery:
             self.conversations[key] = new
 
     def materialize_head(
-        self, conversation_id: str, cache_salt: str, request_id: str, canonical: bool = False
+        self, ref: ConversationRef, request_id: str, canonical: bool = False
     ) -> Request | None:
         """Start a prefill-only request building the latest turn's head; None if a head that
         serves is held already (any head; with `canonical`, one the tiles made)."""
-        conv = find_conversation(self.conversations, conversation_id, cache_salt)
+        conv = find_conversation(self.conversations, ref)
         conv.ensure_idle()
         if conv.turn == 0:
-            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no committed turn")
+            raise ConversationNotFoundError(f"conversation {ref.id!r} has no committed turn")
         held = self.heads.find(conv.key, conv.turn)
         if held is not None and (not canonical or held.canonical_window == self.engine.config.deterministic.window):
             return None

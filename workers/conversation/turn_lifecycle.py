@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from proto.contract import conversation_key
+from proto.contract import ConversationRef
 from workers.cache.heads import CommittedHead
 from workers.conversation.ledger import ConversationLedger, find_conversation
 from workers.conversation.prompt import build_turn_prompt
@@ -53,8 +53,7 @@ class TurnLifecycle:
 
     def begin_turn(
         self,
-        conversation_id: str,
-        cache_salt: str,
+        ref: ConversationRef,
         suffix: list[dict[str, Any]],
         params: SamplingParams,
         request_id: str,
@@ -66,12 +65,12 @@ class TurnLifecycle:
             raise InvalidRequestError("a turn needs at least one new message")
         if not isinstance(commit, CommitMode):
             raise InvalidRequestError(f"commit must be a CommitMode, got {commit!r}")
-        key = conversation_key(conversation_id, cache_salt)
-        conv = self.conversations.get(key) or ConversationLedger(key, conversation_id)
+        key = ref.key
+        conv = self.conversations.get(key) or ConversationLedger(ref)
         conv.ensure_idle()
         base = conv.turn if base_turn is None else base_turn
         if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base <= conv.turn:
-            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn {base!r}")
+            raise ConversationNotFoundError(f"conversation {ref.id!r} has no turn {base!r}")
         committed = conv.tokens_until(base)
         history_messages = [m for t in conv.turns[:base] for m in t.messages]
         prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix).token_ids
@@ -103,20 +102,17 @@ class TurnLifecycle:
 
     def regenerate(
         self,
-        conversation_id: str,
-        cache_salt: str,
+        ref: ConversationRef,
         params: SamplingParams,
         request_id: str,
         *,
         commit: CommitMode = CommitMode.AT_ONCE,
     ) -> Request:
-        conv = find_conversation(self.conversations, conversation_id, cache_salt)
+        conv = find_conversation(self.conversations, ref)
         if conv.turn == 0:
-            raise ConversationNotFoundError(f"conversation {conversation_id!r} has no turn to regenerate")
+            raise ConversationNotFoundError(f"conversation {ref.id!r} has no turn to regenerate")
         suffix = conv.turns[-1].messages[:-1]  # the turn's messages without its reply
-        return self.begin_turn(
-            conversation_id, cache_salt, suffix, params, request_id, base_turn=conv.turn - 1, commit=commit
-        )
+        return self.begin_turn(ref, suffix, params, request_id, base_turn=conv.turn - 1, commit=commit)
 
     def _on_finished(self, request: Request) -> TurnCommit | None:
         """Called by the engine when a turn's request ends, however it ends."""
@@ -156,7 +152,7 @@ class TurnLifecycle:
 
     def commit(self, record: TurnCommit) -> HeadInfo:
         entry = self._entry(record, "commit")
-        conv = self.conversations[record.conversation_key]
+        conv = self.conversations[record.conversation.key]
         turn = record.base_turn + 1
         # A regenerated turn replaces the head of that turn it saw begin (only once the state
         # has moved); a head that appeared meanwhile makes the commit refuse, changing nothing.
@@ -178,13 +174,13 @@ class TurnLifecycle:
         entry = self._entry(record, "abandon")
         del self.prepared_turns[record.request_id]
         self.heads.release(entry.state)
-        self._end_turn(self.conversations[record.conversation_key], TurnOutcome.DISCARDED)
+        self._end_turn(self.conversations[record.conversation.key], TurnOutcome.DISCARDED)
         self._resolved.remember(record.request_id, Resolution.ABANDONED)
 
     def _expired(self, record: TurnCommit) -> None:
         """The head manager abandoned a prepared turn nobody resolved in time."""
         self.prepared_turns.pop(record.request_id, None)
-        self._end_turn(self.conversations[record.conversation_key], TurnOutcome.DISCARDED)
+        self._end_turn(self.conversations[record.conversation.key], TurnOutcome.DISCARDED)
         self._resolved.remember(record.request_id, Resolution.EXPIRED)
 
     def _end_turn(self, conv: ConversationLedger, outcome: TurnOutcome) -> None:

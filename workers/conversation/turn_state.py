@@ -65,8 +65,7 @@ def turn_record(engine: LLMEngine, conv: ConversationLedger, pending: PendingTur
     committed = request.token_ids
     return TurnCommit(
         request_id=request.request_id,
-        conversation_key=conv.key,
-        conversation_id=conv.conversation_id,
+        conversation=conv.ref,
         base_version=pending.base_version,
         base_turn=pending.base_turn,
         start=pending.start,
