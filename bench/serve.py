@@ -7,7 +7,9 @@ weights, made in a temp dir), against, one at a time on an otherwise idle benchm
   (a) our app with the conversation cache: `serve run` of config.yaml (2 Worker replicas,
       1 torch thread each, the cache service and its embedded Redis started by the app);
       each turn sends only the new user message with `conversation_id` + `cache_salt`;
-  (b) the same running app with the cache off: stateless requests carrying the full history;
+  (b) the same running app without reuse: stateless requests carrying the full history, each
+      with a cache_salt of its own (a stateless request reuses the longest prefix held under
+      its salt, so a shared salt would no longer measure recomputing the history);
   (c) vLLM's OpenAI server on its CPU build (`python -m vllm.entrypoints.openai.api_server`)
       with its defaults (prefix caching on), full history each turn. Its engine is expected
       to die on the first long chat (the failure is caught and recorded), so also
@@ -32,6 +34,11 @@ Order: our app first, then vLLM; each mode's workload has a wall-time budget, tu
 finished within it are reported as cut off (vLLM's CPU engine slows down badly when the
 machine is oversubscribed: its OpenMP threads spin).
 
+Then the prefix-reuse workloads of ordinary OpenAI clients, each side by side on the same app
+and vLLM servers (bench/serve_prefix.py: multi-turn stateless clients with a round barrier, and
+new conversations over a shared system prompt). A vLLM server whose engine died is started
+again before the next workload (not in --smoke), so each workload records how far it gets.
+
 Targets: (a) TTFT p50 >= 5x lower than (b) and than vLLM at the last turn of a >=2k-token
 conversation; overhead <= 1.3x at a 500-token history.
 Writes bench/results/serve.{json,md,png} (the quick run: serve.quick.*; --smoke, the tiny
@@ -54,6 +61,7 @@ from pathlib import Path
 
 import yaml
 
+from bench import serve_prefix
 from bench.common import REPO_ROOT, RESULTS_DIR, chat_text, environment_info, format_number, markdown_table, write_results
 from bench.serve_http import (
     ConversationMode,
@@ -64,6 +72,7 @@ from bench.serve_http import (
     free_port,
     run_workload,
 )
+from bench.serve_prefix import OUR_SIDES, PrefixPlan, Side
 
 @dataclass(frozen=True)
 class Plan:
@@ -76,6 +85,8 @@ class Plan:
     overhead_samples: int
     request_timeout_s: float
     mode_budget_s: float  # wall-time budget of one mode's workload; turns not done by then are cut off
+    prefix: PrefixPlan = serve_prefix.FULL
+    restart_dead_vllm: bool = True  # start a vLLM server again for the next workload if its engine died
     seed: int = 0
     preset: str = "bench"
 
@@ -84,14 +95,16 @@ class Plan:
 FULL = Plan(conversations=2, turns=12, system_tokens=800, user_tokens=(80, 100), reply_tokens=(48, 52),
             overhead_history_tokens=500, overhead_samples=7, request_timeout_s=600, mode_budget_s=1200)
 QUICK = Plan(conversations=2, turns=4, system_tokens=300, user_tokens=(60, 80), reply_tokens=(8, 12),
-             overhead_history_tokens=500, overhead_samples=3, request_timeout_s=300, mode_budget_s=600)
+             overhead_history_tokens=500, overhead_samples=3, request_timeout_s=300, mode_budget_s=600,
+             prefix=serve_prefix.QUICK)
 # Proves the benchmark runs (CI, tests/bench): the tiny checkpoint, one short conversation; measures nothing.
 SMOKE = Plan(conversations=1, turns=2, system_tokens=60, user_tokens=(10, 16), reply_tokens=(2, 3),
-             overhead_history_tokens=200, overhead_samples=1, request_timeout_s=300, mode_budget_s=600, preset="tiny")
+             overhead_history_tokens=200, overhead_samples=1, request_timeout_s=300, mode_budget_s=600,
+             prefix=serve_prefix.SMOKE, restart_dead_vllm=False, preset="tiny")
 
 MODES = {
     "a": "(a) our app, conversation cache on",
-    "b": "(b) our app, cache off (stateless, full history)",
+    "b": "(b) our app, no reuse (stateless, full history, a cache_salt per request)",
     "c": "(c) vLLM server, defaults (prefix caching on)",
     "d": "(d) vLLM server, --no-enable-prefix-caching",
 }
@@ -172,8 +185,10 @@ def measure_app(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) -
         asyncio.run(run_workload(base_url, [overhead_script(plan, 99)] * 2, ConversationMode.STORED, "warm",
                                  plan.request_timeout_s, plan.mode_budget_s))
         out["overhead"] = overhead(plan, base_url, reference)
-        for mode, kind in (("a", ConversationMode.STORED), ("b", ConversationMode.STATELESS)):
+        for mode, kind in (("a", ConversationMode.STORED), ("b", ConversationMode.FRESH_SALT)):
             out[mode] = run_mode(base_url, scripts, kind, mode, plan)
+        out["prefix"] = {w: {side.value: run_prefix_side(base_url, w, side, plan) for side in OUR_SIDES}
+                         for w in serve_prefix.WORKLOADS}
     finally:
         server.stop()
     return out
@@ -201,7 +216,14 @@ def overhead(plan: Plan, base_url: str, reference: InProcessReference) -> dict:
     return {"http": http, "in_process": local | {"torch_threads": reference.threads}, "tier_export_wait_s": waits}
 
 
-def run_mode(base_url: str, scripts: list[Script], kind: str, tag: str, plan: Plan) -> dict:
+def run_prefix_side(base_url: str, workload: str, side: Side, plan: Plan) -> dict:
+    load = load_average()
+    rec = serve_prefix.run_side(base_url, workload, side, plan.prefix, plan.seed, plan.request_timeout_s,
+                                plan.mode_budget_s, summarize)
+    return rec | {"load_average_before": load, "load_average_after": load_average()}
+
+
+def run_mode(base_url: str, scripts: list[Script], kind: ConversationMode, tag: str, plan: Plan) -> dict:
     load = load_average()
     res = asyncio.run(run_workload(base_url, scripts, kind, tag, plan.request_timeout_s, plan.mode_budget_s))
     return summarize(res) | {"load_average_before": load, "load_average_after": load_average()}
@@ -257,31 +279,85 @@ class InProcessReference:
 
 
 # -- (c) and (d): vLLM ------------------------------------------------------------------------------
-def measure_vllm(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) -> dict:
-    from bench.vllm_env import ensure_vllm_python, vllm_env
+def measure_vllm(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) -> tuple[dict, dict]:
+    """(c) and (d), then each prefix workload on the same server: ({mode: record}, {workload: {side: record}})."""
+    from bench.vllm_env import ensure_vllm_python
 
     python = ensure_vllm_python()
-    out = {}
-    for mode, extra in (("c", []), ("d", ["--no-enable-prefix-caching"])):
-        port = free_port()
-        argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", VLLM_MEMORY_FRACTION, "--dtype", "float32", *extra]
-        server = ServerProcess(f"vllm ({mode})", argv, vllm_env(), tmp, tmp / f"vllm-{mode}.log",
-                               f"http://127.0.0.1:{port}/health")
-        rec: dict = {"command": argv}
+    out: dict = {}
+    prefix: dict = {w: {} for w in serve_prefix.WORKLOADS}
+    for mode, side, extra in (("c", Side.VLLM_ON, []), ("d", Side.VLLM_OFF, ["--no-enable-prefix-caching"])):
+        server = VllmServer(python, model_dir, tmp, mode, extra)
         try:
-            rec["startup_s"] = server.wait_ready(900)
-            rec |= run_mode(f"http://127.0.0.1:{port}", scripts, ConversationMode.STATELESS, mode, plan)
-            rec["server_alive_after"] = server.alive()
-            if rec["errors"]:
-                rec["server_log_tail"] = server.tail(40)
-                rec["server_log_errors"] = server.error_lines()
-        except (RuntimeError, TimeoutError) as exc:
-            rec["startup_error"] = str(exc)[-3000:]
+            out[mode] = server.run(lambda url: run_mode(url, scripts, ConversationMode.STATELESS, mode, plan))
+            for w in serve_prefix.WORKLOADS:
+                if plan.restart_dead_vllm and "startup_error" not in out[mode]:
+                    server.restart_if_dead()
+                prefix[w][side.value] = server.run(lambda url: run_prefix_side(url, w, side, plan))
         finally:
-            server.stop(30)
-        out[mode] = rec
-    return out
+            server.stop()
+    return out, prefix
+
+
+class VllmServer:
+    """One vLLM OpenAI server configuration, started again on demand after its engine died."""
+
+    def __init__(self, python: Path, model_dir: Path, tmp: Path, mode: str, extra: list[str]):
+        self.python, self.model_dir, self.tmp, self.mode, self.extra = python, model_dir, tmp, mode, extra
+        self.starts = 0
+        self.server: ServerProcess | None = None
+        self.startup_s: float | None = None
+        self.startup_error: str | None = None
+        self._start()
+
+    def _start(self) -> None:
+        from bench.vllm_env import vllm_env
+
+        port = free_port()
+        self.argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                     "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", VLLM_MEMORY_FRACTION,
+                     "--dtype", "float32", *self.extra]
+        self.starts += 1
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = ServerProcess(f"vllm ({self.mode})", self.argv, vllm_env(), self.tmp,
+                                    self.tmp / f"vllm-{self.mode}-{self.starts}.log", f"{self.url}/health")
+        try:
+            self.startup_s, self.startup_error = self.server.wait_ready(900), None
+        except (RuntimeError, TimeoutError) as exc:
+            self.startup_s, self.startup_error = None, str(exc)[-3000:]
+
+    def healthy(self) -> bool:
+        import httpx
+
+        if self.server is None or not self.server.alive():
+            return False
+        try:
+            return httpx.get(f"{self.url}/health", timeout=10).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def restart_if_dead(self) -> None:
+        if not self.healthy():
+            self.stop()
+            self._start()
+
+    def run(self, work) -> dict:
+        """work(base_url)'s record, with the server's start and, after errors, its log."""
+        rec: dict = {"command": self.argv, "server_start": self.starts}
+        if self.startup_error is not None:
+            return rec | {"startup_error": self.startup_error}
+        rec["startup_s"] = self.startup_s
+        rec |= work(self.url)
+        rec["server_alive_after"] = self.healthy()
+        if rec["errors"]:
+            rec["server_log_tail"] = self.server.tail(40)
+            rec["server_log_errors"] = self.server.error_lines()
+        return rec
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(30)
+            self.server = None
 
 
 # -- summaries -----------------------------------------------------------------------------------------
@@ -298,10 +374,20 @@ def percentile(values: list[float], q: float) -> float | None:
 def summarize(res: WorkloadResult) -> dict:
     ok = [r for r in res.records if r.error is None and r.ttft_s is not None]
     turns = sorted({r.turn for r in res.records})
+    by_turn = {(r.conversation, r.turn): r for r in ok}
     per_turn = []
     for t in turns:
         rows = [r for r in ok if r.turn == t]
+        counted = [r for r in rows if r.cached_tokens is not None and r.prompt_tokens]
+        # The history a turn resends: the previous turn's prompt and reply (an explicit conversation's
+        # head also holds the reply's end-of-message tokens, so its ratio may pass 100%).
+        history = [(r.cached_tokens, by_turn[r.conversation, t - 1].prompt_tokens
+                    + by_turn[r.conversation, t - 1].completion_tokens)
+                   for r in counted if (r.conversation, t - 1) in by_turn]
         per_turn.append({
+            "hit_ratio": (sum(r.cached_tokens for r in counted) / sum(r.prompt_tokens for r in counted)
+                          if counted else None),
+            "history_hit_ratio": sum(c for c, _ in history) / sum(h for _, h in history) if history else None,
             "turn": t,
             "completed": len(rows),
             "ttft_p50_s": percentile([r.ttft_s for r in rows], 50),
@@ -451,6 +537,7 @@ def markdown(res: dict) -> str:
                      f"{h['overhead_ratio_of_minima']:.2f}x; target <= 1.3x).")
     if "overhead_unmeasured" in h:
         lines.append(f"Serving overhead: not measured ({h['overhead_unmeasured']}).")
+    lines += ["", *serve_prefix.markdown(res["prefix"], res["plan"]["prefix"], res["prefix_headline"])]
     for note in res["not_run"]:
         lines.append(f"- Not run: {note}")
     for note in res.get("notes", []):
@@ -464,7 +551,7 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, ax_turns, ax_shared) = plt.subplots(1, 3, figsize=(18, 5.5))
     for m, style in (("a", "o-"), ("b", "x-"), ("c", "s:"), ("d", "^--")):
         rec = res["modes"].get(m)
         if not rec or "per_turn" not in rec:
@@ -475,11 +562,13 @@ def plot(res: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT p50 (ms, log scale)")
-    ax.set_title(f"TTFT per turn over HTTP — {res['plan']['conversations']} concurrent conversations")
+    ax.set_title(f"TTFT per turn over HTTP — {res['plan']['conversations']} concurrent conversations", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
+    serve_prefix.plot(ax_turns, ax_shared, res["prefix"])
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -489,7 +578,8 @@ def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool, vllm_results: 
 
     env = environment_info() | {"cpu": cpu_info()}
     res: dict = {"quick": quick, "plan": asdict(plan), "env": env, "modes": {}, "overhead": {}, "not_run": [],
-                 "labels": MODES, "method": __doc__}
+                 "prefix": {w: {} for w in serve_prefix.WORKLOADS}, "labels": MODES,
+                 "method": __doc__ + "\n" + serve_prefix.__doc__}
     scripts = make_scripts(plan)
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
         tmp = Path(tmp_name)
@@ -501,27 +591,36 @@ def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool, vllm_results: 
             app = measure_app(plan, model_dir, scripts, tmp)
             res["overhead"] = app.pop("overhead")
             res["modes"] |= {m: app.pop(m) for m in ("a", "b")}
+            for w, sides in app.pop("prefix").items():
+                res["prefix"][w] |= sides
             res["app"] = app
         if vllm_results is not None:
             earlier = json.loads(vllm_results.read_text())
             if earlier["plan"] != json.loads(json.dumps(res["plan"])):
                 raise SystemExit(f"{vllm_results} measured another plan")
             res["modes"] |= {m: earlier["modes"][m] for m in ("c", "d") if m in earlier["modes"]}
+            for w, sides in earlier.get("prefix", {}).items():
+                res["prefix"][w] |= {s: r for s, r in sides.items() if s in (Side.VLLM_ON.value, Side.VLLM_OFF.value)}
             res["vllm_from"] = {"path": str(vllm_results), "env": earlier["env"], "notes": earlier.get("notes", [])}
             res["not_run"].append(f"(c), (d) this time: taken from {vllm_results.name} of "
                                   f"{earlier['env']['timestamp_utc']} (same plan and checkpoint)")
         elif skip_vllm:
             res["not_run"].append("(c), (d): --skip-vllm")
         else:
-            res["modes"] |= measure_vllm(plan, model_dir, scripts, tmp)
+            modes, prefix = measure_vllm(plan, model_dir, scripts, tmp)
+            res["modes"] |= modes
+            for w, sides in prefix.items():
+                res["prefix"][w] |= sides
     res["env"]["load_average_end"] = load_average()
     res["headline"] = headline(res)
+    res["prefix_headline"] = serve_prefix.headline(res["prefix"])
     return res
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 conversations x 4 short turns")
+    parser.add_argument("--quick", action="store_true", help="2 conversations x 4 short turns; 8 x 4 multi-turn "
+                                                             "clients; 16 shared-prompt conversations")
     parser.add_argument("--skip-vllm", action="store_true", help="only our app")
     parser.add_argument("--skip-app", action="store_true", help="only vLLM")
     parser.add_argument("--vllm-results", type=Path, help="take (c), (d) from an earlier run's JSON (same plan)")
@@ -533,10 +632,10 @@ def main() -> None:
     stem = "serve.smoke" if args.smoke else "serve.quick" if args.quick else "serve"
     md = markdown(res)
     write_results(stem, res, md, args.results_dir)
-    if res["modes"]:
+    if res["modes"] or any(res["prefix"].values()):
         plot(res, args.results_dir / f"{stem}.png")
     print(md)
-    print(json.dumps(res["headline"], indent=2))
+    print(json.dumps(res["headline"] | {"prefix": res["prefix_headline"]}, indent=2))
 
 
 if __name__ == "__main__":
