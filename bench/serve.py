@@ -419,7 +419,7 @@ def completed_turns(mode: dict | None) -> dict[int, dict]:
 def first_failure(mode: dict) -> str:
     if mode.get("startup_error"):
         return f"did not start: {mode['startup_error'][-200:]}"
-    died = " (the server process died)" if mode.get("server_alive_after") is False else ""
+    died = " (the server no longer answered /health)" if mode.get("server_alive_after") is False else ""
     return (mode.get("errors") or ["no error recorded"])[0][:200] + died
 
 
@@ -560,6 +560,7 @@ def plot(res: dict, path: Path) -> None:
         if pts:
             ax.plot(*zip(*pts), style, label=MODES[m])
     ax.set_yscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT p50 (ms, log scale)")
     ax.set_title(f"TTFT per turn over HTTP — {res['plan']['conversations']} concurrent conversations", fontsize=10)

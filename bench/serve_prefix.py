@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import random
+import re
 from dataclasses import dataclass
 
 from bench.common import chat_text, format_number, markdown_table
@@ -76,6 +77,8 @@ SIDES = {
     Side.VLLM_OFF: ("vLLM, --no-enable-prefix-caching", ConversationMode.STATELESS),
 }
 OUR_SIDES = (Side.EXPLICIT, Side.REUSE, Side.REUSE_OFF)
+SHORT = {Side.EXPLICIT: "ours\nexplicit", Side.REUSE: "ours\nreuse", Side.REUSE_OFF: "ours\nreuse off",
+         Side.VLLM_ON: "vLLM\nprefix on", Side.VLLM_OFF: "vLLM\nprefix off"}
 WORKLOADS = {"multiturn": "multi-turn stateless clients", "shared": "shared system prompt"}
 
 
@@ -124,9 +127,17 @@ def _reach(rec: dict | None) -> str:
     if rec.get("startup_error"):
         return f"did not start: {rec['startup_error'][-160:]}"
     done = _turns(rec)
-    died = " (the server process died)" if rec.get("server_alive_after") is False else ""
+    died = " (the server no longer answered /health)" if rec.get("server_alive_after") is False else ""
     why = (rec.get("errors") or ["no error recorded"])[0][:160] + died
     return f"reached turn {max(done, default=0)}; {why}"
+
+
+def root_cause(rec: dict) -> str:
+    """The first exception its server logged (vLLM's engine dies with a traceback in its log)."""
+    for line in rec.get("server_log_errors", []):
+        if " ERROR " in line and re.search(r"\b\w+(Error|Exception): ", line):
+            return f"; its log's first exception: `{line.split('] ', 1)[-1][:200]}`"
+    return ""
 
 
 def headline(prefix: dict) -> dict:
@@ -152,6 +163,11 @@ def headline(prefix: dict) -> dict:
                                                "ratio": done[last]["ttft_p50_s"] / reuse[last]["ttft_p50_s"]}
             else:
                 m["over_reuse"][side.value] = {"stopped": _reach(rec)}
+                common = sorted(done.keys() & reuse.keys())
+                if common:  # what it measured before it stopped, at its last turn
+                    t = common[-1]
+                    m["over_reuse"][side.value] |= {"at_turn": t, "at_turn_ttft_p50_s": done[t]["ttft_p50_s"],
+                                                    "at_turn_ratio": done[t]["ttft_p50_s"] / reuse[t]["ttft_p50_s"]}
         out["multiturn"] = m
     sh = prefix.get("shared", {})
     first = _turns(sh.get(Side.REUSE.value)).get(1)
@@ -212,7 +228,7 @@ def markdown(prefix: dict, plan: dict, h: dict) -> list[str]:
                                   for s in sides])]
         for s in sides:
             if mt[s.value].get("errors") or mt[s.value].get("startup_error"):
-                lines.append(f"- {SIDES[s][0]}: {_reach(mt[s.value])}")
+                lines.append(f"- {SIDES[s][0]}: {_reach(mt[s.value])}{root_cause(mt[s.value])}")
         m = h.get("multiturn")
         if m:
             hist = m["min_history_hit_ratio_from_turn_2"]
@@ -221,17 +237,24 @@ def markdown(prefix: dict, plan: dict, h: dict) -> list[str]:
             rows = [["history hit ratio >= 90% from turn 2", f"lowest {_pct(hist)}",
                      _verdict(None if hist is None else hist >= 0.9)]]
             for side, want in ((Side.EXPLICIT, "reuse within 1.2x of explicit"),
-                               (Side.VLLM_ON, "vLLM on >= 5x over reuse"), (Side.VLLM_OFF, "vLLM off over reuse (info)"),
+                               (Side.VLLM_ON, "vLLM on >= 5x over reuse"),
+                               (Side.VLLM_OFF, "vLLM off over reuse (info)"),
                                (Side.REUSE_OFF, "reuse off over reuse (info)")):
                 r = m["over_reuse"].get(side.value)
                 if r is None:
                     continue
                 if "ratio" not in r:
-                    rows.append([want, f"— ({r['stopped'][:140]})", _verdict(None)])
+                    before = (f"; at turn {r['at_turn']}: {_ms(r['at_turn_ttft_p50_s'])} ms = "
+                              f"{r['at_turn_ratio']:.2f}x reuse's" if "at_turn" in r else "")
+                    rows.append([want, f"— ({r['stopped']}){before}", _verdict(None)])
                     continue
-                ok = (1 / r["ratio"] <= 1.2 if side is Side.EXPLICIT else r["ratio"] >= 5 if side is Side.VLLM_ON
-                      else None)
-                rows.append([want, f"{_ms(r['ttft_p50_s'])} ms = {r['ratio']:.2f}x of reuse", _verdict(ok)])
+                if side is Side.EXPLICIT:
+                    measured, ok = f"explicit {_ms(r['ttft_p50_s'])} ms; reuse / explicit = {1 / r['ratio']:.2f}x", \
+                        1 / r["ratio"] <= 1.2
+                else:
+                    measured, ok = f"{_ms(r['ttft_p50_s'])} ms = {r['ratio']:.2f}x reuse's", \
+                        r["ratio"] >= 5 if side is Side.VLLM_ON else None
+                rows.append([want, measured, _verdict(ok)])
             lines += [markdown_table(["target", "measured", "verdict"], rows)]
     sides = [s for s in Side if s.value in sh]
     if sides:
@@ -250,7 +273,7 @@ def markdown(prefix: dict, plan: dict, h: dict) -> list[str]:
                                                           "p50 over reuse"], rows)]
         for s in sides:
             if sh[s.value].get("errors") or sh[s.value].get("startup_error"):
-                lines.append(f"- {SIDES[s][0]}: {_reach(sh[s.value])}")
+                lines.append(f"- {SIDES[s][0]}: {_reach(sh[s.value])}{root_cause(sh[s.value])}")
         off = s_h.get("over_reuse", {}).get(Side.REUSE_OFF.value, {})
         if "ratio" in off:
             lines += ["", f"Target: first-turn TTFT p50 with reuse >= 5x lower than with reuse off: "
@@ -266,6 +289,7 @@ def plot(ax_turns, ax_shared, prefix: dict) -> None:
         if pts:
             ax_turns.plot(*zip(*pts), styles[s], label=SIDES[s][0])
     ax_turns.set_yscale("log")
+    ax_turns.xaxis.get_major_locator().set_params(integer=True)
     ax_turns.set_xlabel("turn")
     ax_turns.set_ylabel("TTFT p50 (ms, log scale)")
     ax_turns.set_title("Multi-turn stateless clients (round barrier)", fontsize=10)
@@ -280,7 +304,9 @@ def plot(ax_turns, ax_shared, prefix: dict) -> None:
         p99 = [t["ttft_p99_s"] * 1e3 for _, t in bars]
         ax_shared.bar(x, p50, label="p50")
         ax_shared.scatter(x, p99, marker="_", s=300, color="black", label="p99", zorder=3)
-        ax_shared.set_xticks(list(x), [SIDES[s][0].replace(", ", ",\n", 1) for s, _ in bars], fontsize=6)
+        for i, v in zip(x, p50):
+            ax_shared.annotate(f"{v:,.0f}", (i, v), ha="center", va="bottom", fontsize=7)
+        ax_shared.set_xticks(list(x), [SHORT[s] for s, _ in bars], fontsize=8)
         ax_shared.set_yscale("log")
         ax_shared.legend(fontsize=7)
     ax_shared.set_ylabel("first-turn TTFT (ms, log scale)")
