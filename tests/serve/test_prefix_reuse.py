@@ -46,11 +46,14 @@ async def test_full_history_turns_reuse_everything_the_previous_turn_saw(stack):
 
 
 async def test_a_shared_system_prompt_is_computed_once_per_scope(stack):
+    """8 new chats, explicit conversations and stateless requests in turn, open with the same
+    system prompt: all but the first reuse it, whichever kind made it."""
     client, salt = stack.client(), _salt()
     cached = []
-    for i in range(4):
+    for i in range(8):
         messages = [SYSTEM, user(f"question {i}: how far is {i * 13}?")]
-        reply = await chat_turn(client, stack.model, messages, conversation_id=None, cache_salt=salt)
+        conversation_id = f"sys-{uuid.uuid4().hex[:8]}" if i % 2 else None
+        reply = await chat_turn(client, stack.model, messages, conversation_id=conversation_id, cache_salt=salt)
         reference = await stateless_reference(client, stack.model, messages)
         assert reply.tokens == reference.tokens
         cached.append(reply.cached_tokens)
