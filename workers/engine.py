@@ -100,8 +100,12 @@ class LLMEngine:
             self.model, self.kv_layout, self.state_layout, config.device, weight_quantization=config.weight_quantization
         )
         kv, states = KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout)
+        if cache.prefix_cache_bytes and not checkpoint_slots:
+            log.warning("prefix_cache_bytes %d is less than one Mamba state (%d bytes): no prefix checkpoints",
+                        cache.prefix_cache_bytes, probe_state.slot_bytes)
         heads = HeadManager(
-            kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s, cache.prefix_cache_bytes
+            kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s, cache.prefix_cache_bytes,
+            checkpoint_slots,
         )
         self.caches = CacheCoordinator(kv, states, heads, self.runner.copy_slots)
         self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
@@ -136,7 +140,7 @@ class LLMEngine:
         self._validate(request_id, prompt_token_ids, params)
         if params.deterministic and head is not None and head.canonical_window != self.config.deterministic.window:
             head = None  # the fast path made that state: recompute the whole prompt in tiles (a miss)
-        reuse = prefix_scope is not None and not params.deterministic and self.config.cache.prefix_cache_bytes > 0
+        reuse = prefix_scope is not None and not params.deterministic and self.caches.heads.checkpoint_budget_bytes > 0
         if reuse and head is None:
             found = self.caches.heads.longest_prefix(prefix_scope, prompt_token_ids, len(prompt_token_ids) - 1)
             head = found.attachment() if found is not None else None

@@ -164,7 +164,7 @@ class Scheduler:
             chunk.request.tile_window = 0
             if chunk.snapshot is not None:
                 chunk.request.aligned_len = chunk.snapshot[0]
-            if chunk.request.marks:
+            if chunk.request.marks and self.caches.has_marks(chunk.request):
                 self.caches.reach_marks(chunk.request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
