@@ -97,6 +97,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            self.caches.attach_prefix(request)
             start = request.head.state_len if request.head else request.num_computed_tokens
             n = request.num_tokens - start if request.deterministic else min(request.num_tokens - start, budget)
             idle = not self.running and not out.chunks and not out.preempted

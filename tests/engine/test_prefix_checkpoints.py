@@ -195,3 +195,18 @@ def test_a_small_budget_evicts_spent_chains_first_and_never_returns_a_wrong_stat
     kept = [c for c in heads.checkpoints.values() if c.state_len == 33]
     assert kept and kept[0].hits >= 3  # the shared system prompt outlived the spent chain links
     assert heads.bytes_used(kept[0].holder.kind) <= heads.checkpoint_budget_bytes
+
+
+def test_a_burst_sharing_a_system_prompt_attaches_the_first_ones_mark_at_admission(tiny):
+    """Four requests arrive together; the token budget admits one per step: each later one is
+    admitted after the first one's prefill passed its mark, and attaches it then."""
+    path = tiny[Arch.BAMBA].path
+    ours = Driver(new_engine(path, max_num_batched_tokens=48))
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    system = prompt_of(40, seed=12)
+    prompts = [system + prompt_of(20, seed=50 + i) for i in range(4)]
+    mark = CheckpointMark(40, label=1, source=ReuseSource.SYSTEM)
+    results = ours.run_all(prompts, keep=KeepState.FREE, marks=[mark])
+    assert [out.num_cached_tokens for _, out in results] == [0, 40, 40, 40]
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == plain.run(prompt)[0]

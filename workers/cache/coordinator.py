@@ -73,6 +73,21 @@ class CacheCoordinator:
         if head is not None:
             self.heads.pin(head, request)
 
+    def attach_prefix(self, request: Request) -> None:
+        """A waiting request without a head attaches the longest prefix of its prompt held under
+        its scope (pinned from now on, like a conversation's head); looked up again only once
+        something new was named since it missed."""
+        if request.head is not None or not request.prefix_lookup or request.prefix_scope is None:
+            return
+        if request.prefixes_seen == self.heads.index_version:
+            return
+        request.prefixes_seen = self.heads.index_version
+        prompt = request.prompt_token_ids
+        found = self.heads.longest_prefix(request.prefix_scope, prompt, len(prompt) - 1)
+        if found is not None:
+            request.head = found.attachment()
+            self.heads.pin(found, request)
+
     def try_admit(self, request: Request, num_new_tokens: int, idle: bool) -> bool:
         """Give a waiting request its slots and blocks for num_new_tokens more tokens,
         continuing its head if it still has one; False (nothing changed) if it cannot fit."""

@@ -117,6 +117,7 @@ class HeadManager:
         self.heads: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
         self.checkpoints: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
         self.index: PrefixIndex[CommittedHead] = PrefixIndex()
+        self.index_version = 0  # bumped whenever a state is named: a lookup that missed may now hit
         self.marking: dict[str, list[PendingMark]] = {}  # request id -> its marks, by position
         self._by_turn: dict[tuple[str, int], CommittedHead] = {}
         self.prepared: dict[Holder, PreparedState] = {}
@@ -175,6 +176,7 @@ class HeadManager:
             self._by_turn[head.conversation_key, head.turn] = head
         if head.prefix is not None:
             self.index.add(head.prefix, head)
+            self.index_version += 1
 
     def drop(self, head: CommittedHead) -> None:
         """Release a head (rewind, delete, replaced). Turns pinning it keep their own copies."""
