@@ -100,8 +100,12 @@ class LLMEngine:
             self.model, self.kv_layout, self.state_layout, config.device, weight_quantization=config.weight_quantization
         )
         kv, states = KVCacheManager(self.kv_layout), MambaStateManager(self.state_layout)
+        if cache.prefix_cache_bytes and not checkpoint_slots:
+            log.warning("prefix_cache_bytes %d is less than one Mamba state (%d bytes): no prefix checkpoints",
+                        cache.prefix_cache_bytes, probe_state.slot_bytes)
         heads = HeadManager(
-            kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s, cache.prefix_cache_bytes
+            kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s, cache.prefix_cache_bytes,
+            checkpoint_slots,
         )
         self.caches = CacheCoordinator(kv, states, heads, self.runner.copy_slots)
         self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
@@ -129,17 +133,15 @@ class LLMEngine:
         `on_finished` runs on this thread when it ends, however it ends (see Request).
 
         With a `prefix_scope` (the cache salt) its states are named by their token prefixes in
-        that scope: without a `head`, it attaches the longest held prefix of its prompt; it
+        that scope: without a `head`, it attaches the longest prefix of its prompt held when it
+        is admitted (a burst sharing a system prompt: the first one's mark serves the rest); it
         checkpoints its state at `marks`; a kept state (prepared turn, keep=CHECKPOINT, labelled
         `final_label`) is named too. Deterministic requests neither look up nor mark: no
         checkpoint is canonical (they recompute in tiles, as on a miss)."""
         self._validate(request_id, prompt_token_ids, params)
         if params.deterministic and head is not None and head.canonical_window != self.config.deterministic.window:
             head = None  # the fast path made that state: recompute the whole prompt in tiles (a miss)
-        reuse = prefix_scope is not None and not params.deterministic and self.config.cache.prefix_cache_bytes > 0
-        if reuse and head is None:
-            found = self.caches.heads.longest_prefix(prefix_scope, prompt_token_ids, len(prompt_token_ids) - 1)
-            head = found.attachment() if found is not None else None
+        reuse = prefix_scope is not None and not params.deterministic and self.caches.heads.checkpoint_budget_bytes > 0
         if reuse and marks:
             positions = sorted({m.position for m in marks if 0 < m.position < len(prompt_token_ids)})
             keys = {k.length: k for k in prefix_keys(prefix_scope, list(prompt_token_ids), positions)}
@@ -165,6 +167,7 @@ class LLMEngine:
             prefill_only=prefill_only,
         )
         request.prefix_scope = prefix_scope if reuse or (prefix_scope is not None and keep is KeepState.PREPARE) else None
+        request.prefix_lookup = reuse
         request.marks = marks
         request.final_label = final_label
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)

@@ -124,6 +124,8 @@ class Request:
     marks: tuple[CheckpointMark, ...] = ()
     final_label: int = 0
     reused_from: ReuseSource = ReuseSource.NONE
+    prefix_lookup: bool = False  # attach the longest held prefix when admitted without a head
+    prefixes_seen: int = -1  # the prefix index's version at its last lookup (a miss is not redone)
     checkpoints_made: list[tuple[int, int]] = field(default_factory=list)  # (label, tokens)
 
     def __post_init__(self) -> None:

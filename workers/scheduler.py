@@ -97,6 +97,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            self.caches.attach_prefix(request)
             start = request.head.state_len if request.head else request.num_computed_tokens
             n = request.num_tokens - start if request.deterministic else min(request.num_tokens - start, budget)
             idle = not self.running and not out.chunks and not out.preempted
@@ -164,7 +165,7 @@ class Scheduler:
             chunk.request.tile_window = 0
             if chunk.snapshot is not None:
                 chunk.request.aligned_len = chunk.snapshot[0]
-            if chunk.request.marks:
+            if chunk.request.marks and self.caches.has_marks(chunk.request):
                 self.caches.reach_marks(chunk.request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:

@@ -54,6 +54,7 @@ def new_engine(
     max_num_batched_tokens: int = 64,
     mamba_align_tokens: int = 0,
     prepared_turn_timeout_s: float = 60.0,
+    prefix_cache_bytes: int = 0,  # off: these tests count heads, hits and misses; test_conv_prefix turns it on
 ) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
@@ -65,6 +66,7 @@ def new_engine(
                 num_state_slots=num_state_slots,
                 mamba_align_tokens=mamba_align_tokens,
                 prepared_turn_timeout_s=prepared_turn_timeout_s,
+                prefix_cache_bytes=prefix_cache_bytes,
             ),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         )

@@ -101,14 +101,58 @@ def test_a_marked_system_prompt_is_shared_within_its_scope_only(tiny, budget):
 
 
 def test_the_longest_held_prefix_wins_and_a_token_is_always_left_to_run(tiny):
-    ours = Driver(new_engine(tiny[Arch.BAMBA].path))
+    path = tiny[Arch.BAMBA].path
+    ours, plain = Driver(new_engine(path)), Driver(new_engine(path, prefix_cache_bytes=0))
     prompt = prompt_of(50, seed=6)
-    marks = [CheckpointMark(n, label=n) for n in (10, 20, 30)]
+    marks = [CheckpointMark(n, label=n) for n in (10, 20, 30)]  # one chunk cut in four segments
     assert ours.run(prompt, keep=KeepState.FREE, marks=marks)[1].checkpoints == ((10, 10), (20, 20), (30, 30))
-    assert ours.run(prompt[:35], keep=KeepState.FREE)[1].num_cached_tokens == 30
-    assert ours.run(prompt[:30], keep=KeepState.FREE)[1].num_cached_tokens == 20  # 30 would leave nothing
-    assert ours.run(prompt[:25] + [7] * 10, keep=KeepState.FREE)[1].num_cached_tokens == 20
-    assert ours.run([7] + prompt[1:40], keep=KeepState.FREE)[1].num_cached_tokens == 0  # token ids, exactly
+    for variant, cached in ((prompt[:35], 30), (prompt[:30], 20), (prompt[:25] + [7] * 10, 20), ([7] + prompt[1:40], 0)):
+        tokens, out = ours.run(variant, keep=KeepState.FREE)
+        expected, ref = plain.run(variant)
+        assert out.num_cached_tokens == cached  # 30 tokens of 30 would leave nothing to run; ids, exactly
+        assert tokens == expected
+        assert_logits_close(ours.recorder.stacked(out.request_id), plain.recorder.stacked(ref.request_id))
+
+
+@pytest.mark.parametrize("arch", list(Arch), ids=lambda a: a.value)
+def test_marks_at_aligned_positions_of_a_turn_that_publishes(tiny, arch):
+    """keep=PREPARE snapshots the aligned state too: a mark at an aligned position is the same
+    cut with two slots; a mark inside a later chunk cuts that chunk."""
+    path = tiny[arch].path
+    ours = Driver(new_engine(path, max_num_batched_tokens=24))
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    prompt = prompt_of(45, seed=9)
+    marks = [CheckpointMark(16, label=1), CheckpointMark(29, label=2)]
+    (tokens, out), = ours.run_all([prompt], keep=KeepState.PREPARE, marks=marks)
+    heads = ours.engine.caches.heads
+    prepared = heads.prepared_of(out.request_id)
+    assert out.checkpoints == ((1, 16), (2, 29)) and prepared.aligned_len == 48  # 45 + 7 tokens: last at 48
+    heads.release(prepared)
+    assert tokens == plain.run(prompt)[0]
+    for n in (16, 29):
+        variant = prompt[:n] + prompt_of(7, seed=n)
+        tokens, out = ours.run(variant, keep=KeepState.FREE)
+        expected, ref = plain.run(variant)
+        assert out.num_cached_tokens == n and tokens == expected
+        assert_logits_close(ours.recorder.stacked(out.request_id), plain.recorder.stacked(ref.request_id))
+
+
+def test_marks_a_request_never_snapshot_or_never_reached_leave_nothing(tiny):
+    """One-token chunks run on the decode path, which snapshots no mark: none is made. An
+    aborted request's open marks are freed (the check after the test finds a leaked slot)."""
+    path = tiny[Arch.BAMBA].path
+    ours = Driver(new_engine(path, max_num_batched_tokens=1))
+    prompt = prompt_of(20, seed=11)
+    tokens, out = ours.run(prompt, keep=KeepState.FREE, marks=[CheckpointMark(12, label=1)])
+    assert out.checkpoints == () and not ours.engine.caches.heads.checkpoints
+    assert tokens == Driver(new_engine(path, prefix_cache_bytes=0)).run(prompt)[0]
+    engine = ours.engine
+    engine.add_request("aborted", prompt, GREEDY, prefix_scope="tenant", marks=(CheckpointMark(15, label=1),))
+    for _ in range(3):
+        engine.step()
+    assert engine.caches.heads.marks_of("aborted")
+    engine.abort("aborted")
+    assert engine.caches.heads.marking == {} and not engine.caches.heads.checkpoints
 
 
 def test_marks_under_preemption_leave_nothing_behind(tiny):
@@ -120,8 +164,12 @@ def test_marks_under_preemption_leave_nothing_behind(tiny):
     system = prompt_of(30, seed=7)
     prompts = [system + prompt_of(40 + i, seed=20 + i) for i in range(6)]
     marks = [CheckpointMark(30, label=1, source=ReuseSource.SYSTEM)]
+    requests = []
+    inner = ours.engine.add_request
+    ours.engine.add_request = lambda *a, **kw: requests.append(inner(*a, **kw)) or requests[-1]
     results = ours.run_all(prompts, keep=KeepState.FREE, marks=marks)
-    assert ours.engine.scheduler.requests == {}
+    assert sum(r.num_preemptions for r in requests) > 0  # the pool did force preemptions
+    assert any(out.checkpoints for _, out in results) and ours.engine.caches.heads.marking == {}
     for prompt, (tokens, _) in zip(prompts, results):
         assert tokens == plain.run(prompt)[0]
 
@@ -147,3 +195,18 @@ def test_a_small_budget_evicts_spent_chains_first_and_never_returns_a_wrong_stat
     kept = [c for c in heads.checkpoints.values() if c.state_len == 33]
     assert kept and kept[0].hits >= 3  # the shared system prompt outlived the spent chain links
     assert heads.bytes_used(kept[0].holder.kind) <= heads.checkpoint_budget_bytes
+
+
+def test_a_burst_sharing_a_system_prompt_attaches_the_first_ones_mark_at_admission(tiny):
+    """Four requests arrive together; the token budget admits one per step: each later one is
+    admitted after the first one's prefill passed its mark, and attaches it then."""
+    path = tiny[Arch.BAMBA].path
+    ours = Driver(new_engine(path, max_num_batched_tokens=48))
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    system = prompt_of(40, seed=12)
+    prompts = [system + prompt_of(20, seed=50 + i) for i in range(4)]
+    mark = CheckpointMark(40, label=1, source=ReuseSource.SYSTEM)
+    results = ours.run_all(prompts, keep=KeepState.FREE, marks=[mark])
+    assert [out.num_cached_tokens for _, out in results] == [0, 40, 40, 40]
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == plain.run(prompt)[0]

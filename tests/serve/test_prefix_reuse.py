@@ -5,11 +5,16 @@ those of a request computed from scratch."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
 
+from cache_service.client import CacheClient
+from proto.contract import message_prefix_digests
+from tests.serve.conftest import APP
 from tests.serve.helpers import chat_turn, metric, stateless_reference, user
+from tests.serve.test_recovery import kill_replica, replica_replaced
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,11 +51,14 @@ async def test_full_history_turns_reuse_everything_the_previous_turn_saw(stack):
 
 
 async def test_a_shared_system_prompt_is_computed_once_per_scope(stack):
+    """8 new chats, explicit conversations and stateless requests in turn, open with the same
+    system prompt: all but the first reuse it, whichever kind made it."""
     client, salt = stack.client(), _salt()
     cached = []
-    for i in range(4):
+    for i in range(8):
         messages = [SYSTEM, user(f"question {i}: how far is {i * 13}?")]
-        reply = await chat_turn(client, stack.model, messages, conversation_id=None, cache_salt=salt)
+        conversation_id = f"sys-{uuid.uuid4().hex[:8]}" if i % 2 else None
+        reply = await chat_turn(client, stack.model, messages, conversation_id=conversation_id, cache_salt=salt)
         reference = await stateless_reference(client, stack.model, messages)
         assert reply.tokens == reference.tokens
         cached.append(reply.cached_tokens)
@@ -58,3 +66,34 @@ async def test_a_shared_system_prompt_is_computed_once_per_scope(stack):
     other = await chat_turn(client, stack.model, [SYSTEM, user("question 0: how far is 0?")], conversation_id=None,
                             cache_salt=_salt())
     assert other.cached_tokens == 0  # another salt: another scope
+
+
+async def _holders_of(cache: CacheClient, names: list[str], timeout_s: float = 30.0) -> tuple[str, ...]:
+    """The replicas the prefix index names for the whole of `names` (announced after the answer,
+    off the response path: polled)."""
+    async def poll() -> tuple[str, ...]:
+        while True:
+            match = await cache.find_prefix(names)
+            if match is not None and match.index == len(names) - 1:
+                return tuple(replica for replica, _ in match.holders)
+            await asyncio.sleep(0.1)
+
+    return await asyncio.wait_for(poll(), timeout_s)
+
+
+async def test_a_prefix_whose_holder_died_is_recomputed_with_the_same_tokens(stack):
+    client, salt = stack.client(), _salt()
+    history = [user("first: name a colour")]
+    first = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
+    history.append({"role": "assistant", "content": first.text})
+    async with CacheClient(stack.service.target) as cache:
+        (holder,) = await _holders_of(cache, message_prefix_digests(salt, history))
+    kill_replica(APP, holder)
+    await replica_replaced(APP)
+    history.append(user("second: and another one"))
+    reply = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
+    assert reply.cached_tokens == 0  # the state died with its replica; the index entry only misleads
+    assert reply.tokens == (await stateless_reference(client, stack.model, history)).tokens
+    history += [{"role": "assistant", "content": reply.text}, user("third: one more")]
+    again = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
+    assert again.cached_tokens >= reply.prompt_tokens + len(reply.tokens) - 1  # the chain goes on

@@ -90,7 +90,8 @@ async def service(stack):
 
 async def run_turn(settings, cache, keeper, workers, conv_id) -> list:
     run = await TurnRun.start(settings, workers, cache, keeper, messages=[{"role": "user", "content": "hi"}],
-                              sampling={}, conversation=ConversationRef(conv_id, "o"), wait_if_busy=False)
+                              sampling={}, conversation=ConversationRef(conv_id, "o"), scope="o",
+                              wait_if_busy=False)
     try:
         return [event async for event in run.events()]
     finally:

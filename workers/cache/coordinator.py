@@ -29,7 +29,7 @@ from workers.cache.manager import CacheManager
 from workers.cache.mamba_slots import MambaStateManager
 from workers.cache.prefix_index import PrefixKey
 from workers.errors import OutOfCacheError
-from workers.request import KeepState, Request, ReuseSource
+from workers.request import KeepState, Request
 
 
 @dataclass
@@ -72,6 +72,21 @@ class CacheCoordinator:
         head = self.heads.head_of(request.head)
         if head is not None:
             self.heads.pin(head, request)
+
+    def attach_prefix(self, request: Request) -> None:
+        """A waiting request without a head attaches the longest prefix of its prompt held under
+        its scope (pinned from now on, like a conversation's head); looked up again only once
+        something new was named since it missed."""
+        if request.head is not None or not request.prefix_lookup or request.prefix_scope is None:
+            return
+        if request.prefixes_seen == self.heads.index_version:
+            return
+        request.prefixes_seen = self.heads.index_version
+        prompt = request.prompt_token_ids
+        found = self.heads.longest_prefix(request.prefix_scope, prompt, len(prompt) - 1)
+        if found is not None:
+            request.head = found.attachment()
+            self.heads.pin(found, request)
 
     def try_admit(self, request: Request, num_new_tokens: int, idle: bool) -> bool:
         """Give a waiting request its slots and blocks for num_new_tokens more tokens,
@@ -148,15 +163,26 @@ class CacheCoordinator:
                 cut.append((pending.mark.position, pending.slot))
         return cut
 
+    def has_marks(self, request: Request) -> bool:
+        return bool(self.heads.marks_of(request.request_id))
+
     def reach_marks(self, request: Request) -> None:
-        """The request's state now covers num_computed_tokens: marks up to there become checkpoints."""
-        for pending in self.heads.marks_of(request.request_id):
+        """The request's state now covers num_computed_tokens: marks up to there become checkpoints
+        (reported in its output only if they outlive the budget)."""
+        made = []
+        for pending in list(self.heads.marks_of(request.request_id)):
             if pending.mark.position > request.num_computed_tokens:
                 break
-            made = self.heads.close_mark(pending, self.kv.table(Holder.request(request.request_id)))
-            if made is not None:
-                request.checkpoints_made.append((pending.mark.label, made.state_len))
+            checkpoint = self.heads.close_mark(pending, self.kv.table(Holder.request(request.request_id)))
+            if checkpoint is not None:
+                made.append((pending.mark.label, checkpoint))
+        self._report_kept(request, made)
+
+    def _report_kept(self, request: Request, made: list[tuple[int, CommittedHead]]) -> None:
+        if not made:
+            return
         self.heads.enforce_checkpoint_budget()
+        request.checkpoints_made += [(label, c.state_len) for label, c in made if self.heads.holds(c)]
 
     def _final_prefix(self, request: Request) -> PrefixKey | None:
         """The name of a finished request's state (prompt + generated tokens but the last)."""
@@ -171,13 +197,12 @@ class CacheCoordinator:
             return False
         src = Holder.request(request.request_id)
         self.kv.truncate(src, key.length)
-        made = self.heads.keep_checkpoint(src, key.length, key, ReuseSource.PREFIX)
+        made = self.heads.keep_checkpoint(src, key.length, key)
         if made is None:
             return False
-        request.checkpoints_made.append((request.final_label, key.length))
-        if base is not None and base.holder.kind is HolderKind.CHECKPOINT:
-            base.superseded = True  # the chain goes on from the longer one
-        self.heads.enforce_checkpoint_budget()
+        if base is not None and base.chain_end:
+            base.superseded = True  # the chain goes on from the longer link (never a mark's checkpoint)
+        self._report_kept(request, [(request.final_label, made)])
         return True
 
     def can_grow(self, request: Request, num_tokens: int) -> bool:
@@ -293,6 +318,8 @@ class CacheCoordinator:
         for what, manager in zip(("KV blocks", "Mamba state slots"), self.managers):
             manager.usage().check(what)
         self.heads.check()
+        marking = set(self.heads.marking) - self.admitted
+        assert not marking, f"marks of requests that are not admitted (a leak): {marking}"
         for what, manager in zip(("KV blocks", "Mamba slots"), self.managers):
             stray = {h.id for h in manager.holders() if h.kind is HolderKind.REQUEST} - self.admitted
             assert not stray, f"{what} held by requests that are not admitted: {stray}"

@@ -61,6 +61,7 @@ class CommittedHead:
     source: ReuseSource = ReuseSource.HEAD  # what a request attaching it reuses (metrics)
     hits: int = 0  # requests that attached it by prefix lookup
     superseded: bool = False  # a checkpoint a longer one of the same request chain replaced
+    chain_end: bool = False  # a checkpoint of where a request ended (a chain's link, not a mark)
 
     @property
     def pins(self) -> int:
@@ -103,16 +104,21 @@ class HeadManager:
         budget_bytes: int,
         prepared_timeout_s: float,
         checkpoint_budget_bytes: int = 0,
+        checkpoint_slots: int = 0,
     ):
         self.kv = kv
         self.states = states
         self.budget_bytes = budget_bytes
-        self.checkpoint_budget_bytes = checkpoint_budget_bytes  # 0: no prefix checkpoints are kept
+        # Checkpoints (and marks) hold at most this many bytes and slots: the slots of the pool
+        # sized for them, never those of requests and heads. Either 0: no checkpoints are kept.
+        self.checkpoint_budget_bytes = checkpoint_budget_bytes if checkpoint_slots else 0
+        self.checkpoint_slots = checkpoint_slots
         self.prepared_timeout_s = prepared_timeout_s
         self.heads: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
         self.checkpoints: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
         self.index: PrefixIndex[CommittedHead] = PrefixIndex()
-        self.marking: dict[Holder, PendingMark] = {}
+        self.index_version = 0  # bumped whenever a state is named: a lookup that missed may now hit
+        self.marking: dict[str, list[PendingMark]] = {}  # request id -> its marks, by position
         self._by_turn: dict[tuple[str, int], CommittedHead] = {}
         self.prepared: dict[Holder, PreparedState] = {}
         self._serials = itertools.count(1)
@@ -170,6 +176,7 @@ class HeadManager:
             self._by_turn[head.conversation_key, head.turn] = head
         if head.prefix is not None:
             self.index.add(head.prefix, head)
+            self.index_version += 1
 
     def drop(self, head: CommittedHead) -> None:
         """Release a head (rewind, delete, replaced). Turns pinning it keep their own copies."""
@@ -202,14 +209,17 @@ class HeadManager:
         head.last_used = time.monotonic()
         (self.checkpoints if head.holder.kind is HolderKind.CHECKPOINT else self.heads).move_to_end(head.holder)
 
-    def keep_checkpoint(self, src: Holder, state_len: int, key: PrefixKey, source: ReuseSource) -> CommittedHead | None:
-        """`src`'s state (its KV already trimmed to state_len) becomes a checkpoint, without a
-        copy; None (src untouched) if that prefix is already held or checkpoints are off."""
+    def keep_checkpoint(self, src: Holder, state_len: int, key: PrefixKey) -> CommittedHead | None:
+        """`src`'s state (its KV already trimmed to state_len) becomes a checkpoint of where a
+        request ended, without a copy; None (src untouched) if that prefix is already held or
+        checkpoints are off. The caller enforces the budget after (it may evict this one)."""
         if key in self.index or not self.checkpoint_budget_bytes:
             return None
         holder = self.new_holder(HolderKind.CHECKPOINT)
         self._move(src, holder)
-        return self._add_checkpoint(holder, state_len, key, source)
+        checkpoint = self._add_checkpoint(holder, state_len, key, ReuseSource.PREFIX)
+        checkpoint.chain_end = True
+        return checkpoint
 
     def _add_checkpoint(self, holder: Holder, state_len: int, key: PrefixKey, source: ReuseSource) -> CommittedHead:
         checkpoint = CommittedHead(holder, "", 0, 0, state_len, 0, prefix=key, source=source)
@@ -217,40 +227,63 @@ class HeadManager:
         self.counters["checkpoints_made"] += 1
         return checkpoint
 
+    def holds(self, checkpoint: CommittedHead) -> bool:
+        return self.checkpoints.get(checkpoint.holder) is checkpoint
+
     # -- checkpoints being made -----------------------------------------------------------------
     def room_for_mark(self, protect: Holder | None) -> bool:
-        """A free slot for a mark, evicting other unpinned checkpoints only (a mark is optional:
-        it never costs a conversation its head or a request its admission)."""
+        """Room for one more mark within the checkpoints' bytes and slots, evicting other unpinned
+        checkpoints only (a mark is optional: it never costs a conversation its head or a
+        request its admission)."""
         if not self.checkpoint_budget_bytes:
             return False
-        self._evict_while(lambda: self.states.num_free < 1, lambda h: False, protect, kind=HolderKind.CHECKPOINT)
-        return self.states.num_free >= 1
+        short = lambda: self._checkpoints_over(extra_slots=1) or self.states.num_free < 1  # noqa: E731
+        self._evict_while(short, lambda h: False, protect, kind=HolderKind.CHECKPOINT)
+        return not short()
 
     def open_mark(self, request_id: str, mark: CheckpointMark) -> PendingMark:
         """A slot for the state at the mark (the caller made room for it)."""
-        holder = self.new_holder(HolderKind.CHECKPOINT)
+        holder = self.new_holder(HolderKind.MARK)
         held = self.states.allocate(holder, aligned=False)
-        pending = self.marking[holder] = PendingMark(holder, request_id, mark, held.terminal)
+        pending = PendingMark(holder, request_id, mark, held.terminal)
+        marks = self.marking.setdefault(request_id, [])
+        marks.append(pending)
+        marks.sort(key=lambda p: p.mark.position)
         return pending
 
     def marks_of(self, request_id: str) -> list[PendingMark]:
-        return sorted((p for p in self.marking.values() if p.request_id == request_id), key=lambda p: p.mark.position)
+        """The request's open marks, by position (the list itself: O(1) for a request with none)."""
+        return self.marking.get(request_id, [])
 
     def close_mark(self, pending: PendingMark, request_table: list[int]) -> CommittedHead | None:
         """The prefill passed the mark: a checkpoint if its state was snapshot and is new."""
-        del self.marking[pending.holder]
+        self._forget_mark(pending)
         position, key = pending.mark.position, pending.mark.key
         if not pending.scheduled or key is None or key in self.index:
             self.states.free(pending.holder)
             return None
-        self.kv.share(pending.holder, request_table[: -(-position // self.kv.block_size)])
-        return self._add_checkpoint(pending.holder, position, key, pending.mark.source)
+        holder = self.new_holder(HolderKind.CHECKPOINT)
+        self.states.transfer(pending.holder, holder)
+        self.kv.share(holder, request_table[: -(-position // self.kv.block_size)])
+        return self._add_checkpoint(holder, position, key, pending.mark.source)
 
     def drop_marks(self, request_id: str) -> None:
         """The request stopped (finished, failed, preempted) before reaching these marks."""
-        for pending in self.marks_of(request_id):
-            del self.marking[pending.holder]
+        for pending in self.marking.pop(request_id, []):
             self.states.free(pending.holder)
+
+    def _forget_mark(self, pending: PendingMark) -> None:
+        marks = self.marking[pending.request_id]
+        marks.remove(pending)
+        if not marks:
+            del self.marking[pending.request_id]
+
+    def _checkpoints_over(self, extra_slots: int = 0) -> bool:
+        """Checkpoints and open marks (plus `extra_slots` more) past their bytes or slots."""
+        marks = sum(len(m) for m in self.marking.values()) + extra_slots
+        slots = sum(len(s) for h, s in self.states.slots.items() if h.kind is HolderKind.CHECKPOINT) + marks
+        used = self.bytes_used(HolderKind.CHECKPOINT) + marks * self.states.layout.slot_bytes
+        return slots > self.checkpoint_slots or used > self.checkpoint_budget_bytes
 
     def _detach(self, head: CommittedHead) -> None:
         """Requests still pinning a head that goes: queued ones recompute from their prompt."""
@@ -271,8 +304,7 @@ class HeadManager:
         self.enforce_checkpoint_budget()
 
     def enforce_checkpoint_budget(self) -> None:
-        over = lambda: self.bytes_used(HolderKind.CHECKPOINT) > self.checkpoint_budget_bytes  # noqa: E731
-        self._evict_while(over, lambda h: False, kind=HolderKind.CHECKPOINT)
+        self._evict_while(self._checkpoints_over, lambda h: False, kind=HolderKind.CHECKPOINT)
 
     def make_room(self, blocks: int, slots: int, protect: Holder | None, idle: bool, admitted: set[str]) -> bool:
         """Evict until `blocks` KV blocks and `slots` state slots are free; False if impossible.
@@ -398,9 +430,10 @@ class HeadManager:
     # -- integrity ------------------------------------------------------------------------------
     def check(self) -> None:
         """Every block or slot held by a head or prepared turn belongs to one this manager knows."""
-        checkpoints = {**self.checkpoints, **self.marking}
+        marks = {p.holder: p for held in self.marking.values() for p in held}
         for kind, known in (
-            (HolderKind.HEAD, self.heads), (HolderKind.PREPARED, self.prepared), (HolderKind.CHECKPOINT, checkpoints)
+            (HolderKind.HEAD, self.heads), (HolderKind.PREPARED, self.prepared),
+            (HolderKind.CHECKPOINT, self.checkpoints), (HolderKind.MARK, marks),
         ):
             for what, manager in (("KV blocks", self.kv), ("Mamba slots", self.states)):
                 stray = [h for h in manager.holders() if h.kind is kind and h not in known]
@@ -424,5 +457,5 @@ class HeadManager:
         named = {(key, id(h)) for key, held in self.index.items() for h in held}
         holding = {(h.prefix, id(h)) for h in [*self.heads.values(), *self.checkpoints.values()] if h.prefix}
         assert named == holding, "prefix index vs the held heads and checkpoints"
-        for pending in self.marking.values():
+        for pending in marks.values():
             assert pending.holder not in self.kv.tables, f"a checkpoint being made holds KV blocks: {pending}"

@@ -19,6 +19,7 @@ class HolderKind(Enum):
     PREPARED = "prepared"  # a finished turn's state awaiting commit or abandon
     HEAD = "head"
     CHECKPOINT = "checkpoint"  # the state at a prefix of some prompt, owned by no conversation
+    MARK = "mark"  # a checkpoint being made: a slot a running request's prefill will snapshot into
 
     @property
     def cached(self) -> bool:

@@ -123,6 +123,7 @@ class LedgerRecovery:
             keep=KeepState.PREPARE,
             on_finished=self._materialized,
             prefill_only=True,
+            prefix_scope=conv.ref.salt,  # the rebuilt head is named by its tokens like any other
         )
         conv.in_flight = request_id
         # Only the head seen here may be replaced (None unless a canonical rebuild supersedes a

@@ -21,6 +21,7 @@ from typing import Any
 
 from proto.contract import ConversationRef
 from workers.cache.heads import CommittedHead
+from workers.conversation.boundaries import message_marks
 from workers.conversation.ledger import ConversationLedger, find_conversation
 from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import CommitMode, HeadInfo, Resolution, TurnCommit, TurnOutcome
@@ -76,6 +77,9 @@ class TurnLifecycle:
         prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix).token_ids
         head = self._head_to_continue(key, base)
         replacing = self.heads.find(key, base + 1, touch=False)  # a regenerated turn's old head
+        # Without a head the engine attaches the longest prefix held under the salt (a shared
+        # system prompt, a stateless request's state); a first turn marks its message boundaries.
+        marks = message_marks(self.engine.tokenizer, suffix, prompt) if base == 0 else ()
         request = self.engine.add_request(
             request_id,
             prompt,
@@ -83,6 +87,8 @@ class TurnLifecycle:
             head=head.attachment() if head else None,
             keep=KeepState.PREPARE,
             on_finished=self._on_finished,
+            prefix_scope=ref.salt,
+            marks=marks,
         )
         if base:  # a deterministic turn cannot use a head the fast path made: the engine drops it
             self.counters["hits" if request.head else "misses"] += 1
