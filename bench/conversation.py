@@ -222,6 +222,7 @@ def cut_to_aligned(cache: ConversationCache, conversation_id: str, turn: int, bl
     if aligned != committed:
         cache.engine.runner.copy_slots([(snapshot, terminal)])
     cache.kv.truncate(head.holder, aligned)
+    cache.heads.unname(head)  # it no longer covers the tokens it was named by
     head.state_len = aligned
     return {"committed": committed, "aligned": aligned}
 

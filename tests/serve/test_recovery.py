@@ -197,7 +197,11 @@ async def test_restart_between_turns_loses_no_turn(stack, conv_id, what):
 
 async def test_lease_is_renewed_while_a_long_turn_streams(stack, notier, conv_id):
     client = openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key="k1", max_retries=0, timeout=120)
-    await replicas_settled(NOTIER_APP)  # an earlier test killed one of its workers
+    # Earlier tests killed workers of both apps: a replacement still loading its model and tuning
+    # its kernels on both cores starved the ingress for over the 1.5 s lease (CI, loaded), which
+    # tests the TTL against CPU starvation, not the renewal.
+    await replicas_settled(NOTIER_APP)
+    await replicas_settled(APP)
     started = asyncio.get_running_loop().time()
     # 3,600 tokens, near the tiny model's 4,096 positions: 1,500 once streamed in 4.2 s here, under
     # the three TTLs the turn must outlive, so the renewal went untested; this took 11.3 s there.

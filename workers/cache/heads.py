@@ -178,6 +178,12 @@ class HeadManager:
             self.index.add(head.prefix, head)
             self.index_version += 1
 
+    def unname(self, head: CommittedHead) -> None:
+        """Take a head out of the prefix index (its state no longer covers the tokens it was named by)."""
+        if head.prefix is not None:
+            self.index.remove(head.prefix, head)
+            head.prefix = None
+
     def drop(self, head: CommittedHead) -> None:
         """Release a head (rewind, delete, replaced). Turns pinning it keep their own copies."""
         self._detach(head)
