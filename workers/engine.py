@@ -69,6 +69,14 @@ class RequestOutput:
         return [t.token_id for t in self.new_tokens]
 
 
+def _keyed_marks(scope: str, prompt: list[int], marks: tuple[CheckpointMark, ...]) -> tuple[CheckpointMark, ...]:
+    """The marks inside the prompt, by position, each with the name of the prefix it ends."""
+    positions = sorted({m.position for m in marks if 0 < m.position < len(prompt)})
+    keys = {k.length: k for k in prefix_keys(scope, list(prompt), positions)}
+    return tuple(dataclasses.replace(m, key=keys[m.position]) for m in sorted(marks, key=lambda m: m.position)
+                 if m.position in keys)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -142,15 +150,6 @@ class LLMEngine:
         if params.deterministic and head is not None and head.canonical_window != self.config.deterministic.window:
             head = None  # the fast path made that state: recompute the whole prompt in tiles (a miss)
         reuse = prefix_scope is not None and not params.deterministic and self.caches.heads.checkpoint_budget_bytes > 0
-        if reuse and marks:
-            positions = sorted({m.position for m in marks if 0 < m.position < len(prompt_token_ids)})
-            keys = {k.length: k for k in prefix_keys(prefix_scope, list(prompt_token_ids), positions)}
-            marks = tuple(
-                dataclasses.replace(m, key=keys[m.position]) for m in sorted(marks, key=lambda m: m.position)
-                if m.position in keys
-            )
-        else:
-            marks = ()
         if keep is KeepState.CHECKPOINT and not reuse:
             keep = KeepState.FREE
         if params.seed is None and params.deterministic:
@@ -165,11 +164,12 @@ class LLMEngine:
             keep=keep,
             on_finished=on_finished,
             prefill_only=prefill_only,
+            # a prepared turn's head is named (found by requests that do reuse) even with reuse off
+            prefix_scope=prefix_scope if reuse or keep is KeepState.PREPARE else None,
+            prefix_lookup=reuse,
+            marks=_keyed_marks(prefix_scope, prompt_token_ids, marks) if reuse else (),
+            final_label=final_label,
         )
-        request.prefix_scope = prefix_scope if reuse or (prefix_scope is not None and keep is KeepState.PREPARE) else None
-        request.prefix_lookup = reuse
-        request.marks = marks
-        request.final_label = final_label
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
         return request
