@@ -75,13 +75,18 @@ class ConversationRef:
         return ConversationRef(new_id, self.salt)
 
 
-def tokens_digest(token_ids: Iterable[int]) -> str:
-    """sha256 hex of the committed token ids as uint32 little endian."""
+def token_bytes(token_ids: Iterable[int]) -> bytes:
+    """Token ids as the bytes their digests hash: uint32 little endian, 4 bytes per token."""
     ids = array("I", token_ids)
     assert ids.itemsize == 4, "array('I') is not 32-bit on this platform"
     if sys.byteorder != "little":
         ids.byteswap()
-    return hashlib.sha256(ids.tobytes()).hexdigest()
+    return ids.tobytes()
+
+
+def tokens_digest(token_ids: Iterable[int]) -> str:
+    """sha256 hex of the committed token ids as uint32 little endian."""
+    return hashlib.sha256(token_bytes(token_ids)).hexdigest()
 
 
 def chunk_digest(data: bytes | bytearray | memoryview) -> str:

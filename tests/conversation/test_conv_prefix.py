@@ -47,6 +47,9 @@ def test_new_conversations_attach_a_system_prompt_marked_by_another_in_their_sal
     again = check_turn_against_reference(cc, ref, "b", "s", user("and then?"), greedy(6), "b2")
     assert again.num_cached_tokens == head.state_len
     assert again.request.reused_from is ReuseSource.HEAD
+    stats = cc.stats()  # a, b and c each marked their system prompt and its end; b hit a's mark
+    assert stats["prefix_hits"] == 1 and stats["checkpoints"] == stats["checkpoints_made"] >= 2
+    assert 0 < stats["checkpoint_bytes"] <= 8 * MiB
 
 
 def test_a_request_without_a_conversation_attaches_a_conversations_head_in_its_salt(cc, reference_engines):

@@ -137,8 +137,7 @@ class HeadManager:
     def find(self, key: str, turn: int, touch: bool = True) -> CommittedHead | None:
         head = self._by_turn.get((key, turn))
         if head is not None and touch:
-            head.last_used = time.monotonic()
-            self.heads.move_to_end(head.holder)
+            self.touch(head)
         return head
 
     def latest(self, key: str, at_most: int | None = None) -> CommittedHead | None:

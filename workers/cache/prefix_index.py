@@ -16,12 +16,12 @@ Another scope never matches: its keys live under another dict entry.
 from __future__ import annotations
 
 import hashlib
-import sys
-from array import array
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from proto.contract import token_bytes
 
 State = TypeVar("State")
 
@@ -35,10 +35,7 @@ class PrefixKey:
 
 def prefix_digests(token_ids: list[int], lengths: list[int]) -> Iterator[tuple[int, str]]:
     """(L, tokens_digest(token_ids[:L])) for each L in ascending `lengths`, in one pass."""
-    data = array("I", token_ids)
-    if sys.byteorder != "little":
-        data.byteswap()
-    raw = memoryview(data.tobytes())
+    raw = memoryview(token_bytes(token_ids))
     hasher, done = hashlib.sha256(), 0
     for length in lengths:
         hasher.update(raw[4 * done : 4 * length])
@@ -56,9 +53,6 @@ class PrefixIndex(Generic[State]):
     def __init__(self) -> None:
         self._states: dict[PrefixKey, list[State]] = {}
         self._lengths: dict[str, Counter[int]] = {}  # scope -> how many keys of each length
-
-    def __len__(self) -> int:
-        return len(self._states)
 
     def __contains__(self, key: PrefixKey) -> bool:
         return key in self._states

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from proto.contract import ConversationRef, ModelIdentity
+from workers.cache.holders import HolderKind
 from workers.conversation import export, history
 from workers.conversation.export_install import install_head
 from workers.conversation.ledger import ConversationLedger, find_conversation
@@ -184,4 +185,11 @@ class ConversationCache:
             "ledgers": len(self.conversations),
             "head_bytes": self.heads.bytes_used(),
             "head_budget_bytes": self.heads.budget_bytes,
+            # prefix checkpoints (workers/cache/prefix_index.py)
+            "checkpoints": len(self.heads.checkpoints),
+            "checkpoints_made": self.heads.counters["checkpoints_made"],
+            "checkpoint_evictions": self.heads.counters["checkpoint_evictions"],
+            "prefix_hits": self.heads.counters["prefix_hits"],
+            "prefix_misses": self.heads.counters["prefix_misses"],
+            "checkpoint_bytes": self.heads.bytes_used(HolderKind.CHECKPOINT),
         }
