@@ -96,13 +96,15 @@ class TurnRun:
                       HeadRef.of(head) if head.version else None,
                       publish_id=idempotency.publish_id if idempotency else "")
         run = cls(settings, workers, cache, job, Lease(conversation, granted), keeper)
-        if not head.version:
+        if not head.version:  # a new conversation: where is its prefix held (a hint)?
+            run._keep_lease()  # first: the lookup must not eat into the lease
             try:
                 run.job = replace(job, prefix_holders=await find_holders(cache, conversation.salt, messages))
             except BaseException:
                 await run.close()  # cancelled meanwhile: the lease is settled, as after any failure
                 raise
-        if idempotency is not None and head.version:
+            return run
+        if idempotency is not None:
             try:
                 await run._find_earlier_run(idempotency, head.turn)
             except BaseException:

@@ -76,6 +76,7 @@ async def test_owner_killed_between_turns_head_imported_from_tier(stack, conv_id
         before = await tier_copy(http, conv_id, "r")  # tier_export=async: the copy lands after the answer
         imports = await metric(http, "hybridserve_tier_imports_total")
         kill_replica(APP, before["head"]["owner"])
+        await replica_replaced(APP)  # its replacement tunes its kernels now, not under a later test
         message = user("third question")
         reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r")
         after = await conversation(http, conv_id, "r")
@@ -126,6 +127,7 @@ async def test_owner_killed_with_tier_off_recomputes_from_ledger(stack, notier, 
         before = await conversation(http, conv_id, "r", prefix=notier, headers=headers)
         assert before["head"]["tier_version"] == 0
         kill_replica(NOTIER_APP, before["head"]["owner"])
+        await replica_replaced(NOTIER_APP)
         message = user("gamma")
         reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="r")
         assert reply.turn == 3 and reply.cached_tokens == 0  # recomputed from the ledger's token ids
@@ -151,6 +153,7 @@ async def test_replica_killed_mid_stream_leaves_the_head_and_the_retry_matches(s
                 if len(received) == 3:  # tokens are flowing: kill the replica producing them
                     kill_replica(APP, before["head"]["owner"])
         assert len(received) < 2000
+        await replica_replaced(APP)
         after = await conversation(http, conv_id, "r")
         assert after["head"] == {**before["head"], "tier_version": after["head"]["tier_version"]}
         assert after["turn"] == 1
@@ -197,9 +200,10 @@ async def test_restart_between_turns_loses_no_turn(stack, conv_id, what):
 
 async def test_lease_is_renewed_while_a_long_turn_streams(stack, notier, conv_id):
     client = openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key="k1", max_retries=0, timeout=120)
-    # Earlier tests killed workers of both apps: a replacement still loading its model and tuning
-    # its kernels on both cores starved the ingress for over the 1.5 s lease (CI, loaded), which
-    # tests the TTL against CPU starvation, not the renewal.
+    # Tests that kill workers wait for their replacements: one still loading its model and tuning
+    # its kernels on both cores starved the ingress past the 1.5 s lease (twice in full CI runs),
+    # which tests the TTL against CPU starvation, not the renewal. (A status read just after a
+    # kill still counts the dead replica as running: replicas_settled alone did not catch it.)
     await replicas_settled(NOTIER_APP)
     await replicas_settled(APP)
     started = asyncio.get_running_loop().time()
