@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from cache_service.client import SERVICE_LIMITS
@@ -61,6 +61,10 @@ def _off(value: Any) -> bool:
     return value in (None, False, 0, "", [], {}, "none", "text", {"type": "text"}, ["text"])
 
 
+def _field_error(field: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_field", "{message}", {"field": field, "message": message})
+
+
 def _unsupported(field: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", "{field} is not supported by this server", {"field": field})
 
@@ -72,33 +76,139 @@ class TextPart(BaseModel):
     text: Text
 
 
+ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+MAX_TOOLS = 128
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A tool call of an assistant message sent back as history."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Text = Field(max_length=MAX_ID)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_engine(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": self.function.arguments}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None  # bounded by the body size limit (413)
     name: Text | None = Field(None, max_length=MAX_ID)
-    tool_call_id: Text | None = Field(None, max_length=MAX_ID, description="accepted, ignored")
+    tool_call_id: Text | None = Field(None, max_length=MAX_ID)
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOLS)
     # What an assistant message of a reply carries, sent back as history: accepted when empty.
     refusal: None = None
     annotations: list[Any] | None = None
-    tool_calls: Any = Field(None, description="not supported: refused unless null or empty")
-    function_call: Any = Field(None, description="not supported: refused unless null")
+    function_call: Any = Field(None, description="not supported (deprecated by OpenAI): refused unless null")
     audio: Any = Field(None, description="not supported: refused unless null")
 
-    @field_validator("annotations", "tool_calls", "function_call", "audio", mode="before")
+    @field_validator("annotations", "function_call", "audio", mode="before")
     @classmethod
     def _refuse(cls, value: Any, info) -> Any:
         if not _off(value):
             raise _unsupported(info.field_name)
         return value
 
-    def as_engine_message(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "only assistant messages carry tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise PydanticCustomError("tool_call_id_role", "only tool messages carry tool_call_id")
+        return self
+
+    def as_engine_message(self) -> dict[str, Any]:
         if isinstance(self.content, list):
             text = "".join(part.text for part in self.content)
         else:
             text = self.content or ""
-        return {"role": self.role, "content": text}
+        message: dict[str, Any] = {"role": self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_engine() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (checked when it is compiled)
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_engine(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_needed(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("json_schema", "json_schema is required with type json_schema, and only then")
+        return self
+
+
+def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool) -> dict[str, Any] | None:
+    """The grammar forcing a reply of tool calls (tool_choice "required" or a named function),
+    over engine-shaped tools ({"type": "function", "function": {...}}); None otherwise."""
+    if tool_choice == "required":
+        chosen = tools
+    elif isinstance(tool_choice, dict):
+        chosen = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+    else:
+        return None
+    return {"type": "tool_calls", "parallel": parallel,
+            "tools": [{"name": t["function"]["name"], "parameters": t["function"].get("parameters") or {}}
+                      for t in chosen]}
 
 
 class StreamOptions(BaseModel):
@@ -109,7 +219,7 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI request fields this server does not implement: refused unless their value means "off".
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
+UNSUPPORTED = ("functions", "function_call", "logit_bias",
                "presence_penalty", "frequency_penalty", "audio", "modalities", "prediction", "reasoning_effort",
                "verbosity", "web_search_options", "store")
 
@@ -136,13 +246,13 @@ class ChatCompletionRequest(BaseModel):
     prompt_cache_key: Text | None = Field(None, max_length=MAX_ID, description="ignored: see cache_salt")
     metadata: dict[str, Text] | None = Field(None, max_length=16)
     service_tier: Text | None = Field(None, max_length=MAX_ID)
-    parallel_tool_calls: bool | None = Field(None, description="ignored: tools are not supported")
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     # Not implemented: a 400 unless off (null, false, 0, empty, "none", "text", ["text"]).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -167,6 +277,42 @@ class ChatCompletionRequest(BaseModel):
             raise _unsupported(info.field_name)
         return value
 
+    @model_validator(mode="after")
+    def _tools_fit(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise _field_error("tools", "tool names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise _field_error("tool_choice", "tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _field_error("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise _field_error("response_format", "response_format cannot be combined with a forced tool_choice")
+        return self
+
+    def engine_tools(self) -> tuple[dict[str, Any], ...]:
+        return tuple(t.as_engine() for t in self.tools or ())
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply's text is parsed for tool calls (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def constraint(self) -> dict[str, Any] | None:
+        """The grammar the reply must follow (the worker compiles it), or None."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        forced = tool_constraint(list(self.engine_tools()), choice, self.parallel_tool_calls is not False)
+        if forced is not None:
+            return forced
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "schema": fmt.json_schema.schema_, "strict": bool(fmt.json_schema.strict)}
+
     def sampling(self, default_max_tokens: int) -> dict:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {
@@ -177,4 +323,5 @@ class ChatCompletionRequest(BaseModel):
             "stop": tuple(s for s in stop if s),
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             "deterministic": self.deterministic,
+            "constraint": self.constraint(),
         }

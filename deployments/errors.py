@@ -101,6 +101,7 @@ def install(app: FastAPI) -> None:
         first = next((e for e in errors if not e.get("type", "").endswith("_type")), errors[0] if errors else {})
         # Field names and list indices; not "body" nor pydantic's names of union members
         where = ".".join(str(p) for p in first.get("loc", ())[1:] if re.fullmatch(r"\w+", str(p)))
+        where = (first.get("ctx") or {}).get("field") or where  # a check across fields names its field
         unsupported = first.get("type") in ("extra_forbidden", "unsupported")
         why = "not supported by this server" if unsupported else first.get("msg", "invalid request")
         message = f"{where}: {why}" if where else why

@@ -175,7 +175,8 @@ class ChatIngress:
                 messages=[m.as_engine_message() for m in body.messages],
                 sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation=conv,
                 scope=self._scope(request, body.cache_salt),
-                wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body))
+                wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body),
+                tools=body.engine_tools(), parse_tool_calls=body.calls_tools)
         except BaseException as e:
             self._finished(e.status if isinstance(e, APIError) else 500)
             if isinstance(e, APIError) and e.code == "conversation_busy":
@@ -242,7 +243,7 @@ class ChatIngress:
 
     async def _complete(self, body: ChatCompletionRequest, run: TurnRun, first: TurnEvent,
                         events: AsyncIterator[TurnEvent], arrived: float) -> Response:
-        text, logprobs, status = [], [], 500
+        text, logprobs, status = [], [], 500  # the tool calls come whole with the TurnDone
         try:
             async for event in self._events(run, first, events, arrived):
                 if isinstance(event, TurnFailed):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.errors import APIError
-from deployments.protocol import TokenLogprob, TurnDelta, TurnDone
+from deployments.protocol import TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -36,6 +36,18 @@ def logprobs_of(entries: Iterable[TokenLogprob] | None) -> dict:
                         for e in entries or ()]}
 
 
+def tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta(delta: ToolCallDelta) -> dict[str, Any]:
+    """OpenAI's chunk shape: the first piece of a call carries its id, type and name."""
+    if delta.id:
+        return {"index": delta.index, "id": delta.id, "type": "function",
+                "function": {"name": delta.name, "arguments": delta.arguments}}
+    return {"index": delta.index, "function": {"arguments": delta.arguments}}
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """The bodies of one chat completion (request id, model, conversation, logprobs wanted)."""
@@ -46,7 +58,11 @@ class ChatFormat:
     with_logprobs: bool
 
     def completion(self, text: str, entries: list[TokenLogprob], done: TurnDone) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if done.tool_calls:
+            message["content"] = text or None  # OpenAI's shape: no content beside the calls is null
+            message["tool_calls"] = [tool_call(call) for call in done.tool_calls]
+        choice = {"index": 0, "message": message,
                   "finish_reason": done.finish_reason,
                   "logprobs": logprobs_of(entries) if self.with_logprobs else None}
         return self.envelope("chat.completion", [choice], usage=usage_of(done), done=done)
@@ -56,7 +72,10 @@ class ChatFormat:
                                                              "finish_reason": None, "logprobs": None}]))
 
     def sse_delta(self, delta: TurnDelta) -> str:
-        choice = {"index": 0, "delta": {"content": delta.text}, "finish_reason": None,
+        body: dict[str, Any] = {"content": delta.text} if delta.text or not delta.tool_calls else {}
+        if delta.tool_calls:
+            body["tool_calls"] = [tool_call_delta(d) for d in delta.tool_calls]
+        choice = {"index": 0, "delta": body, "finish_reason": None,
                   "logprobs": logprobs_of(delta.logprobs) if self.with_logprobs else None}
         return data(self.envelope("chat.completion.chunk", [choice]))
 

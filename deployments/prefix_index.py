@@ -73,13 +73,14 @@ async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict],
     return () if match is None else tuple(replica for replica, _ in match.holders)
 
 
-def announcement(scope: str, messages: Sequence[dict], reply: str,
+def announcement(scope: str, messages: Sequence[dict], reply: dict,
                  checkpoints: Sequence[tuple[int, int]]) -> list[tuple[str, int]]:
     """(prefix name, tokens) per engine checkpoint (k messages covered, tokens): k names
-    messages[:k]; k == len(messages) + 1 the messages plus the reply."""
+    messages[:k]; k == len(messages) + 1 the messages plus the reply (the assistant message as
+    the client will send it back: its content, and its tool calls if it made any)."""
     if not checkpoints:
         return []
-    chat = [*messages, {"role": "assistant", "content": reply}]
+    chat = [*messages, reply]
     names = message_prefix_digests(scope, chat)
     return [(names[k - 1], tokens) for k, tokens in checkpoints if 1 <= k <= len(chat) and tokens > 0]
 
@@ -94,7 +95,7 @@ class Announcer:
         self.announced = 0  # names announced (a name announced again counts again)
         self.in_flight = 0
 
-    def after_turn(self, scope: str, messages: Sequence[dict], reply: str,
+    def after_turn(self, scope: str, messages: Sequence[dict], reply: dict,
                    checkpoints: Sequence[tuple[int, int]]) -> None:
         if not checkpoints:
             return
@@ -104,7 +105,7 @@ class Announcer:
         self.in_flight += 1
         self._spawn(self._announce(scope, list(messages), reply, tuple(checkpoints)))
 
-    async def _announce(self, scope: str, messages: list[dict], reply: str,
+    async def _announce(self, scope: str, messages: list[dict], reply: dict,
                         checkpoints: tuple[tuple[int, int], ...]) -> None:
         try:
             entries = announcement(scope, messages, reply, checkpoints)

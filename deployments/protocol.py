@@ -58,6 +58,10 @@ class TurnJob:
     # A stateless request's cache scope (its salt, scoped to the API key if auth is on): the
     # prefixes it reuses and keeps are named in it. A conversation's scope is its ref's salt.
     stateless_scope: str = ""
+    # The request's function tools (OpenAI chat shape: {"type": "function", "function": {...}}):
+    # the chat template renders them; the reply's tool calls are parsed out of its text.
+    tools: tuple[dict[str, Any], ...] = ()
+    parse_tool_calls: bool = False  # tools given and tool_choice not "none"
 
     @property
     def scope(self) -> str:
@@ -112,15 +116,36 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A tool call of the reply, parsed out of its text."""
+
+    id: str
+    name: str
+    arguments: str  # the JSON text as the model wrote it
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of the reply's `index`-th tool call, as it streams: its first delta names it
+    (`id`, `name`), the next ones carry more of its arguments' text."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
 class TurnDelta:
-    text: str
+    text: str  # the reply's content (the text of tool calls is in tool_calls, not here)
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True)
 class TurnDone:
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "tool_calls"
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -131,6 +156,7 @@ class TurnDone:
     # where the cached tokens came from: "head" (the conversation's), "prefix" (a checkpoint at a
     # message boundary or an earlier request's end), "system" (a shared system prompt), "" none
     reused_from: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()  # the reply's, whole (the deltas streamed them piece by piece)
 
 
 @dataclass(frozen=True)

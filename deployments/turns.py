@@ -42,7 +42,7 @@ from deployments.prefix_index import find_holders
 from deployments.protocol import ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob
 from deployments.settings import AppSettings
 from deployments.turn_outcome import IdempotencyKey
-from proto.contract import ConversationRef
+from proto.contract import ConversationRef, tools_scope
 
 log = logging.getLogger("hybridserve.ingress")
 RETRIES_BEFORE_FIRST_EVENT = 2
@@ -82,24 +82,29 @@ class TurnRun:
     @classmethod
     async def start(cls, settings: AppSettings, workers: DeploymentHandle, cache: CacheClient, keeper: LeaseKeeper,
                     *, messages: list[dict], sampling: dict, conversation: ConversationRef | None, scope: str,
-                    wait_if_busy: bool, idempotency: IdempotencyKey | None = None) -> "TurnRun":
+                    wait_if_busy: bool, idempotency: IdempotencyKey | None = None,
+                    tools: tuple[dict, ...] = (), parse_tool_calls: bool = False,
+                    request_id: str | None = None) -> "TurnRun":
         """`scope`: the caller's cache scope (a conversation's is its salt; a stateless request's
-        names the prefixes it may reuse)."""
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        names the prefixes it may reuse). `tools`: the request's function tools (TurnJob.tools)."""
+        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         if conversation is None:  # nothing is committed: a retry is harmless, no key needed
-            holders = await find_holders(cache, scope, messages)
+            holders = await find_holders(cache, tools_scope(scope, tools), messages)
             return cls(settings, workers, cache, TurnJob(request_id, messages, sampling, prefix_holders=holders,
-                                                         stateless_scope=scope), None)
+                                                         stateless_scope=scope, tools=tools,
+                                                         parse_tool_calls=parse_tool_calls), None)
         granted = await _acquire(settings, cache, conversation, request_id, wait_if_busy)
         head = granted.head  # the head at the time of the acquire; version 0: a new conversation
         job = TurnJob(request_id, messages, sampling, conversation, granted,
                       HeadRef.of(head) if head.version else None,
-                      publish_id=idempotency.publish_id if idempotency else "")
+                      publish_id=idempotency.publish_id if idempotency else "", tools=tools,
+                      parse_tool_calls=parse_tool_calls)
         run = cls(settings, workers, cache, job, Lease(conversation, granted), keeper)
         if not head.version:  # a new conversation: where is its prefix held (a hint)?
             run._keep_lease()  # first: the lookup must not eat into the lease
             try:
-                run.job = replace(job, prefix_holders=await find_holders(cache, conversation.salt, messages))
+                holders = await find_holders(cache, tools_scope(conversation.salt, tools), messages)
+                run.job = replace(job, prefix_holders=holders)
             except BaseException:
                 await run.close()  # cancelled meanwhile: the lease is settled, as after any failure
                 raise

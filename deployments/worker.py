@@ -50,7 +50,7 @@ from deployments.recovery_ladder import attach
 from deployments.router import StickyConversationRouter
 from deployments.settings import AppSettings
 from deployments.tier_export import TierExporter
-from proto.contract import ConversationRef
+from proto.contract import ConversationRef, tools_scope
 from workers.conversation.records import TurnCommit
 from workers.errors import (
     ConversationBusyError,
@@ -198,7 +198,7 @@ class Worker:
         done = TurnDone(last.finish_reason.value, last.num_prompt_tokens, completion, last.num_cached_tokens,
                         recovery, self.replica_id, reused_from=last.reused_from.value)
         if job.conversation is None:
-            self.announcer.after_turn(job.scope, job.messages, "".join(reply), last.checkpoints)
+            self.announcer.after_turn(tools_scope(job.scope, job.tools), job.messages, reply_message, last.checkpoints)
             yield done
             return
         if last.turn_commit is None:
@@ -206,7 +206,7 @@ class Worker:
             return
         outcome = await self._commit(job, done, last.turn_commit)
         if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
-            self.announcer.after_turn(job.scope, job.messages, "".join(reply), last.checkpoints)
+            self.announcer.after_turn(tools_scope(job.scope, job.tools), job.messages, reply_message, last.checkpoints)
         yield outcome
 
     async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:

@@ -16,7 +16,8 @@ import hashlib
 import json
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 from dataclasses import asdict, dataclass, field
 
 _DOMAIN = b"hybridserve/conversation/v1\0"
@@ -52,9 +53,25 @@ def message_prefix_digests(scope: str, messages: list[dict[str, str]]) -> list[s
     state = hashlib.sha256(_PREFIX_DOMAIN + _framed(scope)).digest()
     names = []
     for message in messages:
-        state = hashlib.sha256(state + _framed(message.get("role", "")) + _framed(message.get("content", ""))).digest()
+        part = _framed(message.get("role", "")) + _framed(message.get("content", ""))
+        for field_name in ("tool_calls", "tool_call_id"):  # absent from plain messages: their names stay
+            if message.get(field_name):
+                part += _framed(field_name) + _framed(_canonical(message[field_name]))
+        state = hashlib.sha256(state + part).digest()
         names.append(state.hex()[:32])
     return names
+
+
+def tools_scope(scope: str, tools: Sequence[Any]) -> str:
+    """The prefix-index scope of a request with function tools: the template renders them into
+    the prompt, so chats with other tools share no prefix."""
+    if not tools:
+        return scope
+    return f"{scope}\x00tools:{hashlib.sha256(_canonical(list(tools)).encode()).hexdigest()[:32]}"
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True, slots=True)

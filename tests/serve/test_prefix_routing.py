@@ -21,7 +21,7 @@ from deployments.lease_keeper import LeaseKeeper
 from deployments.prefix_index import LOOKUP_FAILURES, PREFIX_LOOKUP_S, Announcer, announcement
 from deployments.settings import AppSettings
 from deployments.turns import TurnRun
-from proto.contract import ConversationRef, message_prefix_digests
+from proto.contract import ConversationRef, message_prefix_digests, tools_scope
 from tests.cache_service.cs_helpers import ServiceProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,13 +116,24 @@ async def test_a_failed_lookup_routes_by_load_quickly(service, fault):
 def test_checkpoints_name_the_prefixes_they_cover():
     salt = "scope"
     messages = CHAT[:2]
-    chat = [*messages, {"role": "assistant", "content": "the reply"}]
+    REPLY = {"role": "assistant", "content": "the reply"}
+    chat = [*messages, REPLY]
     names = message_prefix_digests(salt, chat)
-    assert announcement(salt, messages, "the reply", [(1, 7), (2, 15), (3, 24)]) == [
+    assert announcement(salt, messages, REPLY, [(1, 7), (2, 15), (3, 24)]) == [
         (names[0], 7), (names[1], 15), (names[2], 24)]
-    assert announcement(salt, messages, "the reply", []) == []
+    assert announcement(salt, messages, REPLY, []) == []
     # k outside 1..len(messages) + 1 names nothing (never the wrong prefix)
-    assert announcement(salt, messages, "the reply", [(0, 3), (4, 30), (2, 0)]) == []
+    assert announcement(salt, messages, REPLY, [(0, 3), (4, 30), (2, 0)]) == []
+    # a reply with tool calls is named as the client sends it back (calls included), and
+    # plain messages keep their names
+    calls = {**REPLY, "tool_calls": [{"id": "call_1", "type": "function",
+                                      "function": {"name": "f", "arguments": "{}"}}]}
+    with_calls = message_prefix_digests(salt, [*messages, calls])
+    assert with_calls[:2] == names[:2] and with_calls[2] != names[2]
+    assert announcement(salt, messages, calls, [(3, 24)]) == [(with_calls[2], 24)]
+    # tools change the prompt: another tool list is another scope
+    assert tools_scope(salt, ()) == salt
+    assert tools_scope(salt, [{"a": 1}]) != tools_scope(salt, [{"a": 2}]) != salt
 
 
 async def test_a_worker_announces_off_the_turn_and_survives_a_dead_service(service):
@@ -137,7 +148,7 @@ async def test_a_worker_announces_off_the_turn_and_survives_a_dead_service(servi
             return cache
 
         announcer = Announcer("replica-w", live, spawn)
-        announcer.after_turn(salt, CHAT[:2], "hello", [(1, 9), (3, 21)])
+        announcer.after_turn(salt, CHAT[:2], {"role": "assistant", "content": "hello"}, [(1, 9), (3, 21)])
         assert len(tasks) == 1 and announcer.in_flight == 1  # spawned, not awaited
         await asyncio.gather(*tasks)
         names = message_prefix_digests(salt, [*CHAT[:2], {"role": "assistant", "content": "hello"}])
@@ -153,7 +164,7 @@ async def test_a_worker_announces_off_the_turn_and_survives_a_dead_service(servi
 
         announcer = Announcer("replica-w", down, spawn)
         tasks.clear()
-        announcer.after_turn(salt, CHAT[:2], "hello", [(1, 9)])
+        announcer.after_turn(salt, CHAT[:2], {"role": "assistant", "content": "hello"}, [(1, 9)])
         await asyncio.gather(*tasks)  # the announce's own failure is not raised anywhere
         assert announcer.failures.count == 1 and announcer.in_flight == 0
     finally:
