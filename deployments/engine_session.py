@@ -44,6 +44,7 @@ from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
 from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
+from workers.tools.formats import ToolFormat
 
 
 class EngineSession:
@@ -180,24 +181,26 @@ class EngineSession:
         suffix: list[dict[str, Any]],
         params: SamplingParams,
         request_id: str,
+        tools: list[dict[str, Any]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The final output's `turn_commit` is the prepared turn (None if it was discarded)."""
         start = lambda _e: self.cache.begin_turn(  # noqa: E731
-            ref, suffix, params, request_id, commit=CommitMode.PREPARE)
+            ref, suffix, params, request_id, commit=CommitMode.PREPARE, tools=tools)
         return self.aengine.stream(request_id, start)
 
     def stream_stateless(
-        self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str, cache_salt: str
+        self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str, cache_salt: str,
+        tools: list[dict[str, Any]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """A full-history request: it attaches the longest prefix of its prompt held here under
         its salt, checkpoints its message boundaries and its end (the final output's
         `checkpoints`, labelled by the messages they cover, see workers/conversation/boundaries.py)."""
 
         def start(e: LLMEngine) -> Request:  # the stream follows the request start returns
-            prompt = e.tokenizer.encode(e.tokenizer.render_chat(messages, add_generation_prompt=True))
+            prompt = e.tokenizer.encode(e.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools))
             return e.add_request(
                 request_id, prompt, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT,
-                marks=message_marks(e.tokenizer, messages, prompt), final_label=reply_label(messages))
+                marks=message_marks(e.tokenizer, messages, prompt, tools), final_label=reply_label(messages))
 
         return self.aengine.stream(request_id, start)
 
@@ -225,6 +228,11 @@ class EngineSession:
                 self.cache.drop_headless_ledgers(keep)
 
         await self.aengine.call(abandon)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The form this model's chat template writes tool calls in."""
+        return self.cache.engine.tool_format
 
     def token_text(self, token_id: int) -> str:
         return self.cache.engine.tokenizer.decode_exact([token_id])

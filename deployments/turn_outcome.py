@@ -21,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cache_service.client import CacheClient, NotFound, pb
-from deployments.protocol import Recovery, TurnDelta, TurnDone, TurnEvent
+from deployments.protocol import Recovery, ToolCall, ToolCallDelta, TurnDelta, TurnDone, TurnEvent
+from deployments.tool_replies import call_id
+from workers.tools.formats import format_named
 from proto.contract import ConversationRef
 
 # A retry is matched against this many of the conversation's latest turns: a client retries
@@ -70,8 +72,13 @@ def replay(turn: pb.LedgerTurn, already_streamed: str = "") -> list[TurnEvent]:
     """The events of a committed turn, read back from its ledger entry: the reply's text (what
     the client has not been sent yet of it) and its result."""
     reply = next((m.content for m in reversed(turn.messages) if m.role == "assistant"), "")
-    rest = reply[len(already_streamed):] if reply.startswith(already_streamed) else reply
     result = turn.result
+    calls: tuple[ToolCall, ...] = ()
+    if result.tool_format:  # the request parsed tool calls: they are read back out of the text
+        reply, parsed = format_named(result.tool_format).parse(reply)
+        calls = tuple(ToolCall(call_id(turn.publish_id, i), c.name, c.arguments) for i, c in enumerate(parsed))
+    rest = reply[len(already_streamed):] if reply.startswith(already_streamed) else reply
     done = TurnDone(result.finish_reason or "stop", result.prompt_tokens, result.completion_tokens,
-                    result.cached_tokens, Recovery.REPLAY, replica="", turn=turn.turn)
-    return ([TurnDelta(rest, ())] if rest else []) + [done]
+                    result.cached_tokens, Recovery.REPLAY, replica="", turn=turn.turn, tool_calls=calls)
+    deltas = tuple(ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls))
+    return ([TurnDelta(rest, (), None, deltas)] if rest or deltas else []) + [done]

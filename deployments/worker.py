@@ -50,6 +50,7 @@ from deployments.recovery_ladder import attach
 from deployments.router import StickyConversationRouter
 from deployments.settings import AppSettings
 from deployments.tier_export import TierExporter
+from deployments.tool_replies import ReplyCalls
 from proto.contract import ConversationRef, tools_scope
 from workers.conversation.records import TurnCommit
 from workers.errors import (
@@ -61,6 +62,7 @@ from workers.errors import (
 )
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
+from workers.tools.formats import ToolFormat
 
 log = logging.getLogger("hybridserve.worker")
 
@@ -155,7 +157,8 @@ class Worker:
             return
         try:
             if job.conversation is None:
-                stream = self.session.stream_stateless(job.messages, params, job.request_id, job.scope)
+                stream = self.session.stream_stateless(job.messages, params, job.request_id, job.scope,
+                                                       list(job.tools))
                 recovery = Recovery.NEW
             else:
                 if not self._expiring:
@@ -164,7 +167,8 @@ class Worker:
                 self.session.turn_started(job.conversation)
                 self.exporter.turn_started(job.conversation)
                 recovery = await attach(self.session, self.settings, self._cache, job)
-                stream = self.session.stream_turn(job.conversation, job.messages, params, job.request_id)
+                stream = self.session.stream_turn(job.conversation, job.messages, params, job.request_id,
+                                                  list(job.tools))
             async for event in self._run(job, params, stream, recovery):
                 yield event
         except InvalidRequestError as e:
@@ -179,44 +183,53 @@ class Worker:
                 self.exporter.turn_ended(job.conversation)
 
     async def _run(self, job: TurnJob, params: SamplingParams, stream, recovery: Recovery) -> AsyncIterator[TurnEvent]:
-        completion, last, reply = 0, None, []
+        completion, last = 0, None
+        calls = ReplyCalls(self.session.tool_format if job.parse_tool_calls else None, job.publish_name)
         async for out in stream:
             last = out
             if out.error:
                 yield TurnFailed(ErrorKind.INTERNAL, out.error)
                 return
             completion += len(out.new_tokens)
-            reply.append(out.text_delta)
-            if out.new_tokens or out.text_delta:
-                yield TurnDelta(out.text_delta, tuple(out.new_token_ids), self._logprobs(out.new_tokens, params))
+            text, call_deltas = calls.feed(out.text_delta)
+            if out.new_tokens or text or call_deltas:
+                yield TurnDelta(text, tuple(out.new_token_ids), self._logprobs(out.new_tokens, params), call_deltas)
         if last is None or not last.finished:
             yield TurnFailed(ErrorKind.INTERNAL, "the engine ended the stream before the request finished")
             return
         if last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
             yield TurnFailed(ErrorKind.INTERNAL, f"the turn ended with {last.finish_reason}")
             return
-        done = TurnDone(last.finish_reason.value, last.num_prompt_tokens, completion, last.num_cached_tokens,
-                        recovery, self.replica_id, reused_from=last.reused_from.value)
+        text, call_deltas = calls.finish()
+        if text or call_deltas:
+            yield TurnDelta(text, (), None, call_deltas)
+        reason = last.finish_reason.value
+        if calls.calls and last.finish_reason is FinishReason.STOP:
+            reason = "tool_calls"
+        done = TurnDone(reason, last.num_prompt_tokens, completion, last.num_cached_tokens,
+                        recovery, self.replica_id, reused_from=last.reused_from.value, tool_calls=calls.calls)
+        hint_scope = tools_scope(job.scope, job.tools)
         if job.conversation is None:
-            self.announcer.after_turn(tools_scope(job.scope, job.tools), job.messages, reply_message, last.checkpoints)
+            self.announcer.after_turn(hint_scope, job.messages, calls.reply_message(), last.checkpoints)
             yield done
             return
         if last.turn_commit is None:
             yield TurnFailed(ErrorKind.INTERNAL, "the engine finished the turn without preparing it")
             return
-        outcome = await self._commit(job, done, last.turn_commit)
+        outcome = await self._commit(job, done, last.turn_commit, calls.form)
         if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
-            self.announcer.after_turn(tools_scope(job.scope, job.tools), job.messages, reply_message, last.checkpoints)
+            self.announcer.after_turn(hint_scope, job.messages, calls.reply_message(), last.checkpoints)
         yield outcome
 
-    async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:
+    async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit,
+                      tool_format: ToolFormat | None) -> TurnEvent:
         """Publish the prepared turn, then commit or abandon it here as the service decided.
 
         Runs to its end even when the turn is cancelled (the client left mid-publish): the
         publish may land, and this replica's copy must follow the service's verdict. A publish
         whose outcome is unknown is sent again, unchanged (the service answers a resent
         publish with the head it made, or refuses it): the first definite answer decides."""
-        resolution = asyncio.ensure_future(self._publish_and_resolve(job, done, prepared))
+        resolution = asyncio.ensure_future(self._publish_and_resolve(job, done, prepared, tool_format))
         try:
             return await asyncio.wait_for(asyncio.shield(resolution), PUBLISH_ANSWER_S)
         except TimeoutError:  # still unknown: the ingress asks the ledger; the copy waits for the verdict
@@ -224,10 +237,12 @@ class Worker:
             resolution.add_done_callback(self._tasks.discard)
             return TurnFailed(ErrorKind.OUTCOME_UNKNOWN, "the cache service did not answer the publish")
 
-    async def _publish_and_resolve(self, job: TurnJob, done: TurnDone, prepared: TurnCommit) -> TurnEvent:
+    async def _publish_and_resolve(self, job: TurnJob, done: TurnDone, prepared: TurnCommit,
+                                   tool_format: ToolFormat | None) -> TurnEvent:
         client, conv = await self._cache(), job.conversation
         result = TurnResult(finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
-                            completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens)
+                            completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens,
+                            tool_format=tool_format.name if tool_format is not None else "")
         deadline = asyncio.get_running_loop().time() + PUBLISH_RESOLVE_S
         while True:
             try:

@@ -12,6 +12,7 @@ import logging
 import numbers
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ from workers.config import EngineConfig
 from workers.deterministic.seed import derived_seed
 from workers.deterministic.verifier import Verifier
 from workers.detokenizer import Detokenizer
+from workers.grammar.compiler import GrammarCompiler
+from workers.grammar.guide import TokenGuide
+from workers.tools.formats import tool_format_for
 from proto.contract import ModelIdentity
 from workers.errors import InvalidRequestError, PromptTooLongError, RequestIdInUseError
 from workers.identity import model_identity
@@ -77,6 +81,18 @@ def _keyed_marks(scope: str, prompt: list[int], marks: tuple[CheckpointMark, ...
                  if m.position in keys)
 
 
+def _grammar_masks(requests: list[Request]) -> list[torch.Tensor | None] | None:
+    """Per row, the tokens its grammar allows next (None: the batch has no constrained request)."""
+    if all(r.guide is None for r in requests):
+        return None
+    return [None if r.guide is None else r.guide.allowed(r.reply_ids) for r in requests]
+
+
+def _prefetch_mask(request: Request) -> None:
+    if request.guide is not None:
+        request.guide.prefetch(request.reply_ids)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -90,6 +106,10 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids())
         self.eos_token_ids = frozenset(eos)
         self.banned_token_ids = torch.tensor(sorted(self.tokenizer.never_sample_ids), dtype=torch.long)
+        self.tool_format = tool_format_for(self.tokenizer.chat_template)
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, eos, self.tool_format)
+        # Masks of constrained requests are computed here while the model runs (guide.py).
+        self._mask_threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
 
         cache = config.cache
         probe_kv, probe_state = layouts_for(self.model_config, 1, cache.block_size, 1, config.dtype)
@@ -147,6 +167,10 @@ class LLMEngine:
         `final_label`) is named too. Deterministic requests neither look up nor mark: no
         checkpoint is canonical (they recompute in tiles, as on a miss)."""
         self._validate(request_id, prompt_token_ids, params)
+        guide = None
+        if params.constraint is not None:  # a bad schema is refused here, before anything runs
+            guide = TokenGuide(self.grammars.matcher(params.constraint), self.model_config.vocab_size,
+                               self._mask_threads)
         if params.deterministic and head is not None and head.canonical_window != self.config.deterministic.window:
             head = None  # the fast path made that state: recompute the whole prompt in tiles (a miss)
         reuse = prefix_scope is not None and not params.deterministic and self.caches.heads.checkpoint_budget_bytes > 0
@@ -170,6 +194,9 @@ class LLMEngine:
             marks=_keyed_marks(prefix_scope, prompt_token_ids, marks) if reuse else (),
             final_label=final_label,
         )
+        if guide is not None:
+            request.guide = guide
+            guide.prefetch(())  # the first mask, while the prompt runs
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
         return request
@@ -232,6 +259,7 @@ class LLMEngine:
                 [c.request.num_tokens for c in sampling],
                 self.banned_token_ids,
                 overwrite=True,  # the step's own logits: mask the never-sampled ids in place
+                allowed=_grammar_masks([c.request for c in sampling]),
             )
         except Exception as e:  # a failing step fails its requests; the engine keeps serving
             log.exception("model step failed")
@@ -240,6 +268,7 @@ class LLMEngine:
         for chunk, token in zip(sampling, sampled):
             if chunk.request.deterministic:  # a candidate: nothing reaches the client unverified
                 self.verifier.on_candidate(chunk.request, token, self._ends)
+                _prefetch_mask(chunk.request)
             else:
                 outputs.append(self._on_token(chunk.request, token))
         for chunk in ending:
@@ -302,6 +331,8 @@ class LLMEngine:
         if reason is not None:
             delta += self._detok[request.request_id].flush()
             self._finish(request, reason)
+        else:
+            _prefetch_mask(request)
         return self._output(request, (token,), delta)
 
     def _text_and_reason(self, request: Request, token: SampledToken) -> tuple[str, FinishReason | None]:
@@ -327,6 +358,9 @@ class LLMEngine:
         """End a request; a failure while keeping its state or in its on_finished fails this
         request alone and frees its state (never the batch, never a leak)."""
         self._detok.pop(request.request_id, None)
+        if request.guide is not None:
+            request.guide.close()
+            request.guide = None
         try:
             self.scheduler.finish(request, reason)
         except Exception as e:

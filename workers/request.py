@@ -127,10 +127,17 @@ class Request:
     prefix_lookup: bool = False  # attach the longest held prefix when admitted without a head
     prefixes_seen: int = -1  # the prefix index's version at its last lookup (a miss is not redone)
     checkpoints_made: list[tuple[int, int]] = field(default_factory=list)  # (label, tokens)
+    # A constrained reply's TokenGuide (workers/grammar/guide.py): the tokens it may sample next.
+    guide: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_verified = len(self.token_ids)
+
+    @property
+    def reply_ids(self) -> list[int]:
+        """The tokens after the prompt (a deterministic request's candidates included)."""
+        return self.token_ids[len(self.prompt_token_ids):]
 
     @property
     def deterministic(self) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.errors import InvalidRequestError
+from workers.grammar.constraint import Constraint
 
 MAX_LOGPROBS = 20
 _MASK64 = (1 << 64) - 1
@@ -32,9 +33,12 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
     # Bit-identical output whatever else is batched (decode-verify-rollback; see DETERMINISM).
     deterministic: bool = False
+    # The grammar the reply must follow (workers/grammar): a Constraint, or its wire dict.
+    constraint: Constraint | None = None
     resolved_seed: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "constraint", Constraint.of(self.constraint))
         if isinstance(self.stop, str):  # OpenAI allows a bare string
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -122,6 +126,7 @@ def sample(
     positions: list[int],  # absolute position of the token being sampled, per row
     banned_token_ids: torch.Tensor | None = None,
     overwrite: bool = False,  # the caller's logits may be masked in place (no copy of [B, V])
+    allowed: list[torch.Tensor | None] | None = None,  # per row: bool [V] of a grammar, or None
 ) -> list[SampledToken]:
     if logits.dtype != torch.float32:
         logits, overwrite = logits.float(), True
@@ -129,7 +134,13 @@ def sample(
         if overwrite:
             logits.index_fill_(1, banned_token_ids, -torch.inf)
         else:
-            logits = logits.index_fill(1, banned_token_ids, -torch.inf)
+            logits, overwrite = logits.index_fill(1, banned_token_ids, -torch.inf), True
+    if allowed is not None and any(m is not None for m in allowed):
+        if not overwrite:
+            logits = logits.clone()
+        for row, mask in enumerate(allowed):
+            if mask is not None:
+                logits[row].masked_fill_(~mask, -torch.inf)
     greedy_ids = torch.argmax(logits, dim=-1).tolist()
     if all(p.greedy and p.logprobs is None for p in params):  # the common decode batch: one argmax
         return [SampledToken(token, None, None) for token in greedy_ids]

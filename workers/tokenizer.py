@@ -27,6 +27,16 @@ class ChatTokenizer:
     def available(self) -> bool:
         return self._tok is not None
 
+    @property
+    def hf(self):
+        """The `transformers` tokenizer (None without tokenizer files)."""
+        return self._tok
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) else None
+
     def _require(self):
         if self._tok is None:
             raise InvalidRequestError("this model has no tokenizer: send token ids")
@@ -46,10 +56,12 @@ class ChatTokenizer:
         """Text of ids with special tokens kept: the inverse of `encode` for the template."""
         return self._require().decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         tok = self._require()
         try:
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           tools=list(tools) if tools else None)
         except Exception as e:  # jinja raises for malformed messages (missing role, bad content)
             raise InvalidRequestError(f"cannot render messages with the chat template: {e}") from e
 

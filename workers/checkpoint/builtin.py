@@ -15,7 +15,7 @@ from pathlib import Path
 BUILTIN_ARCH, BUILTIN_PRESET, BUILTIN_SEED = "bamba", "small", 0
 # Bumped whenever the presets or the weight initialisation change, so a stale cached copy
 # is never mistaken for the current built-in model.
-BUILTIN_VERSION = 1
+BUILTIN_VERSION = 2  # 2: the chat template renders tools
 
 
 def model_cache_root() -> Path:

@@ -22,12 +22,14 @@ from workers.tokenizer import ChatTokenizer
 
 
 def message_marks(
-    tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int]
+    tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int],
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[CheckpointMark, ...]:
     marks: dict[int, CheckpointMark] = {}
     for k in sorted({1, len(messages)}):
         try:
-            ids = tokenizer.encode(tokenizer.render_chat(list(messages[:k]), add_generation_prompt=False))
+            rendered = tokenizer.render_chat(list(messages[:k]), add_generation_prompt=False, tools=tools)
+            ids = tokenizer.encode(rendered)
         except Exception:  # a template may refuse a partial chat (e.g. a system message alone)
             continue
         n = len(ids)

@@ -62,10 +62,12 @@ class ConversationCache:
         *,
         base_turn: int | None = None,
         commit: CommitMode = CommitMode.AT_ONCE,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Request:
-        """Start a turn continuing `base_turn` (default: the latest) with the new suffix messages."""
+        """Start a turn continuing `base_turn` (default: the latest) with the new suffix messages
+        (`tools`: the request's function tools, rendered by the chat template)."""
         return self.turns.begin_turn(
-            ref, suffix, params, request_id, base_turn=base_turn, commit=commit)
+            ref, suffix, params, request_id, base_turn=base_turn, commit=commit, tools=tools)
 
     def regenerate(
         self,

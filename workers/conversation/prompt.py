@@ -29,14 +29,16 @@ def build_turn_prompt(
     committed_ids: list[int],
     history: list[dict[str, Any]],
     suffix: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> TurnPrompt:
-    full = tokenizer.render_chat(history + suffix, add_generation_prompt=True)
+    full = tokenizer.render_chat(history + suffix, add_generation_prompt=True, tools=tools)
     if not committed_ids:
         return TurnPrompt(tokenizer.encode(full))
     committed_text = tokenizer.decode_exact(committed_ids)
     if not full.startswith(committed_text):
         raise HistoryRewriteError(
             "the chat template renders this conversation's history differently from the committed "
-            "tokens; the new messages cannot be appended (start a new conversation)"
+            "tokens; the new messages cannot be appended (send the same tools in every turn of a "
+            "conversation, or start a new conversation)"
         )
     return TurnPrompt(committed_ids + tokenizer.encode(full[len(committed_text) :]))

@@ -31,6 +31,7 @@ from workers.engine import LLMEngine
 from workers.errors import ConversationNotFoundError, InvalidRequestError, TurnResolvedError
 from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
+from workers.tools.formats import plain_message
 
 
 class TurnLifecycle:
@@ -61,6 +62,7 @@ class TurnLifecycle:
         *,
         base_turn: int | None = None,
         commit: CommitMode = CommitMode.AT_ONCE,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Request:
         if not suffix:
             raise InvalidRequestError("a turn needs at least one new message")
@@ -74,12 +76,14 @@ class TurnLifecycle:
             raise ConversationNotFoundError(f"conversation {ref.id!r} has no turn {base!r}")
         committed = conv.tokens_until(base)
         history_messages = [m for t in conv.turns[:base] for m in t.messages]
-        prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix).token_ids
+        # The ledger keeps role and content: a suffix's tool calls become the text they render to.
+        suffix = [plain_message(m, self.engine.tool_format) for m in suffix]
+        prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix, tools).token_ids
         head = self._head_to_continue(key, base)
         replacing = self.heads.find(key, base + 1, touch=False)  # a regenerated turn's old head
         # Without a head the engine attaches the longest prefix held under the salt (a shared
         # system prompt, a stateless request's state); a first turn marks its message boundaries.
-        marks = message_marks(self.engine.tokenizer, suffix, prompt) if base == 0 else ()
+        marks = message_marks(self.engine.tokenizer, suffix, prompt, tools) if base == 0 else ()
         request = self.engine.add_request(
             request_id,
             prompt,

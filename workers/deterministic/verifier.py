@@ -66,6 +66,16 @@ def _threads(n: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def _grammar_masks(request: Request, positions: list[int]) -> list[torch.Tensor | None] | None:
+    """The grammar's mask for each drawn position from the first unverified one on (the same
+    masks the fast path applied: each a function of the tokens before its position)."""
+    if request.guide is None:
+        return None
+    prompt = len(request.prompt_token_ids)
+    counts = [p - prompt if p >= request.num_verified else -1 for p in positions]
+    return request.guide.masks_after(request.reply_ids, counts)
+
+
 class Verifier:
     def __init__(
         self,
@@ -110,7 +120,8 @@ class Verifier:
             verdicts = []
             for row, (request, tile_start, end) in enumerate(jobs):
                 positions = list(range(tile_start + 1, tile_start + t + 1))
-                drawn = sample(self._result.logits[row], [request.params] * t, positions, self.banned)
+                drawn = sample(self._result.logits[row], [request.params] * t, positions, self.banned,
+                               allowed=_grammar_masks(request, positions))
                 verdicts.append(self._walk(request, row, tile_start, end, drawn))
         self.metrics.passes += 1
         self.metrics.windows_verified += len(jobs)
