@@ -347,6 +347,8 @@ class LLMEngine:
         params = request.params
         if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
             return FinishReason.STOP
+        if request.guide is not None and request.guide.ended_after(request.reply_ids):
+            return FinishReason.STOP  # the grammar is complete: nothing may follow
         if request.num_tokens - request.num_prompt_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -5,6 +5,7 @@ anything runs, and the masks are a pure function of the tokens so far."""
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -83,6 +84,20 @@ def test_forced_tool_calls_parse_and_validate(tiny):
             tool = next(t for t in tools if t["name"] == call.name)
             jsonschema.validate(json.loads(call.arguments), tool["parameters"])
         assert hermes.calls_text(calls) == text  # what the template renders when the calls come back
+
+
+def test_a_reply_ends_where_its_grammar_ends_even_if_end_of_turn_is_never_sampled(tiny, tmp_path):
+    model = tmp_path / "never-ending"
+    shutil.copytree(tiny[Arch.BAMBA].path, model)
+    meta = json.loads((model / "hybridserve.json").read_text())
+    meta["never_sample_token_ids"] = sorted({*meta["never_sample_token_ids"], *meta["eos_token_ids"]})
+    (model / "hybridserve.json").write_text(json.dumps(meta))
+    engine = new_engine(model)
+    schemas = [random_schema(seed) for seed in (1, 2)]
+    texts, reasons = _replies(engine, [{"type": "json_schema", "schema": s} for s in schemas], temperature=0.0)
+    for schema, text, reason in zip(schemas, texts, reasons):
+        assert reason is FinishReason.STOP
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_a_bad_schema_is_refused_before_anything_runs(tiny):

@@ -47,15 +47,26 @@ class TokenGuide:
             self._pending[1].result()
         self._pending = (key, self._executor.submit(self._mask_after, key))
 
-    def masks_after(self, generated: Sequence[int], counts: Sequence[int]) -> list[torch.Tensor | None]:
-        """For each count c, the mask after generated[:c] (None where c is out of range): the
-        positions of a verify pass's tile."""
+    def ended_after(self, generated: Sequence[int]) -> bool:
+        """Whether the grammar is complete after `generated` (nothing more may follow): the reply
+        ends there, whether or not the model may sample its end-of-turn token."""
+        self._settle()
+        return self._sync(tuple(generated)) and self._matcher.is_stopped()
+
+    def _settle(self) -> None:
         if self._pending is not None:
             self._pending[1].result()
             self._pending = None
+
+    def masks_after(self, generated: Sequence[int], counts: Sequence[int]) -> list[torch.Tensor | None]:
+        """For each count c, the mask after generated[:c] (None where c is out of range): the
+        positions of a verify pass's tile."""
+        self._settle()
         return [self._mask_after(tuple(generated[:c])) if 0 <= c <= len(generated) else None for c in counts]
 
-    def _mask_after(self, tokens: tuple[int, ...]) -> torch.Tensor | None:
+    def _sync(self, tokens: tuple[int, ...]) -> bool:
+        """Bring the matcher to exactly `tokens`; False if the grammar refuses one of them (the
+        matcher then stands at the tokens before it)."""
         matcher, done = self._matcher, self._consumed
         common = 0
         for a, b in zip(done, tokens):
@@ -69,11 +80,15 @@ class TokenGuide:
         if rest:
             accepted = matcher.validate_tokens(rest)
             if accepted and not matcher.consume_tokens(rest[:accepted]):
-                return None
+                return False
             done.extend(rest[:accepted])
-            if accepted < len(rest):  # refused: nothing after it is constrained (or kept)
-                return None
-        if matcher.is_error():
+            if accepted < len(rest):
+                return False
+        return not matcher.is_error()
+
+    def _mask_after(self, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        matcher = self._matcher
+        if not self._sync(tokens):  # refused: nothing after it is constrained (or kept)
             return None
         bias = matcher.compute_logit_bias()
         mask = torch.frombuffer(bytearray(bias), dtype=torch.uint8)[: self._vocab].bool()
