@@ -219,9 +219,11 @@ class ChatIngress:
         if done.recovery is Recovery.REPLAY:  # answered from the ledger: counted when it ran
             return
         head = run.job.head
+        messages = run.job.messages
         self.metrics.turn_done(continued=head is not None, cached_tokens=done.cached_tokens,
                                recovery=done.recovery, moved=head is not None and head.owner != done.replica,
-                               reused_from=done.reused_from)
+                               reused_from=done.reused_from, tool_resume=bool(messages) and messages[-1]["role"] == "tool",
+                               tool_calls=len(done.tool_calls))
 
     async def _events(self, run: TurnRun, first: TurnEvent, events: AsyncIterator[TurnEvent],
                       arrived: float) -> AsyncIterator[TurnEvent]:

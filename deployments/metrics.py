@@ -34,6 +34,14 @@ class ServeMetrics:
         self.prefix_index_names = Gauge(
             "hybridserve_prefix_index_names", "message prefixes the cache service's prefix index names (read at "
             "each scrape)", registry=r)
+        self.tool_call_replies = Counter(
+            "hybridserve_tool_call_replies", "replies that ended in tool calls (their state then waits for the "
+            "tools' results, evicted last for tool_pause_s)", registry=r)
+        self.tool_resumes = Counter(
+            "hybridserve_tool_resumes", "requests bringing tool results (last message role tool), by whether "
+            "cached state served them", ["result"], registry=r)
+        for result in ("hit", "miss"):
+            self.tool_resumes.labels(result)
         self.migrations = Counter("hybridserve_migrations", "turns served away from the head's owner", registry=r)
         self.tier_imports = Counter("hybridserve_tier_imports", "heads imported from the state tier", registry=r)
         self.tier_prefix_imports = Counter(
@@ -51,7 +59,11 @@ class ServeMetrics:
             registry=r)
 
     def turn_done(self, *, continued: bool, cached_tokens: int, recovery: Recovery, moved: bool,
-                  reused_from: str = "") -> None:
+                  reused_from: str = "", tool_resume: bool = False, tool_calls: int = 0) -> None:
+        if tool_resume:
+            self.tool_resumes.labels("hit" if cached_tokens > 0 else "miss").inc()
+        if tool_calls:
+            self.tool_call_replies.inc()
         if continued:
             (self.cache_hits if cached_tokens > 0 else self.cache_misses).inc()
         if reused_from != "head":

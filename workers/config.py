@@ -36,6 +36,9 @@ class CacheConfig:
     prefix_cache_bytes: int = 128 << 20
     mamba_align_tokens: int = 0  # aligned Mamba snapshots every N tokens; 0: the block size
     prepared_turn_timeout_s: float = 60.0  # a prepared turn never committed or abandoned is abandoned
+    # A state whose reply ended in tool calls waits for the tools' results: for this long after
+    # its last use it is evicted only after every other idle state (0: no such protection).
+    tool_pause_s: float = 300.0
 
     @property
     def align_tokens(self) -> int:
@@ -46,6 +49,8 @@ class CacheConfig:
             raise ValueError(f"invalid cache config: {self}")
         if self.mamba_align_tokens % self.block_size:
             raise ValueError("mamba_align_tokens must be a multiple of block_size")
+        if self.tool_pause_s < 0:
+            raise ValueError(f"tool_pause_s must be >= 0: {self.tool_pause_s!r}")
         if not self.prepared_turn_timeout_s > 0:
             raise ValueError(f"prepared_turn_timeout_s must be > 0: {self.prepared_turn_timeout_s!r}")
 

@@ -133,7 +133,7 @@ class LLMEngine:
                         cache.prefix_cache_bytes, probe_state.slot_bytes)
         heads = HeadManager(
             kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s, cache.prefix_cache_bytes,
-            checkpoint_slots,
+            checkpoint_slots, cache.tool_pause_s,
         )
         self.caches = CacheCoordinator(kv, states, heads, self.runner.copy_slots)
         self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
@@ -363,6 +363,7 @@ class LLMEngine:
         if request.guide is not None:
             request.guide.close()
             request.guide = None
+        request.awaiting_tool = reason is FinishReason.STOP and self._ends_in_tool_call(request)
         try:
             self.scheduler.finish(request, reason)
         except Exception as e:
@@ -373,6 +374,15 @@ class LLMEngine:
             request.finish_record = request.on_finished(request)
         except Exception as e:
             self._failed_finish(request, e)
+
+    def _ends_in_tool_call(self, request: Request) -> bool:
+        """Whether the reply's text ends with the end of a tool call (only its end is decoded)."""
+        end_tag = self.tool_format.end_tag
+        tail = request.reply_ids[-(len(end_tag) + 4):]
+        if not tail or not self.tokenizer.available:
+            return False
+        text = self.tokenizer.decode(tail)
+        return text.rstrip().endswith(end_tag)
 
     def _failed_finish(self, request: Request, error: Exception) -> None:
         log.exception("request %s: finishing failed", request.request_id)

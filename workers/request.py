@@ -129,6 +129,7 @@ class Request:
     checkpoints_made: list[tuple[int, int]] = field(default_factory=list)  # (label, tokens)
     # A constrained reply's TokenGuide (workers/grammar/guide.py): the tokens it may sample next.
     guide: Any = None
+    awaiting_tool: bool = False  # it stopped right after a tool call (its kept state waits for the results)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

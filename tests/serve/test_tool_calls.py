@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from tests.grammar.schemas import random_schema
-from tests.serve.helpers import user
+from tests.serve.helpers import metric, user
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,6 +108,9 @@ async def _agent_loop(client, model: str, salt: str, *, conversation: str | None
 
 async def test_an_agent_loop_is_served_from_cache_with_the_tokens_of_a_replay(stack):
     client = stack.client()
+    async with stack.http() as http:
+        hits = await metric(http, 'hybridserve_tool_resumes_total{result="hit"}')
+        replies = await metric(http, "hybridserve_tool_call_replies_total")
     explicit, _ = await _agent_loop(client, stack.model, _salt(), conversation=f"agent-{uuid.uuid4().hex[:8]}")
     stateless, history = await _agent_loop(client, stack.model, _salt(), conversation=None)
     for step, ((calls, cached), (plain_calls, plain_cached)) in enumerate(zip(explicit, stateless)):
@@ -120,6 +123,9 @@ async def test_an_agent_loop_is_served_from_cache_with_the_tokens_of_a_replay(st
         temperature=0, max_tokens=400, extra_body={"cache_salt": _salt()})
     assert replay.usage.prompt_tokens_details.cached_tokens == 0
     assert _check_calls(replay.choices[0].message.tool_calls) == explicit[-1][0]
+    async with stack.http() as http:  # both loops' steps 2..6 brought tool results, from cache
+        assert await metric(http, 'hybridserve_tool_resumes_total{result="hit"}') >= hits + 10
+        assert await metric(http, "hybridserve_tool_call_replies_total") >= replies + 13
 
 
 async def test_json_schema_replies_validate_for_twenty_random_schemas(stack):

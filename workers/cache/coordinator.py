@@ -197,7 +197,7 @@ class CacheCoordinator:
             return False
         src = Holder.request(request.request_id)
         self.kv.truncate(src, key.length)
-        made = self.heads.keep_checkpoint(src, key.length, key)
+        made = self.heads.keep_checkpoint(src, key.length, key, awaiting_tool=request.awaiting_tool)
         if made is None:
             return False
         if base is not None and base.chain_end:

@@ -62,6 +62,7 @@ class CommittedHead:
     hits: int = 0  # requests that attached it by prefix lookup
     superseded: bool = False  # a checkpoint a longer one of the same request chain replaced
     chain_end: bool = False  # a checkpoint of where a request ended (a chain's link, not a mark)
+    awaiting_tool: bool = False  # its reply ended in tool calls: the next request brings their results
 
     @property
     def pins(self) -> int:
@@ -82,6 +83,7 @@ class PreparedState:
     on_expire: Callable[[PreparedState], None] | None = None
     canonical_window: int = 0  # see HeadAttachment
     prefix: PrefixKey | None = None  # the head it becomes is named by it
+    awaiting_tool: bool = False  # see CommittedHead
 
 
 @dataclass
@@ -105,8 +107,10 @@ class HeadManager:
         prepared_timeout_s: float,
         checkpoint_budget_bytes: int = 0,
         checkpoint_slots: int = 0,
+        tool_pause_s: float = 0.0,
     ):
         self.kv = kv
+        self.tool_pause_s = tool_pause_s
         self.states = states
         self.budget_bytes = budget_bytes
         # Checkpoints (and marks) hold at most this many bytes and slots: the slots of the pool
@@ -125,6 +129,7 @@ class HeadManager:
         self.counters = {
             "evictions": 0, "detached": 0, "prepared_expired": 0, "checkpoint_evictions": 0,
             "prefix_hits": 0, "prefix_misses": 0, "checkpoints_made": 0,
+            "tool_pause_evictions": 0,  # states evicted while waiting for tool results (memory ran out)
         }
 
     # -- lookup -------------------------------------------------------------------------------
@@ -214,7 +219,8 @@ class HeadManager:
         head.last_used = time.monotonic()
         (self.checkpoints if head.holder.kind is HolderKind.CHECKPOINT else self.heads).move_to_end(head.holder)
 
-    def keep_checkpoint(self, src: Holder, state_len: int, key: PrefixKey) -> CommittedHead | None:
+    def keep_checkpoint(self, src: Holder, state_len: int, key: PrefixKey,
+                        awaiting_tool: bool = False) -> CommittedHead | None:
         """`src`'s state (its KV already trimmed to state_len) becomes a checkpoint of where a
         request ended, without a copy; None (src untouched) if that prefix is already held or
         checkpoints are off. The caller enforces the budget after (it may evict this one)."""
@@ -224,6 +230,7 @@ class HeadManager:
         self._move(src, holder)
         checkpoint = self._add_checkpoint(holder, state_len, key, ReuseSource.PREFIX)
         checkpoint.chain_end = True
+        checkpoint.awaiting_tool = awaiting_tool
         return checkpoint
 
     def _add_checkpoint(self, holder: Holder, state_len: int, key: PrefixKey, source: ReuseSource) -> CommittedHead:
@@ -343,18 +350,31 @@ class HeadManager:
                 victim = next((h for h in candidates if take_pinned(h)), None)
             if victim is None:
                 return
+            if self._in_tool_pause(victim, time.monotonic()):
+                self.counters["tool_pause_evictions"] += 1
             self.drop(victim)
             is_checkpoint = victim.holder.kind is HolderKind.CHECKPOINT
             self.counters["checkpoint_evictions" if is_checkpoint else "evictions"] += 1
 
+    def _in_tool_pause(self, head: CommittedHead, now: float) -> bool:
+        return head.awaiting_tool and now - head.last_used < self.tool_pause_s
+
     def _eviction_order(self, kind: HolderKind | None) -> list[CommittedHead]:
-        """Superseded checkpoints hit at most once first, then least recently used first."""
+        """Superseded checkpoints hit at most once first, then least recently used first; states
+        waiting for tool results (within tool_pause_s) last of all: an agent loop's pause for
+        its tools is not idleness, its next step comes back for this state."""
         if kind is HolderKind.HEAD or not self.checkpoints:
-            return list(self.heads.values())
-        checkpoints = list(self.checkpoints.values())
-        spent = [c for c in checkpoints if c.superseded and c.hits <= 1]
-        rest = checkpoints if kind is HolderKind.CHECKPOINT else [*self.heads.values(), *checkpoints]
-        return spent + sorted((h for h in rest if not (h.superseded and h.hits <= 1)), key=lambda h: h.last_used)
+            order = list(self.heads.values())
+        else:
+            checkpoints = list(self.checkpoints.values())
+            spent = [c for c in checkpoints if c.superseded and c.hits <= 1]
+            rest = checkpoints if kind is HolderKind.CHECKPOINT else [*self.heads.values(), *checkpoints]
+            order = spent + sorted((h for h in rest if not (h.superseded and h.hits <= 1)), key=lambda h: h.last_used)
+        if not self.tool_pause_s:
+            return order
+        now = time.monotonic()
+        paused = [h for h in order if self._in_tool_pause(h, now)]
+        return [h for h in order if not self._in_tool_pause(h, now)] + paused if paused else order
 
     # -- prepared turns -------------------------------------------------------------------------
     def prepare(
@@ -370,6 +390,7 @@ class HeadManager:
         prepared = PreparedState(
             holder, request.request_id, state_len, request.aligned_len, base, now + self.prepared_timeout_s,
             canonical_window=request.tile_window if request.deterministic else 0, prefix=prefix,
+            awaiting_tool=request.awaiting_tool,
         )
         self.prepared[holder] = prepared
         return prepared
@@ -392,7 +413,7 @@ class HeadManager:
             self.drop(current)
         head = CommittedHead(
             holder, key, turn, version, prepared.state_len, prepared.aligned_len, prepared.canonical_window,
-            prefix=prepared.prefix,
+            prefix=prepared.prefix, awaiting_tool=prepared.awaiting_tool,
         )
         self.add(head)
         return head

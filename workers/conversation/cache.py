@@ -179,6 +179,7 @@ class ConversationCache:
             "misses": self.counters["misses"] + detached,
             "detached": detached,
             "evictions": self.heads.counters["evictions"],
+            "tool_pause_evictions": self.heads.counters["tool_pause_evictions"],
             "prepared": len(self._prepared),
             "prepared_expired": self.heads.counters["prepared_expired"],
             "cow_block_copies": self.caches.counters["cow_block_copies"],
