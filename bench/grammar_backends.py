@@ -1,0 +1,559 @@
+"""Grammar engines for constrained decoding (JSON schema, json_object, forced tool calls):
+llguidance vs xgrammar, on our tokenizers.
+
+    python -m bench.grammar_backends [--quick | --smoke] [--results-dir DIR]
+
+Tokenizers: the built-in character-level one (104 ids) and byte-level BPE tokenizers trained here
+on the Python standard library's sources (32k ids; 128k in the full run). No model hub is needed.
+Grammars: json_object and four JSON schemas, separators ", " and ": ", no free whitespace.
+
+Per (engine, tokenizer, grammar):
+  tokenizer info   one-off: the engine's view of the vocabulary
+  compile          cold: schema -> a matcher ready for its first mask
+  per token        compute the next-token bitmask + consume the sampled token, over a sequence
+                   sampled by a seeded uniform choice among the allowed ids (same seed for both
+                   engines, at most MAX_TOKENS tokens); the sequence is replayed to collect
+                   samples; mean and p99 microseconds
+Once per engine: whether the mask computation releases the GIL (a pure-Python loop's iterations
+beside a thread computing masks, over alone), which schema features compile and are honoured
+(samples decoded, parsed, validated with `jsonschema`), and what turning a mask into a boolean
+torch tensor of vocabulary size costs. Writes bench/results/grammar_backends[.quick|.smoke].{json,md}.
+An engine that is not installed is recorded as such and left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import random
+import statistics
+import sysconfig
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jsonschema
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
+from bench.grammar_engines import ENGINES, Engine, GrammarError, Matcher, TokenizerCase, allowed_ids, new_bitmask
+from workers.checkpoint.tokenizer import build_tokenizer
+
+MAX_TOKENS = 300
+SEED = 0
+EOS = "<|endoftext|>"
+
+GRAMMARS: dict[str, dict] = {
+    "json_object": {"type": "object"},
+    "flat": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "role": {"enum": ["admin", "user", "guest"]},
+            "active": {"type": "boolean"},
+        },
+        "required": ["name", "age", "role", "active"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string"},
+            "customer": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "vip": {"type": "boolean"}},
+                "required": ["name", "vip"],
+                "additionalProperties": False,
+            },
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}, "price": {"type": "number"}},
+                    "required": ["sku", "qty", "price"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        "required": ["order_id", "customer", "items"],
+        "additionalProperties": False,
+    },
+    "bounded": {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "minLength": 2, "maxLength": 8},
+            "count": {"type": "integer", "minimum": 0, "maximum": 500},
+            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        },
+        "required": ["code", "count", "score", "tags"],
+        "additionalProperties": False,
+    },
+    "tool_call": {
+        "type": "object",
+        "properties": {
+            "name": {"const": "get_weather"},
+            "arguments": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                },
+                "required": ["city", "unit", "days"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    },
+}
+
+WARM_UP = {"type": "array", "items": {"type": "boolean"}}  # compiled once per engine and tokenizer, first
+
+# One feature each; bounded strings and numbers so that uniform sampling ends well within the cap.
+_POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["x", "y"],
+    "additionalProperties": False,
+}  # fmt: skip
+FEATURES: dict[str, dict] = {
+    "maxLength": {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]},
+    "minimum/maximum": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 17}}, "required": ["n"]},
+    "enum": {"type": "object", "properties": {"c": {"enum": ["red", "green", 7, None]}}, "required": ["c"]},
+    "$ref/$defs (nested)": {
+        "type": "object",
+        "$defs": {"point": _POINT, "segment": {"type": "object", "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}}, "required": ["a", "b"], "additionalProperties": False}},
+        "properties": {"seg": {"$ref": "#/$defs/segment"}},
+        "required": ["seg"],
+        "additionalProperties": False,
+    },
+    "additionalProperties: false": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    "required ordering": {
+        "type": "object",
+        "properties": {"z": {"type": "boolean"}, "a": {"type": "boolean"}, "m": {"type": "boolean"}},
+        "required": ["z", "a", "m"],
+        "additionalProperties": False,
+    },
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    tokenizers: tuple[int, ...]  # 0: the built-in character-level one, else a BPE vocabulary size
+    grammars: tuple[str, ...]
+    replays: int
+    feature_samples: int
+    gil_seconds: float
+    conversion_repeats: int
+    max_tokens: int = MAX_TOKENS
+
+
+MODES = {
+    "full": Mode("grammar_backends", (0, 32_000, 128_000), tuple(GRAMMARS), 10, 3, 1.0, 200),
+    "quick": Mode("grammar_backends.quick", (0, 32_000), tuple(GRAMMARS), 3, 3, 0.5, 100),
+    "smoke": Mode("grammar_backends.smoke", (0,), ("json_object", "flat"), 1, 1, 0.05, 3, max_tokens=40),
+}
+
+
+# --- tokenizers --------------------------------------------------------------------------------
+
+
+def stdlib_text(max_bytes: int) -> list[str]:
+    """The standard library's .py sources in sorted order, up to max_bytes (deterministic)."""
+    root, texts, size = Path(sysconfig.get_paths()["stdlib"]), [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text)
+        size += len(text.encode())
+        if size >= max_bytes:
+            break
+    return texts
+
+
+def train_bpe(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of about vocab_size ids, trained on local text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator(stdlib_text(vocab_size * 128), trainer)  # 4 MB for 32k, 16 MB for 128k
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, clean_up_tokenization_spaces=False)
+
+
+def tokenizer_case(vocab: int) -> TokenizerCase:
+    if vocab == 0:
+        return TokenizerCase.of("char-104", build_tokenizer(), byte_level=False)
+    started = time.perf_counter()
+    case = TokenizerCase.of(f"bpe-{vocab // 1000}k", train_bpe(vocab), byte_level=True)
+    print(f"trained {case.name} ({case.vocab_size} ids) in {time.perf_counter() - started:.1f} s", flush=True)
+    return case
+
+
+# --- measurements ------------------------------------------------------------------------------
+
+
+def sample(matcher: Matcher, case: TokenizerCase, rng: random.Random, max_tokens: int) -> list[int]:
+    """Tokens by a uniform choice among the allowed ids, until end of sequence or max_tokens."""
+    bitmask, tokens, eos = new_bitmask(case.vocab_size), [], case.tokenizer.eos_token_id
+    while len(tokens) < max_tokens and (not tokens or tokens[-1] != eos):
+        matcher.fill(bitmask)
+        allowed = allowed_ids(bitmask, case.vocab_size)
+        if len(allowed) == 0:
+            raise GrammarError("empty mask before the grammar stopped")
+        token = int(allowed[rng.randrange(len(allowed))])
+        if not matcher.consume(token):
+            raise GrammarError(f"the matcher refused token {token} its own mask allowed")
+        tokens.append(token)
+    assert tokens[-1] != eos or matcher.stopped(), "the matcher took end of sequence but goes on"
+    return tokens
+
+
+def replay(matcher: Matcher, tokens: list[int], vocab_size: int) -> tuple[list[float], list[float]]:
+    """Seconds per mask and per consume along a fixed token sequence (the matcher starts fresh)."""
+    bitmask, fills, consumes = new_bitmask(vocab_size), [], []
+    for token in tokens:
+        t0 = time.perf_counter()
+        matcher.fill(bitmask)
+        t1 = time.perf_counter()
+        matcher.consume(token)
+        t2 = time.perf_counter()
+        fills.append(t1 - t0)
+        consumes.append(t2 - t1)
+    return fills, consumes
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def decoded_json(case: TokenizerCase, tokens: list[int]) -> object | None:
+    """The sampled text parsed, or None if the sequence did not reach the end of the grammar."""
+    if not tokens or tokens[-1] != case.tokenizer.eos_token_id:
+        return None
+    return json.loads(case.tokenizer.decode(tokens[:-1], skip_special_tokens=True))
+
+
+def grammar_row(engine: Engine, info: object, case: TokenizerCase, grammar: str, mode: Mode) -> dict:
+    schema = GRAMMARS[grammar]
+    started = time.perf_counter()
+    compiled = engine.compile(info, schema)
+    matcher = engine.matcher(compiled)
+    compile_s = time.perf_counter() - started
+    tokens = sample(matcher, case, random.Random(SEED), mode.max_tokens)
+    fills, consumes = [], []
+    for _ in range(mode.replays):
+        f, c = replay(engine.matcher(compiled), tokens, case.vocab_size)
+        fills += f
+        consumes += c
+    per_token = [f + c for f, c in zip(fills, consumes)]
+    value = decoded_json(case, tokens)
+    valid = None if value is None else _validates(value, schema)
+    return {
+        "engine": engine.name, "tokenizer": case.name, "vocab_size": case.vocab_size, "grammar": grammar,
+        "compile_ms": compile_s * 1e3, "tokens": len(tokens), "completed": value is not None, "valid": valid,
+        "mean_us": statistics.fmean(per_token) * 1e6, "p99_us": p99(per_token) * 1e6,
+        "mask_mean_us": statistics.fmean(fills) * 1e6, "consume_mean_us": statistics.fmean(consumes) * 1e6,
+        "token_ids": tokens,
+    }  # fmt: skip
+
+
+def _validates(value: object, schema: dict) -> bool:
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+def busy_loop(seconds: float) -> int:
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        n += 1
+    return n
+
+
+def beside(work: Callable[[], None], seconds: float) -> float:
+    """A pure-Python loop's iterations while a thread repeats `work`, over the loop alone."""
+    alone = busy_loop(seconds)
+    stop = threading.Event()
+
+    def repeat() -> None:
+        while not stop.is_set():
+            work()
+
+    thread = threading.Thread(target=repeat)
+    thread.start()
+    try:
+        with_thread = busy_loop(seconds)
+    finally:
+        stop.set()
+        thread.join()
+    return with_thread / alone
+
+
+def gil_check(engine: Engine, info: object, case: TokenizerCase, grammar: str, tokens: list[int], seconds: float) -> dict:
+    """The mask at the middle of a sampled sequence (inside the JSON, the widest masks), recomputed
+    in a thread; a thread of pure Python beside the same loop is the GIL-holding reference."""
+    matcher = engine.matcher(engine.compile(info, GRAMMARS[grammar]))
+    for token in tokens[: len(tokens) // 2]:
+        matcher.consume(token)
+    bitmask = new_bitmask(case.vocab_size)
+    reps = 200
+    started = time.perf_counter()
+    for _ in range(reps):
+        matcher.fill(bitmask)
+    mask_us = (time.perf_counter() - started) / reps * 1e6
+    ratio = beside(lambda: [matcher.fill(bitmask) for _ in range(20)], seconds)
+    reference = beside(lambda: busy_loop(0.001), seconds)
+    return {"tokenizer": case.name, "grammar": grammar, "at_token": len(tokens) // 2, "mask_us": mask_us,
+            "busy_ratio_with_mask_thread": ratio, "busy_ratio_with_python_thread": reference,
+            "releases_gil": ratio > (1 + reference) / 2}  # fmt: skip
+
+
+def feature_row(engine: Engine, info: object, case: TokenizerCase, feature: str, samples: int) -> dict:
+    schema = FEATURES[feature]
+    try:
+        compiled = engine.compile(info, schema)
+    except GrammarError as e:
+        return {"engine": engine.name, "feature": feature, "compiles": str(e)[:200], "honoured": None}
+    verdicts = []
+    for seed in range(samples):
+        tokens = sample(engine.matcher(compiled), case, random.Random(seed), 2000)
+        value = decoded_json(case, tokens)
+        if value is None:
+            verdicts.append("did not finish")
+        elif not _validates(value, schema):
+            verdicts.append(f"violates: {json.dumps(value)[:80]}")
+        elif feature == "required ordering" and list(value) != list(schema["properties"]):
+            verdicts.append(f"order {list(value)}")
+        else:
+            verdicts.append("ok")
+    honoured = sum(v == "ok" for v in verdicts)
+    detail = next((v for v in verdicts if v != "ok"), "")
+    return {"engine": engine.name, "feature": feature, "compiles": "ok", "honoured": f"{honoured}/{samples}",
+            "detail": detail}  # fmt: skip
+
+
+def conversion_row(engine: Engine, info: object, case: TokenizerCase, repeats: int) -> dict:
+    """Mask -> torch.bool of vocabulary size, at the start of json_object (min over repeats, µs)."""
+    matcher = engine.matcher(engine.compile(info, GRAMMARS["json_object"]))
+    bitmask = new_bitmask(case.vocab_size)
+    matcher.fill(bitmask)
+    row = {"engine": engine.name, "tokenizer": case.name, "vocab_size": case.vocab_size,
+           "bitmask_to_bool_us": _min_us(lambda: allowed_mask(bitmask, case.vocab_size), repeats)}  # fmt: skip
+    logit_bias = getattr(matcher, "logit_bias", None)
+    if logit_bias is not None:
+        raw = logit_bias()
+        row["logit_bias_compute_us"] = _min_us(logit_bias, repeats)
+        row["frombuffer_to_bool_us"] = _min_us(lambda: bias_to_bool(raw), repeats)
+        assert torch.equal(bias_to_bool(raw), allowed_mask(bitmask, case.vocab_size)), "the two mask forms disagree"
+    row["bitmask_compute_us"] = _min_us(lambda: matcher.fill(bitmask), repeats)
+    return row
+
+
+def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bitmask[0].unsqueeze(-1) >> shifts) & 1).view(-1)[:vocab_size].bool()
+
+
+def bias_to_bool(raw: bytes) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: we only read it
+        return torch.frombuffer(raw, dtype=torch.uint8).bool()
+
+
+def _min_us(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e6
+
+
+def dependencies() -> dict[str, dict]:
+    out = {}
+    for name in ENGINES:
+        try:
+            requires = [r for r in importlib.metadata.requires(name) or [] if "extra ==" not in r]  # runtime only
+            out[name] = {"version": importlib.metadata.version(name), "requires": requires}
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = {"version": None, "requires": []}
+    return out
+
+
+def run(mode: Mode) -> dict:
+    engines = [cls() for name, cls in ENGINES.items() if importlib.util.find_spec(name) is not None]
+    data = {"mode": mode.name, "seed": SEED, "max_tokens": mode.max_tokens, "replays": mode.replays,
+            "engines": [e.name for e in engines], "dependencies": dependencies(), "rows": [], "tokenizer_info": [],
+            "gil": [], "features": [], "conversion": [], "same_sequence": {}}  # fmt: skip
+    cases = [tokenizer_case(v) for v in mode.tokenizers]
+    for case in cases:
+        for engine in engines:
+            started = time.perf_counter()
+            info = engine.tokenizer_info(case)
+            built = time.perf_counter()
+            engine.matcher(engine.compile(info, WARM_UP))  # the engine's own one-off set-up, out of the rows
+            data["tokenizer_info"].append({"engine": engine.name, "tokenizer": case.name, "vocab_size": case.vocab_size,
+                                           "build_ms": (built - started) * 1e3,
+                                           "first_compile_ms": (time.perf_counter() - built) * 1e3})  # fmt: skip
+            for grammar in mode.grammars:
+                data["rows"].append(grammar_row(engine, info, case, grammar, mode))
+                print(_progress(data["rows"][-1]), flush=True)
+            data["conversion"].append(conversion_row(engine, info, case, mode.conversion_repeats))
+            if case is cases[-1]:
+                row = next(r for r in data["rows"] if r["engine"] == engine.name and r["tokenizer"] == case.name
+                           and r["grammar"] == mode.grammars[-1])  # fmt: skip
+                data["gil"].append({"engine": engine.name,
+                                    **gil_check(engine, info, case, row["grammar"], row["token_ids"], mode.gil_seconds)})  # fmt: skip
+            if case is cases[0]:
+                data["features"] += [feature_row(engine, info, case, f, mode.feature_samples) for f in FEATURES]
+    for case in cases:
+        for grammar in mode.grammars:
+            seqs = [r["token_ids"] for r in data["rows"] if r["tokenizer"] == case.name and r["grammar"] == grammar]
+            data["same_sequence"][f"{case.name}/{grammar}"] = len(seqs) > 1 and all(s == seqs[0] for s in seqs)
+    return data
+
+
+def _progress(r: dict) -> str:
+    return (f"{r['engine']:<10} {r['tokenizer']:<9} {r['grammar']:<12} compile {r['compile_ms']:8.2f} ms  "
+            f"{r['mean_us']:8.1f} µs/token (p99 {r['p99_us']:.1f}) over {r['tokens']} tokens")  # fmt: skip
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def markdown(data: dict) -> str:
+    env, cpu = data["environment"], data["environment"]["cpu"]
+    deps = data["dependencies"]
+    versions = ", ".join(f"{n} {d['version'] or 'not installed'}" for n, d in deps.items())
+    out = [
+        "# Grammar engines for constrained decoding: llguidance vs xgrammar\n\n"
+        f"{versions}; CPU {cpu['model']} ({', '.join(cpu['simd_flags'])}), {env['cpu_count']} cores, "
+        f"torch {env['torch']}, load average at start {[round(v, 2) for v in env['load_average_1_5_15m']]}. "
+        f"JSON with separators \", \" and \": \" and no free whitespace. Per token: compute the next-token "
+        f"bitmask + consume the token, along a sequence sampled uniformly among the allowed ids (seed "
+        f"{data['seed']}, at most {data['max_tokens']} tokens), replayed {data['replays']}×.\n"
+    ]
+    if not data["engines"]:
+        return out[0] + "\nNo grammar engine is installed: nothing measured.\n"
+    out.append("\n## Per token and compile\n\n")
+    rows = [[r["tokenizer"], r["grammar"], r["engine"], r["tokens"], "yes" if r["completed"] else "cap",
+             {True: "yes", False: "NO", None: "—"}[r["valid"]], format_number(r["compile_ms"], 2),
+             format_number(r["mean_us"]), format_number(r["p99_us"]), format_number(r["mask_mean_us"]),
+             format_number(r["consume_mean_us"])] for r in data["rows"]]  # fmt: skip
+    out.append(markdown_table(["tokenizer", "grammar", "engine", "tokens", "ended", "valid", "compile ms",
+                               "µs/token mean", "p99", "mask µs", "consume µs"], rows, "lllrllrrrrr"))  # fmt: skip
+    same = data["same_sequence"]
+    if len(data["engines"]) > 1:
+        agree = [k for k, v in same.items() if v]
+        out.append(f"\nSame seed, same sampled sequence on both engines (their masks agreed at every step): "
+                   f"{len(agree)} of {len(same)} (tokenizer/grammar): {', '.join(agree) or 'none'}.\n")  # fmt: skip
+    out.append("\n## Tokenizer info (one-off)\n\n")
+    out.append("The first compile of a tokenizer (a small array schema) holds the engine's one-off set-up; "
+               "the rows above come after it.\n\n")
+    out.append(markdown_table(["tokenizer", "engine", "build ms", "first compile ms"],
+                              [[r["tokenizer"], r["engine"], format_number(r["build_ms"], 2),
+                                format_number(r["first_compile_ms"], 2)] for r in data["tokenizer_info"]]))  # fmt: skip
+    out.append("\n## Does the mask computation release the GIL?\n\n"
+               "A pure-Python loop's iterations while a thread recomputes one mask, over the loop alone "
+               "(a pure-Python thread beside the same loop is the reference for holding the GIL).\n\n")  # fmt: skip
+    out.append(markdown_table(
+        ["engine", "tokenizer / grammar", "mask µs", "loop ratio, mask thread", "loop ratio, Python thread", "releases"],
+        [[g["engine"], f"{g['tokenizer']} / {g['grammar']} @ token {g['at_token']}", format_number(g["mask_us"]),
+          f"{g['busy_ratio_with_mask_thread']:.2f}", f"{g['busy_ratio_with_python_thread']:.2f}",
+          "yes" if g["releases_gil"] else "no"] for g in data["gil"]],
+    ))  # fmt: skip
+    out.append("\n## Schema features (character tokenizer; samples validated with jsonschema)\n\n")
+    out.append(markdown_table(
+        ["feature", "engine", "compiles", "honoured", "detail"],
+        [[f["feature"], f["engine"], f["compiles"], f["honoured"] or "—", f.get("detail") or ""] for f in data["features"]],
+        "lllll",
+    ))  # fmt: skip
+    out.append("\n## Mask -> torch.bool of vocabulary size (min µs)\n\n")
+    out.append(markdown_table(
+        ["tokenizer", "engine", "bitmask compute", "bitmask -> bool", "logit_bias compute", "frombuffer -> bool"],
+        [[c["tokenizer"], c["engine"], format_number(c["bitmask_compute_us"]), format_number(c["bitmask_to_bool_us"]),
+          format_number(c.get("logit_bias_compute_us")), format_number(c.get("frombuffer_to_bool_us"))]
+         for c in data["conversion"]],
+    ))  # fmt: skip
+    out.append("\n## Recommendation\n\n" + recommendation(data) + "\n")
+    return "".join(out)
+
+
+def recommendation(data: dict) -> str:
+    """Derived from the numbers above, so that it follows a rerun."""
+    engines, deps = data["engines"], data["dependencies"]
+    if len(engines) < 2:
+        return f"Only {', '.join(engines)} was measured: no comparison."
+    largest = max(data["rows"], key=lambda r: r["vocab_size"])["tokenizer"]
+    target = next((r["tokenizer"] for r in data["rows"] if r["tokenizer"] == "bpe-32k"), largest)
+
+    def mean_of(engine: str, key: str, tokenizer: str | None = None) -> float:
+        values = [r[key] for r in data["rows"] if r["engine"] == engine and (tokenizer is None or r["tokenizer"] == tokenizer)]
+        return statistics.geometric_mean(values)
+
+    per_token = {e: mean_of(e, "mean_us", target) for e in engines}
+    compile_ms = {e: mean_of(e, "compile_ms", target) for e in engines}
+    fast, slow = sorted(engines, key=per_token.get)
+    honoured = {e: sum(f["honoured"] == f"{f['honoured'].split('/')[-1]}/{f['honoured'].split('/')[-1]}"
+                       for f in data["features"] if f["engine"] == e and f["honoured"]) for e in engines}  # fmt: skip
+    releases = {g["engine"]: g["releases_gil"] for g in data["gil"]}
+    requires = {e: sorted({r.split(";")[0].split()[0].split("=")[0].split(">")[0].split("<")[0] for r in deps[e]["requires"]})
+                for e in engines}  # fmt: skip
+    n_features = len({f["feature"] for f in data["features"]})
+    return (
+        f"On the {target} tokenizer, {fast} is faster per token: {per_token[fast]:.1f} µs vs {per_token[slow]:.1f} µs "
+        f"(geometric mean over the {len({r['grammar'] for r in data['rows']})} grammars, "
+        f"{per_token[slow] / per_token[fast]:.1f}×); cold compile {compile_ms['llguidance']:.2f} ms (llguidance) vs "
+        f"{compile_ms['xgrammar']:.2f} ms (xgrammar). Schema features honoured in every sample: "
+        + ", ".join(f"{e} {honoured[e]}/{n_features}" for e in engines)
+        + ". Mask computation releases the GIL: "
+        + ", ".join(f"{e} {'yes' if releases.get(e) else 'no'}" for e in engines)
+        + ". Runtime dependencies: "
+        + "; ".join(f"{e}: {', '.join(requires[e]) or 'none'}" for e in engines)
+        + f". Per-token cost, features and weight favour {fast}"
+        + ("" if not requires[fast] or len(requires[fast]) <= len(requires[slow]) else " on speed only")
+        + "."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="the 104 and 32k tokenizers, fewer replays")
+    group.add_argument("--smoke", action="store_true", help="the 104-id tokenizer, two grammars: proves it runs")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    mode = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    torch.set_num_threads(1)
+    env = environment_info()
+    data = {"environment": env, **run(mode)}
+    json_path, md_path = write_results(mode.name, data, markdown(data), args.results_dir)
+    print(md_path.read_text())
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()
