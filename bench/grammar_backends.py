@@ -407,7 +407,7 @@ def run(mode: Mode) -> dict:
     engines = [cls() for name, cls in ENGINES.items() if importlib.util.find_spec(name) is not None]
     data = {"mode": mode.name, "seed": SEED, "max_tokens": mode.max_tokens, "replays": mode.replays,
             "engines": [e.name for e in engines], "dependencies": dependencies(), "rows": [], "tokenizer_info": [],
-            "gil": [], "features": [], "conversion": [], "same_sequence": {}}  # fmt: skip
+            "gil": [], "features": [], "conversion": [], "agreement": []}  # fmt: skip
     cases = [tokenizer_case(v) for v in mode.tokenizers]
     for case in cases:
         for engine in engines:
@@ -429,11 +429,35 @@ def run(mode: Mode) -> dict:
                                     **gil_check(engine, info, case, row["grammar"], row["token_ids"], mode.gil_seconds)})  # fmt: skip
             if case is cases[0]:
                 data["features"] += [feature_row(engine, info, case, f, mode.feature_samples) for f in FEATURES]
-    for case in cases:
-        for grammar in mode.grammars:
-            seqs = [r["token_ids"] for r in data["rows"] if r["tokenizer"] == case.name and r["grammar"] == grammar]
-            data["same_sequence"][f"{case.name}/{grammar}"] = len(seqs) > 1 and all(s == seqs[0] for s in seqs)
+    if len(engines) == 2:
+        for case in cases:
+            infos = [engine.tokenizer_info(case) for engine in engines]
+            for grammar in mode.grammars:
+                tokens = next(r["token_ids"] for r in data["rows"] if r["tokenizer"] == case.name and r["grammar"] == grammar)
+                matchers = [e.matcher(e.compile(i, GRAMMARS[grammar])) for e, i in zip(engines, infos)]
+                data["agreement"].append({"tokenizer": case.name, "grammar": grammar,
+                                          **first_disagreement(matchers, case, tokens)})  # fmt: skip
     return data
+
+
+def first_disagreement(matchers: list[Matcher], case: TokenizerCase, tokens: list[int]) -> dict:
+    """Walks one engine's sampled sequence through both matchers; the first step where their
+    allowed sets differ, and what only each allows there."""
+    for step, token in enumerate(tokens):
+        allowed = []
+        for matcher in matchers:
+            bitmask = new_bitmask(case.vocab_size)
+            matcher.fill(bitmask)
+            allowed.append(set(allowed_ids(bitmask, case.vocab_size).tolist()))
+        if allowed[0] != allowed[1]:
+            shown = [sorted(a - b)[:5] for a, b in ((allowed[0], allowed[1]), (allowed[1], allowed[0]))]
+            return {"steps": len(tokens), "agree": False, "first_difference_at": step,
+                    "after_text": case.tokenizer.decode(tokens[:step])[-24:],
+                    "only_first": [case.tokenizer.decode([i]) for i in shown[0]], "n_only_first": len(allowed[0] - allowed[1]),
+                    "only_second": [case.tokenizer.decode([i]) for i in shown[1]], "n_only_second": len(allowed[1] - allowed[0])}  # fmt: skip
+        for matcher in matchers:
+            matcher.consume(token)
+    return {"steps": len(tokens), "agree": True}
 
 
 def _progress(r: dict) -> str:
@@ -465,11 +489,17 @@ def markdown(data: dict) -> str:
              format_number(r["consume_mean_us"])] for r in data["rows"]]  # fmt: skip
     out.append(markdown_table(["tokenizer", "grammar", "engine", "tokens", "ended", "valid", "compile ms",
                                "µs/token mean", "p99", "mask µs", "consume µs"], rows, "lllrllrrrrr"))  # fmt: skip
-    same = data["same_sequence"]
-    if len(data["engines"]) > 1:
-        agree = [k for k, v in same.items() if v]
-        out.append(f"\nSame seed, same sampled sequence on both engines (their masks agreed at every step): "
-                   f"{len(agree)} of {len(same)} (tokenizer/grammar): {', '.join(agree) or 'none'}.\n")  # fmt: skip
+    if data["agreement"]:
+        first, second = data["engines"]
+        out.append(f"\n## Do the masks agree?\n\n{first}'s sampled sequence walked through both engines: the first "
+                   f"step where the allowed sets differ, and (up to 5 of) the tokens only one allows there.\n\n")  # fmt: skip
+        out.append(markdown_table(
+            ["tokenizer", "grammar", "steps", "agree", "first difference at", "after text", f"only {first}", f"only {second}"],
+            [[a["tokenizer"], a["grammar"], a["steps"], "yes" if a["agree"] else "no", a.get("first_difference_at", "—"),
+              _code(a["after_text"]) if "after_text" in a else "",
+              _shown(a, "first"), _shown(a, "second")] for a in data["agreement"]],
+            "llrlrlll",
+        ))  # fmt: skip
     out.append("\n## Tokenizer info (one-off)\n\n")
     out.append("The first compile of a tokenizer (a small array schema) holds the engine's one-off set-up; "
                "the rows above come after it.\n\n")
@@ -500,6 +530,18 @@ def markdown(data: dict) -> str:
     ))  # fmt: skip
     out.append("\n## Recommendation\n\n" + recommendation(data) + "\n")
     return "".join(out)
+
+
+def _code(text: str) -> str:
+    """Text as a JSON string in a code span that a table cell can hold."""
+    return "`" + json.dumps(text).replace("`", "'").replace("|", "\\|") + "`"
+
+
+def _shown(a: dict, side: str) -> str:
+    if a["agree"]:
+        return ""
+    tokens = " ".join(_code(t) for t in a[f"only_{side}"])
+    return f"{a[f'n_only_{side}']}: {tokens}" if tokens else "0"
 
 
 def recommendation(data: dict) -> str:
