@@ -145,6 +145,17 @@ FEATURES: dict[str, dict] = {
     },
 }  # fmt: skip
 
+# Single characters after a prefix, on the character-level tokenizer: (schema, prefix, next,
+# whether JSON allows it there).
+PROBES: dict[str, tuple[dict, str, str, bool]] = {
+    "raw tab in a plain string": ({"type": "string"}, '"', "\t", False),
+    "raw tab in a string with maxLength": ({"type": "string", "maxLength": 6}, '"', "\t", False),
+    "raw tab in a string with minLength": ({"type": "string", "minLength": 1}, '"', "\t", False),
+    "escape in a string with maxLength": ({"type": "string", "maxLength": 6}, '"', "\\", True),
+    "the \\/ escape": ({"type": "string"}, '"\\', "/", True),
+    "leading zero of an integer": ({"type": "integer"}, "0", "1", False),
+}
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -293,42 +304,72 @@ def busy_loop(seconds: float) -> int:
     return n
 
 
-def beside(work: Callable[[], None], seconds: float) -> float:
-    """A pure-Python loop's iterations while a thread repeats `work`, over the loop alone."""
-    alone = busy_loop(seconds)
-    stop = threading.Event()
-
-    def repeat() -> None:
-        while not stop.is_set():
+def beside(work: Callable[[], None], seconds: float, rounds: int = 3) -> dict[str, float]:
+    """A pure-Python loop's iterations while a thread repeats `work`, over the loop alone; the
+    thread's repeats over `work` alone for as long; the process's CPU seconds per wall second
+    meanwhile (above 1: the two threads ran at once). Medians of rounds."""
+    ratios, cpu_per_wall, work_ratios = [], [], []
+    for _ in range(rounds):
+        alone = busy_loop(seconds)
+        work_alone, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
             work()
+            work_alone += 1
+        stop, done = threading.Event(), [0]
 
-    thread = threading.Thread(target=repeat)
-    thread.start()
-    try:
-        with_thread = busy_loop(seconds)
-    finally:
-        stop.set()
-        thread.join()
-    return with_thread / alone
+        def repeat() -> None:
+            while not stop.is_set():
+                work()
+                done[0] += 1
+
+        thread = threading.Thread(target=repeat)
+        cpu, wall = time.process_time(), time.perf_counter()
+        thread.start()
+        try:
+            with_thread = busy_loop(seconds)
+        finally:
+            stop.set()
+            thread.join()
+        cpu_per_wall.append((time.process_time() - cpu) / (time.perf_counter() - wall))
+        ratios.append(with_thread / alone)
+        work_ratios.append(done[0] / work_alone)
+    return {"loop_ratio": statistics.median(ratios), "cpu_per_wall": statistics.median(cpu_per_wall),
+            "work_ratio": statistics.median(work_ratios)}  # fmt: skip
 
 
-def gil_check(engine: Engine, info: object, case: TokenizerCase, grammar: str, tokens: list[int], seconds: float) -> dict:
-    """The mask at the middle of a sampled sequence (inside the JSON, the widest masks), recomputed
-    in a thread; a thread of pure Python beside the same loop is the GIL-holding reference."""
+def heaviest_mask(engine: Engine, info: object, case: TokenizerCase, rows: list[dict]) -> tuple[str, list[int]]:
+    """The grammar and the prefix of its sampled sequence where this engine's mask took longest."""
+    best = (-1.0, "", [])
+    for row in rows:
+        fills, _ = replay(engine.matcher(engine.compile(info, GRAMMARS[row["grammar"]])), row["token_ids"], case.vocab_size)
+        step = max(range(len(fills)), key=fills.__getitem__)
+        best = max(best, (fills[step], row["grammar"], row["token_ids"][:step]))
+    return best[1], best[2]
+
+
+def gil_check(engine: Engine, info: object, case: TokenizerCase, rows: list[dict], seconds: float) -> dict:
+    """The engine's heaviest mask of the sampled sequences, recomputed in a thread beside a
+    pure-Python loop; a pure-Python thread beside the same loop is the GIL-holding reference."""
+    grammar, prefix = heaviest_mask(engine, info, case, rows)
     matcher = engine.matcher(engine.compile(info, GRAMMARS[grammar]))
-    for token in tokens[: len(tokens) // 2]:
+    for token in prefix:
         matcher.consume(token)
     bitmask = new_bitmask(case.vocab_size)
-    reps = 200
+    reps = 100
     started = time.perf_counter()
     for _ in range(reps):
         matcher.fill(bitmask)
     mask_us = (time.perf_counter() - started) / reps * 1e6
-    ratio = beside(lambda: [matcher.fill(bitmask) for _ in range(20)], seconds)
-    reference = beside(lambda: busy_loop(0.001), seconds)
-    return {"tokenizer": case.name, "grammar": grammar, "at_token": len(tokens) // 2, "mask_us": mask_us,
-            "busy_ratio_with_mask_thread": ratio, "busy_ratio_with_python_thread": reference,
-            "releases_gil": ratio > (1 + reference) / 2}  # fmt: skip
+    masks = beside(lambda: [matcher.fill(bitmask) for _ in range(20)], seconds)
+    python = beside(lambda: busy_loop(0.001), seconds)
+    # A thread that holds the GIL through its calls takes its share of the interpreter, as the
+    # pure-Python one does; one that lets go leaves the loop (nearly) alone.
+    releases = masks["cpu_per_wall"] > 1.3 or masks["loop_ratio"] > (1 + python["loop_ratio"]) / 2
+    return {"tokenizer": case.name, "grammar": grammar, "at_token": len(prefix), "mask_us": mask_us,
+            "loop_ratio_mask_thread": masks["loop_ratio"], "cpu_per_wall_mask_thread": masks["cpu_per_wall"],
+            "mask_thread_throughput_ratio": masks["work_ratio"],
+            "loop_ratio_python_thread": python["loop_ratio"], "cpu_per_wall_python_thread": python["cpu_per_wall"],
+            "releases_gil": releases}  # fmt: skip
 
 
 def feature_row(engine: Engine, info: object, case: TokenizerCase, feature: str, samples: int) -> dict:
@@ -353,6 +394,17 @@ def feature_row(engine: Engine, info: object, case: TokenizerCase, feature: str,
     detail = next((v for v in verdicts if v != "ok"), "")
     return {"engine": engine.name, "feature": feature, "compiles": "ok", "honoured": f"{honoured}/{samples}",
             "detail": detail}  # fmt: skip
+
+
+def probe_row(engine: Engine, info: object, case: TokenizerCase, probe: str) -> dict:
+    schema, prefix, text, json_allows = PROBES[probe]
+    matcher = engine.matcher(engine.compile(info, schema))
+    for token in case.tokenizer.encode(prefix, add_special_tokens=False):
+        assert matcher.consume(token), f"{engine.name} refused the probe's prefix {prefix!r}"
+    bitmask = new_bitmask(case.vocab_size)
+    matcher.fill(bitmask)
+    allowed = case.tokenizer.convert_tokens_to_ids(text) in set(allowed_ids(bitmask, case.vocab_size).tolist())
+    return {"engine": engine.name, "probe": probe, "allowed": allowed, "as_json": allowed == json_allows}
 
 
 def conversion_row(engine: Engine, info: object, case: TokenizerCase, repeats: int) -> dict:
@@ -407,7 +459,7 @@ def run(mode: Mode) -> dict:
     engines = [cls() for name, cls in ENGINES.items() if importlib.util.find_spec(name) is not None]
     data = {"mode": mode.name, "seed": SEED, "max_tokens": mode.max_tokens, "replays": mode.replays,
             "engines": [e.name for e in engines], "dependencies": dependencies(), "rows": [], "tokenizer_info": [],
-            "gil": [], "features": [], "conversion": [], "agreement": []}  # fmt: skip
+            "gil": [], "features": [], "probes": [], "conversion": [], "agreement": []}  # fmt: skip
     cases = [tokenizer_case(v) for v in mode.tokenizers]
     for case in cases:
         for engine in engines:
@@ -423,12 +475,11 @@ def run(mode: Mode) -> dict:
                 print(_progress(data["rows"][-1]), flush=True)
             data["conversion"].append(conversion_row(engine, info, case, mode.conversion_repeats))
             if case is cases[-1]:
-                row = next(r for r in data["rows"] if r["engine"] == engine.name and r["tokenizer"] == case.name
-                           and r["grammar"] == mode.grammars[-1])  # fmt: skip
-                data["gil"].append({"engine": engine.name,
-                                    **gil_check(engine, info, case, row["grammar"], row["token_ids"], mode.gil_seconds)})  # fmt: skip
+                rows = [r for r in data["rows"] if r["engine"] == engine.name and r["tokenizer"] == case.name]
+                data["gil"].append({"engine": engine.name, **gil_check(engine, info, case, rows, mode.gil_seconds)})
             if case is cases[0]:
                 data["features"] += [feature_row(engine, info, case, f, mode.feature_samples) for f in FEATURES]
+                data["probes"] += [probe_row(engine, info, case, p) for p in PROBES]
     if len(engines) == 2:
         for case in cases:
             infos = [engine.tokenizer_info(case) for engine in engines]
@@ -507,19 +558,38 @@ def markdown(data: dict) -> str:
                               [[r["tokenizer"], r["engine"], format_number(r["build_ms"], 2),
                                 format_number(r["first_compile_ms"], 2)] for r in data["tokenizer_info"]]))  # fmt: skip
     out.append("\n## Does the mask computation release the GIL?\n\n"
-               "A pure-Python loop's iterations while a thread recomputes one mask, over the loop alone "
-               "(a pure-Python thread beside the same loop is the reference for holding the GIL).\n\n")  # fmt: skip
+               "The engine's heaviest mask of the sampled sequences, recomputed in a thread beside a pure-Python "
+               "loop: the loop's iterations over the loop alone (median of 3), and the process's CPU seconds per "
+               "wall second meanwhile (above 1: both threads ran at once), and the masks the thread computed over "
+               "those it computes alone in as long. A pure-Python thread beside the same loop is the reference for "
+               "holding the GIL.\n\n")  # fmt: skip
     out.append(markdown_table(
-        ["engine", "tokenizer / grammar", "mask µs", "loop ratio, mask thread", "loop ratio, Python thread", "releases"],
+        ["engine", "tokenizer / grammar", "mask µs", "loop ratio", "CPU/wall", "thread's masks ratio",
+         "loop ratio, Python thread", "CPU/wall, Python thread", "releases"],
         [[g["engine"], f"{g['tokenizer']} / {g['grammar']} @ token {g['at_token']}", format_number(g["mask_us"]),
-          f"{g['busy_ratio_with_mask_thread']:.2f}", f"{g['busy_ratio_with_python_thread']:.2f}",
+          f"{g['loop_ratio_mask_thread']:.2f}", f"{g['cpu_per_wall_mask_thread']:.2f}",
+          f"{g['mask_thread_throughput_ratio']:.2f}",
+          f"{g['loop_ratio_python_thread']:.2f}", f"{g['cpu_per_wall_python_thread']:.2f}",
           "yes" if g["releases_gil"] else "no"] for g in data["gil"]],
+        "llrrrrrrl",
     ))  # fmt: skip
     out.append("\n## Schema features (character tokenizer; samples validated with jsonschema)\n\n")
     out.append(markdown_table(
         ["feature", "engine", "compiles", "honoured", "detail"],
         [[f["feature"], f["engine"], f["compiles"], f["honoured"] or "—", f.get("detail") or ""] for f in data["features"]],
         "lllll",
+    ))  # fmt: skip
+    out.append("\n## Single-character probes (character tokenizer): is the next character allowed?\n\n")
+    engines = data["engines"]
+    probes = {(p["probe"], p["engine"]): p for p in data["probes"]}
+    verdict = {(True, True): "yes", (False, True): "no", (True, False): "yes: invalid JSON", (False, False): "no: stricter"}
+    out.append(markdown_table(
+        ["probe", "schema", "after", "next", "JSON allows", *engines],
+        [[name, "`" + json.dumps(PROBES[name][0]) + "`", _code(PROBES[name][1]), _code(PROBES[name][2]),
+          "yes" if PROBES[name][3] else "no",
+          *[verdict[probes[name, e]["allowed"], probes[name, e]["as_json"]] for e in engines]]
+         for name in PROBES if all((name, e) in probes for e in engines)],
+        "lllll" + "l" * len(engines),
     ))  # fmt: skip
     out.append("\n## Mask -> torch.bool of vocabulary size (min µs)\n\n")
     out.append(markdown_table(
