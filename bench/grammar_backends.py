@@ -27,6 +27,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import random
 import statistics
 import sysconfig
@@ -124,19 +125,27 @@ _POINT = {
     "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "integer", "minimum": 0, "maximum": 9}},
     "required": ["x", "y"],
     "additionalProperties": False,
-}  # fmt: skip
+}
+_SEGMENT = {
+    "type": "object",
+    "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 FEATURES: dict[str, dict] = {
     "maxLength": {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]},
     "minimum/maximum": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 17}}, "required": ["n"]},
     "enum": {"type": "object", "properties": {"c": {"enum": ["red", "green", 7, None]}}, "required": ["c"]},
     "$ref/$defs (nested)": {
         "type": "object",
-        "$defs": {"point": _POINT, "segment": {"type": "object", "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}}, "required": ["a", "b"], "additionalProperties": False}},
+        "$defs": {"point": _POINT, "segment": _SEGMENT},
         "properties": {"seg": {"$ref": "#/$defs/segment"}},
         "required": ["seg"],
         "additionalProperties": False,
     },
-    "additionalProperties: false": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    "additionalProperties: false": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False
+    },
     "required ordering": {
         "type": "object",
         "properties": {"z": {"type": "boolean"}, "a": {"type": "boolean"}, "m": {"type": "boolean"}},
@@ -166,13 +175,14 @@ class Mode:
     feature_samples: int
     gil_seconds: float
     conversion_repeats: int
+    compiles: int  # the compile time is the least of these many
     max_tokens: int = MAX_TOKENS
 
 
 MODES = {
-    "full": Mode("grammar_backends", (0, 32_000, 128_000), tuple(GRAMMARS), 10, 3, 1.0, 200),
-    "quick": Mode("grammar_backends.quick", (0, 32_000), tuple(GRAMMARS), 3, 3, 0.5, 100),
-    "smoke": Mode("grammar_backends.smoke", (0,), ("json_object", "flat"), 1, 1, 0.05, 3, max_tokens=40),
+    "full": Mode("grammar_backends", (0, 32_000, 128_000), tuple(GRAMMARS), 10, 3, 1.0, 200, 5),
+    "quick": Mode("grammar_backends.quick", (0, 32_000), tuple(GRAMMARS), 5, 3, 0.5, 100, 3),
+    "smoke": Mode("grammar_backends.smoke", (0,), ("json_object", "flat"), 1, 1, 0.05, 3, 1, max_tokens=40),
 }
 
 
@@ -267,23 +277,26 @@ def decoded_json(case: TokenizerCase, tokens: list[int]) -> object | None:
 
 def grammar_row(engine: Engine, info: object, case: TokenizerCase, grammar: str, mode: Mode) -> dict:
     schema = GRAMMARS[grammar]
-    started = time.perf_counter()
-    compiled = engine.compile(info, schema)
-    matcher = engine.matcher(compiled)
-    compile_s = time.perf_counter() - started
+    compile_s = float("inf")
+    for _ in range(mode.compiles):  # each one cold: neither engine keeps a cache here
+        started = time.perf_counter()
+        compiled = engine.compile(info, schema)
+        matcher = engine.matcher(compiled)
+        compile_s = min(compile_s, time.perf_counter() - started)
     tokens = sample(matcher, case, random.Random(SEED), mode.max_tokens)
-    fills, consumes = [], []
-    for _ in range(mode.replays):
-        f, c = replay(engine.matcher(compiled), tokens, case.vocab_size)
-        fills += f
-        consumes += c
-    per_token = [f + c for f, c in zip(fills, consumes)]
+    # Per step the least of the replays (a shared machine's interruptions are not the engine's), then
+    # statistics over the steps of the sequence.
+    replays = [replay(engine.matcher(compiled), tokens, case.vocab_size) for _ in range(mode.replays)]
+    fills = [min(step) for step in zip(*(f for f, _ in replays))]
+    consumes = [min(step) for step in zip(*(c for _, c in replays))]
+    per_token = [min(f + c for f, c in step) for step in zip(*(zip(f, c) for f, c in replays))]
     value = decoded_json(case, tokens)
     valid = None if value is None else _validates(value, schema)
     return {
         "engine": engine.name, "tokenizer": case.name, "vocab_size": case.vocab_size, "grammar": grammar,
         "compile_ms": compile_s * 1e3, "tokens": len(tokens), "completed": value is not None, "valid": valid,
-        "mean_us": statistics.fmean(per_token) * 1e6, "p99_us": p99(per_token) * 1e6,
+        "mean_us": statistics.fmean(per_token) * 1e6, "median_us": statistics.median(per_token) * 1e6,
+        "p99_us": p99(per_token) * 1e6,
         "mask_mean_us": statistics.fmean(fills) * 1e6, "consume_mean_us": statistics.fmean(consumes) * 1e6,
         "token_ids": tokens,
     }  # fmt: skip
@@ -366,6 +379,7 @@ def gil_check(engine: Engine, info: object, case: TokenizerCase, rows: list[dict
     # pure-Python one does; one that lets go leaves the loop (nearly) alone.
     releases = masks["cpu_per_wall"] > 1.3 or masks["loop_ratio"] > (1 + python["loop_ratio"]) / 2
     return {"tokenizer": case.name, "grammar": grammar, "at_token": len(prefix), "mask_us": mask_us,
+            "load_average_1m": os.getloadavg()[0],
             "loop_ratio_mask_thread": masks["loop_ratio"], "cpu_per_wall_mask_thread": masks["cpu_per_wall"],
             "mask_thread_throughput_ratio": masks["work_ratio"],
             "loop_ratio_python_thread": python["loop_ratio"], "cpu_per_wall_python_thread": python["cpu_per_wall"],
@@ -421,6 +435,13 @@ def conversion_row(engine: Engine, info: object, case: TokenizerCase, repeats: i
         row["frombuffer_to_bool_us"] = _min_us(lambda: bias_to_bool(raw), repeats)
         assert torch.equal(bias_to_bool(raw), allowed_mask(bitmask, case.vocab_size)), "the two mask forms disagree"
     row["bitmask_compute_us"] = _min_us(lambda: matcher.fill(bitmask), repeats)
+    if engine.name == "llguidance":  # its torch helper, as a server would call it (its checks, a row view)
+        started = time.perf_counter()
+        import llguidance.torch
+
+        row["llguidance_torch_import_ms"] = (time.perf_counter() - started) * 1e3
+        inner = matcher._m
+        row["torch_helper_compute_us"] = _min_us(lambda: llguidance.torch.fill_next_token_bitmask(inner, bitmask), repeats)
     return row
 
 
@@ -529,18 +550,20 @@ def markdown(data: dict) -> str:
         f"torch {env['torch']}, load average at start {[round(v, 2) for v in env['load_average_1_5_15m']]}. "
         f"JSON with separators \", \" and \": \" and no free whitespace. Per token: compute the next-token "
         f"bitmask + consume the token, along a sequence sampled uniformly among the allowed ids (seed "
-        f"{data['seed']}, at most {data['max_tokens']} tokens), replayed {data['replays']}×.\n"
+        f"{data['seed']}, at most {data['max_tokens']} tokens), replayed {data['replays']}×: per step the least of "
+        "the replays, then mean, median and p99 over the steps. Compile: the least of a few cold compiles.\n"
     ]
     if not data["engines"]:
         return out[0] + "\nNo grammar engine is installed: nothing measured.\n"
     out.append("\n## Per token and compile\n\n")
     rows = [[r["tokenizer"], r["grammar"], r["engine"], r["tokens"], "yes" if r["completed"] else "cap",
              {True: "yes", False: "NO", None: "—"}[r["valid"]], format_number(r["compile_ms"], 2),
-             format_number(r["mean_us"]), format_number(r["p99_us"]), format_number(r["mask_mean_us"]),
-             format_number(r["consume_mean_us"])] for r in data["rows"]]  # fmt: skip
+             format_number(r["mean_us"]), format_number(r["median_us"]), format_number(r["p99_us"]),
+             format_number(r["mask_mean_us"]), format_number(r["consume_mean_us"])] for r in data["rows"]]  # fmt: skip
     out.append(markdown_table(["tokenizer", "grammar", "engine", "tokens", "ended", "valid", "compile ms",
-                               "µs/token mean", "p99", "mask µs", "consume µs"], rows, "lllrllrrrrr"))  # fmt: skip
-    if data["agreement"]:
+                               "µs/token mean", "median", "p99", "mask µs (mean)", "consume µs (mean)"],
+                              rows, "lllrllrrrrrr"))  # fmt: skip
+    if data["agreement"] and len(data["engines"]) == 2:
         first, second = data["engines"]
         out.append(f"\n## Do the masks agree?\n\n{first}'s sampled sequence walked through both engines: the first "
                    f"step where the allowed sets differ, and (up to 5 of) the tokens only one allows there.\n\n")  # fmt: skip
@@ -565,13 +588,13 @@ def markdown(data: dict) -> str:
                "holding the GIL.\n\n")  # fmt: skip
     out.append(markdown_table(
         ["engine", "tokenizer / grammar", "mask µs", "loop ratio", "CPU/wall", "thread's masks ratio",
-         "loop ratio, Python thread", "CPU/wall, Python thread", "releases"],
+         "loop ratio, Python thread", "CPU/wall, Python thread", "load 1 min", "releases"],
         [[g["engine"], f"{g['tokenizer']} / {g['grammar']} @ token {g['at_token']}", format_number(g["mask_us"]),
           f"{g['loop_ratio_mask_thread']:.2f}", f"{g['cpu_per_wall_mask_thread']:.2f}",
           f"{g['mask_thread_throughput_ratio']:.2f}",
           f"{g['loop_ratio_python_thread']:.2f}", f"{g['cpu_per_wall_python_thread']:.2f}",
-          "yes" if g["releases_gil"] else "no"] for g in data["gil"]],
-        "llrrrrrrl",
+          f"{g['load_average_1m']:.1f}", "yes" if g["releases_gil"] else "no"] for g in data["gil"]],
+        "llrrrrrrrl",
     ))  # fmt: skip
     out.append("\n## Schema features (character tokenizer; samples validated with jsonschema)\n\n")
     out.append(markdown_table(
@@ -592,9 +615,16 @@ def markdown(data: dict) -> str:
         "lllll" + "l" * len(engines),
     ))  # fmt: skip
     out.append("\n## Mask -> torch.bool of vocabulary size (min µs)\n\n")
+    out.append("At the start of json_object. \"via llguidance.torch\": the same bitmask through that module's "
+               "helper (checks and a row view in Python); importing that module took "
+               + ", ".join(f"{c['llguidance_torch_import_ms']:,.0f} ms" for c in data["conversion"]
+                           if "llguidance_torch_import_ms" in c)
+               + " (it compiles a torch kernel when imported; the first import pays it).\n\n")  # fmt: skip
     out.append(markdown_table(
-        ["tokenizer", "engine", "bitmask compute", "bitmask -> bool", "logit_bias compute", "frombuffer -> bool"],
-        [[c["tokenizer"], c["engine"], format_number(c["bitmask_compute_us"]), format_number(c["bitmask_to_bool_us"]),
+        ["tokenizer", "engine", "bitmask compute", "via llguidance.torch", "bitmask -> bool", "logit_bias compute",
+         "frombuffer -> bool"],
+        [[c["tokenizer"], c["engine"], format_number(c["bitmask_compute_us"]),
+          format_number(c.get("torch_helper_compute_us")), format_number(c["bitmask_to_bool_us"]),
           format_number(c.get("logit_bias_compute_us")), format_number(c.get("frombuffer_to_bool_us"))]
          for c in data["conversion"]],
     ))  # fmt: skip
@@ -616,39 +646,65 @@ def _shown(a: dict, side: str) -> str:
 
 def recommendation(data: dict) -> str:
     """Derived from the numbers above, so that it follows a rerun."""
-    engines, deps = data["engines"], data["dependencies"]
+    engines = data["engines"]
     if len(engines) < 2:
         return f"Only {', '.join(engines)} was measured: no comparison."
-    largest = max(data["rows"], key=lambda r: r["vocab_size"])["tokenizer"]
-    target = next((r["tokenizer"] for r in data["rows"] if r["tokenizer"] == "bpe-32k"), largest)
+    tokenizers = sorted({(r["vocab_size"], r["tokenizer"]) for r in data["rows"]})
+    target = next((name for _, name in tokenizers if name == "bpe-32k"), tokenizers[-1][1])
+    smallest = tokenizers[0][1]
 
-    def mean_of(engine: str, key: str, tokenizer: str | None = None) -> float:
-        values = [r[key] for r in data["rows"] if r["engine"] == engine and (tokenizer is None or r["tokenizer"] == tokenizer)]
-        return statistics.geometric_mean(values)
+    def gmean(engine: str, key: str, tokenizer: str) -> float:
+        return statistics.geometric_mean(
+            [r[key] for r in data["rows"] if r["engine"] == engine and r["tokenizer"] == tokenizer]
+        )
 
-    per_token = {e: mean_of(e, "mean_us", target) for e in engines}
-    compile_ms = {e: mean_of(e, "compile_ms", target) for e in engines}
+    def worst(engine: str, key: str) -> dict:
+        return max((r for r in data["rows"] if r["engine"] == engine and r["tokenizer"] == target), key=lambda r: r[key])
+
+    per_token = {e: gmean(e, "mean_us", target) for e in engines}
     fast, slow = sorted(engines, key=per_token.get)
-    honoured = {e: sum(f["honoured"] == f"{f['honoured'].split('/')[-1]}/{f['honoured'].split('/')[-1]}"
-                       for f in data["features"] if f["engine"] == e and f["honoured"]) for e in engines}  # fmt: skip
+    small = {e: gmean(e, "mean_us", smallest) for e in engines}
+    compile_ms = {e: gmean(e, "compile_ms", target) for e in engines}
+    complete = {e: sum(f["honoured"] is not None and f["honoured"].split("/")[0] == f["honoured"].split("/")[1]
+                       for f in data["features"] if f["engine"] == e) for e in engines}  # fmt: skip
+    invalid = {e: [p["probe"] for p in data["probes"] if p["engine"] == e and p["allowed"] and not p["as_json"]] for e in engines}
+    stricter = {e: [p["probe"] for p in data["probes"] if p["engine"] == e and not p["allowed"] and not p["as_json"]] for e in engines}
     releases = {g["engine"]: g["releases_gil"] for g in data["gil"]}
-    requires = {e: sorted({r.split(";")[0].split()[0].split("=")[0].split(">")[0].split("<")[0] for r in deps[e]["requires"]})
-                for e in engines}  # fmt: skip
+    requires = {e: sorted({_requirement_name(r) for r in data["dependencies"][e]["requires"]}) for e in engines}
     n_features = len({f["feature"] for f in data["features"]})
-    return (
-        f"On the {target} tokenizer, {fast} is faster per token: {per_token[fast]:.1f} µs vs {per_token[slow]:.1f} µs "
-        f"(geometric mean over the {len({r['grammar'] for r in data['rows']})} grammars, "
-        f"{per_token[slow] / per_token[fast]:.1f}×); cold compile {compile_ms['llguidance']:.2f} ms (llguidance) vs "
-        f"{compile_ms['xgrammar']:.2f} ms (xgrammar). Schema features honoured in every sample: "
-        + ", ".join(f"{e} {honoured[e]}/{n_features}" for e in engines)
+    slowest = {e: worst(e, "p99_us") for e in engines}
+    text = (
+        f"On the {target} tokenizer {fast} takes {per_token[fast]:.1f} µs per token (mask + consume, geometric mean "
+        f"over the grammars) and {slow} {per_token[slow]:.1f} µs ({per_token[slow] / per_token[fast]:.1f}×); the worst "
+        f"p99 is {slowest[fast]['p99_us']:.0f} µs ({fast}, {slowest[fast]['grammar']}) vs {slowest[slow]['p99_us']:.0f} µs "
+        f"({slow}, {slowest[slow]['grammar']}). "
+        + ("" if smallest == target else f"On the {smallest} tokenizer: " + ", ".join(f"{e} {small[e]:.1f} µs" for e in engines) + ". ")
+        + "Cold compile on " + target + ": " + ", ".join(f"{e} {compile_ms[e]:.2f} ms" for e in engines)
+        + f" (geometric mean). Schema features compiled and honoured in every sample: "
+        + ", ".join(f"{e} {complete[e]}/{n_features}" for e in engines)
+        + ". Probes where an engine allows invalid JSON: "
+        + "; ".join(f"{e}: {', '.join(invalid[e]) or 'none'}" for e in engines)
+        + "; where it refuses valid JSON: "
+        + "; ".join(f"{e}: {', '.join(stricter[e]) or 'none'}" for e in engines)
         + ". Mask computation releases the GIL: "
         + ", ".join(f"{e} {'yes' if releases.get(e) else 'no'}" for e in engines)
         + ". Runtime dependencies: "
         + "; ".join(f"{e}: {', '.join(requires[e]) or 'none'}" for e in engines)
-        + f". Per-token cost, features and weight favour {fast}"
-        + ("" if not requires[fast] or len(requires[fast]) <= len(requires[slow]) else " on speed only")
-        + "."
+        + ". "
     )
+    lighter = min(engines, key=lambda e: len(requires[e]))
+    if fast == lighter and not invalid[fast] and complete[fast] >= complete[slow]:
+        return text + f"Recommendation: {fast}: faster per token on the realistic vocabulary, no invalid JSON, and the lighter install."
+    return text + (f"Recommendation: a trade-off: {fast} is faster per token on {target}; {lighter} is the lighter "
+                   f"install; invalid-JSON probes: {', '.join(f'{e} {len(invalid[e])}' for e in engines)}.")  # fmt: skip
+
+
+def _requirement_name(requirement: str) -> str:
+    """"torch>=2; python_version > '3'" -> "torch"."""
+    name = requirement.split(";")[0].strip()
+    for stop in "<>=!~[ (":
+        name = name.split(stop)[0]
+    return name
 
 
 def main() -> None:

@@ -89,12 +89,12 @@ class _CharVocab:
 
 class LLGuidanceMatcher:
     def __init__(self, matcher):
-        import llguidance.torch
-
-        self._m, self._fill = matcher, llguidance.torch.fill_next_token_bitmask
+        self._m = matcher
 
     def fill(self, bitmask: torch.Tensor) -> None:
-        self._fill(self._m, bitmask, 0)
+        """Row 0 of a contiguous int32 mask, written in place (what `llguidance.torch`'s helper does
+        after its checks; that module compiles a torch kernel when imported, seconds)."""
+        self._m.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.shape[1] * 4)
 
     def consume(self, token: int) -> bool:
         return self._m.consume_token(token)
