@@ -77,8 +77,9 @@ class _CharVocab:
         self.eos_token_id = case.tokenizer.eos_token_id
         self.bos_token_id = case.tokenizer.bos_token_id
         self.special_token_ids = sorted(case.special_ids)
+        # llguidance marks a special token by a leading 0xff byte (never valid UTF-8).
         self.tokens = [b"\xff" + case.tokenizer.convert_ids_to_tokens(i).encode() if i in case.special_ids else b
-                       for i, b in enumerate(case.token_bytes())]  # fmt: skip  (0xff marks a special token)
+                       for i, b in enumerate(case.token_bytes())]  # fmt: skip
         self._tokenizer = case.tokenizer
 
     def __call__(self, text: str | bytes) -> list[int]:
