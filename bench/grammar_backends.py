@@ -221,7 +221,9 @@ def train_bpe(vocab_size: int) -> PreTrainedTokenizerFast:
         vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )  # fmt: skip
-    tokenizer.train_from_iterator(stdlib_text(vocab_size * 128), trainer)  # 4 MB for 32k, 16 MB for 128k
+    # More ids need more distinct text: 4 MB for 32k; for 128k all of the standard library (about
+    # 31 MB, which gives some 123k ids).
+    tokenizer.train_from_iterator(stdlib_text(vocab_size**2 // 256), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, clean_up_tokenization_spaces=False)
 
 
