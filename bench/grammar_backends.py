@@ -46,7 +46,8 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
-from bench.grammar_engines import ENGINES, Engine, GrammarError, Matcher, TokenizerCase, allowed_ids, new_bitmask
+from bench.grammar_engines import ENGINES, Engine, GrammarError, Matcher, TokenizerCase, allowed_ids, allowed_mask
+from bench.grammar_engines import new_bitmask
 from workers.checkpoint.tokenizer import build_tokenizer
 
 MAX_TOKENS = 300
@@ -456,11 +457,6 @@ def conversion_row(engine: Engine, info: object, case: TokenizerCase, repeats: i
         inner = matcher._m
         row["torch_helper_compute_us"] = _min_us(lambda: llguidance.torch.fill_next_token_bitmask(inner, bitmask), repeats)
     return row
-
-
-def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    shifts = torch.arange(32, dtype=torch.int32)
-    return ((bitmask[0].unsqueeze(-1) >> shifts) & 1).view(-1)[:vocab_size].bool()
 
 
 def bias_to_bool(raw: bytes) -> torch.Tensor:

@@ -46,10 +46,14 @@ def new_bitmask(vocab_size: int) -> torch.Tensor:
     return torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-def allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Row 0 of a bitmask as a torch.bool of vocabulary size."""
     shifts = torch.arange(32, dtype=torch.int32)
-    bits = ((bitmask[0].unsqueeze(-1) >> shifts) & 1).view(-1)[:vocab_size]
-    return torch.nonzero(bits).view(-1)
+    return ((bitmask[0].unsqueeze(-1) >> shifts) & 1).view(-1)[:vocab_size].bool()
+
+
+def allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return torch.nonzero(allowed_mask(bitmask, vocab_size)).view(-1)
 
 
 class Matcher(Protocol):
