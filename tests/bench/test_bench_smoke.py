@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench import cache_service, chaos, conversation_report, decode_step, determinism, engine_report, kernel_speed
-from bench import linear_speed, serve
+from bench import grammar_backends, linear_speed, serve
 from bench.common import RESULTS_DIR
 from bench.vllm_env import VENV_DIR
 from workers.checkpoint import Arch
@@ -51,6 +51,7 @@ SMOKES = {
     ),
     "determinism": Smoke(("--smoke",), "determinism.smoke", determinism.markdown),
     "engine": Smoke(("--smoke", "--arch", "granitemoehybrid", *NO_VLLM), "engine.smoke", engine_report.markdown),
+    "grammar_backends": Smoke(("--smoke",), "grammar_backends.smoke", grammar_backends.markdown),
     "kernel_speed": Smoke(
         ("--smoke",),
         "kernels.smoke",
