@@ -36,7 +36,7 @@ class TokenizerCase:
     def of(name: str, tokenizer: PreTrainedTokenizerFast, byte_level: bool) -> TokenizerCase:
         return TokenizerCase(name, tokenizer, len(tokenizer), byte_level, frozenset(tokenizer.all_special_ids))
 
-    def token_bytes(self) -> list[bytes]:
+    def vocabulary_bytes(self) -> list[bytes]:
         """Each id's text; b"" for special ids (neither engine may place them inside the JSON)."""
         assert not self.byte_level, "byte-level ids do not decode one by one"
         return [b"" if i in self.special_ids else self.tokenizer.decode([i]).encode() for i in range(self.vocab_size)]
@@ -83,7 +83,7 @@ class _CharVocab:
         self.special_token_ids = sorted(case.special_ids)
         # llguidance marks a special token by a leading 0xff byte (never valid UTF-8).
         self.tokens = [b"\xff" + case.tokenizer.convert_ids_to_tokens(i).encode() if i in case.special_ids else b
-                       for i, b in enumerate(case.token_bytes())]  # fmt: skip
+                       for i, b in enumerate(case.vocabulary_bytes())]  # fmt: skip
         self._tokenizer = case.tokenizer
 
     def __call__(self, text: str | bytes) -> list[int]:
@@ -167,7 +167,7 @@ class XGrammar:
         if case.byte_level:
             info = xgrammar.TokenizerInfo.from_huggingface(case.tokenizer, vocab_size=case.vocab_size, stop_token_ids=[eos])
         else:  # empty entries are special ids to xgrammar
-            info = xgrammar.TokenizerInfo(case.token_bytes(), xgrammar.VocabType.RAW, vocab_size=case.vocab_size,
+            info = xgrammar.TokenizerInfo(case.vocabulary_bytes(), xgrammar.VocabType.RAW, vocab_size=case.vocab_size,
                                           stop_token_ids=[eos])  # fmt: skip
         # A cold compile each time: the compiler's cache would hand back an earlier result.
         return xgrammar.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)

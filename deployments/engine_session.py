@@ -175,6 +175,12 @@ class EngineSession:
         return await self.aengine.call(lambda e: e.load())
 
     # -- turns ------------------------------------------------------------------------------
+    async def prepare_grammar(self, params: SamplingParams) -> None:
+        """A constrained request's grammar made and checked off the engine thread (a bad schema
+        is refused here); cached, so an agent loop's same tools are compiled once."""
+        if params.constraint is not None:
+            await asyncio.to_thread(self.cache.engine.grammars.prepare, params.constraint)
+
     def stream_turn(
         self,
         ref: ConversationRef,

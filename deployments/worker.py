@@ -152,6 +152,7 @@ class Worker:
     async def run_turn(self, job: TurnJob) -> AsyncIterator[TurnEvent]:
         try:
             params = SamplingParams(**job.sampling)
+            await self.session.prepare_grammar(params)  # a schema that cannot compile: refused here
         except (InvalidRequestError, TypeError) as e:
             yield TurnFailed(ErrorKind.INVALID, str(e))
             return

@@ -70,6 +70,11 @@ class GrammarCompiler:
             log.info("grammar warning: %s", warning)
         return text
 
+    def prepare(self, constraint: Constraint) -> None:
+        """Make and check the constraint's grammar text now (any thread; raises
+        InvalidRequestError for a bad schema): the engine thread then only builds the matcher."""
+        self._texts(constraint)
+
     def matcher(self, constraint: Constraint):
         """A fresh matcher at the reply's start (raises InvalidRequestError for a bad schema)."""
         import llguidance
