@@ -198,15 +198,17 @@ class ResponseFormat(BaseModel):
 
 
 def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool) -> dict[str, Any] | None:
-    """The grammar forcing a reply of tool calls (tool_choice "required" or a named function),
-    over engine-shaped tools ({"type": "function", "function": {...}}); None otherwise."""
-    if tool_choice == "required":
-        chosen = tools
-    elif isinstance(tool_choice, dict):
+    """The grammar of a reply with tools (engine-shaped: {"type": "function", "function": {...}}):
+    "required" or a named function force calls; "auto" (the default with tools) lets the model
+    write text, but a call it begins must be valid; None for "none" or no tools."""
+    if not tools or tool_choice == "none":
+        return None
+    auto = tool_choice in (None, "auto")
+    if isinstance(tool_choice, dict):
         chosen = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
     else:
-        return None
-    return {"type": "tool_calls", "parallel": parallel,
+        chosen = tools
+    return {"type": "tool_calls", "parallel": parallel, "auto": auto,
             "tools": [{"name": t["function"]["name"], "parameters": t["function"].get("parameters") or {}}
                       for t in chosen]}
 
@@ -303,12 +305,14 @@ class ChatCompletionRequest(BaseModel):
     def constraint(self) -> dict[str, Any] | None:
         """The grammar the reply must follow (the worker compiles it), or None."""
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
-        forced = tool_constraint(list(self.engine_tools()), choice, self.parallel_tool_calls is not False)
-        if forced is not None:
-            return forced
+        tools = tool_constraint(list(self.engine_tools()), choice, self.parallel_tool_calls is not False)
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
-            return None
+            return tools
+        if tools is not None and not tools["auto"]:
+            return tools  # (a forced choice with a response_format is refused by _tools_fit)
+        # with tool_choice "auto" the response format wins: the reply is that JSON (calls it
+        # writes anyway are still parsed)
         if fmt.type == "json_object":
             return {"type": "json_object"}
         return {"type": "json_schema", "schema": fmt.json_schema.schema_, "strict": bool(fmt.json_schema.strict)}

@@ -15,11 +15,12 @@ from tests.engine.conftest import new_engine, prompt_of, run_engine  # noqa: F40
 from tests.grammar.schemas import random_schema
 from workers.checkpoint import Arch
 from workers.errors import InvalidRequestError
+from workers.grammar.compiler import GrammarCompiler
 from workers.grammar.constraint import Constraint
 from workers.grammar.guide import TokenGuide
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
-from workers.tools.formats import FORMATS
+from workers.tools.formats import FORMATS, ParsedCall
 
 pytest_plugins = ["tests.engine.conftest"]
 
@@ -133,3 +134,29 @@ def test_masks_are_a_function_of_the_tokens_so_far(tiny):
     assert guide.allowed([*tokens[:4], refused]) is None  # after a refused token nothing is constrained
     assert guide.allowed(tokens[:6]).equal(fresh(tokens[:6]))  # and the guide recovers from it
     pool.shutdown()
+
+
+@pytest.mark.parametrize("form", ["hermes", "nemotron"])
+def test_auto_lets_text_through_but_a_begun_call_must_be_valid(tiny, form):
+    """tool_choice "auto": any text may end the reply, but once the model writes the start tag
+    only a valid call of the tools may follow (then text again)."""
+    engine = new_engine(tiny[Arch.BAMBA].path)
+    compiler = GrammarCompiler(engine.tokenizer.hf, engine.model_config.vocab_size, sorted(engine.eos_token_ids),
+                               FORMATS[form])
+    tools = [{"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                            "required": ["a"], "additionalProperties": False}}]
+    constraint = Constraint.of({"type": "tool_calls", "tools": tools, "auto": True})
+    start, end = FORMATS[form].start_tag, FORMATS[form].end_tag
+    call = FORMATS[form].calls_text([ParsedCall("add", '{"a": 12}')])
+    matcher = compiler.matcher(constraint)
+    assert matcher.is_accepting()  # an empty or plain reply is fine
+
+    def accepts(text: str) -> bool:
+        ids = engine.tokenizer.encode(text)
+        return compiler.matcher(constraint).validate_tokens(ids) == len(ids)
+
+    assert accepts("Just text, no call.") and accepts(f"Sure. {call} Done.")
+    assert not accepts(f"Sure. {start}" + '{"name": "sub"') and not accepts(f"{start}not json")
+    ids = engine.tokenizer.encode("Hi " + call)
+    assert matcher.consume_tokens(ids) and matcher.is_accepting() and not matcher.is_stopped()
+    assert call.endswith(end)

@@ -58,8 +58,8 @@ class GrammarCompiler:
         elif constraint.kind is ConstraintKind.JSON_SCHEMA:
             text = _json_grammar(constraint.value())
         else:
-            text = llguidance.LLMatcher.grammar_from_lark(
-                self.tool_format.grammar(constraint.value(), constraint.parallel))
+            build = self.tool_format.auto_grammar if constraint.auto else self.tool_format.grammar
+            text = llguidance.LLMatcher.grammar_from_lark(build(constraint.value(), constraint.parallel))
         with self._lock:
             tokenizer = self.ll_tokenizer
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)

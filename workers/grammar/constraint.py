@@ -5,6 +5,8 @@
     {"type": "tool_calls", "tools": [{"name", "parameters"}], "parallel": b}
                                                            one call (or several) of those tools,
                                                            in the template's tool-call form
+    {"type": "tool_calls", ..., "auto": true}              any text, but a call the model begins
+                                                           must be a valid call (tool_choice auto)
 
 A frozen value (its JSON parts kept as canonical text): equal constraints compile once, and
 the sampling parameters stay comparable.
@@ -35,6 +37,7 @@ class Constraint:
     kind: ConstraintKind
     schema: str = ""  # JSON_SCHEMA: the schema; TOOL_CALLS: the list of tools; canonical JSON
     parallel: bool = True  # TOOL_CALLS: more than one call allowed
+    auto: bool = False  # TOOL_CALLS: calls are optional (text otherwise)
 
     @classmethod
     def of(cls, value: "Constraint | dict[str, Any] | None") -> "Constraint | None":
@@ -59,7 +62,7 @@ class Constraint:
                 isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
             raise InvalidRequestError("a tool_calls constraint needs a list of named tools")
         return cls(kind, _canonical([{"name": t["name"], "parameters": t.get("parameters") or {}} for t in tools]),
-                   bool(value.get("parallel", True)))
+                   bool(value.get("parallel", True)), bool(value.get("auto", False)))
 
     def value(self) -> Any:
         return json.loads(self.schema) if self.schema else None

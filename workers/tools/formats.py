@@ -94,6 +94,24 @@ class ToolFormat:
         """The calls of the text between a start and an end tag; None if it is not valid."""
         raise NotImplementedError
 
+    def block_rule(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        """Lark: what follows the start tag up to and including the end tag."""
+        raise NotImplementedError
+
+    def auto_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        """Lark source for tool_choice "auto": any text, but once the model writes the start
+        tag (a lazy trigger) what follows must be valid calls of the tools and the end tag."""
+        count = "*" if parallel else "?"
+        return "\n".join([
+            "%llguidance {}",
+            f"start: call{count} text",
+            "text: TEXT",
+            "TEXT: /(.|\n)*/",
+            f"call_start[lazy]: TEXT {_lark_string(self.start_tag)}",
+            f"call: call_start {self.block_rule(tools, parallel)}",
+            *_call_alternatives(tools),
+        ])
+
     def parser(self) -> "ToolCallParser":
         return ToolCallParser(self)
 
@@ -119,12 +137,15 @@ class HermesFormat(ToolFormat):
 
     def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
         count = f"{{1,{MAX_PARALLEL_CALLS}}}" if parallel else ""
-        alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
         return "\n".join([
             f"start: call{count}",
-            f"call: {_lark_string(self.start_tag)} ({alternatives}) {_lark_string(self.end_tag)}",
+            f"call: {_lark_string(self.start_tag)} {self.block_rule(tools, parallel)}",
             *_call_alternatives(tools),
         ])
+
+    def block_rule(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+        return f"({alternatives}) {_lark_string(self.end_tag)}"
 
     def parse_block(self, inner: str) -> list[ParsedCall] | None:
         call = _one_call(inner)
@@ -143,13 +164,15 @@ class NemotronFormat(ToolFormat):
         return f"{self.start_tag}[{', '.join(call_json(c.name, c.arguments) for c in calls)}]{self.end_tag}"
 
     def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
-        alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
-        more = f'(", " one){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
         return "\n".join([
-            f"start: {_lark_string(self.start_tag)} \"[\" one {more} \"]\" {_lark_string(self.end_tag)}",
-            f"one: {alternatives}",
+            f"start: {_lark_string(self.start_tag)} {self.block_rule(tools, parallel)}",
             *_call_alternatives(tools),
         ])
+
+    def block_rule(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+        more = f' (", " ({alternatives})){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+        return f'"[" ({alternatives}){more} "]" {_lark_string(self.end_tag)}'
 
     def parse_block(self, inner: str) -> list[ParsedCall] | None:
         try:
