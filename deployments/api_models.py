@@ -151,6 +151,13 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None  # a JSON schema (checked when it is compiled)
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type", "object") != "object":
+            raise PydanticCustomError("parameters_object", "a function's parameters must be a JSON schema of an object")
+        return value
+
 
 class ChatTool(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -40,7 +40,7 @@ class ReplyCalls:
         if self._parser is None:
             return "", ()
         tail = self._deltas(self._parser.finish())
-        parsed = self._parser.calls or []
+        parsed = self._parser.calls
         self.calls = tuple(ToolCall(call_id(self.turn_name, i), c.name, c.arguments) for i, c in enumerate(parsed))
         return tail
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cache_service.client import CacheClient, NotFound, pb
 from deployments.protocol import Recovery, ToolCall, ToolCallDelta, TurnDelta, TurnDone, TurnEvent
@@ -68,17 +68,39 @@ async def find_turn(cache: CacheClient, conv: ConversationRef, *, after_turn: in
     return None
 
 
-def replay(turn: pb.LedgerTurn, already_streamed: str = "") -> list[TurnEvent]:
-    """The events of a committed turn, read back from its ledger entry: the reply's text (what
-    the client has not been sent yet of it) and its result."""
+@dataclass
+class Streamed:
+    """What a turn's client has been sent so far: a replay of the turn sends only the rest."""
+
+    text: str = ""
+    call_arguments: dict[int, int] = field(default_factory=dict)  # call index -> argument chars sent
+    deltas: int = 0
+
+    def add(self, delta: TurnDelta) -> None:
+        self.text += delta.text
+        self.deltas += 1
+        for piece in delta.tool_calls:
+            self.call_arguments[piece.index] = self.call_arguments.get(piece.index, 0) + len(piece.arguments)
+
+
+def replay(turn: pb.LedgerTurn, streamed: Streamed | None = None) -> list[TurnEvent]:
+    """The events of a committed turn, read back from its ledger entry: the reply's text and
+    tool calls (what the client has not been sent yet of them) and its result."""
+    streamed = streamed or Streamed()
     reply = next((m.content for m in reversed(turn.messages) if m.role == "assistant"), "")
     result = turn.result
     calls: tuple[ToolCall, ...] = ()
     if result.tool_format:  # the request parsed tool calls: they are read back out of the text
         reply, parsed = format_named(result.tool_format).parse(reply)
         calls = tuple(ToolCall(call_id(turn.publish_id, i), c.name, c.arguments) for i, c in enumerate(parsed))
-    rest = reply[len(already_streamed):] if reply.startswith(already_streamed) else reply
+    rest = reply[len(streamed.text):] if reply.startswith(streamed.text) else reply
     done = TurnDone(result.finish_reason or "stop", result.prompt_tokens, result.completion_tokens,
                     result.cached_tokens, Recovery.REPLAY, replica="", turn=turn.turn, tool_calls=calls)
-    deltas = tuple(ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(calls))
-    return ([TurnDelta(rest, (), None, deltas)] if rest or deltas else []) + [done]
+    deltas = []
+    for i, call in enumerate(calls):
+        sent = streamed.call_arguments.get(i)
+        if sent is None:
+            deltas.append(ToolCallDelta(i, call.id, call.name, call.arguments))
+        elif len(call.arguments) > sent:
+            deltas.append(ToolCallDelta(i, arguments=call.arguments[sent:]))
+    return ([TurnDelta(rest, (), None, tuple(deltas))] if rest or deltas else []) + [done]

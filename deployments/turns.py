@@ -155,20 +155,20 @@ class TurnRun:
                 self.done = event if isinstance(event, TurnDone) else self.done
                 yield event
             return
-        streamed: list[str] = []
+        streamed = turn_outcome.Streamed()
         for attempt in range(RETRIES_BEFORE_FIRST_EVENT + 1):
             self._response = self.workers.options(stream=True).run_turn.remote(self.job)
             try:
                 while True:
                     event = await self._next_event()
                     if isinstance(event, TurnFailed) and self.lease is not None and event.kind not in _BEFORE_PUBLISH:
-                        async for verdict in self._ledger_verdict("".join(streamed), event):
+                        async for verdict in self._ledger_verdict(streamed, event):
                             yield verdict
                         return
                     if isinstance(event, TurnDone):
                         self.done = event
                     elif isinstance(event, TurnDelta):
-                        streamed.append(event.text)
+                        streamed.add(event)
                     yield event
             except StopAsyncIteration:
                 return
@@ -176,7 +176,7 @@ class TurnRun:
                 raise errors.overloaded(f"every worker is at capacity: {e}") from e
             except _LeaseLostMidTurn:
                 self._response.cancel()
-                async for verdict in self._ledger_verdict("".join(streamed), TurnFailed(
+                async for verdict in self._ledger_verdict(streamed, TurnFailed(
                         ErrorKind.CONFLICT, "the conversation's lease was lost mid-turn; the turn was not committed")):
                     yield verdict
                 return
@@ -186,19 +186,19 @@ class TurnRun:
                 if self.lease is None:
                     yield failed
                     return
-                async for verdict in self._ledger_verdict("".join(streamed), failed):
+                async for verdict in self._ledger_verdict(streamed, failed):
                     yield verdict
                 return
             except (RayActorError, ActorUnavailableError) as e:
                 lost = TurnFailed(ErrorKind.UNAVAILABLE, f"the worker replica was lost: {type(e).__name__}")
-                last = streamed or attempt == RETRIES_BEFORE_FIRST_EVENT
+                last = streamed.deltas > 0 or attempt == RETRIES_BEFORE_FIRST_EVENT
                 if self.lease is None:
                     if last:
                         yield lost
                         return
                 elif last or not await self._fence_and_lease_again():
                     # the lost replica may have published before it died: the ledger decides
-                    async for verdict in self._ledger_verdict("".join(streamed), lost):
+                    async for verdict in self._ledger_verdict(streamed, lost):
                         yield verdict
                     return
                 log.warning("worker lost before the turn started, retrying: %s", e)
@@ -215,7 +215,7 @@ class TurnRun:
             return step.result()
         raise _LeaseLostMidTurn()
 
-    async def _ledger_verdict(self, streamed: str, failure: TurnFailed) -> AsyncIterator[TurnEvent]:
+    async def _ledger_verdict(self, streamed: turn_outcome.Streamed, failure: TurnFailed) -> AsyncIterator[TurnEvent]:
         """After a failure that may have followed the publish: what the ledger holds."""
         try:
             committed = await self._committed_turn()

@@ -29,7 +29,7 @@ from workers.deterministic.seed import derived_seed
 from workers.deterministic.verifier import Verifier
 from workers.detokenizer import Detokenizer
 from workers.grammar.compiler import GrammarCompiler
-from workers.grammar.guide import TokenGuide
+from workers.grammar.guide import GrammarError, TokenGuide
 from workers.tools.formats import tool_format_for
 from proto.contract import ModelIdentity
 from workers.errors import InvalidRequestError, PromptTooLongError, RequestIdInUseError
@@ -81,11 +81,25 @@ def _keyed_marks(scope: str, prompt: list[int], marks: tuple[CheckpointMark, ...
                  if m.position in keys)
 
 
-def _grammar_masks(requests: list[Request]) -> list[torch.Tensor | None] | None:
-    """Per row, the tokens its grammar allows next (None: the batch has no constrained request)."""
+def _grammar_masks(requests: list[Request], banned: torch.Tensor) -> tuple[list[torch.Tensor | None] | None, dict]:
+    """Per row, the tokens its grammar allows next (None: the batch has no constrained request),
+    and the requests whose grammar failed or allows nothing that may be sampled (request id ->
+    why): they fail alone, whatever their rows draw."""
     if all(r.guide is None for r in requests):
-        return None
-    return [None if r.guide is None else r.guide.allowed(r.reply_ids) for r in requests]
+        return None, {}
+    masks, failed = [], {}
+    for request in requests:
+        mask = None
+        if request.guide is not None:
+            try:
+                mask = request.guide.allowed(request.reply_ids)
+            except GrammarError as e:
+                failed[request.request_id] = str(e)
+            if mask is not None and not mask.index_fill(0, banned, False).any():
+                failed[request.request_id] = "the grammar allows no token the model may sample"
+                mask = None
+        masks.append(mask)
+    return masks, failed
 
 
 def _prefetch_mask(request: Request) -> None:
@@ -251,6 +265,7 @@ class LLMEngine:
         ending = [c for c in step.chunks if c.samples]
         rows = [i for i, c in enumerate(ending) if not c.request.prefill_only]
         sampling = [ending[i] for i in rows]
+        masks, grammar_failed = _grammar_masks([c.request for c in sampling], self.banned_token_ids)
         try:
             logits = self.runner.execute(step)
             sampled = sample(
@@ -259,14 +274,16 @@ class LLMEngine:
                 [c.request.num_tokens for c in sampling],
                 self.banned_token_ids,
                 overwrite=True,  # the step's own logits: mask the never-sampled ids in place
-                allowed=_grammar_masks([c.request for c in sampling]),
+                allowed=masks,
             )
         except Exception as e:  # a failing step fails its requests; the engine keeps serving
             log.exception("model step failed")
             return outputs + [self._fail(c.request, f"model step failed: {e}") for c in step.chunks]
         self.scheduler.advance(step)
         for chunk, token in zip(sampling, sampled):
-            if chunk.request.deterministic:  # a candidate: nothing reaches the client unverified
+            if chunk.request.request_id in grammar_failed:
+                outputs.append(self._fail(chunk.request, grammar_failed[chunk.request.request_id]))
+            elif chunk.request.deterministic:  # a candidate: nothing reaches the client unverified
                 self.verifier.on_candidate(chunk.request, token, self._ends)
                 _prefetch_mask(chunk.request)
             else:

@@ -160,3 +160,19 @@ def test_auto_lets_text_through_but_a_begun_call_must_be_valid(tiny, form):
     ids = engine.tokenizer.encode("Hi " + call)
     assert matcher.consume_tokens(ids) and matcher.is_accepting() and not matcher.is_stopped()
     assert call.endswith(end)
+
+
+def test_a_grammar_nothing_can_follow_fails_its_request_alone(tiny):
+    """The built-in vocabulary has no token for "é": the grammar allows nothing the model may
+    sample, and that request fails (never a silent stop), while its neighbour runs on."""
+    engine = new_engine(tiny[Arch.BAMBA].path)
+    engine.add_request("stuck", prompt_of(12, seed=1), SamplingParams(
+        max_tokens=20, constraint={"type": "json_schema", "schema": {"const": "é"}}))
+    engine.add_request("free", prompt_of(12, seed=2), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    outcome = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outcome[out.request_id] = (out.finish_reason, out.error)
+    assert outcome["stuck"][0] is FinishReason.ERROR and "grammar" in outcome["stuck"][1]
+    assert outcome["free"] == (FinishReason.LENGTH, None)

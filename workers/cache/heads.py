@@ -357,7 +357,10 @@ class HeadManager:
             self.counters["checkpoint_evictions" if is_checkpoint else "evictions"] += 1
 
     def _in_tool_pause(self, head: CommittedHead, now: float) -> bool:
-        return head.awaiting_tool and now - head.last_used < self.tool_pause_s
+        """Waiting for its tools' results: not yet taken up (a checkpoint a request attached, or
+        one a longer link superseded, has had its results back)."""
+        return (head.awaiting_tool and not head.superseded and head.hits == 0
+                and now - head.last_used < self.tool_pause_s)
 
     def _eviction_order(self, kind: HolderKind | None) -> list[CommittedHead]:
         """Superseded checkpoints hit at most once first, then least recently used first; states

@@ -76,9 +76,11 @@ class ConversationCache:
         request_id: str,
         *,
         commit: CommitMode = CommitMode.AT_ONCE,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Request:
-        """Re-run the last turn from the previous head, replacing it on commit."""
-        return self.turns.regenerate(ref, params, request_id, commit=commit)
+        """Re-run the last turn from the previous head, replacing it on commit (`tools`: the
+        conversation's, as its turns sent them)."""
+        return self.turns.regenerate(ref, params, request_id, commit=commit, tools=tools)
 
     def prepared(self, request_id: str) -> TurnCommit | None:
         return self.turns.prepared(request_id)

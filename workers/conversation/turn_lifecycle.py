@@ -117,12 +117,13 @@ class TurnLifecycle:
         request_id: str,
         *,
         commit: CommitMode = CommitMode.AT_ONCE,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Request:
         conv = find_conversation(self.conversations, ref)
         if conv.turn == 0:
             raise ConversationNotFoundError(f"conversation {ref.id!r} has no turn to regenerate")
         suffix = conv.turns[-1].messages[:-1]  # the turn's messages without its reply
-        return self.begin_turn(ref, suffix, params, request_id, base_turn=conv.turn - 1, commit=commit)
+        return self.begin_turn(ref, suffix, params, request_id, base_turn=conv.turn - 1, commit=commit, tools=tools)
 
     def _on_finished(self, request: Request) -> TurnCommit | None:
         """Called by the engine when a turn's request ends, however it ends."""

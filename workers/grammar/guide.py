@@ -18,6 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from workers.errors import EngineError
+
+
+class GrammarError(EngineError):
+    """The matcher failed (a parser limit, an internal error): its request fails alone."""
+
 
 class TokenGuide:
     def __init__(self, matcher, vocab_size: int, executor: ThreadPoolExecutor):
@@ -91,6 +97,8 @@ class TokenGuide:
         if not self._sync(tokens):  # refused: nothing after it is constrained (or kept)
             return None
         bias = matcher.compute_logit_bias()
+        if matcher.is_error():  # its mask would allow only the end of the reply: never a silent "stop"
+            raise GrammarError(f"the grammar failed: {matcher.get_error()}")
         mask = torch.frombuffer(bytearray(bias), dtype=torch.uint8)[: self._vocab].bool()
         if mask.numel() < self._vocab:
             mask = torch.cat([mask, torch.zeros(self._vocab - mask.numel(), dtype=torch.bool)])

@@ -116,12 +116,10 @@ class ToolFormat:
         return ToolCallParser(self)
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """The whole reply: (content, calls). A reply whose calls do not parse is all content."""
+        """The whole reply: (content, calls), exactly what streaming it gives."""
         parser = self.parser()
         parser.feed(text)
         parser.finish()
-        if parser.calls is None:
-            return text, []
         return parser.content, parser.calls
 
 
@@ -228,8 +226,9 @@ class ToolCallParser:
     after calls. In the hermes form a call streams as it is written: its name once the JSON
     reaches its arguments, then the arguments' text, all but a tail that may still turn out to
     be the call's closing brace. In other forms each block's calls come whole at its end tag.
-    `finish` checks every call; the reply's calls are None when one does not parse (a stream
-    has then sent pieces of it already: a model that writes a broken call unforced)."""
+    The reply's calls are those whose block ended and parsed; the text of a block that did not
+    (cut by max_tokens, or not JSON) is neither content nor a call (`broken` says so). Under a
+    grammar (tool_choice auto, required, named) every call that ends is valid."""
 
     def __init__(self, form: ToolFormat):
         self.form = form
@@ -242,7 +241,8 @@ class ToolCallParser:
         self._streamed_name = False  # the current hermes call has sent its name
         self._args_at = 0  # where the current hermes call's arguments begin
         self._args_sent = 0
-        self.calls: list[ParsedCall] | None = None  # set by finish()
+        self.calls: list[ParsedCall] = []  # set by finish()
+        self.broken = False  # a block did not parse or never ended
 
     @property
     def calls_so_far(self) -> int:
@@ -322,14 +322,14 @@ class ToolCallParser:
             self._args_sent = len(safe)
 
     def finish(self) -> ParsedPiece:
-        """After the last delta: the content held back (text that began no call), and the
-        reply's calls in `calls` ([] if none; None if one did not parse or never ended)."""
+        """After the last delta: the content held back (text that began no call); the reply's
+        calls in `calls`."""
         piece = ParsedPiece()
         tail = "" if self._in_block else self.text[self._pos:]
         if tail.strip() or not (self._calls or self._broken):
             self._say(piece, tail)
         self._pos = len(self.text)
-        self.calls = None if self._in_block or self._broken else list(self._calls)
+        self.calls, self.broken = list(self._calls), self._in_block or self._broken
         return piece
 
 

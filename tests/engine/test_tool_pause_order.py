@@ -1,0 +1,37 @@
+"""The eviction order of the head manager with tool pauses: a state waiting for its tools'
+results goes last, until its results came back (a request attached it, or a longer link
+superseded it) or its pause ran out."""
+
+from __future__ import annotations
+
+import time
+
+from workers.cache.heads import CommittedHead, HeadManager
+from workers.cache.holders import Holder, HolderKind
+from workers.cache.prefix_index import PrefixKey
+
+
+def _manager(pause_s: float) -> HeadManager:
+    return HeadManager(None, None, 1 << 30, 60.0, 1 << 30, 8, tool_pause_s=pause_s)
+
+
+def _checkpoint(manager: HeadManager, n: int, age_s: float, **flags) -> CommittedHead:
+    head = CommittedHead(Holder(HolderKind.CHECKPOINT, n), "", 0, 0, 16, 0, prefix=PrefixKey("s", 16 + n, str(n)),
+                         last_used=time.monotonic() - age_s, **flags)
+    manager.checkpoints[head.holder] = head
+    return head
+
+
+def test_paused_states_go_last_until_their_results_came_back():
+    manager = _manager(pause_s=300.0)
+    waiting = _checkpoint(manager, 1, age_s=100, awaiting_tool=True, chain_end=True)
+    old = _checkpoint(manager, 2, age_s=50)
+    resumed = _checkpoint(manager, 3, age_s=90, awaiting_tool=True, chain_end=True, hits=1)
+    expired = _checkpoint(manager, 4, age_s=400, awaiting_tool=True, chain_end=True)
+    spent = _checkpoint(manager, 5, age_s=10, awaiting_tool=True, chain_end=True, superseded=True, hits=1)
+    order = manager._eviction_order(HolderKind.CHECKPOINT)
+    assert order == [spent, expired, resumed, old, waiting]
+    assert _manager(pause_s=0.0)._eviction_order(None) == []
+    off = _manager(pause_s=0.0)
+    off.checkpoints = manager.checkpoints
+    assert off._eviction_order(HolderKind.CHECKPOINT) == [spent, expired, waiting, resumed, old]
