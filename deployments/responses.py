@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_service.client import CacheClient, CacheError, LeaseHeld, NotFound, pb
-from deployments import errors
+from deployments import errors, turn_outcome
 from deployments.errors import APIError
-from deployments.protocol import HeadRef
-from deployments.responses_format import ResponseBody, ResponseId, not_found, reply_items
+from deployments.protocol import HeadRef, TurnDelta
+from deployments.responses_format import ResponseBody, ResponseId, not_found
 from deployments.responses_models import ResponsesRequest, engine_messages
 from proto.contract import ConversationRef
 
@@ -178,13 +178,11 @@ async def retrieve(cache: CacheClient, scope: str, response_id: str, model: str)
     previous = None
     if index and ledger.turns[0].publish_id.startswith("resp-"):
         previous = str(ResponseId(rid.conversation_id, rid.turn - 1, ledger.turns[0].publish_id))
-    text = next((m.content for m in reversed(turn.messages) if m.role == "assistant"), "")
-    content, calls = reply_items(text)
-    result = turn.result
+    events = turn_outcome.replay(turn)  # the reply's text and, parsed back out of it, its tool calls
+    text = "".join(e.text for e in events if isinstance(e, TurnDelta))
     form = ResponseBody(response_id, model, STORED_ECHO, previous, rid.conversation_id,
                         created_at=turn.committed_at_ms // 1000)
-    return form.finished(content, calls, result.finish_reason or "stop", result.prompt_tokens,
-                         result.completion_tokens, result.cached_tokens)
+    return form.done(text, events[-1])
 
 
 async def input_items(cache: CacheClient, scope: str, response_id: str, order: str) -> dict[str, Any]:

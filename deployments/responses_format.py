@@ -75,13 +75,6 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "total_tokens": prompt + completion}
 
 
-def reply_items(text: str) -> tuple[str, tuple[ToolCall, ...]]:
-    """A stored reply's raw text as (content, tool calls). Where a stored reply's tool calls are
-    parsed back out of its text; until the worker's parser is available to the ingress, the
-    whole text is content."""
-    return text, ()
-
-
 @dataclass
 class ResponseBody:
     """The Response object of one request: its id, the request's echo, and what the turn gave."""
