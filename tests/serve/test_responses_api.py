@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import openai
@@ -16,10 +17,10 @@ def _salt() -> str:
     return f"resp-{uuid.uuid4().hex[:12]}"  # a scope of its own: no other test's prefixes are shared
 
 
-async def respond(client: openai.AsyncOpenAI, model: str, text: str, salt: str, **kw):
-    extra = {"cache_salt": salt, **kw.pop("extra_body", {})}
-    return await client.responses.create(model=model, input=text, max_output_tokens=MAX_TOKENS, temperature=0,
-                                         extra_body=extra, **kw)
+async def respond(client: openai.AsyncOpenAI, model: str, text: str | list, salt: str, **kw):
+    kw.setdefault("max_output_tokens", MAX_TOKENS)
+    return await client.responses.create(model=model, input=text, temperature=0, extra_body={"cache_salt": salt},
+                                         **kw)
 
 
 def history_of(*pairs) -> list[dict]:
@@ -213,3 +214,34 @@ async def test_unknown_response_ids_are_404(stack):
             assert (await http.delete(f"/v1/responses/{bad}")).status_code == 404
             body = {"model": stack.model, "input": "hi", "max_output_tokens": 2, "previous_response_id": bad}
             assert (await http.post("/v1/responses", json=body)).status_code == 404
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+                          "additionalProperties": False}}
+
+
+async def test_a_forced_tool_call_is_a_function_call_item_and_its_output_continues(stack):
+    client, salt = stack.client(), _salt()
+    kw = dict(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_output_tokens=200)
+    called = await respond(client, stack.model, "weather in Paris?", salt, **kw)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+    # The test model cannot end a reply (its end token is banned): the call is whole, the reply runs on.
+    assert calls[0].status == called.status == "incomplete"
+    assert json.loads(calls[0].arguments)["unit"] in ("c", "f")
+    streamed = [e async for e in await respond(client, stack.model, "weather in Paris?", salt, stream=True, **kw)]
+    kinds = [e.type for e in streamed]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.incomplete"
+    final = streamed[-1].response
+    assert [(i.name, i.arguments) for i in final.output if i.type == "function_call"] == \
+        [(c.name, c.arguments) for c in calls]
+    arguments = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert arguments == calls[0].arguments
+    stored = await client.responses.retrieve(called.id, extra_query={"cache_salt": salt})
+    assert [(i.type, getattr(i, "call_id", None)) for i in stored.output] == \
+        [(i.type, getattr(i, "call_id", None)) for i in called.output]
+    output = [{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 degrees"}]
+    answer = await respond(client, stack.model, output, salt, previous_response_id=called.id, tools=[WEATHER])
+    assert answer.conversation.id == called.conversation.id and answer.output_text
+    assert answer.usage.input_tokens_details.cached_tokens > 0
