@@ -29,10 +29,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.api_models import MAX_ID_BYTES
 from deployments.errors import APIError
 from deployments.protocol import ToolCall, TurnDelta, TurnDone
 
 PREFIX = "resp_"
+MAX_TURN = (1 << 32) - 1  # the ledger's turn numbers are uint32
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,14 @@ class ResponseId:
             conv, turn, publish = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
         except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
             return None
-        if not (isinstance(conv, str) and conv and isinstance(turn, int) and not isinstance(turn, bool)
-                and turn >= 1 and isinstance(publish, str)):
+        if not (isinstance(conv, str) and isinstance(turn, int) and not isinstance(turn, bool)
+                and 1 <= turn <= MAX_TURN and isinstance(publish, str) and publish.startswith("resp-")):
             return None
-        return cls(conv, turn, publish)
+        try:
+            size = len(conv.encode())
+        except UnicodeEncodeError:  # JSON may carry lone surrogates
+            return None
+        return cls(conv, turn, publish) if 0 < size <= MAX_ID_BYTES else None
 
 
 def not_found(response_id: str) -> APIError:
