@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cache_service.client import CacheClient, CacheError, LeaseHeld, NotFound, pb
+from cache_service.client import CacheClient, CacheError, InvalidArgument, LeaseHeld, NotFound, pb
 from deployments import errors, turn_outcome
 from deployments.errors import APIError
 from deployments.protocol import HeadRef, TurnDelta
@@ -157,7 +157,7 @@ async def fork(cache: CacheClient, plan: Plan) -> Plan:
     target = new_conversation_id()
     try:
         await cache.fork_conversation(source, target, turn=turn)
-    except NotFound:
+    except (NotFound, InvalidArgument):  # gone, or rewound before its turn meanwhile
         raise not_found(str(plan.previous)) from None
     except CacheError as e:
         raise _unavailable(e) from e
@@ -169,7 +169,7 @@ def response_body(body: ResponsesRequest, plan: Plan, model: str, base_turn: int
     conv = plan.conversation
     rid = ResponseId(conv.id if conv else None, base_turn + 1 if conv else 0, plan.publish_id)
     previous = body.previous_response_id
-    return ResponseBody(str(rid), model, body.echo(), previous, conv.id if conv else None)
+    return ResponseBody(rid, model, body.echo(), previous)
 
 
 async def retrieve(cache: CacheClient, scope: str, response_id: str, model: str) -> dict[str, Any]:
@@ -180,8 +180,7 @@ async def retrieve(cache: CacheClient, scope: str, response_id: str, model: str)
         previous = str(ResponseId(rid.conversation_id, rid.turn - 1, ledger.turns[0].publish_id))
     events = turn_outcome.replay(turn)  # the reply's text and, parsed back out of it, its tool calls
     text = "".join(e.text for e in events if isinstance(e, TurnDelta))
-    form = ResponseBody(response_id, model, STORED_ECHO, previous, rid.conversation_id,
-                        created_at=turn.committed_at_ms // 1000)
+    form = ResponseBody(rid, model, STORED_ECHO, previous, created_at=turn.committed_at_ms // 1000)
     return form.done(text, events[-1])
 
 

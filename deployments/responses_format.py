@@ -15,7 +15,7 @@ Streamed events, each with its `sequence_number`:
     [message]   output_item.added  content_part.added  output_text.delta*
                 output_text.done  content_part.done  output_item.done
     [call]*     output_item.added  function_call_arguments.delta*  .done  output_item.done
-    response.completed | response.incomplete (max_output_tokens) | response.failed
+    response.completed | response.incomplete (max_output_tokens) | error + response.failed
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def not_found(response_id: str) -> APIError:
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
 
@@ -85,16 +85,23 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 class ResponseBody:
     """The Response object of one request: its id, the request's echo, and what the turn gave."""
 
-    id: str
+    rid: ResponseId
     model: str
     echo: dict[str, Any]
     previous_response_id: str | None = None
-    conversation_id: str | None = None
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     @property
-    def _key(self) -> str:
-        return self.id[len(PREFIX):][-24:]
+    def id(self) -> str:
+        return str(self.rid)
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.rid.conversation_id
+
+    @property
+    def _key(self) -> str:  # the items' ids: named by the turn's publish id, as its tool calls' are
+        return self.rid.publish_id.removeprefix("resp-")[-24:]
 
     @property
     def message_id(self) -> str:
@@ -229,5 +236,9 @@ class ResponseStream:
         yield self._event("response.incomplete" if status == "incomplete" else "response.completed", response=final)
 
     def error(self, error: APIError) -> Iterator[str]:
-        failed = self.response.body("failed", [], error={"code": error.code, "message": error.message})
+        """Our error (its code as in a JSON error body), then the failed response, whose code is
+        one of OpenAI's few: invalid_prompt for a 400, server_error otherwise."""
+        yield self._event("error", code=error.code, message=error.message, param=error.param)
+        code = "invalid_prompt" if error.status == 400 else "server_error"
+        failed = self.response.body("failed", [], error={"code": code, "message": error.message})
         yield self._event("response.failed", response=failed)
