@@ -85,7 +85,7 @@ async def test_an_older_response_is_continued_in_a_fork(stack):
                                                                       "and then?"]
 
 
-async def test_another_scope_finds_no_response(stack, notier):
+async def test_another_salt_finds_no_response(stack):
     client, salt = stack.client(), _salt()
     mine = await respond(client, stack.model, "a secret: 4711", salt)
     with pytest.raises(openai.NotFoundError):
@@ -94,7 +94,11 @@ async def test_another_scope_finds_no_response(stack, notier):
         await respond(client, stack.model, "what was it?", "another", previous_response_id=mine.id)
     assert (await client.responses.retrieve(mine.id, extra_query={"cache_salt": salt})).output_text == \
         mine.output_text
-    # With API keys the key scopes the state too: the same salt under another key finds nothing.
+
+
+async def test_another_api_key_finds_no_response(stack, notier):
+    """With API keys the key scopes the state too: the same salt under another key finds nothing."""
+    salt = _salt()
     k1 = openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key="k1", max_retries=0, timeout=120)
     k2 = openai.AsyncOpenAI(base_url=f"{stack.base_url}{notier}/v1", api_key="k2", max_retries=0, timeout=120)
     keyed = await respond(k1, stack.model, "a secret: 4711", salt)
