@@ -16,10 +16,10 @@ scope is prefixed to the cache salt: another key never sees a conversation's sta
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -200,12 +200,12 @@ class ChatIngress:
         conv = None if body.conversation_id is None else self._conversation(request, body.conversation_id,
                                                                             body.cache_salt)
         self._check_model(body.model)
-        run, first, events = await self._start_turn(
+        run, first, events = await self._start_turn(lambda: dict(
             messages=[m.as_engine_message() for m in body.messages],
             sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation=conv,
             scope=self._scope(request, body.cache_salt),
             wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body),
-            tools=body.engine_tools(), parse_tool_calls=body.calls_tools)
+            tools=body.engine_tools(), parse_tool_calls=body.calls_tools))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = _ChatStream(self._format(body, run), include_usage)
@@ -217,17 +217,18 @@ class ChatIngress:
             raise APIError(404, f"model {model!r} does not exist; this server has {self.model!r}",
                            "model_not_found", param="model")
 
-    async def _start_turn(self, *, expect_turn: int | None = None,
-                          **start) -> tuple[TurnRun, TurnEvent, AsyncIterator[TurnEvent]]:
-        """Count the request in, start its turn (TurnRun.start's arguments) and wait for its first
-        event; a failure before that is raised (and counted). `expect_turn`: the head turn the
-        conversation must be at under the turn's lease, else HeadMoved (the request not counted)."""
+    async def _start_turn(self, start: Callable[[], dict[str, Any]], *, expect_turn: int | None = None,
+                          ) -> tuple[TurnRun, TurnEvent, AsyncIterator[TurnEvent]]:
+        """Count the request in, start its turn (`start()`: TurnRun.start's arguments, made once
+        the request is counted: a bad one is a counted 4xx) and wait for its first event; a failure
+        before that is raised (and counted). `expect_turn`: the head turn the conversation must be
+        at under the turn's lease, else HeadMoved (the request not counted)."""
         if self._inflight >= self.settings.max_inflight:
             raise errors.overloaded("too many requests in flight")
         self._inflight += 1
         self.metrics.queue_depth.inc()
         try:
-            run = await TurnRun.start(self.settings, self.workers, await self._cache(), self._keeper, **start)
+            run = await TurnRun.start(self.settings, self.workers, await self._cache(), self._keeper, **start())
         except BaseException as e:
             self._finished(e.status if isinstance(e, APIError) else 500)
             if isinstance(e, APIError) and e.code == "conversation_busy":
@@ -350,19 +351,18 @@ class ChatIngress:
         self._check_model(body.model)
         cache = await self._cache()
         plan = await responses.plan(cache, self._scope(request, body.cache_salt), body)
-        start = dict(sampling=body.sampling(DEFAULT_MAX_TOKENS), scope=self._scope(request, body.cache_salt),
-                     wait_if_busy=True, tools=body.engine_tools(), parse_tool_calls=body.calls_tools)
+        def start(plan: responses.Plan) -> Callable[[], dict[str, Any]]:
+            return lambda: dict(messages=plan.messages, conversation=plan.conversation, request_id=plan.publish_id,
+                                sampling=body.sampling(DEFAULT_MAX_TOKENS), scope=self._scope(request, body.cache_salt),
+                                wait_if_busy=True, tools=body.engine_tools(), parse_tool_calls=body.calls_tools)
+
         try:
-            run, first, events = await self._start_turn(messages=plan.messages, conversation=plan.conversation,
-                                                        request_id=plan.publish_id, expect_turn=plan.expect_turn,
-                                                        **start)
+            run, first, events = await self._start_turn(start(plan), expect_turn=plan.expect_turn)
         except HeadMoved:
             if plan.fork_source() is None:  # a new conversation's id taken meanwhile, or a rewound one
                 raise errors.busy(plan.conversation.id) from None
             plan = await responses.fork(cache, plan)
-            run, first, events = await self._start_turn(messages=plan.messages, conversation=plan.conversation,
-                                                        request_id=plan.publish_id, expect_turn=plan.expect_turn,
-                                                        **start)
+            run, first, events = await self._start_turn(start(plan), expect_turn=plan.expect_turn)
         form = responses.response_body(body, plan, self.model, run.job.head.turn if run.job.head else 0)
         if body.stream:
             return _ClosingStream(self._relay(run, first, events, arrived, ResponseStream(form)),
