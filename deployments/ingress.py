@@ -1,6 +1,9 @@
 """The OpenAI-compatible HTTP front (FastAPI through `@serve.ingress`).
 
     POST   /v1/chat/completions        stateless, or a conversation turn (see turns.py)
+    POST   /v1/responses               OpenAI's Responses API on conversations (see responses.py)
+    GET    /v1/responses/{id}[/input_items], DELETE /v1/responses/{id}
+    POST   /v1/conversations           a fresh conversation id (stored with its first response)
     GET    /v1/models
     GET    /v1/conversations/{id}      ledger and head (cache_salt query parameter required)
     DELETE /v1/conversations/{id}      drops the head, the ledger, the tier copy and the owner's local copy
@@ -13,9 +16,10 @@ scope is prefixed to the cache salt: another key never sees a conversation's sta
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,7 +30,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_service.client import CacheClient, CacheError, LeaseHeld, NotFound
-from deployments import errors
+from deployments import errors, responses
 from deployments.api_models import CacheSalt, ChatCompletionRequest
 from deployments.body_limit import BodyLimit
 from deployments.cache_access import CacheConnection
@@ -35,6 +39,9 @@ from deployments.lease_keeper import LeaseKeeper
 from deployments.metrics import ServeMetrics
 from deployments.openai_format import ChatFormat
 from deployments.protocol import HeadRef, Recovery, ReplicaCall, TurnDelta, TurnDone, TurnEvent, TurnFailed
+from deployments.responses import HeadMoved
+from deployments.responses_format import ResponseStream
+from deployments.responses_models import ConversationCreate, ResponsesRequest
 from deployments.settings import AppSettings
 from deployments.turn_outcome import IdempotencyKey
 from deployments.turns import TurnRun, first_error
@@ -95,6 +102,36 @@ def _model_name(settings: AppSettings) -> str:
 def _check_id(conversation_id: str) -> None:
     if not 0 < len(conversation_id.encode()) <= 256:
         raise APIError(400, "conversation_id must be 1..256 bytes", "invalid_request", param="conversation_id")
+
+
+class EventStream(Protocol):
+    """How a streamed turn is rendered: its SSE chunks at the start, per delta, at the end or
+    on a failure."""
+
+    def start(self) -> Iterable[str]: ...
+    def delta(self, delta: TurnDelta) -> Iterable[str]: ...
+    def end(self, done: TurnDone) -> Iterable[str]: ...
+    def error(self, error: APIError) -> Iterable[str]: ...
+
+
+@dataclass(frozen=True)
+class _ChatStream:
+    """A chat completion's chunks (openai_format.ChatFormat) as an EventStream."""
+
+    form: ChatFormat
+    include_usage: bool
+
+    def start(self) -> Iterable[str]:
+        return [self.form.sse_start()]
+
+    def delta(self, delta: TurnDelta) -> Iterable[str]:
+        return [self.form.sse_delta(delta)]
+
+    def end(self, done: TurnDone) -> Iterable[str]:
+        return self.form.sse_end(done, self.include_usage)
+
+    def error(self, error: APIError) -> Iterable[str]:
+        return [self.form.sse_error(error)]
 
 
 class _ClosingStream(StreamingResponse):
@@ -162,26 +199,46 @@ class ChatIngress:
         arrived = time.monotonic()
         conv = None if body.conversation_id is None else self._conversation(request, body.conversation_id,
                                                                             body.cache_salt)
-        if body.model != self.model:
-            raise APIError(404, f"model {body.model!r} does not exist; this server has {self.model!r}",
+        self._check_model(body.model)
+        run, first, events = await self._start_turn(lambda: dict(
+            messages=[m.as_engine_message() for m in body.messages],
+            sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation=conv,
+            scope=self._scope(request, body.cache_salt),
+            wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body),
+            tools=body.engine_tools(), parse_tool_calls=body.calls_tools))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _ChatStream(self._format(body, run), include_usage)
+            return _ClosingStream(self._relay(run, first, events, arrived, stream), media_type="text/event-stream")
+        return await self._complete(body, run, first, events, arrived)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model:
+            raise APIError(404, f"model {model!r} does not exist; this server has {self.model!r}",
                            "model_not_found", param="model")
+
+    async def _start_turn(self, start: Callable[[], dict[str, Any]], *, expect_turn: int | None = None,
+                          ) -> tuple[TurnRun, TurnEvent, AsyncIterator[TurnEvent]]:
+        """Count the request in, start its turn (`start()`: TurnRun.start's arguments, made once
+        the request is counted: a bad one is a counted 4xx) and wait for its first event; a failure
+        before that is raised (and counted). `expect_turn`: the head turn the conversation must be
+        at under the turn's lease, else HeadMoved (the request not counted)."""
         if self._inflight >= self.settings.max_inflight:
             raise errors.overloaded("too many requests in flight")
         self._inflight += 1
         self.metrics.queue_depth.inc()
         try:
-            run = await TurnRun.start(
-                self.settings, self.workers, await self._cache(), self._keeper,
-                messages=[m.as_engine_message() for m in body.messages],
-                sampling=body.sampling(DEFAULT_MAX_TOKENS), conversation=conv,
-                scope=self._scope(request, body.cache_salt),
-                wait_if_busy=body.wait_if_busy, idempotency=_idempotency(request, body),
-                tools=body.engine_tools(), parse_tool_calls=body.calls_tools)
+            run = await TurnRun.start(self.settings, self.workers, await self._cache(), self._keeper, **start())
         except BaseException as e:
             self._finished(e.status if isinstance(e, APIError) else 500)
             if isinstance(e, APIError) and e.code == "conversation_busy":
                 self.metrics.lease_conflicts.inc()
             raise
+        if expect_turn is not None and (run.job.head.turn if run.job.head else 0) != expect_turn:
+            self._inflight -= 1
+            self.metrics.queue_depth.dec()
+            await run.close()
+            raise HeadMoved()
         events = run.events()
         try:
             first = await anext(events)
@@ -194,9 +251,7 @@ class ChatIngress:
             await run.close()
             self._finished(error.status)
             raise error
-        if body.stream:
-            return _ClosingStream(self._sse(body, run, first, events, arrived), media_type="text/event-stream")
-        return await self._complete(body, run, first, events, arrived)
+        return run, first, events
 
     def _finished(self, status: int) -> None:
         self._inflight -= 1
@@ -243,9 +298,10 @@ class ChatIngress:
         conv = run.job.conversation
         return ChatFormat(run.job.request_id, self.model, conv.id if conv else None, bool(body.logprobs))
 
-    async def _complete(self, body: ChatCompletionRequest, run: TurnRun, first: TurnEvent,
-                        events: AsyncIterator[TurnEvent], arrived: float) -> Response:
-        text, logprobs, status = [], [], 500  # the tool calls come whole with the TurnDone
+    async def _collect(self, run: TurnRun, first: TurnEvent, events: AsyncIterator[TurnEvent],
+                       arrived: float) -> tuple[str, list, TurnDone]:
+        """The whole turn: its text, logprobs and TurnDone (the tool calls come whole with it)."""
+        text, logprobs, status = [], [], 500
         try:
             async for event in self._events(run, first, events, arrived):
                 if isinstance(event, TurnFailed):
@@ -259,28 +315,92 @@ class ChatIngress:
         finally:  # counted out first: a second cancellation may interrupt the await below
             self._finished(status)
             await run.close()
-        return JSONResponse(self._format(body, run).completion("".join(text), logprobs, event))
+        return "".join(text), logprobs, event
 
-    async def _sse(self, body: ChatCompletionRequest, run: TurnRun, first: TurnEvent,
-                   events: AsyncIterator[TurnEvent], arrived: float) -> AsyncIterator[str]:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        form, status = self._format(body, run), 499  # 499: the client went away before the end
+    async def _complete(self, body: ChatCompletionRequest, run: TurnRun, first: TurnEvent,
+                        events: AsyncIterator[TurnEvent], arrived: float) -> Response:
+        text, logprobs, done = await self._collect(run, first, events, arrived)
+        return JSONResponse(self._format(body, run).completion(text, logprobs, done))
+
+    async def _relay(self, run: TurnRun, first: TurnEvent, events: AsyncIterator[TurnEvent], arrived: float,
+                     stream: "EventStream") -> AsyncIterator[str]:
+        """The turn's events as `stream` renders them (SSE)."""
+        status = 499  # the client went away before the end
         try:
-            yield form.sse_start()
+            for chunk in stream.start():
+                yield chunk
             async for event in self._events(run, first, events, arrived):
                 if isinstance(event, TurnFailed):
                     error = first_error(event)
                     status = error.status
-                    yield form.sse_error(error)
+                    for chunk in stream.error(error):
+                        yield chunk
                     return
                 if isinstance(event, TurnDelta):
-                    yield form.sse_delta(event)
-            for chunk in form.sse_end(event, include_usage):
+                    for chunk in stream.delta(event):
+                        yield chunk
+            for chunk in stream.end(event):
                 yield chunk
             status = 200
         finally:  # counted out first: a second cancellation may interrupt the await below
             self._finished(status)
             await run.close()
+
+    # -- responses --------------------------------------------------------------------------
+    @api.post("/v1/responses")
+    async def create_response(self, body: ResponsesRequest, request: Request) -> Response:
+        arrived = time.monotonic()
+        self._check_model(body.model)
+        cache = await self._cache()
+        plan = await responses.plan(cache, self._scope(request, body.cache_salt), body)
+        def start(plan: responses.Plan) -> Callable[[], dict[str, Any]]:
+            return lambda: dict(messages=plan.messages, conversation=plan.conversation, request_id=plan.publish_id,
+                                sampling=body.sampling(DEFAULT_MAX_TOKENS), scope=self._scope(request, body.cache_salt),
+                                wait_if_busy=True, tools=body.engine_tools(), parse_tool_calls=body.calls_tools)
+
+        try:
+            run, first, events = await self._start_turn(start(plan), expect_turn=plan.expect_turn)
+        except HeadMoved:
+            if plan.fork_source() is None:  # a new conversation's id taken meanwhile, or a rewound one
+                raise errors.busy(plan.conversation.id) from None
+            plan = await responses.fork(cache, plan)
+            run, first, events = await self._start_turn(start(plan), expect_turn=plan.expect_turn)
+        form = responses.response_body(body, plan, self.model, run.job.head.turn if run.job.head else 0)
+        if body.stream:
+            return _ClosingStream(self._relay(run, first, events, arrived, ResponseStream(form)),
+                                  media_type="text/event-stream")
+        text, _, done = await self._collect(run, first, events, arrived)
+        return JSONResponse(form.done(text, done))
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request,
+                           cache_salt: Annotated[CacheSalt, Query()] = "") -> dict:
+        return await responses.retrieve(await self._cache(), self._scope(request, cache_salt), response_id,
+                                        self.model)
+
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def get_input_items(self, response_id: str, request: Request,
+                              cache_salt: Annotated[CacheSalt, Query()] = "",
+                              order: Literal["asc", "desc"] = "desc") -> dict:
+        return await responses.input_items(await self._cache(), self._scope(request, cache_salt), response_id,
+                                           order)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request,
+                              cache_salt: Annotated[CacheSalt, Query()] = "") -> dict:
+        scope = self._scope(request, cache_salt)
+        deleted = await responses.delete(await self._cache(), scope, response_id,
+                                         int(self.settings.lease_ttl_s * 1000))
+        conv = ConversationRef(responses.ResponseId.parse(response_id).conversation_id, scope)
+        await self._forget_locally(conv, deleted)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @api.post("/v1/conversations")
+    async def create_conversation(self, body: ConversationCreate) -> dict:
+        """A fresh id: the conversation is stored with its first response (POST /v1/responses
+        with `conversation`)."""
+        return {"id": responses.new_conversation_id(), "object": "conversation", "created_at": int(time.time()),
+                "metadata": body.metadata or {}}
 
     # -- models, conversations, health, metrics ------------------------------------------------
     @api.get("/v1/models")
@@ -302,12 +422,30 @@ class ChatIngress:
         head = ledger.head
         return {
             "id": conversation_id, "object": "conversation", "turn": head.turn,
+            "created_at": ledger.turns[0].committed_at_ms // 1000 if ledger.turns else 0, "metadata": {},
             "head": {"version": head.version, "turn": head.turn, "committed_tokens": head.committed_tokens,
                      "tokens_sha256": head.tokens_sha256, "owner": head.owner_replica,
                      "tier_version": head.tier_version},
             "turns": [{"turn": i, "messages": [{"role": m.role, "content": m.content} for m in t.messages],
                        "token_ids": list(t.token_ids)} for i, t in enumerate(ledger.turns, start=1)],
         }
+
+    @api.get("/v1/conversations/{conversation_id}/items")
+    async def conversation_items(self, conversation_id: str, request: Request,
+                                 cache_salt: Annotated[CacheSalt, Query()],
+                                 order: Literal["asc", "desc"] = "desc") -> dict:
+        """The ledger's messages (each turn's new messages, then its reply) as message items."""
+        _check_id(conversation_id)
+        conv = self._conversation(request, conversation_id, cache_salt)
+        try:
+            ledger = await (await self._cache()).read_ledger(conv)
+        except NotFound:
+            raise _unknown(conversation_id) from None
+        except CacheError as e:
+            raise errors.overloaded(f"cache service unavailable: {e}") from e
+        if not ledger.head.version:
+            raise _unknown(conversation_id)
+        return responses.item_list([m for t in ledger.turns for m in t.messages], conv.key, order)
 
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,

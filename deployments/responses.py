@@ -1,0 +1,235 @@
+"""The Responses API on conversations: what a response id names, and what a request runs.
+
+A stored response is a committed turn of one of the caller's conversations (ids: see
+responses_format.py). A request becomes one TurnRun, as a chat completion does:
+
+    store, no previous_response_id / conversation   a new conversation conv_<hex>: its first turn is
+                                                    [instructions as a system message] + input
+    previous_response_id = the conversation's latest turn     the next turn of that conversation
+    previous_response_id = an older turn            fork: the turns up to it are copied into a new
+                                                    conversation (ForkConversation), whose next turn
+                                                    this is; the original conversation is untouched
+    conversation = id                               the next turn of that conversation (an id with no
+                                                    turn yet starts it)
+    store = false                                   a stateless request: the history (the previous
+                                                    response's turns, if any) + input; nothing committed
+
+`instructions` are the first message of a conversation's first turn. A later turn cannot change
+them (the committed history is what the model saw): it sends the same instructions or none,
+otherwise 400. Whichever the caller scope (cache_salt, API key), a response of another scope is
+not found (404).
+
+The head is checked under the turn's lease: a continuation whose response stopped being the
+latest meanwhile (a concurrent continuation of the same response committed first) forks instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from cache_service.client import CacheClient, CacheError, InvalidArgument, LeaseHeld, NotFound, pb
+from deployments import errors, turn_outcome
+from deployments.errors import APIError
+from deployments.protocol import HeadRef, TurnDelta
+from deployments.responses_format import ResponseBody, ResponseId, not_found
+from deployments.responses_models import ResponsesRequest, engine_messages
+from proto.contract import ConversationRef
+
+log = logging.getLogger("hybridserve.ingress")
+
+# What a response read back from the ledger repeats of its request (the request is not stored).
+STORED_ECHO = {"instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
+               "temperature": None, "top_p": None, "store": True, "tool_choice": "auto", "tools": [],
+               "text": {"format": {"type": "text"}, "verbosity": "medium"}, "truncation": "disabled",
+               "user": None, "reasoning": None, "background": False, "service_tier": "default"}
+
+
+class HeadMoved(Exception):
+    """The conversation's head is no longer the turn a continuation expected."""
+
+
+@dataclass
+class Plan:
+    """What one request runs: its messages (a conversation's new suffix, or a stateless
+    request's whole history), where it commits, and the head turn it must find there."""
+
+    messages: list[dict[str, Any]]
+    conversation: ConversationRef | None
+    expect_turn: int | None  # None: whatever the head is (appending to a named conversation)
+    previous: ResponseId | None = None
+    publish_id: str = ""
+
+    def fork_source(self) -> tuple[ConversationRef, int] | None:
+        if self.previous is None or self.conversation is None:
+            return None
+        return ConversationRef(self.previous.conversation_id, self.conversation.salt), self.previous.turn
+
+
+def new_conversation_id() -> str:
+    return f"conv_{uuid.uuid4().hex}"
+
+
+def _unavailable(e: CacheError) -> APIError:
+    return errors.overloaded(f"cache service unavailable: {e}")
+
+
+async def _turns(cache: CacheClient, conv: ConversationRef, first: int, count: int) -> pb.ReadLedgerResponse | None:
+    try:
+        ledger = await cache.read_ledger(conv, from_turn=first, max_turns=count)
+    except NotFound:
+        return None
+    except CacheError as e:
+        raise _unavailable(e) from e
+    return ledger if ledger.head.version else None
+
+
+async def _stored_turn(cache: CacheClient, scope: str, response_id: str,
+                       with_previous: bool = False) -> tuple[ResponseId, pb.ReadLedgerResponse, int]:
+    """The ledger around a stored response (its turn last), and the index of its turn in it."""
+    rid = ResponseId.parse(response_id)
+    if rid is None:
+        raise not_found(response_id)
+    first = max(1, rid.turn - 1) if with_previous else rid.turn
+    ledger = await _turns(cache, ConversationRef(rid.conversation_id, scope), first, rid.turn - first + 1)
+    index = rid.turn - first
+    if ledger is None or len(ledger.turns) <= index or ledger.turns[index].publish_id != rid.publish_id:
+        raise not_found(response_id)
+    return rid, ledger, index
+
+
+def _ledger_messages(turns) -> list[dict[str, Any]]:
+    return [{"role": m.role, "content": m.content} for t in turns for m in t.messages]
+
+
+def _instructions(instructions: str | None) -> list[dict[str, Any]]:
+    return [] if instructions is None else [{"role": "system", "content": instructions}]
+
+
+async def _check_instructions(cache: CacheClient, conv: ConversationRef, instructions: str | None,
+                              first_turn: pb.LedgerTurn | None = None) -> None:
+    if instructions is None:
+        return
+    if first_turn is None:
+        ledger = await _turns(cache, conv, 1, 1)
+        first_turn = ledger.turns[0] if ledger is not None and ledger.turns else None
+    opening = first_turn.messages[0] if first_turn is not None and first_turn.messages else None
+    if opening is None or opening.role not in ("system", "developer") or opening.content != instructions:
+        raise APIError(400, "instructions: a conversation keeps the instructions it started with; send the same "
+                            "instructions or none", "invalid_request", param="instructions")
+
+
+async def plan(cache: CacheClient, scope: str, body: ResponsesRequest) -> Plan:
+    publish_id = ResponseId.new_publish_id()
+    suffix = engine_messages(body.input)
+    if body.previous_response_id is not None:
+        rid, ledger, _ = await _stored_turn(cache, scope, body.previous_response_id)
+        conv = ConversationRef(rid.conversation_id, scope)
+        if not body.store:
+            history = await _turns(cache, conv, 1, rid.turn)
+            if history is None or len(history.turns) < rid.turn:
+                raise not_found(body.previous_response_id)
+            await _check_instructions(cache, conv, body.instructions, history.turns[0])
+            return Plan(_ledger_messages(history.turns[:rid.turn]) + suffix, None, None, rid, publish_id)
+        await _check_instructions(cache, conv, body.instructions)
+        return Plan(suffix, conv, rid.turn, rid, publish_id)
+    if body.conversation_id is not None:
+        conv = ConversationRef(body.conversation_id, scope)
+        try:
+            head = await cache.get_head_or_none(conv)
+        except CacheError as e:
+            raise _unavailable(e) from e
+        if head is None or not head.version:
+            return Plan(_instructions(body.instructions) + suffix, conv, None, publish_id=publish_id)
+        await _check_instructions(cache, conv, body.instructions)
+        return Plan(suffix, conv, None, publish_id=publish_id)
+    messages = _instructions(body.instructions) + suffix
+    if not body.store:
+        return Plan(messages, None, None, publish_id=publish_id)
+    return Plan(messages, ConversationRef(new_conversation_id(), scope), 0, publish_id=publish_id)
+
+
+async def fork(cache: CacheClient, plan: Plan) -> Plan:
+    """The plan continued from a copy of its conversation's turns up to the previous response."""
+    source, turn = plan.fork_source()
+    target = new_conversation_id()
+    try:
+        await cache.fork_conversation(source, target, turn=turn)
+    except (NotFound, InvalidArgument):  # gone, or rewound before its turn meanwhile
+        raise not_found(str(plan.previous)) from None
+    except CacheError as e:
+        raise _unavailable(e) from e
+    return Plan(plan.messages, source.fork(target), turn, plan.previous, plan.publish_id)
+
+
+def response_body(body: ResponsesRequest, plan: Plan, model: str, base_turn: int) -> ResponseBody:
+    """The Response object of a request whose turn follows `base_turn` of its conversation."""
+    conv = plan.conversation
+    rid = ResponseId(conv.id if conv else None, base_turn + 1 if conv else 0, plan.publish_id)
+    previous = body.previous_response_id
+    return ResponseBody(rid, model, body.echo(), previous)
+
+
+async def retrieve(cache: CacheClient, scope: str, response_id: str, model: str) -> dict[str, Any]:
+    rid, ledger, index = await _stored_turn(cache, scope, response_id, with_previous=True)
+    turn = ledger.turns[index]
+    previous = None
+    if index and ledger.turns[0].publish_id.startswith("resp-"):
+        previous = str(ResponseId(rid.conversation_id, rid.turn - 1, ledger.turns[0].publish_id))
+    events = turn_outcome.replay(turn)  # the reply's text and, parsed back out of it, its tool calls
+    text = "".join(e.text for e in events if isinstance(e, TurnDelta))
+    form = ResponseBody(rid, model, STORED_ECHO, previous, created_at=turn.committed_at_ms // 1000)
+    return form.done(text, events[-1])
+
+
+async def input_items(cache: CacheClient, scope: str, response_id: str, order: str) -> dict[str, Any]:
+    rid, ledger, index = await _stored_turn(cache, scope, response_id)
+    messages = list(ledger.turns[index].messages)[:-1]  # the reply is the turn's last message
+    return item_list(messages, rid.publish_id, order)
+
+
+def item_list(messages, key: str, order: str) -> dict[str, Any]:
+    items = [{"id": f"msg_{key[-16:]}_{i}", "type": "message", "role": m.role, "status": "completed",
+              "content": [{"type": "output_text" if m.role == "assistant" else "input_text", "text": m.content}]}
+             for i, m in enumerate(messages)]
+    if order == "desc":
+        items.reverse()
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": False}
+
+
+async def delete(cache: CacheClient, scope: str, response_id: str, lease_ttl_ms: int) -> HeadRef | None:
+    """Delete a conversation's latest response: its turn is rewound away (the conversation's
+    first turn: the conversation is deleted, and its head returned for its owner to forget).
+    An older response is a 409: the turns after it were built on it."""
+    rid, _, _ = await _stored_turn(cache, scope, response_id)
+    conv = ConversationRef(rid.conversation_id, scope)
+    try:
+        lease = await cache.acquire_lease(conv, lease_ttl_ms)
+    except LeaseHeld:
+        raise errors.busy(conv.id) from None
+    except CacheError as e:
+        raise _unavailable(e) from e
+    head, done = lease.head, False
+    try:
+        await _stored_turn(cache, scope, response_id)  # under the lease: still there? (404 if not)
+        if head.turn != rid.turn:
+            raise APIError(409, "only a conversation's latest response can be deleted: later responses build on "
+                                "this one", "response_not_latest")
+        if rid.turn == 1:
+            await cache.delete_conversation(conv)  # drops the lease too
+            done = True
+        else:
+            await cache.rewind_conversation(conv, lease_token=lease, expected_version=head.version,
+                                            turn=rid.turn - 1)
+        return HeadRef.of(head)
+    except CacheError as e:
+        raise _unavailable(e) from e
+    finally:
+        if not done:
+            try:
+                await cache.release_lease(conv, lease)
+            except CacheError as e:  # the lease expires by itself
+                log.warning("could not release the lease of %s: %s", conv.id, e)
