@@ -204,6 +204,21 @@ class ResponseFormat(BaseModel):
         return self
 
 
+def reply_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool, format_type: str,
+                     schema: dict[str, Any] | None = None, strict: bool = False) -> dict[str, Any] | None:
+    """The grammar of a reply (chat completions and responses alike): forced tool calls, else a
+    JSON response format, else tool calls the model may begin ("auto"), else None. With
+    tool_choice "auto" the response format wins: the reply is that JSON."""
+    tools_grammar = tool_constraint(tools, tool_choice, parallel)
+    if tools_grammar is not None and not tools_grammar["auto"]:
+        return tools_grammar  # (a forced choice beside a response format is refused before this)
+    if format_type == "json_object":
+        return {"type": "json_object"}
+    if format_type == "json_schema":
+        return {"type": "json_schema", "schema": schema or {}, "strict": strict}
+    return tools_grammar
+
+
 def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool) -> dict[str, Any] | None:
     """The grammar of a reply with tools (engine-shaped: {"type": "function", "function": {...}}):
     "required" or a named function force calls; "auto" (the default with tools) lets the model
@@ -312,17 +327,11 @@ class ChatCompletionRequest(BaseModel):
     def constraint(self) -> dict[str, Any] | None:
         """The grammar the reply must follow (the worker compiles it), or None."""
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
-        tools = tool_constraint(list(self.engine_tools()), choice, self.parallel_tool_calls is not False)
         fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return tools
-        if tools is not None and not tools["auto"]:
-            return tools  # (a forced choice with a response_format is refused by _tools_fit)
-        # with tool_choice "auto" the response format wins: the reply is that JSON (calls it
-        # writes anyway are still parsed)
-        if fmt.type == "json_object":
-            return {"type": "json_object"}
-        return {"type": "json_schema", "schema": fmt.json_schema.schema_, "strict": bool(fmt.json_schema.strict)}
+        schema = fmt.json_schema if fmt is not None and fmt.type == "json_schema" else None
+        return reply_constraint(list(self.engine_tools()), choice, self.parallel_tool_calls is not False,
+                                fmt.type if fmt is not None else "text",
+                                schema.schema_ if schema else None, bool(schema and schema.strict))
 
     def sampling(self, default_max_tokens: int) -> dict:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

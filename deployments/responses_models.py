@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from deployments.api_models import (MAX_ID, MAX_MESSAGES, MAX_TOOLS, CacheSalt, ConversationId, Text, ToolName,
-                                    _field_error, _off, _unsupported, tool_constraint)
+                                    _field_error, _off, _unsupported, reply_constraint)
 from deployments.settings import MAX_OUTPUT_TOKENS
 
 ItemId = Annotated[str, Field(max_length=MAX_ID)]
@@ -253,17 +253,13 @@ class ResponsesRequest(BaseModel):
 
     def constraint(self) -> dict[str, Any] | None:
         choice = self.tool_choice
-        if isinstance(choice, FunctionChoice):  # the chat shape tool_constraint reads
+        if isinstance(choice, FunctionChoice):  # the chat shape reply_constraint reads
             choice = {"type": "function", "function": {"name": choice.name}}
-        forced = tool_constraint(list(self.engine_tools()), choice, self.parallel_tool_calls is not False)
-        if forced is not None:
-            return forced
         fmt = self.text.format if self.text is not None else None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return {"type": "json_object"}
-        return {"type": "json_schema", "schema": fmt.schema_, "strict": bool(fmt.strict)}
+        return reply_constraint(list(self.engine_tools()), choice, self.parallel_tool_calls is not False,
+                                fmt.type if fmt is not None else "text",
+                                fmt.schema_ if fmt is not None and fmt.type == "json_schema" else None,
+                                bool(getattr(fmt, "strict", False)))
 
     def sampling(self, default_max_tokens: int) -> dict:
         return {"max_tokens": self.max_output_tokens or default_max_tokens, "temperature": self.temperature,

@@ -128,5 +128,9 @@ def test_forced_choices_and_formats_become_the_constraint():
         "type": "json_schema", "schema": {"type": "object"}, "strict": True}
     assert _request(tools=tools, tool_choice={"type": "function", "name": "f"},
                     parallel_tool_calls=False).constraint() == {
-        "type": "tool_calls", "parallel": False, "tools": [{"name": "f", "parameters": {"type": "object"}}]}
-    assert _request(tools=tools).constraint() is None  # "auto": the model may call or not
+        "type": "tool_calls", "parallel": False, "auto": False,
+        "tools": [{"name": "f", "parameters": {"type": "object"}}]}
+    # "auto": the model may call or not, but a call it begins must be valid; "none": nothing
+    assert _request(tools=tools).constraint()["auto"] is True
+    assert _request(tools=tools, tool_choice="none").constraint() is None
+    assert _request(tools=tools, text={"format": {"type": "json_object"}}).constraint() == {"type": "json_object"}
