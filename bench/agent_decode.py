@@ -8,13 +8,15 @@ is a cached prefix, a short prefill and its decode):
                (parallel_tool_calls False) vs tool_choice "none" (the same prompt, no grammar);
   json_schema  a short request: a json_schema response_format vs none.
 
-max_tokens is below the shortest reply the grammars allow, and requests sample (temperature 1, a
-seed per prompt: greedy replies of the random-weight model end at once without a grammar), so
-both sides of a pair write the same number of tokens and run in batches of the same shape (the
-output token counts are recorded). Per token: a request's total time over
-its output tokens (total_s / completion_tokens; the prefill of the cached prompt is in both), and
-its time after the first delta over the tokens after the first (inter-token; for a tool call the
-first delta comes once the call's name is decoded, so this one is only compared for json_schema).
+max_tokens is below the shortest reply the grammars allow; requests sample (temperature 1, a
+seed per prompt: greedy replies of the random-weight model end at once without a grammar), yet
+unconstrained replies may still end early (their token counts are recorded). The measure is
+therefore the decode step itself: the gaps between a request's consecutive streamed deltas
+(content or tool-call pieces, one per decode step) while the whole batch is still streaming
+(from the last request's first delta to the first request's last), median over the batch and
+rounds. A forced call's first delta comes once its name is decoded, so its gaps start there.
+Also recorded, as before: total time over output tokens, and time after the first delta over
+the tokens after the first (both include shrinking batches and, for total, the prefill).
 Rounds alternate which side goes first.
 """
 
@@ -48,7 +50,7 @@ def _request(kind: str, constrained: bool, script: LoopScript, tools: list[dict]
 
 async def _batch(client: openai.AsyncOpenAI, model: str, kind: str, constrained: bool, scripts: list[LoopScript],
                  tools: list[dict], max_tokens: int) -> list[StepRecord]:
-    recs = [StepRecord(conversation=i, turn=0) for i in range(len(scripts))]
+    recs = [StepRecord(conversation=i, turn=0, delta_at_s=[]) for i in range(len(scripts))]
     await asyncio.gather(*(
         _stream_chat(client, rec, model=model, max_tokens=max_tokens, temperature=1.0, seed=i,
                      extra_body={"cache_salt": f"decode-{kind}-{i}"}, **_request(kind, constrained, s, tools, i))
@@ -56,11 +58,25 @@ async def _batch(client: openai.AsyncOpenAI, model: str, kind: str, constrained:
     return recs
 
 
+def step_gaps(recs: list[StepRecord]) -> tuple[list[float], bool]:
+    """Gaps between consecutive deltas while every request of the batch streams; (gaps, True).
+    When the batch never streams whole (a reply ended before another began), every gap: (gaps, False)."""
+    times = [r.delta_at_s for r in recs if r.delta_at_s]
+    if not times:
+        return [], False
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    whole = [b - a for t in times for a, b in zip(t, t[1:]) if start <= a and b <= end]
+    if len(whole) >= len(times):
+        return whole, True
+    return [b - a for t in times for a, b in zip(t, t[1:])], False
+
+
 def _per_token(recs: list[StepRecord]) -> dict:
+    gaps, whole = step_gaps(recs)
     total = [r.total_s / r.completion_tokens for r in recs if r.completion_tokens]
     inter = [(r.total_s - r.ttft_s) / (r.completion_tokens - 1) for r in recs
              if r.ttft_s is not None and r.completion_tokens and r.completion_tokens > 1]
-    return {"total_s_per_token": total, "inter_token_s": inter,
+    return {"step_gap_s": gaps, "whole_batch": whole, "total_s_per_token": total, "inter_token_s": inter,
             "completion_tokens": [r.completion_tokens for r in recs],
             "finish_reasons": [r.finish_reason for r in recs]}
 
@@ -92,12 +108,13 @@ def summarize(raw: dict) -> dict:
     out = {}
     for kind, sides in raw.items():
         rec: dict = {"rounds": sides}
-        for key in ("total_s_per_token", "inter_token_s"):
+        for key in ("step_gap_s", "total_s_per_token", "inter_token_s"):
             on, off = _merged(sides["on"], key), _merged(sides["off"], key)
             if on and off:
                 rec[key] = {"on_median": statistics.median(on), "off_median": statistics.median(off),
                             "overhead": statistics.median(on) / statistics.median(off) - 1}
         rec["completion_tokens"] = {s: _merged(sides[s], "completion_tokens") for s in ("on", "off")}
+        rec["whole_batch_rounds"] = {s: [r["whole_batch"] for r in sides[s]] for s in ("on", "off")}
         out[kind] = rec
     return out
 
@@ -108,9 +125,9 @@ def measure(base_url: str, scripts: list[LoopScript], tools: list[dict], rounds:
 
 
 def headline(decode: dict) -> dict:
-    """The overhead compared to the target: tool calls by total/token, json_schema by inter-token time."""
+    """The overhead compared to the target: the decode step's gap, grammar on over off."""
     out = {}
-    for kind, key in (("tool_call", "total_s_per_token"), ("json_schema", "inter_token_s")):
-        if key in decode.get(kind, {}):
-            out[kind] = {"measure": key, "overhead": decode[kind][key]["overhead"]}
+    for kind, rec in decode.items():
+        if "step_gap_s" in rec:
+            out[kind] = {"measure": "step_gap_s", "overhead": rec["step_gap_s"]["overhead"]}
     return out

@@ -55,7 +55,8 @@ def decode_lines(res: dict) -> list[str]:
         return []
     rows = []
     for kind, rec in d.items():
-        for key, label in (("total_s_per_token", "total / output tokens"), ("inter_token_s", "after the first delta")):
+        for key, label in (("step_gap_s", "gap between deltas, whole batch"),
+                           ("total_s_per_token", "total / output tokens"), ("inter_token_s", "after the first delta")):
             if key in rec:
                 m = rec[key]
                 rows.append([kind, label, f"{m['on_median'] * 1e3:.1f}", f"{m['off_median'] * 1e3:.1f}",
@@ -67,7 +68,10 @@ def decode_lines(res: dict) -> list[str]:
             "bench/agent_decode.py; target <= +10% per token):", "",
             markdown_table(["pair", "ms per token", "grammar on", "grammar off", "extra"], rows),
             "Output tokens per request (on / off): "
-            + "; ".join(f"{k} {on} / {off}" for k, (on, off) in tokens.items()) + ".", ""]
+            + "; ".join(f"{k} {on} / {off}" for k, (on, off) in tokens.items()) + ".",
+            *[f"Rounds whose batch streamed whole ({k}, on / off): {sum(w['on'])}/{len(w['on'])} / "
+              f"{sum(w['off'])}/{len(w['off'])} (otherwise the gaps of every delta)."
+              for k, r in d.items() if (w := r.get("whole_batch_rounds"))], ""]
 
 
 def headline_lines(res: dict) -> list[str]:

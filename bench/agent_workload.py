@@ -121,6 +121,7 @@ class StepRecord(TurnRecord):
 
     finish_reason: str | None = None
     calls: list[dict] = field(default_factory=list)  # [{"id", "name", "arguments"}]
+    delta_at_s: list[float] | None = None  # when kept: each content / tool-call delta's arrival (perf_counter)
 
 
 async def _stream_chat(client: openai.AsyncOpenAI, rec: StepRecord, **kwargs) -> None:
@@ -131,8 +132,11 @@ async def _stream_chat(client: openai.AsyncOpenAI, rec: StepRecord, **kwargs) ->
     async for chunk in stream:
         for choice in chunk.choices:
             delta = choice.delta
-            if (delta.content or delta.tool_calls) and rec.ttft_s is None:
-                rec.ttft_s = time.perf_counter() - t0
+            if delta.content or delta.tool_calls:
+                now = time.perf_counter()
+                rec.ttft_s = now - t0 if rec.ttft_s is None else rec.ttft_s
+                if rec.delta_at_s is not None:
+                    rec.delta_at_s.append(now)
             for piece in delta.tool_calls or ():
                 entry = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
                 if piece.id:
