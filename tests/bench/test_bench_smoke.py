@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import cache_service, chaos, conversation_report, decode_step, determinism, engine_report, kernel_speed
-from bench import grammar_backends, linear_speed, serve
+from bench import agent_report, cache_service, chaos, conversation_report, decode_step, determinism, engine_report
+from bench import grammar_backends, kernel_speed, linear_speed, serve
 from bench.common import RESULTS_DIR
 from bench.vllm_env import VENV_DIR
 from workers.checkpoint import Arch
@@ -38,9 +38,26 @@ class Smoke:
     stem: str  # <stem>.json and <stem>.md are written
     report: Callable[[dict], str]  # the Markdown, from the JSON alone
     timeout_s: float = 900  # generous: the first engine start of a checkout builds the C++ kernels
+    check: Callable[[dict], None] | None = None  # what the JSON must show beyond rendering
+
+
+def _agent_reuse(data: dict) -> None:
+    """Our three sides ran every step; from step 2 a stored conversation (a) and a stateless loop
+    under its own salt (b) reuse what the step before left, a fresh salt per request (c) nothing."""
+    for side in ("a", "b", "c"):
+        records = data["sides"][side]["records"]
+        assert len(records) == data["plan"]["loops"] * data["plan"]["steps"], side
+        assert not data["sides"][side]["errors"], (side, data["sides"][side]["errors"])
+        for rec in records:
+            assert rec["calls"] and rec["prompt_tokens"], (side, rec)
+            if side == "c" or rec["turn"] == 1:
+                assert rec["cached_tokens"] == 0, (side, rec)
+            else:
+                assert rec["cached_tokens"] > 0, (side, rec)
 
 
 SMOKES = {
+    "agent": Smoke(("--smoke", "--skip-vllm"), "agent.smoke", agent_report.markdown, check=_agent_reuse),
     "cache_service": Smoke(("--smoke",), "cache_service.smoke", cache_service.markdown),
     "chaos": Smoke(("--smoke",), "chaos.smoke", chaos.markdown),
     "conversation": Smoke(("--smoke", *NO_VLLM), "conversation.smoke", conversation_report.markdown),
@@ -103,6 +120,8 @@ def test_the_benchmark_runs_and_writes_what_its_report_reads(name, tmp_path):
     data = json.loads(written.read_text())
     assert smoke.report(data).rstrip("\n") == (tmp_path / f"{smoke.stem}.md").read_text().rstrip("\n")
     assert not list(RESULTS_DIR.glob(f"{smoke.stem}.*")), "the smoke run wrote into the committed results"
+    if smoke.check is not None:
+        smoke.check(data)
     print(f"bench.{name} smoke: {time.perf_counter() - started:.1f} s")
 
 
