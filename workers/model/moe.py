@@ -63,11 +63,11 @@ class MoE(nn.Module):
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
         for expert in index.unique().tolist():
             token, slot = torch.where(index == expert)
-            y = self._expert(x[token], expert) * weights[token, slot, None]
+            y = self.expert(x[token], expert) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out.to(x.dtype) + self.shared(x)
 
-    def _expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+    def expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         up = F.linear(x, self.experts_up[expert])
         if self.kind is MlpKind.SWIGLU:
             gate, up = up.chunk(2, dim=-1)
