@@ -9,6 +9,8 @@ comparisons above could fail).
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -188,3 +190,18 @@ def test_experts_matter_to_the_logits(moe):
         for m, w in zip(_moes(model), saved):
             m.experts_down.data.copy_(w)
     assert diff > 100 * 1e-4
+
+
+def test_missing_expert_is_reported(moe, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from workers.errors import CheckpointError
+    from workers.model.loader import load_model
+
+    copy = tmp_path / "m"
+    shutil.copytree(moe[Arch.NEMOTRON_H].path, copy)
+    tensors = load_file(copy / "model.safetensors")
+    del tensors["backbone.layers.1.mixer.experts.0.up_proj.weight"]
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="experts_up"):
+        load_model(copy)

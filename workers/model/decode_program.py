@@ -16,10 +16,10 @@ still run for everything that is not a pure fp32 decode step on the fused kernel
       h = embed(ids) [* m];  x = norm_0(h)
       per block:  x = mixer(x)                          mamba_decode | paged attention | MLP | MoE
                   [h, x = h + a*x, ffn_norm(h);  x = down(act(up(x))) or MoE(x)]
+                  h, x = h + a*x, next_norm(h)          add_rms_norm, h in place
 
 A mixture of experts (`workers.model.moe`) runs as its module's forward: its routing decides
 per step which expert matrices a row needs, so there is nothing to resolve ahead of it.
-                  h, x = h + a*x, next_norm(h)          add_rms_norm, h in place
 
 The program holds references to the modules' parameters and packed weights, never copies, so
 it reads what the modules hold; switching the fast path or the linear plan (`HybridLM.use_*`)

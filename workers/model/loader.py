@@ -140,7 +140,7 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: str
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
     for name, parts in pieces.items():
-        if name.endswith(("experts_up", "experts_down")) and parts[0].dim() == 2:
+        if name.endswith(("experts_up", "experts_down")) and next(iter(parts.values())).dim() == 2:
             if sorted(parts) != list(range(config.moe.n_experts)):
                 raise CheckpointError(f"{path}: {name!r} has experts {sorted(parts)}, expected 0..{config.moe.n_experts - 1}")
             tensor = torch.stack([parts[i] for i in sorted(parts)])
