@@ -92,6 +92,9 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", type=Path, help="directory to write the checkpoint into")
     parser.add_argument("--arch", choices=["bamba", "granitemoehybrid", "nemotron_h"], default="bamba")
     parser.add_argument("--preset", choices=["tiny", "small", "bench"], default="small")
+    parser.add_argument(
+        "--moe", action="store_true", help="mixture-of-experts variant (granitemoehybrid, nemotron_h; tiny, bench)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="same seed, same bytes")
 
 

@@ -384,12 +384,14 @@ def test_unexpected_tensor_is_reported(copy_of):
 @pytest.mark.parametrize(
     "arch, changes, field",
     [
-        (Arch.GRANITEMOEHYBRID, dict(num_local_experts=4), "num_local_experts"),
+        (Arch.GRANITEMOEHYBRID, dict(num_local_experts=4, num_experts_per_tok=0), "num_experts_per_tok"),
         (Arch.BAMBA, dict(hidden_act="gelu"), "hidden_act"),
         (Arch.GRANITEMOEHYBRID, dict(hidden_act="relu"), "hidden_act"),
         (Arch.NEMOTRON_H, dict(mlp_hidden_act="gelu"), "mlp_hidden_act"),
         (Arch.NEMOTRON_H, dict(mamba_hidden_act="relu"), "mamba_hidden_act"),
-        (Arch.NEMOTRON_H, dict(layers_block_type=["mamba", "moe", "attention"]), "layers_block_type"),
+        (Arch.NEMOTRON_H, dict(layers_block_type=["linear_attention", "conv", "full_attention"]), "layers_block_type"),
+        (Arch.NEMOTRON_H, dict(layers_block_type=["linear_attention", "moe", "full_attention"], n_routed_experts=4,
+                               num_experts_per_tok=2, moe_latent_size=16), "moe_latent_size"),
         (Arch.BAMBA, dict(model_type="llama"), "model_type"),
         (Arch.BAMBA, dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}),
          "rope_parameters.rope_type"),

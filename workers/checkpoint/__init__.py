@@ -31,6 +31,7 @@ _EXPORTS = {
     "ServingMetadata": "metadata",
     "Arch": "presets",
     "ModelShape": "presets",
+    "MoeShape": "presets",
     "PositionEmbedding": "presets",
     "Preset": "presets",
     "preset_shape": "presets",

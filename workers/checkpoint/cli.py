@@ -1,4 +1,4 @@
-"""The body of `hybridserve make-model OUT --arch ... --preset ... --seed N`.
+"""The body of `hybridserve make-model OUT --arch ... --preset ... [--moe] --seed N`.
 
 The arguments are declared in `workers/cli.py` without importing this package, so other
 subcommands do not pay for importing transformers.
@@ -15,6 +15,7 @@ from workers.checkpoint.presets import Arch, Preset
 
 def run_make_model(args: argparse.Namespace) -> Path:
     arch, preset = Arch(args.arch), Preset(args.preset)
-    out = make_model(args.out, arch, preset, args.seed)
-    print(f"wrote {arch.value}/{preset.value} (seed {args.seed}) checkpoint to {out}")
+    moe = bool(getattr(args, "moe", False))
+    out = make_model(args.out, arch, preset, args.seed, moe=moe)
+    print(f"wrote {arch.value}/{preset.value}{' moe' if moe else ''} (seed {args.seed}) checkpoint to {out}")
     return out

@@ -21,7 +21,12 @@ GRANITE_RESIDUAL_MULTIPLIER = 0.22
 GRANITE_ATTENTION_MULTIPLIER = 0.015625
 GRANITE_LOGITS_SCALING = 8.0
 
-_HF_LAYER_TYPE = {LayerKind.MAMBA: "linear_attention", LayerKind.ATTENTION: "full_attention", LayerKind.MLP: "mlp"}
+_HF_LAYER_TYPE = {
+    LayerKind.MAMBA: "linear_attention",
+    LayerKind.ATTENTION: "full_attention",
+    LayerKind.MLP: "mlp",
+    LayerKind.MOE: "moe",
+}
 
 
 def _common(shape: ModelShape) -> dict[str, Any]:
@@ -41,8 +46,42 @@ def _common(shape: ModelShape) -> dict[str, Any]:
 
 
 def _no_mlp_only_layers(shape: ModelShape, arch: Arch) -> None:
-    if LayerKind.MLP.value in shape.layer_pattern:
-        raise ValueError(f"{arch.value} layers always carry their MLP; '-' is only valid for nemotron_h")
+    for kind in (LayerKind.MLP, LayerKind.MOE):
+        if kind.value in shape.layer_pattern:
+            raise ValueError(f"{arch.value} layers always carry their MLP; {kind.value!r} is only valid for nemotron_h")
+
+
+def _granite_ffn(shape: ModelShape) -> dict[str, Any]:
+    if shape.moe is None:  # Dense Granite 4.0-H: no routed experts, the "shared" MLP is the MLP.
+        return dict(
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            intermediate_size=shape.mlp_intermediate_size,
+            shared_intermediate_size=shape.mlp_intermediate_size,
+        )
+    return dict(
+        num_local_experts=shape.moe.num_experts,
+        num_experts_per_tok=shape.moe.experts_per_token,
+        intermediate_size=shape.moe.expert_intermediate_size,
+        shared_intermediate_size=shape.moe.shared_intermediate_size,
+    )
+
+
+def _nemotron_experts(shape: ModelShape) -> dict[str, Any]:
+    if shape.moe is None:  # Dense: no MoE layers in the pattern; zero the expert counts so nothing looks MoE.
+        return dict(n_routed_experts=0, num_experts_per_tok=0, n_shared_experts=0)
+    moe = shape.moe
+    return dict(
+        n_routed_experts=moe.num_experts,
+        num_experts_per_tok=moe.experts_per_token,
+        n_shared_experts=1,
+        moe_intermediate_size=moe.expert_intermediate_size,
+        moe_shared_expert_intermediate_size=moe.shared_intermediate_size,
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        routed_scaling_factor=moe.routed_scaling_factor,
+        norm_topk_prob=moe.norm_topk_prob,
+    )
 
 
 def _bamba_like_mamba(shape: ModelShape) -> dict[str, Any]:
@@ -77,11 +116,7 @@ def _granite(shape: ModelShape, overrides: dict[str, Any]) -> GraniteMoeHybridCo
         **_common(shape),
         num_hidden_layers=len(shape.layer_pattern),
         layer_types=[_HF_LAYER_TYPE[LayerKind(c)] for c in shape.layer_pattern],
-        # Dense Granite 4.0-H: no routed experts, the "shared" MLP is the MLP.
-        num_local_experts=0,
-        num_experts_per_tok=0,
-        intermediate_size=shape.mlp_intermediate_size,
-        shared_intermediate_size=shape.mlp_intermediate_size,
+        **_granite_ffn(shape),
         embedding_multiplier=GRANITE_EMBEDDING_MULTIPLIER,
         residual_multiplier=GRANITE_RESIDUAL_MULTIPLIER,
         attention_multiplier=GRANITE_ATTENTION_MULTIPLIER,
@@ -106,10 +141,7 @@ def _nemotron_h(shape: ModelShape, overrides: dict[str, Any]) -> NemotronHConfig
         conv_kernel=shape.mamba_d_conv,
         expand=shape.mamba_expand,
         chunk_size=shape.mamba_chunk_size,
-        # Dense: no MoE layers in the pattern; zero the expert counts so nothing looks MoE.
-        n_routed_experts=0,
-        num_experts_per_tok=0,
-        n_shared_experts=0,
+        **_nemotron_experts(shape),
         **overrides,
     )
 

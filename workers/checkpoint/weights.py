@@ -20,6 +20,7 @@ from torch import nn
 TARGET_LOGIT_STD = 3.0
 _DT_MIN, _DT_MAX = 1e-3, 1e-1  # Mamba2's usual dt init range
 _A_MIN, _A_MAX = 1.0, 16.0
+_ROUTING_BIAS_STD = 0.1  # against sigmoid router scores spread over ~0.2
 
 
 def _uniform(shape: torch.Size, low: float, high: float, gen: torch.Generator) -> torch.Tensor:
@@ -72,3 +73,9 @@ def randomize_weights(model: nn.Module, seed: int, logits_divisor: float = 1.0, 
     hidden = lm_head.weight.shape[1]
     std = TARGET_LOGIT_STD * logits_divisor / math.sqrt(hidden)
     lm_head.weight.copy_(torch.randn(lm_head.weight.shape, generator=gen) * std)
+
+    # Nemotron-H's expert-choice bias (a buffer, zero at init): with zeros an engine that
+    # ignored it would still route like the reference. Drawn last, so dense models are unchanged.
+    for name, buffer in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(_ROUTING_BIAS_STD * torch.randn(buffer.shape, generator=gen))

@@ -7,7 +7,7 @@
       tokenizer.json, tokenizer_config.json, chat_template.jinja
       hybridserve.json         eos + never-sample ids for the engine (metadata.py)
 
-Same (arch, preset, seed) -> byte-identical model.safetensors.
+Same (arch, preset, moe, seed) -> byte-identical model.safetensors.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ def build_random_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     return model.eval()
 
 
-def make_model(out_dir: str | Path, arch: Arch | str, preset: Preset | str, seed: int = 0) -> Path:
-    """Writes the checkpoint of (arch, preset, seed) into out_dir and returns its path."""
+def make_model(out_dir: str | Path, arch: Arch | str, preset: Preset | str, seed: int = 0, moe: bool = False) -> Path:
+    """Writes the checkpoint of (arch, preset, seed) into out_dir and returns its path; moe=True:
+    the preset's mixture-of-experts variant (`presets.preset_shape`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = build_config(Arch(arch), preset_shape(Arch(arch), Preset(preset)))
+    config = build_config(Arch(arch), preset_shape(Arch(arch), Preset(preset), moe))
     model = build_random_model(config, seed)
     model.save_pretrained(out, safe_serialization=True)
     write_tokenizer(out)

@@ -3,6 +3,8 @@
 Only the model's weights are reused; the computation is written here so that nothing on
 this path depends on the fast path's kernels or on what else is batched:
   - dense layers (projections, MLPs, the LM head) always see G*T rows;
+  - a mixture of experts runs every expert on all G*T rows, weighted by the routing weight
+    (zero where the row did not choose it), summed in expert order (tile_moe);
   - attention folds key blocks aligned to absolute positions in a fixed order
     (tile_attention), never SDPA with a batch-dependent key length;
   - Mamba uses a fixed SSD chunk from the aligned state at the tile start (tile_ssd).
@@ -23,6 +25,7 @@ from workers.model.config import MixerKind, MlpKind
 from workers.model.forward_batch import ModelCaches
 from workers.model.hybrid_lm import HybridLM
 from workers.model.layers import apply_rotary
+from workers.model.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,24 @@ def _rms(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def _mlp(x: torch.Tensor, mlp) -> torch.Tensor:
+    if isinstance(mlp, MoE):
+        return tile_moe(x, mlp)
     if mlp.kind is MlpKind.SWIGLU:
         gate, up = _linear(x, mlp.up).split(mlp.intermediate, dim=-1)
         return _linear(F.silu(gate) * up, mlp.down)
     return _linear(torch.square(F.relu(_linear(x, mlp.up))), mlp.down)
+
+
+def tile_moe(x: torch.Tensor, moe: MoE) -> torch.Tensor:
+    """`MoE.forward` whose shapes and order of sums never depend on the routing: each row's
+    output is a function of that row alone, whatever the other rows chose."""
+    weights, index = moe.route(x)
+    dense = torch.zeros(x.shape[0], moe.shape.n_experts, dtype=weights.dtype, device=x.device)
+    dense.scatter_(1, index, weights)
+    out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
+    for expert in range(moe.shape.n_experts):
+        out += moe.expert(x, expert).to(out.dtype) * dense[:, expert, None]
+    return out.to(x.dtype) + _mlp(x, moe.shared)
 
 
 class TileModel:

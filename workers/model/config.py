@@ -25,6 +25,7 @@ class MixerKind(Enum):
     MAMBA = "mamba"
     ATTENTION = "attention"
     MLP = "mlp"  # Nemotron-H's '-' layers: the block's mixer is an MLP
+    MOE = "moe"  # Nemotron-H's 'E' layers: the block's mixer is a mixture of experts
 
 
 class MlpKind(Enum):
@@ -32,12 +33,36 @@ class MlpKind(Enum):
     RELU2 = "relu2"  # relu(up)^2, then down
 
 
+class RouterKind(Enum):
+    SOFTMAX_TOPK = "softmax_topk"  # Granite: top-k router logits, softmax over those k
+    SIGMOID_GROUPED = "sigmoid_grouped"  # Nemotron-H (DeepSeek-V3): sigmoid scores, biased group/top-k choice
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """Routed experts (each an MLP of the model's MlpKind) plus one shared expert on every token."""
+
+    router: RouterKind
+    n_experts: int
+    top_k: int
+    intermediate: int
+    shared_intermediate: int
+    # SIGMOID_GROUPED only: experts in n_group groups, topk_group groups chosen per token, then
+    # the top_k experts among them; the chosen scores renormalised (norm_topk_prob), then scaled.
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    scaling: float = 1.0
+
+
 @dataclass(frozen=True)
 class BlockSpec:
-    """One decoder layer: a mixer, and for Bamba/Granite a feed-forward after it."""
+    """One decoder layer: a mixer, and for Bamba/Granite a feed-forward after it (routed
+    experts when `ffn_moe`: Granite 4.0-H MoE)."""
 
     mixer: MixerKind
     has_ffn: bool
+    ffn_moe: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +120,7 @@ class HybridModelConfig:
     tie_embeddings: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    moe: MoeShape | None = None  # the experts of MoE mixers / feed-forwards
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -183,14 +209,13 @@ def _parse_bamba_like(raw: dict[str, Any], family: ModelFamily) -> HybridModelCo
     head_dim = int(raw.get("head_dim") or hidden // n_heads)
     _check_activation("hidden_act", raw.get("hidden_act", "silu"), ("silu",))
     is_granite = family is ModelFamily.GRANITE_MOE_HYBRID
-    if is_granite and int(raw.get("num_local_experts") or 0) > 0:
-        raise UnsupportedModelError("num_local_experts", raw["num_local_experts"], "only dense (0 experts) is supported")
+    moe = _granite_moe(raw) if is_granite else None
     layer_types = _bamba_layer_types(raw, family)
     for t in layer_types:
         if t not in ("linear_attention", "full_attention"):
             raise UnsupportedModelError("layer_types", t, "expected mamba/attention layers only")
     blocks = tuple(
-        BlockSpec(MixerKind.MAMBA if t == "linear_attention" else MixerKind.ATTENTION, has_ffn=True)
+        BlockSpec(MixerKind.MAMBA if t == "linear_attention" else MixerKind.ATTENTION, has_ffn=True, ffn_moe=moe is not None)
         for t in layer_types
     )
     uses_rope = not is_granite or raw.get("position_embedding_type") == "rope"
@@ -221,11 +246,60 @@ def _parse_bamba_like(raw: dict[str, Any], family: ModelFamily) -> HybridModelCo
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         eos_token_ids=_eos_ids(raw),
+        moe=moe,
+    )
+
+
+def _granite_moe(raw: dict[str, Any]) -> MoeShape | None:
+    """Granite 4.0-H's routed experts (num_local_experts > 0; 0 is the dense model, whose
+    "shared" MLP is its only MLP)."""
+    n_experts = int(raw.get("num_local_experts") or 0)
+    if n_experts == 0:
+        return None
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= n_experts:
+        raise UnsupportedModelError("num_experts_per_tok", top_k, f"must be in 1..num_local_experts ({n_experts})")
+    return MoeShape(
+        router=RouterKind.SOFTMAX_TOPK,
+        n_experts=n_experts,
+        top_k=top_k,
+        intermediate=int(_require(raw, "intermediate_size")),
+        shared_intermediate=int(_require(raw, "shared_intermediate_size")),
+    )
+
+
+def _nemotron_moe(raw: dict[str, Any]) -> MoeShape:
+    if raw.get("moe_latent_size") is not None:
+        raise UnsupportedModelError("moe_latent_size", raw["moe_latent_size"], "latent expert projections are unsupported")
+    n_experts = int(_require(raw, "n_routed_experts"))
+    top_k = int(_require(raw, "num_experts_per_tok"))
+    n_group, topk_group = int(raw.get("n_group", 1)), int(raw.get("topk_group", 1))
+    if not 0 < top_k <= n_experts:
+        raise UnsupportedModelError("num_experts_per_tok", top_k, f"must be in 1..n_routed_experts ({n_experts})")
+    if n_group < 1 or n_experts % n_group or not 0 < topk_group <= n_group or n_experts // n_group < 2:
+        raise UnsupportedModelError(
+            "n_group", n_group, f"must divide n_routed_experts ({n_experts}) into groups of 2+, topk_group <= n_group"
+        )
+    return MoeShape(
+        router=RouterKind.SIGMOID_GROUPED,
+        n_experts=n_experts,
+        top_k=top_k,
+        intermediate=int(_require(raw, "moe_intermediate_size")),
+        shared_intermediate=int(_require(raw, "moe_shared_expert_intermediate_size")),
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        scaling=float(raw.get("routed_scaling_factor", 1.0)),
     )
 
 
 _NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-_NEMOTRON_MIXERS = {"linear_attention": MixerKind.MAMBA, "full_attention": MixerKind.ATTENTION, "mlp": MixerKind.MLP}
+_NEMOTRON_MIXERS = {
+    "linear_attention": MixerKind.MAMBA,
+    "full_attention": MixerKind.ATTENTION,
+    "mlp": MixerKind.MLP,
+    "moe": MixerKind.MOE,
+}
 
 
 def _parse_nemotron_h(raw: dict[str, Any]) -> HybridModelConfig:
@@ -235,7 +309,7 @@ def _parse_nemotron_h(raw: dict[str, Any]) -> HybridModelConfig:
         types = list(_require(raw, "layers_block_type"))
     for t in types:
         if t not in _NEMOTRON_MIXERS:
-            raise UnsupportedModelError("layers_block_type", t, "only dense layers (M, *, -) are supported")
+            raise UnsupportedModelError("layers_block_type", t, "supported layers: M, *, -, E")
     if int(raw.get("num_nextn_predict_layers") or 0) > 0:
         raise UnsupportedModelError("num_nextn_predict_layers", raw["num_nextn_predict_layers"], "MTP is unsupported")
     _check_activation("mlp_hidden_act", raw.get("mlp_hidden_act", "relu2"), ("relu2",))
@@ -280,6 +354,7 @@ def _parse_nemotron_h(raw: dict[str, Any]) -> HybridModelConfig:
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         eos_token_ids=_eos_ids(raw),
+        moe=_nemotron_moe(raw) if "moe" in types else None,
     )
 
 

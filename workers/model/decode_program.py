@@ -14,9 +14,12 @@ still run for everything that is not a pure fp32 decode step on the fused kernel
     each step:
       linears = linears[bucket_index(rows)]            one lookup for all 64 linears
       h = embed(ids) [* m];  x = norm_0(h)
-      per block:  x = mixer(x)                          mamba_decode | paged attention | MLP
-                  [h, x = h + a*x, ffn_norm(h);  x = down(act(up(x)))]
+      per block:  x = mixer(x)                          mamba_decode | paged attention | MLP | MoE
+                  [h, x = h + a*x, ffn_norm(h);  x = down(act(up(x))) or MoE(x)]
                   h, x = h + a*x, next_norm(h)          add_rms_norm, h in place
+
+A mixture of experts (`workers.model.moe`) runs as its module's forward: its routing decides
+per step which expert matrices a row needs, so there is nothing to resolve ahead of it.
 
 The program holds references to the modules' parameters and packed weights, never copies, so
 it reads what the modules hold; switching the fast path or the linear plan (`HybridLM.use_*`)
@@ -38,6 +41,7 @@ from workers.kernels.tuned_linear import TunedLinear
 from workers.model.config import HybridModelConfig, MixerKind, MlpKind
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from workers.model.moe import MoE
 
 
 class DecodeModel(Protocol):
@@ -86,10 +90,14 @@ class _Mlp(NamedTuple):
     gated: bool  # SwiGLU (else squared ReLU)
 
 
+class _Moe(NamedTuple):
+    module: MoE  # called as is: routing, the experts hit, the shared expert
+
+
 class _Block(NamedTuple):
     kind: MixerKind
-    mixer: _Mamba | _Attention | _Mlp
-    ffn: _Mlp | None
+    mixer: _Mamba | _Attention | _Mlp | _Moe
+    ffn: _Mlp | _Moe | None
     ffn_norm: torch.Tensor | None
     ffn_eps: float
     next_norm: torch.Tensor  # the next block's input norm, the final norm after the last block
@@ -136,7 +144,9 @@ class DecodeProgram:
                 bound.append(((F.linear, (module.weight, module.bias)),))
             return len(bound) - 1
 
-        def mlp(module) -> _Mlp:
+        def mlp(module) -> _Mlp | _Moe:
+            if isinstance(module, MoE):
+                return _Moe(module)
             return _Mlp(linear(module.up), linear(module.down), module.kind is MlpKind.SWIGLU)
 
         blocks = []
@@ -238,7 +248,9 @@ class DecodeProgram:
         return x
 
 
-def _mlp(x: torch.Tensor, mlp: _Mlp, linears: tuple[BoundLinear, ...], activation) -> torch.Tensor:
+def _mlp(x: torch.Tensor, mlp: _Mlp | _Moe, linears: tuple[BoundLinear, ...], activation) -> torch.Tensor:
+    if type(mlp) is _Moe:
+        return mlp.module(x)
     fn, args = linears[mlp.up]
     up = fn(x, *args)
     fn, args = linears[mlp.down]

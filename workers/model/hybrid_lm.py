@@ -1,7 +1,9 @@
 """The hybrid language model: embeddings, a stack of blocks, final norm, LM head.
 
     Bamba / Granite block:   h += r * mixer(norm(h));  h += r * mlp(ffn_norm(h))   (r = residual multiplier)
-    Nemotron-H block:        h += mixer(norm(h))       (mixer = Mamba2 | attention | MLP)
+    Nemotron-H block:        h += mixer(norm(h))       (mixer = Mamba2 | attention | MLP | MoE)
+
+Granite 4.0-H MoE checkpoints have an MoE (routed experts + shared expert) as every layer's mlp.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from workers.model.decode_program import DecodeProgram
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import MLP, RMSNorm, RotaryEmbedding
 from workers.model.mamba_mixer import MambaMixer
+from workers.model.moe import MoE
 
 
 class Block(nn.Module):
@@ -32,10 +35,16 @@ class Block(nn.Module):
             self.mixer = MambaMixer(hidden, config.mamba, config.norm_eps)
         elif spec.mixer is MixerKind.ATTENTION:
             self.mixer = Attention(hidden, config.attention)
+        elif spec.mixer is MixerKind.MOE:
+            self.mixer = MoE(config.mlp_kind, hidden, config.moe, config.mlp_bias)
         else:
             self.mixer = MLP(config.mlp_kind, hidden, config.mlp_intermediate, config.mlp_bias)
         self.ffn_norm = RMSNorm(hidden, config.norm_eps) if spec.has_ffn else None
-        self.ffn = MLP(config.mlp_kind, hidden, config.mlp_intermediate, config.mlp_bias) if spec.has_ffn else None
+        self.ffn: MLP | MoE | None = None
+        if spec.ffn_moe:
+            self.ffn = MoE(config.mlp_kind, hidden, config.moe, config.mlp_bias)
+        elif spec.has_ffn:
+            self.ffn = MLP(config.mlp_kind, hidden, config.mlp_intermediate, config.mlp_bias)
 
     def forward(self, h, x, batch: ForwardBatch, caches: ModelCaches, rope, next_norm: RMSNorm):
         """(h, norm(h)) in, (h', next_norm(h')) out: each residual add and the norm after it run

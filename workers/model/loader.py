@@ -2,7 +2,8 @@
 
 Each family names its tensors differently; a table of regular expressions maps a
 checkpoint name to one of ours, and names that fuse (q/k/v into one projection,
-gate/up into one MLP matrix) carry a part index so they are concatenated in order.
+gate/up into one MLP matrix, Nemotron-H's per-expert matrices into one stack) carry a part
+index so they are concatenated in order.
 """
 
 from __future__ import annotations
@@ -57,13 +58,42 @@ _RULES: dict[ModelFamily, list[tuple[str, str, int]]] = {
         (r"^backbone\.layers\.(\d+)\.mixer\.down_proj\.(weight|bias)$", r"blocks.\1.mixer.down.\2", 0),
     ],
 }
+# Routed experts, in the names save_pretrained writes (and transformers' in-memory ones).
+# Granite MoE's shared_mlp is the MoE's shared expert, where the dense model's is its MLP.
+_GRANITE_MOE_RULES = [
+    (r"^model\.layers\.(\d+)\.shared_mlp\.input_linear\.weight$", r"blocks.\1.ffn.shared.up.weight", 0),
+    (r"^model\.layers\.(\d+)\.shared_mlp\.output_linear\.weight$", r"blocks.\1.ffn.shared.down.weight", 0),
+    (r"^model\.layers\.(\d+)\.block_sparse_moe\.(input_linear\.weight|experts\.gate_up_proj)$",
+     r"blocks.\1.ffn.experts_up", 0),
+    (r"^model\.layers\.(\d+)\.block_sparse_moe\.(output_linear\.weight|experts\.down_proj)$",
+     r"blocks.\1.ffn.experts_down", 0),
+    (r"^model\.layers\.(\d+)\.block_sparse_moe\.router\.(layer\.)?weight$", r"blocks.\1.ffn.router", 0),
+]  # fmt: skip
+_NEMOTRON_MOE_RULES = [
+    (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.gate\.weight$", r"blocks.\1.mixer.router", 0),
+    (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.gate\.e_score_correction_bias$", r"blocks.\1.mixer.score_bias", 0),
+    (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.shared_experts\.(up|down)_proj\.(weight|bias)$",
+     r"blocks.\1.mixer.shared.\2.\3", 0),
+    (r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.experts\.(up|down)_proj$", r"blocks.\1.mixer.experts_\2", 0),
+]  # fmt: skip
+# One matrix per expert: part = expert index, stacked in that order.
+_NEMOTRON_EXPERT = re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.experts\.(\d+)\.(up|down)_proj\.weight$")
 _LAYER_PREFIX = re.compile(r"^(?:model|backbone)\.layers\.(\d+)(\..*)$")
 
 
-def _internal_name(family: ModelFamily, name: str) -> tuple[str, int] | None:
+def _internal_name(config: HybridModelConfig, name: str) -> tuple[str, int] | None:
+    family = config.family
     if name == "lm_head.weight":
         return "lm_head.weight", 0
-    for pattern, repl, part in _RULES[family]:
+    rules = _RULES[family]
+    if config.moe is not None and family is ModelFamily.GRANITE_MOE_HYBRID:
+        rules = _GRANITE_MOE_RULES + rules
+    elif config.moe is not None and family is ModelFamily.NEMOTRON_H:
+        expert = _NEMOTRON_EXPERT.match(name)
+        if expert:
+            return f"blocks.{expert.group(1)}.mixer.experts_{expert.group(3)}", int(expert.group(2))
+        rules = _NEMOTRON_MOE_RULES + rules
+    for pattern, repl, part in rules:
         if re.search(pattern, name):
             return re.sub(pattern, repl, name), part
     layer = _LAYER_PREFIX.match(name)
@@ -96,7 +126,7 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: str
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    mapped = _internal_name(config.family, name)
+                    mapped = _internal_name(config, name)
                     if mapped is None:
                         raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for {config.family.value}")
                     pieces.setdefault(mapped[0], {})[mapped[1]] = f.get_tensor(name)
@@ -110,7 +140,14 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: str
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
     for name, parts in pieces.items():
-        tensor = torch.cat([parts[i] for i in sorted(parts)], dim=0) if len(parts) > 1 else parts[0]
+        if name.endswith(("experts_up", "experts_down")) and next(iter(parts.values())).dim() == 2:
+            if sorted(parts) != list(range(config.moe.n_experts)):
+                raise CheckpointError(f"{path}: {name!r} has experts {sorted(parts)}, expected 0..{config.moe.n_experts - 1}")
+            tensor = torch.stack([parts[i] for i in sorted(parts)])
+        elif len(parts) > 1:
+            tensor = torch.cat([parts[i] for i in sorted(parts)], dim=0)
+        else:
+            tensor = parts[0]
         if name.endswith("conv_weight"):
             tensor = tensor.reshape(tensor.shape[0], -1)  # [C, 1, k] -> [C, k]
         if name not in expected:
@@ -127,4 +164,8 @@ def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: str
         raise CheckpointError(f"{path}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
-    return model.to(dtype).eval().requires_grad_(False)
+    model = model.to(dtype).eval().requires_grad_(False)
+    for name, param in model.named_parameters():
+        if name.endswith("score_bias"):  # transformers keeps e_score_correction_bias in fp32
+            param.data = pieces[name][0].to(device=device, dtype=torch.float32)
+    return model
