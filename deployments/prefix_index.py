@@ -4,7 +4,8 @@
     ingress:  message_prefix_digests(salt, messages) -> FindPrefix (one attempt, PREFIX_LOOKUP_S)
               -> TurnJob.prefix_holders -> the router ranks them first (router.py)
     worker:   final RequestOutput.checkpoints [(k, tokens)] -> names of messages[:k] (k past the
-              messages: + the reply) -> AnnouncePrefixes, off the response path
+              messages: + the reply) -> AnnouncePrefixes, awaited at most ANNOUNCE_WAIT_S before
+              the answer ends (the next request of an agent loop follows at once)
 
 Both are hints: a lookup that fails or is slow routes by load, an announce that fails is logged
 and counted; neither fails or holds up a turn. The worker reuses a prefix only where the token
@@ -13,6 +14,7 @@ ids match exactly, so a stale entry costs a recompute, never a wrong answer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,6 +35,8 @@ WARN_EVERY_S = 60.0
 # Announces a worker has in flight at most; more are dropped (and counted as failed): while the
 # cache service is down each one retries for a while, and they must not pile up.
 MAX_ANNOUNCES_IN_FLIGHT = 64
+# How long a worker holds a stateless request's (or first turn's) end for its announce to land.
+ANNOUNCE_WAIT_S = 0.05
 
 
 class FailureLog:
@@ -96,17 +100,33 @@ class Announcer:
         self.in_flight = 0
 
     def after_turn(self, scope: str, messages: Sequence[dict], reply: dict,
-                   checkpoints: Sequence[tuple[int, int]]) -> None:
+                   checkpoints: Sequence[tuple[int, int]]) -> asyncio.Event:
+        """Start the announce; the event is set once it is done (landed, failed or dropped)."""
+        done = asyncio.Event()
         if not checkpoints:
-            return
+            done.set()
+            return done
         if self.in_flight >= MAX_ANNOUNCES_IN_FLIGHT:
             self.failures.failed(OverflowError(f"{self.in_flight} announces already in flight; dropped"))
-            return
+            done.set()
+            return done
         self.in_flight += 1
-        self._spawn(self._announce(scope, list(messages), reply, tuple(checkpoints)))
+        self._spawn(self._announce(scope, list(messages), reply, tuple(checkpoints), done))
+        return done
+
+    async def after_turn_awaited(self, scope: str, messages: Sequence[dict], reply: dict,
+                                 checkpoints: Sequence[tuple[int, int]], wait_s: float = ANNOUNCE_WAIT_S) -> None:
+        """Announce, and wait up to `wait_s` for it to land: an agent loop's next request follows
+        the answer at once, and its routing hint must already name this replica (one Redis round
+        trip, about a millisecond; a slow service only delays the answer's end by `wait_s`)."""
+        done = self.after_turn(scope, messages, reply, checkpoints)
+        try:
+            await asyncio.wait_for(done.wait(), wait_s)
+        except TimeoutError:
+            pass  # it lands later, or fails and is counted: a hint either way
 
     async def _announce(self, scope: str, messages: list[dict], reply: dict,
-                        checkpoints: tuple[tuple[int, int], ...]) -> None:
+                        checkpoints: tuple[tuple[int, int], ...], done: asyncio.Event) -> None:
         try:
             entries = announcement(scope, messages, reply, checkpoints)
             if entries:
@@ -116,3 +136,4 @@ class Announcer:
             self.failures.failed(e)
         finally:
             self.in_flight -= 1
+            done.set()

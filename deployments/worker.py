@@ -9,7 +9,7 @@
       export:   the new head to the state tier (tier_export.py): before answering (sync), never
                 (off), or write-behind (async)
       announce: a stateless request's or a first turn's checkpointed prefixes to the prefix index
-                (prefix_index.py), in a task of its own after the answer
+                (prefix_index.py), in a task of its own, awaited briefly before the answer ends
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ class Worker:
                         recovery, self.replica_id, reused_from=last.reused_from.value, tool_calls=calls.calls)
         hint_scope = tools_scope(job.scope, job.tools)
         if job.conversation is None:
-            self.announcer.after_turn(hint_scope, job.messages, calls.reply_message(), last.checkpoints)
+            await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(), last.checkpoints)
             yield done
             return
         if last.turn_commit is None:
@@ -219,7 +219,8 @@ class Worker:
             return
         outcome = await self._commit(job, done, last.turn_commit, calls.form)
         if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
-            self.announcer.after_turn(hint_scope, job.messages, calls.reply_message(), last.checkpoints)
+            await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(),
+                                                    last.checkpoints)
         yield outcome
 
     async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit,

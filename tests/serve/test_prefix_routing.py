@@ -156,6 +156,12 @@ async def test_a_worker_announces_off_the_turn_and_survives_a_dead_service(servi
         assert (match.index, match.holders) == (2, (("replica-w", 21),))
         assert (await cache.find_prefix(names[:2])).index == 0
         assert announcer.announced == 2 and announcer.failures.count == 0
+        # awaited (a stateless answer's end): the very next lookup, an agent loop's next step, finds it
+        reply = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+        await announcer.after_turn_awaited(salt, CHAT[:3], reply, [(4, 40)])
+        names = message_prefix_digests(salt, [*CHAT[:3], reply, {"role": "tool", "content": "r"}])
+        assert (await cache.find_prefix(names)).holders == (("replica-w", 40),)
 
     dead = CacheClient(f"127.0.0.1:{closed_port()}", ClientConfig(timeout_s=0.2, retry=RetryPolicy(attempts=2)))
     try:
