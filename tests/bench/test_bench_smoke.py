@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench import agent_report, cache_service, chaos, conversation_report, decode_step, determinism, engine_report
-from bench import grammar_backends, kernel_speed, linear_speed, serve
+from bench import grammar_backends, grammar_cost, kernel_speed, linear_speed, serve
 from bench.common import RESULTS_DIR
 from bench.vllm_env import VENV_DIR
 from workers.checkpoint import Arch
@@ -69,6 +69,7 @@ SMOKES = {
     "determinism": Smoke(("--smoke",), "determinism.smoke", determinism.markdown),
     "engine": Smoke(("--smoke", "--arch", "granitemoehybrid", *NO_VLLM), "engine.smoke", engine_report.markdown),
     "grammar_backends": Smoke(("--smoke",), "grammar_backends.smoke", grammar_backends.markdown),
+    "grammar_cost": Smoke(("--smoke",), "grammar_cost.smoke", grammar_cost.markdown),
     "kernel_speed": Smoke(
         ("--smoke",),
         "kernels.smoke",
