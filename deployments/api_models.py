@@ -204,6 +204,19 @@ class ResponseFormat(BaseModel):
         return self
 
 
+def check_tool_choice(names: list[str], choice: Any, named: str | None, formatted: bool, format_field: str) -> None:
+    """The tools and tool_choice of a request fit each other and its response format (`named`:
+    the function a named choice names; `formatted`: a JSON response format is asked for)."""
+    if len(set(names)) != len(names):
+        raise _field_error("tools", "tool names must be unique")
+    if choice not in (None, "none") and not names:
+        raise _field_error("tool_choice", "tool_choice needs tools")
+    if named is not None and named not in names:
+        raise _field_error("tool_choice", f"tool_choice names {named!r}, which is not among the tools")
+    if (choice == "required" or named is not None) and formatted:
+        raise _field_error(format_field, f"{format_field} cannot be combined with a forced tool_choice")
+
+
 def reply_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool, format_type: str,
                      schema: dict[str, Any] | None = None, strict: bool = False) -> dict[str, Any] | None:
     """The grammar of a reply (chat completions and responses alike): forced tool calls, else a
@@ -303,17 +316,10 @@ class ChatCompletionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _tools_fit(self) -> "ChatCompletionRequest":
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise _field_error("tools", "tool names must be unique")
         choice = self.tool_choice
-        if choice not in (None, "none") and not names:
-            raise _field_error("tool_choice", "tool_choice needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise _field_error("tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools")
-        forced = choice == "required" or isinstance(choice, NamedToolChoice)
-        if forced and self.response_format is not None and self.response_format.type != "text":
-            raise _field_error("response_format", "response_format cannot be combined with a forced tool_choice")
+        check_tool_choice([t.function.name for t in self.tools or ()], choice,
+                          choice.function.name if isinstance(choice, NamedToolChoice) else None,
+                          self.response_format is not None and self.response_format.type != "text", "response_format")
         return self
 
     def engine_tools(self) -> tuple[dict[str, Any], ...]:

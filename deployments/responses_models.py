@@ -20,7 +20,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from deployments.api_models import (MAX_ID, MAX_MESSAGES, MAX_TOOLS, CacheSalt, ConversationId, Text, ToolName,
-                                    _field_error, _off, _unsupported, reply_constraint)
+                                    _field_error, _off, _unsupported, check_tool_choice,
+                                    reply_constraint)
 from deployments.settings import MAX_OUTPUT_TOKENS
 
 ItemId = Annotated[str, Field(max_length=MAX_ID)]
@@ -226,17 +227,10 @@ class ResponsesRequest(BaseModel):
             raise _field_error("conversation", "conversation and previous_response_id cannot both be given")
         if self.conversation is not None and not self.store:
             raise _field_error("store", "a conversation's responses are stored: store must be true")
-        names = [t.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise _field_error("tools", "tool names must be unique")
-        choice = self.tool_choice
-        if choice not in (None, "none") and not names:
-            raise _field_error("tool_choice", "tool_choice needs tools")
-        if isinstance(choice, FunctionChoice) and choice.name not in names:
-            raise _field_error("tool_choice", f"tool_choice names {choice.name!r}, which is not among the tools")
-        forced = choice == "required" or isinstance(choice, FunctionChoice)
-        if forced and self.text is not None and self.text.format is not None and self.text.format.type != "text":
-            raise _field_error("text", "text.format cannot be combined with a forced tool_choice")
+        choice, fmt = self.tool_choice, self.text.format if self.text is not None else None
+        check_tool_choice([t.name for t in self.tools or ()], choice,
+                          choice.name if isinstance(choice, FunctionChoice) else None,
+                          fmt is not None and fmt.type != "text", "text")
         return self
 
     @property
