@@ -408,17 +408,20 @@ class ChatIngress:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
                                             "owned_by": "hybridserve"}]}
 
-    @api.get("/v1/conversations/{conversation_id}")
-    async def get_conversation(self, conversation_id: str, request: Request,
-                               cache_salt: Annotated[CacheSalt, Query()]) -> dict:
+    async def _ledger(self, request: Request, conversation_id: str, cache_salt: str):
+        """The caller's conversation's ledger (404 if there is none, 503 if the service is down)."""
         _check_id(conversation_id)
-        conv = self._conversation(request, conversation_id, cache_salt)
         try:
-            ledger = await (await self._cache()).read_ledger(conv)
+            return await (await self._cache()).read_ledger(self._conversation(request, conversation_id, cache_salt))
         except NotFound:
             raise _unknown(conversation_id) from None
         except CacheError as e:
             raise errors.overloaded(f"cache service unavailable: {e}") from e
+
+    @api.get("/v1/conversations/{conversation_id}")
+    async def get_conversation(self, conversation_id: str, request: Request,
+                               cache_salt: Annotated[CacheSalt, Query()]) -> dict:
+        ledger = await self._ledger(request, conversation_id, cache_salt)
         head = ledger.head
         return {
             "id": conversation_id, "object": "conversation", "turn": head.turn,
@@ -435,17 +438,11 @@ class ChatIngress:
                                  cache_salt: Annotated[CacheSalt, Query()],
                                  order: Literal["asc", "desc"] = "desc") -> dict:
         """The ledger's messages (each turn's new messages, then its reply) as message items."""
-        _check_id(conversation_id)
-        conv = self._conversation(request, conversation_id, cache_salt)
-        try:
-            ledger = await (await self._cache()).read_ledger(conv)
-        except NotFound:
-            raise _unknown(conversation_id) from None
-        except CacheError as e:
-            raise errors.overloaded(f"cache service unavailable: {e}") from e
+        ledger = await self._ledger(request, conversation_id, cache_salt)
         if not ledger.head.version:
             raise _unknown(conversation_id)
-        return responses.item_list([m for t in ledger.turns for m in t.messages], conv.key, order)
+        key = self._conversation(request, conversation_id, cache_salt).key
+        return responses.item_list([m for t in ledger.turns for m in t.messages], key, order)
 
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,
