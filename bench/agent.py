@@ -19,7 +19,7 @@ Sides, one at a time on an otherwise idle benchmark:
   (b) ours, stateless: the full history each step with one cache_salt per loop (prefix reuse,
       the product's stateless mode for ordinary OpenAI clients);
   (c) ours, reuse off: the full history with a fresh cache_salt per request (recompute);
-  (d) vLLM-CPU's OpenAI server (`bench.vllm_env`'s venv, the flags of bench.serve) with
+  (d) vLLM-CPU's OpenAI server (`workers.vllm_backend.venv`'s venv, the flags of bench.serve) with
       --no-enable-prefix-caching, then (d_on) with prefix caching on (its default, which dies
       on hybrids on CPU: how far it gets is recorded). vLLM is given plain prompts: the token
       ids of our chat template's rendering of the same history as (b) (catalogue in the system
@@ -61,7 +61,7 @@ from bench.agent_workload import (
 )
 from bench.common import RESULTS_DIR, environment_info, write_results
 from bench.serve import VllmServer, load_average, start_app, summarize
-from bench.vllm_env import VENV_DIR, vllm_python
+from workers.vllm_backend.venv import VENV_DIR, vllm_python
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ def run(plan: Plan, quick: bool, skip_vllm: bool, decode_only: bool = False) -> 
         elif skip_vllm:
             res["not_run"].append("(d): --skip-vllm")
         elif not (VENV_DIR / ".ready").exists():
-            res["not_run"].append(f"(d): no vLLM venv at {VENV_DIR} (make it with `python -m bench.vllm_env`)")
+            res["not_run"].append(f"(d): no vLLM venv at {VENV_DIR} (make it with `python -m workers.vllm_backend.venv`)")
         else:
             replay = replay_of(res["sides"][Side.STATELESS.value])
             res["sides"] |= measure_vllm(plan, model_dir, work, replay, tmp)

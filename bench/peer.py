@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.vllm_env import ensure_vllm_python, vllm_env
+from workers.vllm_backend.venv import ensure_vllm_python, vllm_env
 from workers.checkpoint import Arch
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "vllm_peer.py"

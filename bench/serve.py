@@ -281,7 +281,7 @@ class InProcessReference:
 # -- (c) and (d): vLLM ------------------------------------------------------------------------------
 def measure_vllm(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) -> tuple[dict, dict]:
     """(c) and (d), then each prefix workload on the same server: ({mode: record}, {workload: {side: record}})."""
-    from bench.vllm_env import ensure_vllm_python
+    from workers.vllm_backend.venv import ensure_vllm_python
 
     python = ensure_vllm_python()
     out: dict = {}
@@ -311,7 +311,7 @@ class VllmServer:
         self._start()
 
     def _start(self) -> None:
-        from bench.vllm_env import vllm_env
+        from workers.vllm_backend.venv import vllm_env
 
         port = free_port()
         self.argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),

