@@ -25,14 +25,13 @@ A tier entry is an export cut into parts: its format is stated in
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
+from deployments.conversation_use import ConversationUse
 from deployments.protocol import HeadRef
 from deployments.settings import AppSettings
-from proto.contract import ConversationRef, tokens_digest
+from proto.contract import ConversationRef
 from workers.async_engine import AsyncEngine
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation import export as head_export
@@ -63,11 +62,7 @@ class EngineSession:
         self.cache = ConversationCache(engine, retain_turns=1)
         self.identity, self.layout = self.cache.export_identity()
         self.aengine = AsyncEngine(engine)
-        # Conversations a turn is recovering, running or resolving here (kept whatever their
-        # heads: the recovery ladder adopts a ledger before the turn begins), and when each
-        # conversation was last used here (for forget_idle). Both on the event loop only.
-        self._in_use: Counter[ConversationRef] = Counter()
-        self._last_used: dict[ConversationRef, float] = {}
+        self.use = ConversationUse()
 
     def shutdown(self) -> None:
         self.aengine.shutdown()
@@ -77,7 +72,7 @@ class EngineSession:
         """Whether this engine holds exactly `head`: its ledger at that version and its state."""
         tokens = await self.aengine.call(
             lambda _e: self.cache.idle_head_tokens(ref, head.version, head.turn))
-        return tokens is not None and _is_head(tokens, head)
+        return tokens is not None and head.is_of(tokens)
 
     async def forget(self, ref: ConversationRef, deleted: HeadRef | None = None) -> None:
         """Drop the conversation's local ledger and heads; with `deleted` only if the ledger is
@@ -93,7 +88,7 @@ class EngineSession:
         seen = None
         if deleted is not None:
             seen = await self.aengine.call(ledger)
-            if seen is None or seen[:2] != (deleted.version, deleted.turn) or not _is_head(seen[2], deleted):
+            if seen is None or seen[:2] != (deleted.version, deleted.turn) or not deleted.is_of(seen[2]):
                 return
 
         def drop(_e) -> None:
@@ -105,20 +100,15 @@ class EngineSession:
 
     def turn_started(self, ref: ConversationRef) -> None:
         """A turn of the conversation begins here (before its recovery): its ledger is kept."""
-        self._in_use[ref] += 1
-        self._last_used[ref] = time.monotonic()
+        self.use.started(ref)
 
     def turn_ended(self, ref: ConversationRef) -> None:
-        self._in_use[ref] -= 1
-        if not self._in_use[ref]:
-            del self._in_use[ref]
-        self._last_used[ref] = time.monotonic()
+        self.use.ended(ref)
 
     async def forget_idle(self, ttl_s: float) -> int:
         """Forget (ledger and heads) the conversations unused here for more than `ttl_s`;
         returns how many. One with a turn still awaiting its verdict is kept and counts as used."""
-        now = time.monotonic()
-        idle = [ref for ref, used in self._last_used.items() if now - used > ttl_s and ref not in self._in_use]
+        now, idle = self.use.idle(ttl_s)
 
         def drop(_e) -> tuple[int, list[ConversationRef]]:
             dropped, busy = 0, []
@@ -134,11 +124,7 @@ class EngineSession:
         # Submitted before any later turn's engine call (commands run in order): a turn that
         # starts meanwhile finds the conversation gone and recovers it from the service.
         dropped, busy = await self.aengine.call(drop)
-        for ref in idle:
-            if self._last_used.get(ref) is not None and self._last_used[ref] <= now:
-                del self._last_used[ref]
-        for ref in busy:
-            self._last_used[ref] = time.monotonic()
+        self.use.forgotten(now, idle, busy)
         return dropped
 
     async def held_heads(self, ref: ConversationRef | None = None) -> int:
@@ -147,7 +133,7 @@ class EngineSession:
     async def adopt_ledger(self, ref: ConversationRef, head: HeadRef, turns: list[LedgerTurn]) -> None:
         """Take the service's ledger at `head` as this engine's (the next turn recomputes from it)."""
         tokens = [t for turn in turns for t in turn.token_ids]
-        if len(turns) != head.turn or not _is_head(tokens, head):
+        if len(turns) != head.turn or not head.is_of(tokens):
             raise CorruptStateError("the ledger does not add up to the conversation's head")
         await self.aengine.call(
             lambda _e: self.cache.adopt_ledger(ref, version=head.version, turns=turns))
@@ -214,7 +200,7 @@ class EngineSession:
     # engine thread, and ledgers stay few (those with a head, within the head budget, and those
     # of turns running here or failed since the last verdict).
     async def commit(self, record: TurnCommit) -> HeadInfo:
-        keep = list(self._in_use)  # now, before any later turn's engine call is submitted
+        keep = self.use.in_use()  # now, before any later turn's engine call is submitted
 
         def commit(_e) -> HeadInfo:
             try:
@@ -225,7 +211,7 @@ class EngineSession:
         return await self.aengine.call(commit)
 
     async def abandon(self, record: TurnCommit) -> None:
-        keep = list(self._in_use)
+        keep = self.use.in_use()
 
         def abandon(_e) -> None:
             try:
@@ -243,6 +229,3 @@ class EngineSession:
     def token_text(self, token_id: int) -> str:
         return self.cache.engine.tokenizer.decode_exact([token_id])
 
-
-def _is_head(tokens: list[int], head: HeadRef) -> bool:
-    return len(tokens) == head.committed_tokens and tokens_digest(tokens) == head.tokens_sha256

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from proto.contract import ConversationRef
+from proto.contract import ConversationRef, tokens_digest
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class HeadRef:
         """From the cache service's `Head` message."""
         return cls(head.version, head.turn, head.committed_tokens, head.tokens_sha256, head.owner_replica,
                    head.tier_version, head.incarnation)
+
+    def is_of(self, tokens: list[int]) -> bool:
+        """Whether `tokens` are exactly this head's committed tokens."""
+        return len(tokens) == self.committed_tokens and tokens_digest(tokens) == self.tokens_sha256
 
     def same_state(self, other: "HeadRef") -> bool:
         """The same committed turn (version, turn, tokens), whoever owns it and whatever the tier

@@ -48,9 +48,10 @@ from deployments.protocol import (
 )
 from deployments.recovery_ladder import attach
 from deployments.router import StickyConversationRouter
-from deployments.settings import AppSettings
+from deployments.settings import AppSettings, Backend
 from deployments.tier_export import TierExporter
 from deployments.tool_replies import ReplyCalls
+from deployments.vllm_session import VllmSession
 from proto.contract import ConversationRef, tools_scope
 from workers.conversation.records import TurnCommit
 from workers.errors import (
@@ -65,6 +66,15 @@ from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
 
 log = logging.getLogger("hybridserve.worker")
+
+
+def open_session(settings: AppSettings) -> EngineSession | VllmSession:
+    """The engine session of the app's backend, on its model (empty: the built-in one)."""
+    from workers.checkpoint.builtin import VLLM_BUILTIN_ARCH, builtin_model_dir
+
+    if settings.backend is Backend.VLLM:
+        return VllmSession(settings.model or str(builtin_model_dir(arch=VLLM_BUILTIN_ARCH)), settings)
+    return EngineSession(settings.model or str(builtin_model_dir()), settings)
 
 # A publish unanswered this long is answered "outcome unknown" (the ingress then asks the
 # ledger); the replica keeps resending it for up to PUBLISH_RESOLVE_S to settle its own copy.
@@ -86,11 +96,9 @@ PUBLISH_RESOLVE_S = 120.0
 )
 class Worker:
     def __init__(self, settings: AppSettings, cache_host: DeploymentHandle | None):
-        from workers.checkpoint.builtin import builtin_model_dir
-
         self.settings = settings
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.session = EngineSession(settings.model or str(builtin_model_dir()), settings)
+        self.session = open_session(settings)
         self._connection = CacheConnection(settings, cache_host, f"worker:{self.replica_id}")
         self._tasks: set[asyncio.Task] = set()
         self._expiring = False  # the sweep of idle copies, started with the first turn

@@ -95,6 +95,8 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--moe", action="store_true", help="mixture-of-experts variant (granitemoehybrid, nemotron_h; tiny, bench)"
     )
+    parser.add_argument("--attention-head-dim", type=int, default=None,
+                        help="fewer, wider attention heads (vLLM's CPU attention needs 32 or more; tiny has 16)")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same bytes")
 
 

@@ -237,3 +237,15 @@ def preset_shape(arch: Arch, preset: Preset, moe: bool = False) -> ModelShape:
     if arch not in MOE_PRESETS.get(preset, {}):
         raise ValueError(f"no mixture-of-experts variant of {arch.value}/{preset.value}")
     return MOE_PRESETS[preset][arch]
+
+
+def with_attention_head_dim(shape: ModelShape, head_dim: int) -> ModelShape:
+    """`shape` with attention heads of `head_dim` (as many as fit the hidden size; key-value
+    heads no more than those)."""
+    if head_dim <= 0 or shape.hidden_size % head_dim:
+        raise ValueError(f"attention_head_dim must divide hidden_size {shape.hidden_size}, got {head_dim}")
+    heads = shape.hidden_size // head_dim
+    kv_heads = min(shape.num_key_value_heads, heads)
+    while heads % kv_heads:
+        kv_heads -= 1
+    return dataclasses.replace(shape, num_attention_heads=heads, num_key_value_heads=kv_heads)

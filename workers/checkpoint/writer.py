@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from workers.checkpoint.configs import build_config
 from workers.checkpoint.metadata import ServingMetadata
-from workers.checkpoint.presets import Arch, Preset, preset_shape
+from workers.checkpoint.presets import Arch, Preset, preset_shape, with_attention_head_dim
 from workers.checkpoint.tokenizer import write_tokenizer
 from workers.checkpoint.tokens import (
     BOS_TOKEN_ID,
@@ -49,12 +49,19 @@ def build_random_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     return model.eval()
 
 
-def make_model(out_dir: str | Path, arch: Arch | str, preset: Preset | str, seed: int = 0, moe: bool = False) -> Path:
+def make_model(
+    out_dir: str | Path, arch: Arch | str, preset: Preset | str, seed: int = 0, moe: bool = False,
+    attention_head_dim: int | None = None,
+) -> Path:
     """Writes the checkpoint of (arch, preset, seed) into out_dir and returns its path; moe=True:
-    the preset's mixture-of-experts variant (`presets.preset_shape`)."""
+    the preset's mixture-of-experts variant (`presets.preset_shape`); attention_head_dim: fewer,
+    wider attention heads (vLLM's CPU attention runs heads of 32 and more, the tiny preset's are 16)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = build_config(Arch(arch), preset_shape(Arch(arch), Preset(preset), moe))
+    shape = preset_shape(Arch(arch), Preset(preset), moe)
+    if attention_head_dim is not None:
+        shape = with_attention_head_dim(shape, attention_head_dim)
+    config = build_config(Arch(arch), shape)
     model = build_random_model(config, seed)
     model.save_pretrained(out, safe_serialization=True)
     write_tokenizer(out)

@@ -72,7 +72,9 @@ def seal_header(header: dict[str, Any]) -> bytes:
     return raw + hashlib.sha256(raw).digest()
 
 
-def parse_header(header: bytes) -> dict[str, Any]:
+def parse_header(header: bytes, expected_format: int | str = FORMAT_VERSION) -> dict[str, Any]:
+    """The sealed header's JSON, if its checksum holds and it is of `expected_format` (another
+    backend's exports have their own: a head never crosses backends)."""
     raw, trailer = header[:-_TRAILER], header[-_TRAILER:]
     if len(header) <= _TRAILER or hashlib.sha256(raw).digest() != trailer:
         raise CorruptStateError("the export header failed its checksum")
@@ -80,7 +82,7 @@ def parse_header(header: bytes) -> dict[str, Any]:
         parsed = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptStateError(f"unreadable export header: {e}") from e
-    if not isinstance(parsed, dict) or parsed.get("format") != FORMAT_VERSION:
+    if not isinstance(parsed, dict) or parsed.get("format") != expected_format:
         raise CorruptStateError(f"unknown export format {parsed.get('format') if isinstance(parsed, dict) else None!r}")
     return parsed
 

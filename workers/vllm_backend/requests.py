@@ -1,0 +1,81 @@
+"""Our requests in vLLM's terms and back: SamplingParams -> vLLM's sampling arguments, the
+engine host's frames -> our RequestOutput (text made here, by our detokenizer, so stop strings,
+tool-call parsing and logprob text behave as on our engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.detokenizer import Detokenizer
+from workers.engine import RequestOutput
+from workers.errors import InvalidRequestError
+from workers.request import FinishReason, ReuseSource
+from workers.sampling import SampledToken, SamplingParams
+from workers.tokenizer import ChatTokenizer
+
+_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def refuse_unsupported(params: SamplingParams) -> None:
+    """What the vLLM backend does not do, refused before anything runs (a 400)."""
+    if params.deterministic:
+        raise InvalidRequestError("deterministic mode is not available on the vllm backend (run backend: ours)")
+    if params.constraint is not None:
+        raise InvalidRequestError(
+            "constrained decoding (response_format, tool_choice required or named) is not available on the "
+            "vllm backend (run backend: ours)")
+
+
+def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None) -> dict[str, Any]:
+    """vLLM SamplingParams arguments for `params` (greedy at temperature 0, as ours)."""
+    args: dict[str, Any] = {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k or -1,
+        "seed": params.resolved_seed if params.temperature > 0 else None,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+        "skip_special_tokens": False,
+    }
+    if params.stop:  # vLLM ends the request where the stop string completes (its detokenizer runs)
+        args.update(stop=list(params.stop), detokenize=True)
+    else:
+        args["detokenize"] = False
+    if params.logprobs is not None:
+        args["logprobs"] = params.logprobs
+    if allowed_token_ids is not None:
+        args["allowed_token_ids"] = allowed_token_ids
+    return args
+
+
+class OutputStream:
+    """Turns one request's frames into RequestOutputs."""
+
+    def __init__(self, request_id: str, tokenizer: ChatTokenizer, params: SamplingParams, num_prompt_tokens: int):
+        self.request_id = request_id
+        self.params = params
+        self.num_prompt_tokens = num_prompt_tokens
+        self.output_ids: list[int] = []
+        self._detok = Detokenizer(tokenizer, params.stop)
+        self._stopped = False
+
+    def output(self, frame: dict[str, Any], turn_commit: Any = None) -> RequestOutput:
+        logprobs = frame.get("logprobs") or [None] * len(frame["tokens"])
+        tokens, text = [], ""
+        for token_id, lp in zip(frame["tokens"], logprobs, strict=True):
+            self.output_ids.append(token_id)
+            tokens.append(SampledToken(token_id, None if lp is None else lp[0],
+                                       None if lp is None else tuple((t, v) for t, v in lp[1][: self.params.logprobs])))
+            if not self._stopped:
+                delta, self._stopped = self._detok.update(token_id)
+                text += delta
+        finished = frame["finished"]
+        if finished and not self._stopped:
+            text += self._detok.flush()
+        cached = frame["cached"]
+        return RequestOutput(
+            self.request_id, tuple(tokens), text, finished,
+            _REASONS.get(frame["reason"], FinishReason.ERROR) if finished else None,
+            self.num_prompt_tokens, cached, seed=self.params.resolved_seed, turn_commit=turn_commit,
+            reused_from=ReuseSource.HEAD if cached else ReuseSource.NONE)
