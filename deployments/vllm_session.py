@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,6 @@ from deployments.conversation_use import ConversationUse
 from deployments.protocol import HeadRef
 from deployments.settings import AppSettings
 from proto.contract import ConversationRef, ModelIdentity, tokens_digest
-from workers.checkpoint.metadata import ServingMetadata
 from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.ledger import ConversationLedger
 from workers.conversation.prompt import build_turn_prompt
@@ -80,11 +80,12 @@ class VllmSession:
         self.model_dir = model_dir
         self.tokenizer = ChatTokenizer(Path(model_dir))
         self.tool_format: ToolFormat = tool_format_for(self.tokenizer.chat_template)
-        meta = ServingMetadata.read(model_dir)
-        banned = set(self.tokenizer.never_sample_ids)
-        self._allowed = [i for i in range(meta.vocab_size) if i not in banned] if meta and banned else None
-        self.eos_token_ids = frozenset(
-            (meta.eos_token_ids if meta else ()) + tuple(self.tokenizer.eos_token_ids()))
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        banned = set(self.tokenizer.never_sample_ids)  # control ids (vLLM may sample only the others)
+        self._allowed = [i for i in range(config["vocab_size"]) if i not in banned] if banned else None
+        eos = config.get("eos_token_id")
+        self.eos_token_ids = frozenset((eos if isinstance(eos, list) else [eos] if eos is not None else [])
+                                       + list(self.tokenizer.eos_token_ids()))
         self.host = EngineHost(HostSettings(
             model=model_dir, python=settings.vllm_python, device=settings.device,
             max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
