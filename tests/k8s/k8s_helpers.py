@@ -129,3 +129,50 @@ def rayservice_errors(doc: dict[str, Any]) -> list[str]:
 
 def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+# -- Ray Serve configs (serveConfigV2, config.yaml) ---------------------------------------------
+def app(config: dict) -> dict:
+    (application,) = config["applications"]
+    return application
+
+
+def deployments(config: dict) -> dict[str, dict]:
+    return {d["name"]: d for d in app(config)["deployments"]}
+
+
+def serve_config_errors(config: dict) -> list[str]:
+    """Ray Serve's own validation (ServeDeploySchema; AutoscalingConfig, which Serve checks
+    only at deploy time), plus what Serve would ignore or refuse later: unknown fields."""
+    from pydantic import BaseModel, ValidationError
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import (
+        DeploymentSchema,
+        HTTPOptionsSchema,
+        RayActorOptionsSchema,
+        ServeApplicationSchema,
+        ServeDeploySchema,
+    )
+
+    errors: list[str] = []
+
+    def check(model: type[BaseModel], value: dict, where: str) -> None:
+        try:
+            model.model_validate(value)
+        except ValidationError as exc:
+            errors.append(f"{where}: {exc}")
+        errors.extend(f"{where}: unknown field {k!r}" for k in value.keys() - model.model_fields.keys())
+
+    check(ServeDeploySchema, config, "serveConfigV2")
+    check(HTTPOptionsSchema, config.get("http_options", {}), "http_options")
+    for application in config.get("applications", []):
+        name = application.get("name")
+        check(ServeApplicationSchema, application, f"applications[{name}]")
+        for d in application.get("deployments", []):
+            where = f"applications[{name}].deployments[{d.get('name')}]"
+            check(DeploymentSchema, d, where)
+            check(RayActorOptionsSchema, d.get("ray_actor_options", {}), f"{where}.ray_actor_options")
+            if "autoscaling_config" in d:
+                check(AutoscalingConfig, d["autoscaling_config"], f"{where}.autoscaling_config")
+    return errors
+
