@@ -129,3 +129,110 @@ def rayservice_errors(doc: dict[str, Any]) -> list[str]:
 
 def serve_config(rayservice: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+# -- Ray Serve configs (serveConfigV2, config.yaml) ---------------------------------------------
+def app(config: dict) -> dict:
+    (application,) = config["applications"]
+    return application
+
+
+def deployments(config: dict) -> dict[str, dict]:
+    return {d["name"]: d for d in app(config)["deployments"]}
+
+
+def serve_config_errors(config: dict) -> list[str]:
+    """Ray Serve's own validation (ServeDeploySchema; AutoscalingConfig, which Serve checks
+    only at deploy time), plus what Serve would ignore or refuse later: unknown fields."""
+    from pydantic import BaseModel, ValidationError
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import (
+        DeploymentSchema,
+        HTTPOptionsSchema,
+        RayActorOptionsSchema,
+        ServeApplicationSchema,
+        ServeDeploySchema,
+    )
+
+    errors: list[str] = []
+
+    def check(model: type[BaseModel], value: dict, where: str) -> None:
+        try:
+            model.model_validate(value)
+        except ValidationError as exc:
+            errors.append(f"{where}: {exc}")
+        errors.extend(f"{where}: unknown field {k!r}" for k in value.keys() - model.model_fields.keys())
+
+    check(ServeDeploySchema, config, "serveConfigV2")
+    check(HTTPOptionsSchema, config.get("http_options", {}), "http_options")
+    for application in config.get("applications", []):
+        name = application.get("name")
+        check(ServeApplicationSchema, application, f"applications[{name}]")
+        for d in application.get("deployments", []):
+            where = f"applications[{name}].deployments[{d.get('name')}]"
+            check(DeploymentSchema, d, where)
+            check(RayActorOptionsSchema, d.get("ray_actor_options", {}), f"{where}.ray_actor_options")
+            if "autoscaling_config" in d:
+                check(AutoscalingConfig, d["autoscaling_config"], f"{where}.autoscaling_config")
+    return errors
+
+
+# -- the k8s-vllm overlay: rendered as kustomize does ----------------------------------------
+VLLM_OVERLAY = REPO / "k8s-vllm"
+# What render_overlay applies; anything else in the kustomization would be ignored here while
+# kustomize applies it, so it is refused instead.
+_OVERLAY_FIELDS = {"apiVersion", "kind", "resources", "patches"}
+
+
+def _pointer(path: str) -> list[str]:
+    assert path.startswith("/"), path
+    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
+
+
+def _parent(doc: Any, parts: list[str]) -> tuple[Any, str | int]:
+    for part in parts[:-1]:
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    last = parts[-1]
+    return doc, (int(last) if isinstance(doc, list) and last != "-" else last)
+
+
+def apply_json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    """RFC 6902's test, replace, add and remove (what kustomize's JSON patches do), in place;
+    an operation that does not apply raises, as it fails `kubectl apply -k`."""
+    for op in ops:
+        parent, key = _parent(doc, _pointer(op["path"]))
+        if op["op"] == "test":
+            if parent[key] != op["value"]:
+                raise ValueError(f"test failed at {op['path']}: {parent[key]!r} != {op['value']!r}")
+        elif op["op"] == "replace":
+            if key not in (range(len(parent)) if isinstance(parent, list) else parent):
+                raise ValueError(f"replace of a missing {op['path']}")
+            parent[key] = copy.deepcopy(op["value"])
+        elif op["op"] == "add":
+            if isinstance(parent, list):
+                parent.insert(len(parent) if key == "-" else key, copy.deepcopy(op["value"]))
+            else:
+                parent[key] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del parent[key]
+        else:
+            raise ValueError(f"unsupported op {op['op']!r}")
+
+
+def render_overlay(root: Path = VLLM_OVERLAY) -> list[dict[str, Any]]:
+    """The objects `kubectl apply -k root` applies: k8s/'s, with the overlay's JSON patches."""
+    kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
+    assert kustomization.keys() <= _OVERLAY_FIELDS, kustomization.keys() - _OVERLAY_FIELDS
+    assert [(root / r).resolve() for r in kustomization["resources"]] == [K8S_DIR.resolve()]
+    docs = [copy.deepcopy(m.doc) for m in objects()]
+    for patch in kustomization.get("patches", []):
+        assert patch.keys() == {"target", "path"}, patch
+        target = patch["target"]
+        matched = [
+            d for d in docs
+            if d["apiVersion"] == f"{target['group']}/{target['version']}"
+            and d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]
+        ]
+        assert len(matched) == 1, target
+        apply_json_patch(matched[0], yaml.safe_load((root / patch["path"]).read_text()))
+    return docs

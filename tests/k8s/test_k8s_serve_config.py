@@ -8,7 +8,7 @@ from pathlib import PurePosixPath
 import pytest
 import yaml
 
-from k8s_helpers import REPO, SECRET_NAME, one, pod_specs, serve_config
+from k8s_helpers import REPO, SECRET_NAME, app, deployments, one, pod_specs, serve_config, serve_config_errors
 
 # config.yaml arguments a cluster does not pass: they configure the cache service the app
 # starts for itself, and the cluster runs its own (cache-service.yaml); the API keys come
@@ -28,51 +28,6 @@ def k8s() -> dict:
 @pytest.fixture(scope="module")
 def local() -> dict:
     return yaml.safe_load((REPO / "config.yaml").read_text())
-
-
-def app(config: dict) -> dict:
-    (application,) = config["applications"]
-    return application
-
-
-def deployments(config: dict) -> dict[str, dict]:
-    return {d["name"]: d for d in app(config)["deployments"]}
-
-
-def serve_config_errors(config: dict) -> list[str]:
-    """Ray Serve's own validation (ServeDeploySchema; AutoscalingConfig, which Serve checks
-    only at deploy time), plus what Serve would ignore or refuse later: unknown fields."""
-    from pydantic import BaseModel, ValidationError
-    from ray.serve.config import AutoscalingConfig
-    from ray.serve.schema import (
-        DeploymentSchema,
-        HTTPOptionsSchema,
-        RayActorOptionsSchema,
-        ServeApplicationSchema,
-        ServeDeploySchema,
-    )
-
-    errors: list[str] = []
-
-    def check(model: type[BaseModel], value: dict, where: str) -> None:
-        try:
-            model.model_validate(value)
-        except ValidationError as exc:
-            errors.append(f"{where}: {exc}")
-        errors.extend(f"{where}: unknown field {k!r}" for k in value.keys() - model.model_fields.keys())
-
-    check(ServeDeploySchema, config, "serveConfigV2")
-    check(HTTPOptionsSchema, config.get("http_options", {}), "http_options")
-    for application in config.get("applications", []):
-        name = application.get("name")
-        check(ServeApplicationSchema, application, f"applications[{name}]")
-        for d in application.get("deployments", []):
-            where = f"applications[{name}].deployments[{d.get('name')}]"
-            check(DeploymentSchema, d, where)
-            check(RayActorOptionsSchema, d.get("ray_actor_options", {}), f"{where}.ray_actor_options")
-            if "autoscaling_config" in d:
-                check(AutoscalingConfig, d["autoscaling_config"], f"{where}.autoscaling_config")
-    return errors
 
 
 def test_serve_config_validates_with_rays_own_schema(k8s):
