@@ -67,6 +67,10 @@ class EngineSession:
     def shutdown(self) -> None:
         self.aengine.shutdown()
 
+    def check_health(self) -> None:
+        """Raises if the engine can no longer serve (its loop thread died)."""
+        self.aengine.check_alive()
+
     # -- what this engine holds -------------------------------------------------------------
     async def holds(self, ref: ConversationRef, head: HeadRef) -> bool:
         """Whether this engine holds exactly `head`: its ledger at that version and its state."""

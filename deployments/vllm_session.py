@@ -114,6 +114,10 @@ class VllmSession:
     async def aclose(self) -> None:
         await self.host.aclose()
 
+    def check_health(self) -> None:
+        """Raises once the engine host died (the replica cannot serve: Serve replaces it)."""
+        self.host.check_alive()
+
     # -- what this engine holds -------------------------------------------------------------
     async def holds(self, ref: ConversationRef, head: HeadRef) -> bool:
         conv, held = self.conversations.get(ref.key), self.heads.get(ref.key)

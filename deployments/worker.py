@@ -114,6 +114,10 @@ class Worker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def check_health(self) -> None:
+        """Serve replaces a replica whose engine died (the vLLM backend's engine host process)."""
+        self.session.check_health()
+
     async def record_routing_stats(self) -> dict[str, Any]:
         await self._cache()  # Serve calls this every period from the start: connect before the first turn
         running, free = await self.session.load()
@@ -186,6 +190,8 @@ class Worker:
             yield TurnFailed(ErrorKind.CONFLICT, str(e))
         except CacheError as e:
             yield TurnFailed(ErrorKind.UNAVAILABLE, f"cache service: {e}")
+        except EngineShutdownError as e:  # this replica's engine is gone: Serve replaces it (check_health)
+            yield TurnFailed(ErrorKind.UNAVAILABLE, f"engine: {e}")
         finally:
             if job.conversation is not None:
                 self.session.turn_ended(job.conversation)
@@ -303,6 +309,8 @@ class Worker:
     async def __del__(self) -> None:
         """Graceful shutdown (scale-in, redeploy): hand the heads only this replica holds to the
         tier, so the next owner imports them instead of recomputing."""
+        if not hasattr(self, "exporter"):  # __init__ failed: nothing was started
+            return
         await self.exporter.shutdown()
         for task in list(self._tasks):
             task.cancel()

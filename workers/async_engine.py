@@ -124,6 +124,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         await self.call(lambda e: e.abort(request_id))
 
+    def check_alive(self) -> None:
+        if not self._thread.is_alive() and not self._closed:
+            raise EngineShutdownError("the engine loop thread died")
+
     def shutdown(self) -> None:
         """Stop the loop, fail what is still running or queued, resolve every stream and call."""
         with self._submit_lock:

@@ -29,7 +29,7 @@ from k8s_helpers import (
 )
 
 # config.vllm.yaml's arguments that differ from config.yaml's: vLLM's engine, on a model it runs.
-LOCAL_VLLM_ARGS = {"backend", "model"}
+LOCAL_VLLM_ARGS = {"backend"}
 # The overlay's serveConfigV2 arguments beyond the base's: the engine and the image's vLLM venv.
 CLUSTER_VLLM_ARGS = {"backend", "vllm_python"}
 VLLM_IMAGE = "hybridserve:0.1.0-vllm"
@@ -47,10 +47,9 @@ def test_config_vllm_yaml_is_valid_for_ray_serve_and_the_app():
     assert serve_config_errors(config) == []
     settings = AppSettings.model_validate(app(config)["args"])
     assert settings.backend is Backend.VLLM
-    assert settings.model  # vLLM does not run the built-in model
 
 
-def test_config_vllm_yaml_is_config_yaml_but_the_backend_and_model():
+def test_config_vllm_yaml_is_config_yaml_but_the_backend():
     local, vllm = load("config.yaml"), load("config.vllm.yaml")
     args, vllm_args = app(local).pop("args"), app(vllm).pop("args")
     assert vllm == local
@@ -58,14 +57,16 @@ def test_config_vllm_yaml_is_config_yaml_but_the_backend_and_model():
     assert "backend" not in args  # config.yaml keeps the default engine
 
 
-def test_config_vllm_yaml_says_how_to_make_its_model():
-    from workers.cli import build_parser
+def test_the_vllm_backends_builtin_model_is_of_a_family_vllm_runs():
+    """config.vllm.yaml leaves `model` empty: the workers load the vLLM backend's built-in
+    checkpoint, which must be a GraniteMoeHybrid (vLLM runs it) with attention heads vLLM-CPU
+    takes (32 wide or more)."""
+    from workers.checkpoint.builtin import BUILTIN_PRESET, VLLM_BUILTIN_ARCH
+    from workers.checkpoint.presets import Arch, Preset, preset_shape
 
-    text = (REPO / "config.vllm.yaml").read_text()
-    (command,) = re.findall(r"hybridserve (make-model .*)", text)
-    args = build_parser().parse_args(command.split())
-    assert args.command == "make-model" and str(args.out) == app(load("config.vllm.yaml"))["args"]["model"]
-    assert args.preset != "tiny"  # vLLM-CPU refuses its 16-wide heads
+    assert app(load("config.vllm.yaml"))["args"]["model"] == ""
+    assert VLLM_BUILTIN_ARCH == Arch.GRANITEMOEHYBRID.value
+    assert preset_shape(Arch(VLLM_BUILTIN_ARCH), Preset(BUILTIN_PRESET)).head_dim >= 32
 
 
 # -- the k8s-vllm overlay ---------------------------------------------------------------------

@@ -8,6 +8,9 @@ the same app's stateless request: vLLM computing the whole history (its prefix c
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+
 import pytest
 from ray import serve
 
@@ -26,14 +29,36 @@ VLLM_APP, PREFIX = "hybridserve-vllm", "/vllm"
 QUESTIONS = ["Tell me about the sea.", "And the mountains?", "Both in one line.", "Backwards?", "One more word."]
 
 
+@dataclass(frozen=True)
+class VllmApp:
+    model: str  # the served model's name
+    model_dir: str
+
+
 @pytest.fixture(scope="module")
 def vllm_app(stack, tmp_path_factory):
     model_dir = never_ending(make_model(tmp_path_factory.mktemp("vllm") / "model", Arch.GRANITEMOEHYBRID,
                                         Preset.TINY, seed=4, attention_head_dim=32))
     args = app_args(str(model_dir), stack.service, backend="vllm", tier_export="sync", kv_cache_mb=32)
     serve.run(build_app(args), name=VLLM_APP, route_prefix=PREFIX)
-    yield model_dir.name
+    asyncio.run(both_engines_started(stack, model_dir.name))
+    yield VllmApp(model_dir.name, str(model_dir))
     serve.delete(VLLM_APP)
+
+
+async def both_engines_started(stack, model: str) -> None:
+    """Returns once each worker replica has answered a turn: their engine hosts start with the
+    replicas but are ready only after loading vLLM and profiling its memory (tens of seconds)."""
+    owners: set[str] = set()
+    async with stack.http() as http:
+        for i in range(40):
+            conv_id = f"warm-up-{i}"
+            await chat_turn(stack.client(PREFIX), model, [user("hi")], conversation_id=conv_id, cache_salt="warm",
+                            max_tokens=1)
+            owners.add((await conversation(http, conv_id, "warm"))["head"]["owner"])
+            if len(owners) == 2:
+                return
+    raise AssertionError("the turns never reached both worker replicas")
 
 
 async def test_five_turns_reuse_the_head_and_equal_a_stateless_run(stack, vllm_app, conv_id):
@@ -43,18 +68,18 @@ async def test_five_turns_reuse_the_head_and_equal_a_stateless_run(stack, vllm_a
     async with stack.http() as http:
         for turn, text in enumerate(QUESTIONS, start=1):
             message = user(text)
-            reply = await chat_turn(client, vllm_app, [message], conversation_id=conv_id, cache_salt="a",
+            reply = await chat_turn(client, vllm_app.model, [message], conversation_id=conv_id, cache_salt="a",
                                     stream=turn % 2 == 0)
             assert reply.turn == turn
             # From turn 2: the committed history but its last token came from the head (vLLM's count).
             assert reply.cached_tokens == max(committed - 1, 0)
-            reference = await stateless_reference(client, vllm_app, history + [message])
+            reference = await stateless_reference(client, vllm_app.model, history + [message])
             assert reference.cached_tokens == 0
             assert reply.tokens == reference.tokens
             assert reply.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
             history += [message, {"role": "assistant", "content": reply.text}]
             committed = (await conversation(http, conv_id, "a"))["head"]["committed_tokens"]
-    other_salt = await chat_turn(client, vllm_app, [user(QUESTIONS[0])], conversation_id=conv_id, cache_salt="b")
+    other_salt = await chat_turn(client, vllm_app.model, [user(QUESTIONS[0])], conversation_id=conv_id, cache_salt="b")
     assert other_salt.turn == 1 and other_salt.cached_tokens == 0  # another salt: another conversation
 
 
@@ -62,7 +87,7 @@ async def test_owner_killed_between_turns_continues_from_the_tier_with_the_same_
     client = stack.client(PREFIX)
     history: list[dict] = []
     for text in QUESTIONS[:2]:
-        reply = await chat_turn(client, vllm_app, [user(text)], conversation_id=conv_id, cache_salt="r")
+        reply = await chat_turn(client, vllm_app.model, [user(text)], conversation_id=conv_id, cache_salt="r")
         history += [user(text), {"role": "assistant", "content": reply.text}]
     async with stack.http() as http:
         before = await tier_copy(http, conv_id, "r")
@@ -70,12 +95,12 @@ async def test_owner_killed_between_turns_continues_from_the_tier_with_the_same_
         kill_replica(VLLM_APP, before["head"]["owner"])
         await replica_replaced(VLLM_APP, timeout_s=300)
         message = user(QUESTIONS[2])
-        reply = await chat_turn(client, vllm_app, [message], conversation_id=conv_id, cache_salt="r")
+        reply = await chat_turn(client, vllm_app.model, [message], conversation_id=conv_id, cache_salt="r")
         after = await conversation(http, conv_id, "r")
         assert after["head"]["owner"] != before["head"]["owner"] and after["turn"] == 3
         assert reply.cached_tokens == before["head"]["committed_tokens"] - 1  # the imported head
         assert await metric(http, "hybridserve_tier_imports_total", prefix=PREFIX) == imports + 1
-    reference = await stateless_reference(client, vllm_app, history + [message])
+    reference = await stateless_reference(client, vllm_app.model, history + [message])
     assert reply.tokens == reference.tokens
 
 
@@ -83,9 +108,35 @@ async def test_what_the_backend_does_not_do_is_a_400(stack, vllm_app, conv_id):
     async with stack.http() as http:
         for extra in ({"deterministic": True}, {"response_format": {"type": "json_object"}}):
             response = await http.post(f"{PREFIX}/v1/chat/completions", json={
-                "model": vllm_app, "messages": [user("hi")], "max_tokens": 4, "conversation_id": conv_id,
+                "model": vllm_app.model, "messages": [user("hi")], "max_tokens": 4, "conversation_id": conv_id,
                 "cache_salt": "x", **extra})
             assert response.status_code == 400, response.text
             assert "vllm backend" in response.json()["error"]["message"]
         state = await http.get(f"{PREFIX}/v1/conversations/{conv_id}", params={"cache_salt": "x"})
         assert state.status_code == 404  # nothing was committed
+
+
+async def test_a_dead_engine_host_is_a_503_and_its_replica_is_replaced(stack, vllm_app, conv_id):
+    """The engine host of a replica is killed: turns routed there fail with 503 (never a 500,
+    nothing committed), Serve's health check replaces the replica, and turns succeed again."""
+    import psutil
+
+    hosts = [p for p in psutil.process_iter(["cmdline"]) if "hybridserve_vllm.host" in " ".join(p.info["cmdline"] or [])
+             and vllm_app.model_dir in " ".join(p.info["cmdline"])]
+    assert len(hosts) == 2  # one per worker replica
+    hosts[0].kill()
+    replaced = asyncio.ensure_future(replica_replaced(VLLM_APP, timeout_s=300))  # health checks: ~30 s
+    async with stack.http() as http:
+        answers = await asyncio.gather(*(http.post(f"{PREFIX}/v1/chat/completions", json={
+            "model": vllm_app.model, "messages": [user("hi")], "max_tokens": 2, "conversation_id": f"{conv_id}-{i}",
+            "cache_salt": "dead"}) for i in range(6)))
+        assert {a.status_code for a in answers} <= {200, 503}, [a.text for a in answers]
+        for answer in answers:
+            if answer.status_code == 503:
+                assert "engine" in answer.json()["error"]["message"]
+        await replaced
+        client = stack.client(PREFIX)
+        for i in range(4):
+            reply = await chat_turn(client, vllm_app.model, [user("hi again")], conversation_id=f"{conv_id}-after-{i}",
+                                    cache_salt="dead")
+            assert reply.turn == 1

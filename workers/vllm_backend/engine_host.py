@@ -84,8 +84,12 @@ class EngineHost:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": str(s.threads),
         }
-        self._process = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 20)
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env, limit=1 << 20)
+        except OSError as e:
+            self._failure = f"cannot start the vLLM engine host with {argv[0]}: {e}"
+            raise EngineShutdownError(self._failure) from e
         first = await asyncio.wait_for(self._read(), START_TIMEOUT_S)
         if first is None or first.get("op") != "ready":
             why = (first or {}).get("error", "the engine host exited while starting")
@@ -180,6 +184,10 @@ class EngineHost:
         if "error" in reply:
             raise ValueError(reply["error"])
         return reply["value"]
+
+    def check_alive(self) -> None:
+        if self._failure is not None:
+            raise EngineShutdownError(self._failure)
 
     def shutdown(self) -> None:
         if self._process is not None and self._process.returncode is None:
