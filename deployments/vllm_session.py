@@ -12,7 +12,8 @@ end. Two-phase as on our engine:
     commit       the prepared state becomes the conversation's head (the older one is dropped)
     abandon      the prepared state is dropped; the head it continued was never written
 
-What the backend does not do: deterministic mode and constrained decoding (400s), prefix reuse
+What the backend does not do: deterministic mode and constrained decoding (400s; tool_choice
+"auto" runs unconstrained, its calls parsed from the text), prefix reuse
 of stateless requests and across conversations (they run whole: vLLM's own prefix caching is
 off, it is block-grained for hybrids and crashes on CPU).
 """
@@ -47,7 +48,7 @@ from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import ToolFormat, plain_message, tool_format_for
 from workers.vllm_backend import export as vllm_export
 from workers.vllm_backend.engine_host import EngineHost, HostSettings
-from workers.vllm_backend.requests import OutputStream, refuse_unsupported, vllm_sampling
+from workers.vllm_backend.requests import OutputStream, backend_params, vllm_sampling
 
 PREPARED_TURN_TIMEOUT_S = 60.0  # as our engine's: a turn nobody resolves is abandoned
 
@@ -220,11 +221,11 @@ class VllmSession:
 
     # -- turns ------------------------------------------------------------------------------
     async def prepare_grammar(self, params: SamplingParams) -> None:
-        refuse_unsupported(params)
+        backend_params(params)  # refuses what this backend does not do
 
     def stream_turn(self, ref: ConversationRef, suffix: list[dict[str, Any]], params: SamplingParams,
                     request_id: str, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[RequestOutput]:
-        refuse_unsupported(params)
+        params = backend_params(params)
         conv = self.conversations.get(ref.key) or ConversationLedger(ref)
         conv.ensure_idle()
         suffix = [plain_message(m, self.tool_format) for m in suffix]
@@ -272,7 +273,7 @@ class VllmSession:
 
     def stream_stateless(self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str,
                          cache_salt: str, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[RequestOutput]:
-        refuse_unsupported(params)
+        params = backend_params(params)
         prompt = self.tokenizer.encode(self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools))
         return self._stateless(prompt, params, request_id)
 

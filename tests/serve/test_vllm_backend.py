@@ -18,6 +18,7 @@ from deployments.app import build_app
 from tests.serve.conftest import app_args, never_ending
 from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, tier_copy, user
 from tests.serve.test_recovery import kill_replica, replica_replaced
+from tests.serve.test_tool_calls import TOOLS
 from workers.checkpoint import Arch, Preset, make_model
 from workers.vllm_backend.venv import VENV_DIR
 
@@ -106,7 +107,9 @@ async def test_owner_killed_between_turns_continues_from_the_tier_with_the_same_
 
 async def test_what_the_backend_does_not_do_is_a_400(stack, vllm_app, conv_id):
     async with stack.http() as http:
-        for extra in ({"deterministic": True}, {"response_format": {"type": "json_object"}}):
+        refused = ({"deterministic": True}, {"response_format": {"type": "json_object"}},
+                   {"tools": TOOLS, "tool_choice": "required"})
+        for extra in refused:
             response = await http.post(f"{PREFIX}/v1/chat/completions", json={
                 "model": vllm_app.model, "messages": [user("hi")], "max_tokens": 4, "conversation_id": conv_id,
                 "cache_salt": "x", **extra})
@@ -114,6 +117,12 @@ async def test_what_the_backend_does_not_do_is_a_400(stack, vllm_app, conv_id):
             assert "vllm backend" in response.json()["error"]["message"]
         state = await http.get(f"{PREFIX}/v1/conversations/{conv_id}", params={"cache_salt": "x"})
         assert state.status_code == 404  # nothing was committed
+        # tool_choice "auto" (an agent loop's default) runs, unconstrained: calls are parsed from the text
+        auto = await http.post(f"{PREFIX}/v1/chat/completions", json={
+            "model": vllm_app.model, "messages": [user("weather in Paris?")], "max_tokens": 4,
+            "conversation_id": conv_id, "cache_salt": "x", "tools": TOOLS, "tool_choice": "auto"})
+        assert auto.status_code == 200, auto.text
+        assert auto.json()["turn"] == 1
 
 
 async def test_a_dead_engine_host_is_a_503_and_its_replica_is_replaced(stack, vllm_app, conv_id):

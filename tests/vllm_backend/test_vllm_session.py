@@ -171,3 +171,29 @@ async def test_what_the_backend_does_not_do_is_refused(dense_session):
                    SamplingParams(max_tokens=4, constraint={"type": "json_object"})):
         with pytest.raises(InvalidRequestError, match="vllm backend"):
             await dense_session.prepare_grammar(params)
+    auto_calls = SamplingParams(max_tokens=4, constraint={
+        "type": "tool_calls", "tools": [{"name": "f", "parameters": {"type": "object"}}], "auto": True})
+    await dense_session.prepare_grammar(auto_calls)  # tool_choice "auto": runs, unconstrained
+
+
+async def test_a_worker_without_the_head_recomputes_from_the_ledger_with_the_same_tokens(
+        dense_session, second_dense_session):
+    """The recovery ladder's last rung on this backend: the ledger adopted, no state imported;
+    the next turn runs the whole history and continues exactly as the owner would have."""
+    from deployments.protocol import HeadRef
+    from workers.conversation.records import LedgerTurn
+
+    ref = ConversationRef("recompute", "s")
+    for turn, text in enumerate(QUESTIONS[:2], start=1):
+        _, record = await run_turn(dense_session, ref, text, f"recompute-{turn}")
+        head = await dense_session.commit(record)
+    conv = dense_session.conversations[ref.key]
+    turns = [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start: t.end])) for t in conv.turns]
+    await second_dense_session.adopt_ledger(ref, HeadRef(head.version, head.turn, head.committed_tokens,
+                                                         head.tokens_digest, "", 0), turns)
+    outs_there, there = await run_turn(second_dense_session, ref, QUESTIONS[2], "recompute-3-there")
+    outs_here, here = await run_turn(dense_session, ref, QUESTIONS[2], "recompute-3-here")
+    assert outs_there[-1].num_cached_tokens == 0 and outs_here[-1].num_cached_tokens > 0
+    assert there.token_ids == here.token_ids and there.messages == here.messages
+    await second_dense_session.commit(there)
+    await dense_session.abandon(here)

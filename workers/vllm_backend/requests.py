@@ -4,11 +4,13 @@ tool-call parsing and logprob text behave as on our engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from workers.detokenizer import Detokenizer
 from workers.engine import RequestOutput
 from workers.errors import InvalidRequestError
+from workers.grammar.constraint import ConstraintKind
 from workers.request import FinishReason, ReuseSource
 from workers.sampling import SampledToken, SamplingParams
 from workers.tokenizer import ChatTokenizer
@@ -16,14 +18,20 @@ from workers.tokenizer import ChatTokenizer
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
-def refuse_unsupported(params: SamplingParams) -> None:
-    """What the vLLM backend does not do, refused before anything runs (a 400)."""
+def backend_params(params: SamplingParams) -> SamplingParams:
+    """`params` as this backend runs them; what it does not do is refused before anything runs
+    (a 400). `tool_choice: "auto"` runs unconstrained: the model's calls are parsed from its text
+    as on our engine, but a malformed one is not prevented."""
     if params.deterministic:
         raise InvalidRequestError("deterministic mode is not available on the vllm backend (run backend: ours)")
-    if params.constraint is not None:
-        raise InvalidRequestError(
-            "constrained decoding (response_format, tool_choice required or named) is not available on the "
-            "vllm backend (run backend: ours)")
+    constraint = params.constraint
+    if constraint is None:
+        return params
+    if constraint.kind is ConstraintKind.TOOL_CALLS and constraint.auto:
+        return dataclasses.replace(params, constraint=None, seed=params.resolved_seed)
+    raise InvalidRequestError(
+        "constrained decoding (response_format, tool_choice \"required\" or a named function) is not available "
+        "on the vllm backend (run backend: ours)")
 
 
 def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None) -> dict[str, Any]:
