@@ -35,11 +35,18 @@ from deployments.protocol import HeadRef
 from deployments.settings import AppSettings
 from proto.contract import ConversationRef, ModelIdentity, tokens_digest
 from workers.conversation.export_format import pack_export, unpack_export
+from workers.config import CacheConfig
 from workers.conversation.ledger import ConversationLedger
 from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
-from workers.errors import CorruptStateError, EngineShutdownError, TurnResolvedError
+from workers.errors import (
+    ConversationNotFoundError,
+    CorruptStateError,
+    EngineShutdownError,
+    PromptTooLongError,
+    TurnResolvedError,
+)
 from workers.identity import model_identity
 from workers.quantization import WeightQuantization
 from workers.request import FinishReason
@@ -50,7 +57,7 @@ from workers.vllm_backend import export as vllm_export
 from workers.vllm_backend.engine_host import EngineHost, HostSettings
 from workers.vllm_backend.requests import OutputStream, backend_params, vllm_sampling
 
-PREPARED_TURN_TIMEOUT_S = 60.0  # as our engine's: a turn nobody resolves is abandoned
+PREPARED_TURN_TIMEOUT_S = CacheConfig.prepared_turn_timeout_s  # as our engine's: an unresolved turn is abandoned
 
 
 @dataclass
@@ -63,10 +70,6 @@ class HostedHead:
     state_len: int  # = the turn's committed tokens - 1
     tokens_digest: str  # of the committed tokens of `turn`
     nbytes: int
-
-    @property
-    def aligned_len(self) -> int:
-        return self.state_len
 
 
 @dataclass
@@ -102,8 +105,9 @@ class VllmSession:
 
     async def start(self) -> None:
         info = await self.host.start()
-        if self.identity is None:
-            base = model_identity(self.model_dir, torch.float32, self.host.settings.device, WeightQuantization.NONE)
+        if self.identity is None:  # the weights' digest reads every file: off the event loop
+            base = await asyncio.to_thread(model_identity, self.model_dir, torch.float32, self.host.settings.device,
+                                           WeightQuantization.NONE)
             # vLLM's kernels make the bits: its torch and dtype, not ours.
             self.identity = ModelIdentity(base.weights_digest, base.config_digest, info["dtype"], info["torch"],
                                           base.device_kind)
@@ -204,8 +208,8 @@ class VllmSession:
         """(head version, tier parts) of the conversation's head."""
         await self.start()
         held, conv = self.heads.get(ref.key), self.conversations.get(ref.key)
-        if held is None or conv is None:
-            raise CorruptStateError(f"no head of {ref.id!r} here")
+        if held is None or conv is None or held.turn != conv.turn:  # as our engine: the latest turn's head
+            raise ConversationNotFoundError(f"no head of {ref.id!r}'s latest turn here")
         state_len, blocks, state = await self.host.call("export", head=held.head_id)
         committed = conv.tokens_until(held.turn)
         meta = {"conversation": ref.key, "turn": held.turn, "version": held.version,
@@ -215,9 +219,14 @@ class VllmSession:
         return held.version, pack_export(exported)
 
     async def load(self) -> tuple[int, int]:
-        """(requests in the engine, free KV blocks), for routing stats."""
-        running, free = await self.host.call("load")
-        return running, free
+        """(requests in the engine, free KV blocks), for routing stats; (0, 0) while the engine
+        host starts (Serve asks from the replica's start: the first ask begins the host's)."""
+        if not self.host.ready:
+            self.host.start_soon()
+            self.host.check_alive()
+            return 0, 0
+        stats = await self.host.call("stats")
+        return stats["running"], stats["free_blocks"]
 
     # -- turns ------------------------------------------------------------------------------
     async def prepare_grammar(self, params: SamplingParams) -> None:
@@ -241,17 +250,28 @@ class VllmSession:
                     ) -> AsyncIterator[RequestOutput]:
         prepared = False
         try:
+            await self._check_length(prompt)
             outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
             async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self._allowed), load,
                                                 capture=True):
                 record = None
                 if frame["finished"] and frame["prepared"] is not None:
-                    record = self._prepare(conv, suffix, prompt, outputs, frame, request_id)
+                    try:
+                        record = self._prepare(conv, suffix, prompt, outputs, frame, request_id)
+                    except BaseException:
+                        await self.host.call("abandon", id=request_id)
+                        raise
                     prepared = True
                 yield outputs.output(frame, record)
         finally:
             if not prepared:
                 self._end_turn(conv)
+
+    async def _check_length(self, prompt: list[int]) -> None:
+        """As our engine: a prompt must leave room for one token (vLLM would refuse it)."""
+        limit = (await self.host.start())["max_model_len"]
+        if len(prompt) >= limit:
+            raise PromptTooLongError(f"the prompt has {len(prompt)} tokens; this model takes at most {limit - 1}")
 
     def _prepare(self, conv: ConversationLedger, suffix: list[dict[str, Any]], prompt: list[int],
                  outputs: OutputStream, frame: dict[str, Any], request_id: str) -> TurnCommit:
@@ -259,6 +279,8 @@ class VllmSession:
         reason = FinishReason.STOP if frame["reason"] == "stop" else FinishReason.LENGTH
         reply_ids = output[:-1] if reason is FinishReason.STOP and output and output[-1] in self.eos_token_ids else output
         committed = prompt + output
+        if frame["prepared"] != len(committed) - 1:  # the state must cover all committed tokens but the last
+            raise CorruptStateError(f"captured {frame['prepared']} tokens of state for {len(committed)} committed")
         start = len(conv.token_ids)
         record = TurnCommit(
             request_id=request_id, conversation=conv.ref, base_version=conv.version, base_turn=conv.turn,
@@ -278,6 +300,7 @@ class VllmSession:
         return self._stateless(prompt, params, request_id)
 
     async def _stateless(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        await self._check_length(prompt)
         outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
         async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self._allowed), None,
                                             capture=False):
@@ -293,6 +316,9 @@ class VllmSession:
         except ValueError as e:
             self._end_turn(conv)
             raise TurnResolvedError(f"cannot commit turn {record.request_id!r}: {e}") from e
+        except BaseException:  # the host died: the turn's state is gone with it
+            self._end_turn(conv)
+            raise
         await self._drop_head(conv.key)
         conv.truncate(record.base_turn)
         conv.append([dict(m) for m in record.messages], list(record.token_ids))
@@ -348,21 +374,22 @@ class VllmSession:
     async def _keep_within_budget(self) -> None:
         """Least recently used heads of idle conversations go beyond head_cache_mb."""
         used = sum(h.nbytes for h in self.heads.values())
-        for key in list(self.heads):
+        victims = []
+        for key in list(self.heads):  # chosen and taken at once: another call may run at the await
             if used <= self.head_budget_bytes:
-                return
+                break
             conv = self.conversations.get(key)
-            if conv is not None and conv.in_flight is not None:
-                continue
-            used -= self.heads[key].nbytes
-            await self._drop_head(key)
+            if conv is None or conv.in_flight is None:
+                used -= self.heads[key].nbytes
+                victims.append(self.heads.pop(key).head_id)
+        if victims:
+            await self.host.call("drop", heads=victims)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode_exact([token_id])
 
 
-def _head_info(conv: ConversationLedger, turn: int, state_len: int | None = None) -> HeadInfo:
+def _head_info(conv: ConversationLedger, turn: int, state_len: int) -> HeadInfo:
     committed = conv.tokens_until(turn)
-    state = len(committed) - 1 if state_len is None else state_len
-    return HeadInfo(conv.key, turn, conv.version, len(committed), tokens_digest(committed), state, state)
+    return HeadInfo(conv.key, turn, conv.version, len(committed), tokens_digest(committed), state_len, state_len)
 

@@ -8,6 +8,8 @@ nothing would show 0 there (and a wrong load, other tokens: see test_a_wrong_sta
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from proto.contract import ConversationRef
@@ -55,7 +57,7 @@ async def test_five_turns_reuse_the_head_and_equal_vllms_stateless_run(kind, ses
         assert record is not None and record.base_turn == turn - 1
         prompt = base + list(record.token_ids[: outs[-1].num_prompt_tokens - len(base)])
         reply = [t for o in outs for t in o.new_token_ids]
-        assert reply == await stateless_tokens(session, prompt, f"{kind}-ref{turn}")
+        assert reply == await stateless_tokens(session, prompt, f"{kind}-ref{turn}"), f"turn {turn}"
         if turn == 1:
             assert outs[-1].num_cached_tokens == 0
         else:  # vLLM computed only [last token] + the new messages
@@ -100,6 +102,7 @@ async def test_a_wrong_state_changes_the_reply(dense_session, spoil):
         await session.abandon(wrong)
     finally:
         held.head_id = real
+        await session.host.call("drop", heads=["spoiled"])
 
 
 async def test_abandon_leaves_the_head_byte_identical(dense_session):
@@ -197,3 +200,133 @@ async def test_a_worker_without_the_head_recomputes_from_the_ledger_with_the_sam
     assert there.token_ids == here.token_ids and there.messages == here.messages
     await second_dense_session.commit(there)
     await dense_session.abandon(here)
+
+
+async def test_an_engine_host_that_cannot_start_says_why(tmp_path, vllm_models):
+    """A missing interpreter and a model vLLM cannot load both fail the session's start with
+    EngineShutdownError naming the cause, and leave it unhealthy."""
+    from pathlib import Path
+
+    from deployments.vllm_session import VllmSession
+    from workers.checkpoint import Arch, Preset, make_model
+    from workers.errors import EngineShutdownError
+
+    from .conftest import vllm_settings
+
+    missing = VllmSession(vllm_models["dense"], vllm_settings(vllm_python=str(tmp_path / "no-python")))
+    with pytest.raises(EngineShutdownError, match="cannot start the vLLM engine host"):
+        await missing.start()
+    with pytest.raises(EngineShutdownError):
+        missing.check_health()
+    broken = Path(make_model(tmp_path / "broken", Arch.GRANITEMOEHYBRID, Preset.TINY, seed=0,
+                             attention_head_dim=32))
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    refused = VllmSession(str(broken), vllm_settings())
+    with pytest.raises(EngineShutdownError, match="did not start"):
+        await refused.start()
+    with pytest.raises(EngineShutdownError):
+        refused.check_health()
+    with pytest.raises(EngineShutdownError):  # routing stats of a replica whose engine never came up
+        await refused.load()
+    await refused.aclose()
+
+
+
+async def host_is_clean(session, within_s: float = 10.0) -> None:
+    """Nothing running and no prepared state left behind in the engine host (an abort's last
+    frame and an abandon come back between engine steps: the host's stats are polled)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while True:
+        stats = await session.host.call("stats")
+        if stats["running"] == 0 and stats["prepared"] == len(session.prepared) and not session.host._orphans:
+            return
+        assert asyncio.get_running_loop().time() < deadline, stats
+        await asyncio.sleep(0.05)
+
+
+async def test_a_turn_ended_by_a_stop_string_is_captured_and_continued_exactly(dense_session):
+    """vLLM ends a stop string's request by aborting it in its core: the state is captured all
+    the same, the text stops before the stop string, and the next turn equals a fresh run."""
+    session = dense_session
+    probe_ref = ConversationRef("stop-probe", "s")
+    sampling = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+    _, probe = await run_turn(session, probe_ref, QUESTIONS[0], "stop-probe-1", **sampling)
+    await session.abandon(probe)
+    reply = probe.messages[-1]["content"]
+    # A piece of the greedy reply past its start, seen there first: the same run meets it.
+    stop = next(reply[i: i + 2] for i in range(3, len(reply) - 1)
+                if reply[i: i + 2].strip() and reply[i: i + 2] not in reply[: i + 1])
+    ref = ConversationRef("stop", "s")
+    outs, record = await run_turn(session, ref, QUESTIONS[0], "stop-1", stop=[stop], **sampling)
+    assert record is not None and outs[-1].finish_reason.value == "stop"
+    assert "".join(o.text_delta for o in outs) == reply[: reply.index(stop)]
+    await session.commit(record)
+    base = list(session.conversations[ref.key].token_ids)
+    outs, record = await run_turn(session, ref, QUESTIONS[1], "stop-2")
+    assert outs[-1].num_cached_tokens == len(base) - 1
+    prompt = base + list(record.token_ids[: outs[-1].num_prompt_tokens - len(base)])
+    assert [t for o in outs for t in o.new_token_ids] == await stateless_tokens(session, prompt, "stop-ref")
+    await session.commit(record)
+    await host_is_clean(session)
+
+
+async def test_a_stream_left_midway_or_at_its_end_leaves_nothing_behind(dense_session):
+    """A client gone mid-stream aborts the request; one gone as the turn finished abandons the
+    captured state: the host runs nothing and holds no orphan, and the conversation is free."""
+    session = dense_session
+    for cut in (1, None):  # after the first output, or after the last one arrived unread
+        ref = ConversationRef(f"left-{cut}", "s")
+        stream = session.stream_turn(ref, [user_message(QUESTIONS[0])], SamplingParams(temperature=0.0, max_tokens=40,
+                                                                                       ignore_eos=True), f"left-{cut}")
+        if cut == 1:
+            await stream.__anext__()
+        else:
+            await stream.__anext__()
+            while not session.host._streams[f"left-{cut}"].qsize() or not any(
+                    f.get("finished") for f in list(session.host._streams[f"left-{cut}"]._queue)):
+                await asyncio.sleep(0.01)  # the last frame is queued, not read
+        await stream.aclose()
+        await host_is_clean(session)
+        assert session.conversations.get(ref.key) is None  # a first turn left: nothing kept
+        _, record = await run_turn(session, ref, QUESTIONS[0], f"left-{cut}-again")
+        await session.commit(record)
+
+
+async def test_a_prompt_too_long_is_refused_and_the_engine_goes_on(dense_session):
+    from workers.errors import PromptTooLongError
+
+    session = dense_session
+    ref = ConversationRef("too-long", "s")
+    with pytest.raises(PromptTooLongError):
+        await run_turn(session, ref, "x " * 3000, "too-long-1")
+    assert session.conversations.get(ref.key) is None
+    _, record = await run_turn(session, ref, QUESTIONS[0], "too-long-2")  # the host is alive
+    await session.commit(record)
+    await host_is_clean(session)
+
+
+async def test_vllm_refuses_our_engines_exports_and_other_layouts(dense_session):
+    from proto.contract import ModelIdentity
+    from workers.conversation.export_format import seal_header
+    from workers.vllm_backend import export as vllm_export
+
+    ours = seal_header({"format": 2, "identity": dense_session.identity.to_dict(), "layout": {}})
+    with pytest.raises(CorruptStateError, match="unknown export format"):
+        vllm_export.verify_export(ours, {}, dense_session.identity, dense_session.layout)
+    ref = ConversationRef("layouts", "s")
+    _, record = await run_turn(dense_session, ref, QUESTIONS[0], "layouts-1")
+    await dense_session.commit(record)
+    _, parts = await dense_session.export_state(ref)
+    header, chunks = unpack_export(b"".join(parts))
+    for changed in ({"conv_state_layout": "DS"}, {"block_size": 16}, {"vllm": "0.33.0"}):
+        with pytest.raises(CorruptStateError, match="cache layout differs"):
+            vllm_export.verify_export(header, chunks, dense_session.identity, {**dense_session.layout, **changed})
+    other_cpu = ModelIdentity(**{**dense_session.identity.to_dict(), "device_kind": "cpu:x86_64:another"})
+    with pytest.raises(CorruptStateError, match="another model or machine"):
+        vllm_export.verify_export(header, chunks, other_cpu, dense_session.layout)
+    meta, parts_back = vllm_export.verify_export(header, chunks, dense_session.identity, dense_session.layout)
+    assert meta["turn"] == 1 and parts_back.state_len == record.committed_tokens - 1
+
+
+def user_message(text: str) -> dict:
+    return {"role": "user", "content": text}

@@ -66,10 +66,18 @@ class EngineHost:
 
     async def start(self) -> dict[str, Any]:
         """Start the host (once; later calls wait for the same start); returns its info."""
+        await asyncio.shield(self.start_soon())
+        return self.info
+
+    def start_soon(self) -> asyncio.Task:
+        """The host's start, begun if it was not."""
         if self._started is None:
             self._started = asyncio.ensure_future(self._start())
-        await asyncio.shield(self._started)
-        return self.info
+        return self._started
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.info) and self._failure is None
 
     async def _start(self) -> None:
         s = self.settings
@@ -90,13 +98,20 @@ class EngineHost:
         except OSError as e:
             self._failure = f"cannot start the vLLM engine host with {argv[0]}: {e}"
             raise EngineShutdownError(self._failure) from e
-        first = await asyncio.wait_for(self._read(), START_TIMEOUT_S)
+        try:
+            first = await asyncio.wait_for(self._read(), START_TIMEOUT_S)
+        except TimeoutError:
+            first = {"error": f"not ready after {START_TIMEOUT_S:.0f} s"}
         if first is None or first.get("op") != "ready":
             why = (first or {}).get("error", "the engine host exited while starting")
             self._failure = f"vLLM engine host did not start: {why}"
+            self.shutdown()
             raise EngineShutdownError(self._failure)
         self.info = first["info"]
-        asyncio.ensure_future(self._dispatch())
+        dispatch = asyncio.ensure_future(self._dispatch())
+        dispatch.add_done_callback(lambda task: self._fail(
+            f"the vLLM engine host's frames could not be read: {task.exception()!r}")
+            if not task.cancelled() and task.exception() else None)
 
     async def _read(self) -> dict[str, Any] | None:
         try:
@@ -113,8 +128,8 @@ class EngineHost:
                 future = self._calls.pop(message["call"], None)
                 if future is not None and not future.done():
                     future.set_result(message)
-        code = await self._process.wait()
-        self._fail(f"the vLLM engine host exited ({code})")
+        self._fail("the vLLM engine host exited")  # at once: nothing may wait on it any more
+        log.error("the vLLM engine host exited with %s", await self._process.wait())
 
     def _deliver(self, frame: dict[str, Any]) -> None:
         request_id = frame["id"]
@@ -135,6 +150,8 @@ class EngineHost:
             pass
 
     def _fail(self, why: str) -> None:
+        if self._failure is not None:
+            return
         self._failure = why
         for queue in self._streams.values():
             queue.put_nowait({"op": "failed", "error": why})
@@ -143,10 +160,15 @@ class EngineHost:
                 future.set_exception(EngineShutdownError(why))
         self._calls.clear()
 
-    def _send(self, message: dict[str, Any]) -> None:
+    async def _send(self, message: dict[str, Any]) -> None:
         if self._failure is not None:
             raise EngineShutdownError(self._failure)
-        self._process.stdin.write(wire.encode(message))
+        try:
+            self._process.stdin.write(wire.encode(message))
+            await self._process.stdin.drain()
+        except ConnectionError as e:  # the host is gone (its exit is being read)
+            self._fail(f"the vLLM engine host is gone: {e!r}")
+            raise EngineShutdownError(self._failure) from e
 
     # -- requests and calls ------------------------------------------------------------------------
     async def stream(self, request_id: str, prompt: list[int], params: dict[str, Any],
@@ -157,9 +179,8 @@ class EngineHost:
         self._streams[request_id] = queue
         finished = False
         try:
-            self._send({"op": "add", "id": request_id, "prompt": prompt, "params": params, "capture": capture,
-                        "load": {"head": load[0], "tokens": load[1]} if load else None})
-            await self._process.stdin.drain()
+            await self._send({"op": "add", "id": request_id, "prompt": prompt, "params": params,
+                              "capture": capture, "load": {"head": load[0], "tokens": load[1]} if load else None})
             while not finished:
                 frame = await queue.get()
                 if frame["op"] == "failed":
@@ -168,9 +189,27 @@ class EngineHost:
                 yield frame
         finally:
             del self._streams[request_id]
-            if not finished and self._failure is None:
-                self._orphans.add(request_id)
-                self._send({"op": "abort", "id": request_id})
+            if not finished:
+                self._left(request_id, queue)
+
+    def _left(self, request_id: str, queue: asyncio.Queue) -> None:
+        """A stream left before its last frame: the request is aborted, and a turn captured as
+        it finished (its last frame already here, or crossing the abort) is abandoned."""
+        while not queue.empty():
+            frame = queue.get_nowait()
+            if frame.get("finished"):
+                if frame.get("prepared") is not None:
+                    asyncio.ensure_future(self._abandon_quietly(request_id))
+                return
+        if self._failure is None:
+            self._orphans.add(request_id)
+            asyncio.ensure_future(self._send_quietly({"op": "abort", "id": request_id}))
+
+    async def _send_quietly(self, message: dict[str, Any]) -> None:
+        try:
+            await self._send(message)
+        except EngineShutdownError:
+            pass
 
     async def call(self, fn: str, **arguments: Any) -> Any:
         """A call on the host's store or engine, between two engine steps; ValueError if refused."""
@@ -178,8 +217,7 @@ class EngineHost:
         number = next(self._numbers)
         future = asyncio.get_running_loop().create_future()
         self._calls[number] = future
-        self._send({"op": "call", "call": number, "fn": fn, **arguments})
-        await self._process.stdin.drain()
+        await self._send({"op": "call", "call": number, "fn": fn, **arguments})
         reply = await future
         if "error" in reply:
             raise ValueError(reply["error"])

@@ -85,5 +85,5 @@ class OutputStream:
         return RequestOutput(
             self.request_id, tuple(tokens), text, finished,
             _REASONS.get(frame["reason"], FinishReason.ERROR) if finished else None,
-            self.num_prompt_tokens, cached, seed=self.params.resolved_seed, turn_commit=turn_commit,
-            reused_from=ReuseSource.HEAD if cached else ReuseSource.NONE)
+            self.num_prompt_tokens, cached, error=frame.get("error"), seed=self.params.resolved_seed,
+            turn_commit=turn_commit, reused_from=ReuseSource.HEAD if cached else ReuseSource.NONE)

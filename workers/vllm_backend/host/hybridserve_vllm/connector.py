@@ -37,7 +37,9 @@ from hybridserve_vllm.heads import Head, HeadStore, LayerLayout
 # connector fills this store and the host resolves, exports and installs heads in it.
 STORE = HeadStore()
 
-_CAPTURED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+# A stop string ends a request by aborting it in the core (vLLM's detokenizer finds it): aborted
+# requests are captured too, and the host drops those the worker aborted.
+_CAPTURED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,10 @@ class HeadConnector(KVConnectorBase_V1, SupportsHMA):
         return sent or None, None
 
     def _capture(self, save: Save) -> Head:
+        """The request's blocks and pages as a head. The last block's slots past its tokens hold
+        zeros, not another request's KV: vLLM zeroes attention blocks when it hands them out
+        (`new_block_ids_to_zero`), and only this request wrote to them since. (The slots are
+        not addressable here: CPU attention packs a block's tokens and channels together.)"""
         base = STORE.committed.get(save.base[0]) if save.base else None
         shared = min(save.base[1], base.num_tokens) // self._block_size if base else 0
         head = Head(save.num_tokens, {}, {})

@@ -11,7 +11,7 @@ original stdout and fd 1 is pointed at stderr.
     <- {"op": "out", "id", "tokens": [ids], "logprobs": [[lp, [[id, lp], ...]], ...] | None, "finished",
         "reason": "stop" | "length" | "abort" | None, "cached": n, "prepared": state_len | None}
     -> {"op": "abort", "id"}
-    -> {"op": "call", "call", "fn": commit | abandon | drop | export | install | load, ...}
+    -> {"op": "call", "call", "fn": commit | abandon | drop | export | install | stats, ...}
     <- {"op": "reply", "call", "value" | "error"}
 
 Frames are handled between engine steps, on this one thread: the store of heads is only ever
@@ -32,7 +32,6 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, with STORE
 
 from hybridserve_vllm import wire  # noqa: E402
-from hybridserve_vllm.heads import HeadError  # noqa: E402
 
 _SAVE_STEPS = 4  # a finished request's save lands in the next step; give up on it after this many
 
@@ -52,6 +51,8 @@ class Host:
             max_model_len=args.max_model_len or None,
             max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=False,  # our heads instead: vLLM's hybrid prefix cache is block-grained
+            # A captured state covers exactly the computed tokens: no step in flight at a finish.
+            async_scheduling=False,
             kv_cache_memory_bytes=args.kv_cache_mib << 20,
             seed=0,
             kv_transfer_config=KVTransferConfig(
@@ -61,6 +62,7 @@ class Host:
         self.capturing: set[str] = set()  # running requests whose state is kept at their end
         self.captures: dict[str, tuple[dict[str, Any], int]] = {}  # request id -> (its last frame, steps left)
         self.running: set[str] = set()
+        self.dropping: dict[str, int] = {}  # aborted captured requests -> steps left for their save
 
     def info(self) -> dict[str, Any]:
         import torch
@@ -71,6 +73,7 @@ class Host:
             "vllm": vllm.__version__,
             "torch": torch.__version__,
             "dtype": str(self.engine.model_config.dtype),
+            "max_model_len": self.engine.model_config.max_model_len,
             "block_size": self.store.block_size,
             "conv_state_layout": str(get_conv_state_layout()),
             "attention": [layer.to_dict() for layer in self.store.attention],
@@ -83,17 +86,36 @@ class Host:
 
     # -- frames ---------------------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> None:
+        """One frame. A request or call that fails gets its error back; the engine goes on."""
         op = message["op"]
         if op == "add":
-            self.add(message)
+            try:
+                self.add(message)
+            except Exception as e:  # refused by vLLM (e.g. too long) or a head gone: this request only
+                self.capturing.discard(message["id"])
+                self.send(_last_frame(message["id"], "error", error=f"{type(e).__name__}: {e}"))
         elif op == "abort":
-            if message["id"] in self.running:
-                self.engine.abort_request([message["id"]])
+            self.abort(message["id"])
         elif op == "call":
             try:
                 self.send({"op": "reply", "call": message["call"], "value": self.call(message)})
-            except (HeadError, ValueError) as e:
-                self.send({"op": "reply", "call": message["call"], "error": str(e)})
+            except Exception as e:
+                self.send({"op": "reply", "call": message["call"], "error": f"{type(e).__name__}: {e}"})
+
+    def abort(self, request_id: str) -> None:
+        """The worker left the request: it ends here with a last frame (LLMEngine reports no
+        output for an aborted request), and a state captured as it finished is dropped."""
+        if request_id in self.running:
+            self.engine.abort_request([request_id])
+            self.running.discard(request_id)
+            if request_id in self.capturing:  # the connector saves aborted requests too: drop it then
+                self.dropping[request_id] = _SAVE_STEPS
+        elif request_id not in self.captures:
+            return  # already ended: its last frame went out
+        self.capturing.discard(request_id)
+        self.captures.pop(request_id, None)
+        self.store.abandon(request_id)
+        self.send(_last_frame(request_id, "abort"))
 
     def add(self, message: dict[str, Any]) -> None:
         from vllm import SamplingParams
@@ -126,23 +148,17 @@ class Host:
             return self.store.export(message["head"])
         if fn == "install":
             return self.store.install(message["head"], message["tokens"], message["blocks"], message["state"])
-        if fn == "load":
+        if fn == "stats":
             scheduler = self.engine.engine_core.engine_core.scheduler
-            return len(self.running), scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+            return {"running": len(self.running), "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                    "prepared": len(self.store.prepared), "heads": len(self.store.committed)}
         raise ValueError(f"unknown call {fn!r}")
 
     # -- the engine loop ------------------------------------------------------------------------
     def step(self) -> None:
         for output in self.engine.step():
             self.emit(output)
-        for request_id, (frame, steps_left) in list(self.captures.items()):
-            if request_id in self.store.prepared:  # saved: the turn can be committed
-                frame["prepared"] = self.store.prepared[request_id].num_tokens
-            elif steps_left:
-                self.captures[request_id] = (frame, steps_left - 1)
-                continue
-            del self.captures[request_id]  # never saved (a bug, not a state): the turn is not kept
-            self.send(frame)
+        self.settle_captures()
 
     def emit(self, output) -> None:
         request_id, completion = output.request_id, output.outputs[0]
@@ -164,9 +180,35 @@ class Host:
             self.send(frame)
         self.capturing.discard(request_id)
 
+    def settle_captures(self) -> None:
+        """The last frames of captured requests whose state the connector saved (or never will),
+        and the saves of aborted ones dropped."""
+        for request_id, steps_left in list(self.dropping.items()):
+            if request_id in self.store.prepared or not steps_left:
+                self.store.abandon(request_id)
+                del self.dropping[request_id]
+            else:
+                self.dropping[request_id] = steps_left - 1
+        for request_id, (frame, steps_left) in list(self.captures.items()):
+            if request_id in self.store.prepared:  # saved: the turn can be committed
+                frame["prepared"] = self.store.prepared[request_id].num_tokens
+            elif steps_left:
+                self.captures[request_id] = (frame, steps_left - 1)
+                continue
+            del self.captures[request_id]  # never saved (a bug, not a state): the turn is not kept
+            self.send(frame)
+
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.captures)
+        return bool(self.running or self.captures or self.dropping)
+
+
+def _last_frame(request_id: str, reason: str, error: str | None = None) -> dict[str, Any]:
+    frame = {"op": "out", "id": request_id, "tokens": [], "logprobs": None, "finished": True, "reason": reason,
+             "cached": 0, "prepared": None}
+    if error is not None:
+        frame["error"] = error
+    return frame
 
 
 def _logprobs(completion) -> list | None:
