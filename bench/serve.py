@@ -1,5 +1,8 @@
 """Serving benchmark: `python -m bench.serve [--quick] [--skip-vllm] [--skip-app]`.
 
+(`--backend vllm`: the workload below on our app with its workers on vLLM's engine, against
+vLLM's server and our app on our engine, on a dense and an MoE checkpoint: bench/serve_vllm.py.)
+
 N concurrent conversations x T turns over HTTP with the official `openai` client (streamed,
 greedy, `stream_options.include_usage`), on the GraniteMoeHybrid `bench` checkpoint (random
 weights, made in a temp dir), against, one at a time on an otherwise idle benchmark:
@@ -649,8 +652,16 @@ def main() -> None:
     parser.add_argument("--vllm-results", type=Path, help="take (c), (d) from an earlier run's JSON (same plan)")
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoint, one short conversation: proves it runs")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--backend", choices=("ours", "vllm"), default="ours",
+                        help="vllm: the multi-turn workload on our app's vLLM backend, vLLM's server and our "
+                             "engine (bench/serve_vllm.py)")
     args = parser.parse_args()
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.backend == "vllm":
+        if args.skip_app or args.vllm_results:
+            parser.error("--backend vllm runs every side itself: no --skip-app or --vllm-results")
+        main_vllm_backend(plan, args)
+        return
     res = run(plan, args.quick or args.smoke, args.skip_vllm, args.skip_app, args.vllm_results)
     stem = "serve.smoke" if args.smoke else "serve.quick" if args.quick else "serve"
     md = markdown(res)
@@ -659,6 +670,20 @@ def main() -> None:
         plot(res, args.results_dir / f"{stem}.png")
     print(md)
     print(json.dumps(res["headline"] | {"prefix": res["prefix_headline"]}, indent=2))
+
+
+def main_vllm_backend(plan: Plan, args: argparse.Namespace) -> None:
+    from bench import serve_vllm  # it builds on this module
+
+    models = (serve_vllm.DENSE,) if args.smoke else (serve_vllm.DENSE, serve_vllm.MOE)
+    variant = "smoke" if args.smoke else "quick" if args.quick else "full"
+    res = serve_vllm.run(plan, models, variant, args.skip_vllm)
+    stem = "serve.vllm.smoke" if args.smoke else "serve.vllm.quick" if args.quick else "serve.vllm"
+    md = serve_vllm.markdown(res)
+    write_results(stem, res, md, args.results_dir)
+    serve_vllm.plot(res, args.results_dir / f"{stem}.png")
+    print(md)
+    print(json.dumps({name: rec["headline"] for name, rec in res["models"].items()}, indent=2))
 
 
 if __name__ == "__main__":
