@@ -57,7 +57,6 @@ STYLES = {"v": "o-", "a": "x-", "d": "^--", "c": "s:"}
 WORKER_REPLICAS = 2  # config.yaml's and config.vllm.yaml's
 VLLM_MIN_HEAD_DIM = 32  # vLLM-CPU's attention refuses narrower heads (the tiny preset's are 16)
 OVER_VLLM_TARGET, OVER_OURS_TARGET, TARGET_HISTORY_TOKENS = 5.0, 1.3, 2000
-WARM_UP = Script("Warm up.", ("Hello.",), (2,))
 
 
 @dataclass(frozen=True)
@@ -113,12 +112,15 @@ def run_app(plan: serve.Plan, model_dir: Path, scripts: list[Script], tmp: Path,
 
 
 def warm_replicas(base_url: str, plan: serve.Plan, rounds: int = 8) -> dict:
-    """Rounds of WORKER_REPLICAS one-turn conversations at once until every replica owns one."""
+    """Rounds of WORKER_REPLICAS one-turn conversations at once until every replica owns one. Their
+    system prompts differ: the router sends a new conversation to a replica holding its prompt's
+    prefix (our engine's prefix reuse), so alike ones would all go where the first went."""
     owners: set[str] = set()
     errors: list[str] = []
     t0 = time.perf_counter()
     for k in range(rounds):
-        res = asyncio.run(run_workload(base_url, [WARM_UP] * WORKER_REPLICAS, ConversationMode.STORED, f"warm{k}",
+        scripts = [Script(f"Warm-up conversation {k}.{i}.", ("Hello.",), (2,)) for i in range(WORKER_REPLICAS)]
+        res = asyncio.run(run_workload(base_url, scripts, ConversationMode.STORED, f"warm{k}",
                                        plan.request_timeout_s, plan.mode_budget_s))
         errors += res.errors
         for rec in res.records:
