@@ -1,5 +1,8 @@
 """Serving benchmark: `python -m bench.serve [--quick] [--skip-vllm] [--skip-app]`.
 
+(`--backend vllm`: the workload below on our app with its workers on vLLM's engine, against
+vLLM's server and our app on our engine, on a dense and an MoE checkpoint: bench/serve_vllm.py.)
+
 N concurrent conversations x T turns over HTTP with the official `openai` client (streamed,
 greedy, `stream_options.include_usage`), on the GraniteMoeHybrid `bench` checkpoint (random
 weights, made in a temp dir), against, one at a time on an otherwise idle benchmark:
@@ -151,26 +154,30 @@ def load_average() -> list[float]:
 
 
 # -- (a) and (b): our app ---------------------------------------------------------------------------
-def app_config(model_dir: Path, data_dir: Path, port: int) -> dict:
-    """config.yaml as users run it, with the benchmark's model, a private data dir, loopback only."""
-    config = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
+def app_config(model_dir: Path, data_dir: Path, port: int, config_file: str = "config.yaml",
+               args: dict | None = None) -> dict:
+    """config_file (config.yaml) as users run it, with the benchmark's model, a private data dir,
+    loopback only, and `args` set."""
+    config = yaml.safe_load((REPO_ROOT / config_file).read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     (application,) = config["applications"]
-    application["args"] |= {"model": str(model_dir), "data_dir": str(data_dir)}
+    application["args"] |= {"model": str(model_dir), "data_dir": str(data_dir)} | (args or {})
     return config
 
 
-def start_app(model_dir: Path, tmp: Path) -> tuple[ServerProcess, str, dict]:
+def start_app(model_dir: Path, tmp: Path, config_file: str = "config.yaml", args: dict | None = None,
+              name: str = "serve") -> tuple[ServerProcess, str, dict]:
+    """`serve run` of config_file; its config, data and log in tmp under `name`."""
     port = free_port()
-    config = app_config(model_dir, tmp / "serve-data", port)
-    path = tmp / "serve-config.yaml"
+    config = app_config(model_dir, tmp / f"{name}-data", port, config_file, args)
+    path = tmp / f"{name}-config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)  # a cluster of its own, never someone else's
     serve_bin = Path(sys.executable).with_name("serve")
     server = ServerProcess("serve run", [str(serve_bin), "run", str(path)], env, REPO_ROOT,
-                           tmp / "serve.log", f"http://127.0.0.1:{port}/health")
+                           tmp / f"{name}.log", f"http://127.0.0.1:{port}/health")
     return server, f"http://127.0.0.1:{port}", config
 
 
@@ -423,16 +430,17 @@ def first_failure(mode: dict) -> str:
     return (mode.get("errors") or ["no error recorded"])[0][:200] + died
 
 
-def last_turn(res: dict) -> dict | None:
-    """Every mode at (a)'s last completed turn (the longest history): TTFT p50 and its ratio over
-    (a), or how far the mode got and why it stopped (a server dying mid-run is a result)."""
-    a = completed_turns(res["modes"].get("a"))
+def last_turn(res: dict, ref: str = "a", others: tuple[str, ...] = ("b", "c", "d")) -> dict | None:
+    """Every other mode at `ref`'s last completed turn (the longest history): TTFT p50 and its
+    ratio over `ref`'s, or how far the mode got and why it stopped (a server dying mid-run is a
+    result)."""
+    a = completed_turns(res["modes"].get(ref))
     if not a:
         return None
     t = max(a)
-    out: dict = {"turn": t, "prompt_tokens": a[t]["prompt_tokens_mean"], "a_ttft_p50_s": a[t]["ttft_p50_s"],
+    out: dict = {"turn": t, "prompt_tokens": a[t]["prompt_tokens_mean"], f"{ref}_ttft_p50_s": a[t]["ttft_p50_s"],
                  "modes": {}}
-    for m in ("b", "c", "d"):
+    for m in others:
         mode = res["modes"].get(m)
         if mode is None:
             continue
@@ -480,14 +488,10 @@ def _ms(x: float | None) -> str:
     return "—" if x is None else f"{x * 1e3:,.0f}"
 
 
-def markdown(res: dict) -> str:
-    modes, h = res["modes"], res["headline"]
-    lines = [f"# Serving benchmark{' (quick)' if res['quick'] else ''}", "",
-             f"{res['plan']['conversations']} concurrent conversations x {res['plan']['turns']} turns, "
-             f"GraniteMoeHybrid `{res['plan'].get('preset', 'bench')}` checkpoint, greedy, streamed over HTTP with `openai`. "
-             f"CPU: {res['env']['cpu']['model']} ({res['env']['cpu_count']} cores), load average at start "
-             f"{res['env']['load_average_1_5_15m']}. The machine was shared with other work.", ""]
-    present = [m for m in MODES if m in modes and "per_turn" in modes[m]]
+def mode_tables(modes: dict, labels: dict[str, str]) -> list[str]:
+    """The TTFT per turn and the summary of each mode, and what failed (Markdown lines)."""
+    lines = []
+    present = [m for m in labels if m in modes and "per_turn" in modes[m]]
     turns = max((len(modes[m]["per_turn"]) for m in present), default=0)
     rows = []
     for i in range(turns):
@@ -499,30 +503,45 @@ def markdown(res: dict) -> str:
         rows.append(row)
     if present:
         lines += ["TTFT p50 / p99 in ms per turn (mean prompt tokens):", "",
-                  markdown_table(["turn", *[MODES[m] for m in present]], rows)]
-        summary = [[MODES[m], f"{modes[m]['turns_completed']}", format_number(modes[m]["output_tokens_per_s"]),
+                  markdown_table(["turn", *[labels[m] for m in present]], rows)]
+        summary = [[labels[m], f"{modes[m]['turns_completed']}", format_number(modes[m]["output_tokens_per_s"]),
                     "—" if modes[m]["cache_hit_ratio"] is None else f"{modes[m]['cache_hit_ratio']:.1%}",
                     f"{modes[m]['wall_s']:.1f}", str(len(modes[m]["errors"]))] for m in present]
         lines += [markdown_table(["mode", "turns done", "output tok/s", "cache hit ratio", "wall s", "errors"], summary)]
     for m, rec in modes.items():
         if rec.get("errors"):
-            lines.append(f"- {MODES[m]}: {len(rec['errors'])} failed turns; first: `{rec['errors'][0][:300]}`")
+            lines.append(f"- {labels[m]}: {len(rec['errors'])} failed turns; first: `{rec['errors'][0][:300]}`")
         if rec.get("startup_error"):
-            lines.append(f"- {MODES[m]}: did not start: `{rec['startup_error'][-300:]}`")
+            lines.append(f"- {labels[m]}: did not start: `{rec['startup_error'][-300:]}`")
     lines.append("")
+    return lines
+
+
+def last_turn_table(lt: dict, labels: dict[str, str], ref: str = "a") -> str:
+    """last_turn()'s record as a table: each mode's TTFT p50 over `ref`'s, or how far it got."""
+    rows = [[labels[ref], _ms(lt[f"{ref}_ttft_p50_s"]), "1.0x"]]
+    for m, r in lt["modes"].items():
+        if "ratio" in r:
+            rows.append([labels[m], _ms(r["ttft_p50_s"]), f"{r['ratio']:.1f}x"])
+        else:
+            rows.append([labels[m], f"— (reached turn {r['reached_turn']}"
+                         + (f", {format_number(r['reached_prompt_tokens'], 0)} tok" if r["reached_turn"] else "")
+                         + f"; {r['stopped_because'][:120]})", "—"])
+    return markdown_table(["mode", "TTFT p50 ms", f"over ({ref})"], rows)
+
+
+def markdown(res: dict) -> str:
+    modes, h = res["modes"], res["headline"]
+    lines = [f"# Serving benchmark{' (quick)' if res['quick'] else ''}", "",
+             f"{res['plan']['conversations']} concurrent conversations x {res['plan']['turns']} turns, "
+             f"GraniteMoeHybrid `{res['plan'].get('preset', 'bench')}` checkpoint, greedy, streamed over HTTP with `openai`. "
+             f"CPU: {res['env']['cpu']['model']} ({res['env']['cpu_count']} cores), load average at start "
+             f"{res['env']['load_average_1_5_15m']}. The machine was shared with other work.", ""]
+    lines += mode_tables(modes, MODES)
     if h.get("last_turn"):
         lt = h["last_turn"]
         lines += [f"At the last turn ({lt['turn']}, {format_number(lt['prompt_tokens'], 0)} prompt tokens; "
-                  f"target >= 5x at >= 2k tokens):", ""]
-        rows = [[MODES["a"], _ms(lt["a_ttft_p50_s"]), "1.0x"]]
-        for m, r in lt["modes"].items():
-            if "ratio" in r:
-                rows.append([MODES[m], _ms(r["ttft_p50_s"]), f"{r['ratio']:.1f}x"])
-            else:
-                rows.append([MODES[m], f"— (reached turn {r['reached_turn']}"
-                             + (f", {format_number(r['reached_prompt_tokens'], 0)} tok" if r["reached_turn"] else "")
-                             + f"; {r['stopped_because'][:120]})", "—"])
-        lines += [markdown_table(["mode", "TTFT p50 ms", "over (a)"], rows), ""]
+                  f"target >= 5x at >= 2k tokens):", "", last_turn_table(lt, MODES), ""]
     for m, r in h["ttft_p50_ratio_over_a"].items():
         lines.append(f"- {MODES[m]} over (a) at turn {r['turn']} ({format_number(r['prompt_tokens'], 0)} prompt "
                      f"tokens), the last both completed: TTFT p50 {_ms(r['other_ttft_p50_s'])} ms / "
@@ -545,6 +564,25 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_ttft(ax, modes: dict, labels: dict[str, str], styles: dict[str, str], title: str) -> None:
+    """TTFT p50 per completed turn of each mode in `styles`, log scale."""
+    for m, style in styles.items():
+        rec = modes.get(m)
+        if not rec or "per_turn" not in rec:
+            continue
+        pts = [(t["turn"], t["ttft_p50_s"] * 1e3) for t in rec["per_turn"] if t["completed"]]
+        if pts:
+            ax.plot(*zip(*pts), style, label=labels[m])
+    ax.set_yscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT p50 (ms, log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
@@ -552,21 +590,8 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax_turns, ax_shared) = plt.subplots(1, 3, figsize=(18, 5.5))
-    for m, style in (("a", "o-"), ("b", "x-"), ("c", "s:"), ("d", "^--")):
-        rec = res["modes"].get(m)
-        if not rec or "per_turn" not in rec:
-            continue
-        pts = [(t["turn"], t["ttft_p50_s"] * 1e3) for t in rec["per_turn"] if t["completed"]]
-        if pts:
-            ax.plot(*zip(*pts), style, label=MODES[m])
-    ax.set_yscale("log")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("turn")
-    ax.set_ylabel("TTFT p50 (ms, log scale)")
-    ax.set_title(f"TTFT per turn over HTTP — {res['plan']['conversations']} concurrent conversations", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.get_lines():
-        ax.legend(fontsize=7)
+    plot_ttft(ax, res["modes"], MODES, {"a": "o-", "b": "x-", "c": "s:", "d": "^--"},
+              f"TTFT per turn over HTTP — {res['plan']['conversations']} concurrent conversations")
     serve_prefix.plot(ax_turns, ax_shared, res["prefix"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -627,8 +652,16 @@ def main() -> None:
     parser.add_argument("--vllm-results", type=Path, help="take (c), (d) from an earlier run's JSON (same plan)")
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoint, one short conversation: proves it runs")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--backend", choices=("ours", "vllm"), default="ours",
+                        help="vllm: the multi-turn workload on our app's vLLM backend, vLLM's server and our "
+                             "engine (bench/serve_vllm.py)")
     args = parser.parse_args()
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.backend == "vllm":
+        if args.skip_app or args.vllm_results:
+            parser.error("--backend vllm runs every side itself: no --skip-app or --vllm-results")
+        main_vllm_backend(plan, args)
+        return
     res = run(plan, args.quick or args.smoke, args.skip_vllm, args.skip_app, args.vllm_results)
     stem = "serve.smoke" if args.smoke else "serve.quick" if args.quick else "serve"
     md = markdown(res)
@@ -637,6 +670,20 @@ def main() -> None:
         plot(res, args.results_dir / f"{stem}.png")
     print(md)
     print(json.dumps(res["headline"] | {"prefix": res["prefix_headline"]}, indent=2))
+
+
+def main_vllm_backend(plan: Plan, args: argparse.Namespace) -> None:
+    from bench import serve_vllm  # it builds on this module
+
+    models = (serve_vllm.DENSE,) if args.smoke else (serve_vllm.DENSE, serve_vllm.MOE)
+    variant = "smoke" if args.smoke else "quick" if args.quick else "full"
+    res = serve_vllm.run(plan, models, variant, args.skip_vllm)
+    stem = "serve.vllm.smoke" if args.smoke else "serve.vllm.quick" if args.quick else "serve.vllm"
+    md = serve_vllm.markdown(res)
+    write_results(stem, res, md, args.results_dir)
+    serve_vllm.plot(res, args.results_dir / f"{stem}.png")
+    print(md)
+    print(json.dumps({name: rec["headline"] for name, rec in res["models"].items()}, indent=2))
 
 
 if __name__ == "__main__":

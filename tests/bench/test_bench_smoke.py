@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench import agent_report, cache_service, chaos, conversation_report, decode_step, determinism, engine_report
-from bench import grammar_backends, grammar_cost, kernel_speed, linear_speed, serve
+from bench import grammar_backends, grammar_cost, kernel_speed, linear_speed, serve, serve_vllm
 from bench.common import RESULTS_DIR
 from workers.vllm_backend.venv import VENV_DIR
 from workers.checkpoint import Arch
@@ -39,6 +39,7 @@ class Smoke:
     report: Callable[[dict], str]  # the Markdown, from the JSON alone
     timeout_s: float = 900  # generous: the first engine start of a checkout builds the C++ kernels
     check: Callable[[dict], None] | None = None  # what the JSON must show beyond rendering
+    module: str = ""  # `bench.<module>`, when not the name it is listed under
 
 
 def _agent_reuse(data: dict) -> None:
@@ -54,6 +55,24 @@ def _agent_reuse(data: dict) -> None:
                 assert rec["cached_tokens"] == 0, (side, rec)
             else:
                 assert rec["cached_tokens"] > 0, (side, rec)
+
+
+def _vllm_backend_sides(data: dict) -> None:
+    """Every side answered every turn after warming both replicas of an app; from turn 2 our app's
+    sides reuse the committed head. (c), vLLM's prefix caching on, may die: how far it got is its
+    result. Without vLLM only our engine ran."""
+    (model,) = data["models"].values()
+    modes = model["modes"]
+    assert tuple(modes) == (("v", "a", "d", "c") if VLLM_READY else ("a",))
+    turns = data["plan"]["conversations"] * data["plan"]["turns"]
+    for side in set(modes) - {"c"}:
+        assert modes[side]["turns_completed"] == turns and not modes[side]["errors"], (side, modes[side]["errors"])
+    for side in set(modes) & {"v", "a"}:
+        assert modes[side]["warm_up"]["replicas_warmed"] == serve_vllm.WORKER_REPLICAS, side
+        for turn in modes[side]["per_turn"][1:]:
+            assert turn["cached_tokens_mean"] > 0, (side, turn)
+    if VLLM_READY:
+        assert {"a", "d"} <= {m for m, r in model["headline"]["last_turn"]["modes"].items() if "ratio" in r}
 
 
 SMOKES = {
@@ -83,6 +102,14 @@ SMOKES = {
         ),
     ),
     "serve": Smoke(("--smoke",) + (() if VLLM_READY else ("--skip-vllm",)), "serve.smoke", serve.markdown),
+    "serve --backend vllm": Smoke(
+        ("--smoke", "--backend", "vllm") + (() if VLLM_READY else ("--skip-vllm",)),
+        "serve.vllm.smoke",
+        serve_vllm.markdown,
+        check=_vllm_backend_sides,
+        module="serve",
+        timeout_s=1800,  # four servers started one after the other; vLLM's take a minute or two each
+    ),
 }
 # The vLLM peer's own tools: `peer` drives `vllm_peer` inside the vLLM venv.
 VLLM_TOOLS = {"peer", "vllm_peer"}
@@ -108,14 +135,15 @@ def _run(module: str, argv: list[str], timeout_s: float) -> subprocess.Completed
 def test_every_entry_point_has_a_smoke_run():
     found = entry_points()
     assert {"engine", "conversation", "serve", "determinism", "cache_service"} <= found  # the listing works
-    assert found == set(SMOKES) | VLLM_TOOLS, "a bench/ entry point without a smoke run here (or a stale one)"
+    runs = {smoke.module or name for name, smoke in SMOKES.items()}
+    assert found == runs | VLLM_TOOLS, "a bench/ entry point without a smoke run here (or a stale one)"
 
 
 @pytest.mark.parametrize("name", sorted(SMOKES))
 def test_the_benchmark_runs_and_writes_what_its_report_reads(name, tmp_path):
     smoke = SMOKES[name]
     started = time.perf_counter()
-    done = _run(name, [*smoke.argv, "--results-dir", str(tmp_path)], smoke.timeout_s)
+    done = _run(smoke.module or name, [*smoke.argv, "--results-dir", str(tmp_path)], smoke.timeout_s)
     assert done.returncode == 0, f"bench.{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     written = tmp_path / f"{smoke.stem}.json"
     data = json.loads(written.read_text())
