@@ -94,14 +94,21 @@ def measure_model(plan: serve.Plan, model: Model, scripts: list[Script], tmp: Pa
 
 def run_app(plan: serve.Plan, model_dir: Path, scripts: list[Script], tmp: Path, config_file: str, args: dict,
             name: str) -> dict:
-    """The workload on `serve run` of config_file with args; a failed start is a result."""
-    server, base_url, config = serve.start_app(model_dir, tmp, config_file, args, name)
-    rec: dict = {"config": config, "command": server.argv}
-    try:
+    """The workload on `serve run` of config_file with args; a failed start is a result (tried
+    twice: the free port it picked can be taken before Serve binds it, as happened once)."""
+    for attempt in (1, 2):
+        server, base_url, config = serve.start_app(model_dir, tmp, config_file, args, f"{name}-{attempt}")
+        rec: dict = {"config": config, "command": server.argv}
         try:
             rec["startup_s"] = server.wait_ready(900)
+            break
         except (RuntimeError, TimeoutError) as exc:
-            return rec | {"startup_error": str(exc)[-3000:]}
+            server.stop()
+            rec["startup_error"] = str(exc)[-3000:]
+    else:
+        return rec
+    rec.pop("startup_error", None)
+    try:
         rec["warm_up"] = warm_replicas(base_url, plan)
         rec |= serve.run_mode(base_url, scripts, ConversationMode.STORED, name, plan)
         if rec["errors"]:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from proto.contract import ModelIdentity
 from workers.errors import CorruptStateError
 
 if TYPE_CHECKING:
@@ -85,6 +86,22 @@ def parse_header(header: bytes, expected_format: int | str = FORMAT_VERSION) -> 
     if not isinstance(parsed, dict) or parsed.get("format") != expected_format:
         raise CorruptStateError(f"unknown export format {parsed.get('format') if isinstance(parsed, dict) else None!r}")
     return parsed
+
+
+def parse_fitting_header(header: bytes, identity: ModelIdentity, layout: dict[str, Any],
+                         expected_format: int | str = FORMAT_VERSION) -> dict[str, Any]:
+    """The sealed header's JSON, if it is of `expected_format` and was made by an engine of this
+    model identity and cache layout (the bits fit); CorruptStateError otherwise."""
+    h = parse_header(header, expected_format)
+    try:
+        foreign = ModelIdentity.from_dict(h["identity"])
+    except (KeyError, TypeError) as e:
+        raise CorruptStateError(f"malformed model identity: {e!r}") from e
+    if foreign != identity:
+        raise CorruptStateError(f"the export was made by another model or machine kind: {foreign} vs {identity}")
+    if h.get("layout") != layout:
+        raise CorruptStateError(f"cache layout differs: {h.get('layout')} vs {layout}")
+    return h
 
 
 def chunk_shapes(layout: dict[str, Any]) -> tuple[tuple[int, ...], torch.dtype, tuple[int, ...], tuple[int, ...]]:

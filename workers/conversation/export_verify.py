@@ -16,7 +16,7 @@ import torch
 
 from proto.contract import ModelIdentity, chunk_digest
 from workers.cache.holders import SlotRole
-from workers.conversation.export_format import ChunkKind, chunk_shapes, parse_header
+from workers.conversation.export_format import ChunkKind, chunk_shapes, parse_fitting_header
 from workers.errors import CorruptStateError
 
 
@@ -61,15 +61,7 @@ def verify_export(
     held: set[str] = frozenset(),
 ) -> VerifiedHead:
     """Check an export against this engine and parse it; `chunks` may leave out `held` ones."""
-    h = parse_header(header)
-    try:
-        foreign = ModelIdentity.from_dict(h["identity"])
-    except (KeyError, TypeError) as e:
-        raise CorruptStateError(f"malformed model identity: {e!r}") from e
-    if foreign != identity:
-        raise CorruptStateError(f"the export was made by another model or machine kind: {foreign} vs {identity}")
-    if h.get("layout") != layout:
-        raise CorruptStateError(f"cache layout differs: {h.get('layout')} vs {layout}")
+    h = parse_fitting_header(header, identity, layout)
     _check_consistent(h)
     kv_shape, kv_dtype, conv_shape, ssm_shape = chunk_shapes(layout)
     conv_bytes = torch.Size(conv_shape).numel() * 4  # Mamba states are fp32

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proto.contract import ModelIdentity, chunk_digest
-from workers.conversation.export_format import ExportedHead, parse_header, seal_header
+from workers.conversation.export_format import ExportedHead, parse_fitting_header, seal_header
 from workers.errors import CorruptStateError
 
 FORMAT = "vllm/1"
@@ -51,15 +51,7 @@ def verify_export(header: bytes, chunks: dict[str, bytes], identity: ModelIdenti
                   layout: dict[str, Any]) -> tuple[dict[str, Any], HeadParts]:
     """(the header's meta, the head's parts) if the export is intact and fits this engine host;
     CorruptStateError otherwise."""
-    h = parse_header(header, FORMAT)
-    try:
-        foreign = ModelIdentity.from_dict(h["identity"])
-    except (KeyError, TypeError) as e:
-        raise CorruptStateError(f"malformed model identity: {e!r}") from e
-    if foreign != identity:
-        raise CorruptStateError(f"the export was made by another model or machine kind: {foreign} vs {identity}")
-    if h.get("layout") != layout:
-        raise CorruptStateError(f"cache layout differs: {h.get('layout')} vs {layout}")
+    h = parse_fitting_header(header, identity, layout, FORMAT)
     try:
         listed, state_len = h["chunks"], int(h["state_len"])
         expected = -(-state_len // layout["block_size"])
