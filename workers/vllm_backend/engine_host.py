@@ -5,6 +5,12 @@ Everything here runs on the worker's event loop. A request's frames go to its st
 reply to its future. A stream left before its request finished aborts the request, and a turn
 captured meanwhile (its end crossed the abort) is abandoned: the host keeps nothing nobody owns.
 If the host dies, every stream and call fails with EngineShutdownError.
+
+A host can also hang without dying (a wedged kernel, a deadlock in the engine): its turns would
+wait forever and its replica would look healthy. So a watchdog kills a host that has work in hand
+(a request streaming, a call awaiting its reply) and sends nothing for `stall_timeout_s`: a
+running request sends a frame every engine step, a call is answered between two steps. Its turns
+then fail with EngineShutdownError (503) and the replica's health check fails (Serve replaces it).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class HostSettings:
     max_num_seqs: int = 16
     kv_cache_mib: int = 256
     threads: int = 1
+    stall_timeout_s: float = 120.0  # longer than any one engine step (a whole prompt's prefill)
 
 
 class EngineHost:
@@ -63,6 +70,8 @@ class EngineHost:
         self._orphans: set[str] = set()  # requests whose stream was left before their end
         self._numbers = itertools.count()
         self._failure: str | None = None
+        self._heard_at = 0.0  # the loop's time of the host's latest frame, or of work given to an idle host
+        self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> dict[str, Any]:
         """Start the host (once; later calls wait for the same start); returns its info."""
@@ -112,13 +121,42 @@ class EngineHost:
         dispatch.add_done_callback(lambda task: self._fail(
             f"the vLLM engine host's frames could not be read: {task.exception()!r}")
             if not task.cancelled() and task.exception() else None)
+        self._watchdog = asyncio.ensure_future(self._watch())
 
     async def _read(self) -> dict[str, Any] | None:
         try:
             header = await self._process.stdout.readexactly(wire.HEADER_BYTES)
-            return wire.decode(await self._process.stdout.readexactly(wire.body_length(header)))
+            message = wire.decode(await self._process.stdout.readexactly(wire.body_length(header)))
         except asyncio.IncompleteReadError:
             return None
+        self._heard_at = asyncio.get_running_loop().time()
+        return message
+
+    def _has_work(self) -> bool:
+        return bool(self._streams or self._calls or self._orphans)
+
+    def _giving_work(self) -> None:
+        """Call before registering a stream or call: an idle host's silence so far was not a stall."""
+        if not self._has_work():
+            self._heard_at = asyncio.get_running_loop().time()
+
+    async def _watch(self) -> None:
+        """Kills the host once it has work in hand and has sent nothing for stall_timeout_s."""
+        limit = self.settings.stall_timeout_s
+        loop = asyncio.get_running_loop()
+        while self._failure is None:
+            await asyncio.sleep(min(limit / 4, 5.0))
+            silent = loop.time() - self._heard_at
+            if self._has_work() and silent > limit and self._failure is None:
+                # The frames may be read but not yet handled (a starved loop runs this first): a
+                # last turn of the loop lets a frame that arrived count.
+                await asyncio.sleep(0)
+                silent = loop.time() - self._heard_at
+                if silent > limit:
+                    self._fail(f"the vLLM engine host sent nothing for {silent:.0f} s with {len(self._streams)} "
+                               f"requests and {len(self._calls)} calls in hand: stuck, killed")
+                    log.error("%s", self._failure)
+                    self.shutdown()
 
     async def _dispatch(self) -> None:
         while (message := await self._read()) is not None:
@@ -176,6 +214,7 @@ class EngineHost:
         """The request's frames until its last (`finished`); EngineShutdownError if the host dies."""
         await self.start()
         queue: asyncio.Queue = asyncio.Queue()
+        self._giving_work()
         self._streams[request_id] = queue
         finished = False
         try:
@@ -216,6 +255,7 @@ class EngineHost:
         await self.start()
         number = next(self._numbers)
         future = asyncio.get_running_loop().create_future()
+        self._giving_work()
         self._calls[number] = future
         await self._send({"op": "call", "call": number, "fn": fn, **arguments})
         reply = await future
@@ -228,6 +268,8 @@ class EngineHost:
             raise EngineShutdownError(self._failure)
 
     def shutdown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._process is not None and self._process.returncode is None:
             self._process.kill()
 
