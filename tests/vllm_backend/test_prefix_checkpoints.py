@@ -1,0 +1,44 @@
+"""The vLLM backend's index of prefix checkpoints (no vLLM needed: the host's side is in
+test_vllm_session.py)."""
+
+from __future__ import annotations
+
+from deployments.vllm_prefixes import PrefixCheckpoint, PrefixCheckpoints
+
+
+def checkpoint(head_id: str, tokens: tuple[int, ...], salt: str = "s", nbytes: int = 40) -> PrefixCheckpoint:
+    return PrefixCheckpoint(head_id, salt, tokens, nbytes)
+
+
+def test_the_longest_proper_prefix_of_the_salt_is_found():
+    index = PrefixCheckpoints(1000)
+    for c in (checkpoint("short", (1, 2)), checkpoint("long", (1, 2, 3, 4)), checkpoint("other", (1, 2, 3),
+                                                                                           salt="t")):
+        assert index.keep(c) == []
+    assert index.longest("s", [1, 2, 3, 4, 5]).head_id == "long"
+    assert index.longest("s", [1, 2, 3, 4]).head_id == "short"  # a prompt's whole length is never loaded
+    assert index.longest("s", [1, 2, 9, 4, 5]).head_id == "short"
+    assert index.longest("s", [2, 1, 3]) is None
+    assert index.longest("u", [1, 2, 3, 4, 5]) is None  # another salt shares nothing
+
+
+def test_the_budget_drops_the_least_recently_used_but_never_one_being_loaded():
+    index = PrefixCheckpoints(100)
+    index.keep(checkpoint("a", (1,)))
+    index.keep(checkpoint("b", (2,)))
+    loading = index.longest("s", [1, 5])  # "a": pinned, and now the most recently used
+    assert loading.head_id == "a"
+    assert index.keep(checkpoint("c", (3,))) == ["b"]
+    assert index.keep(checkpoint("d", (4,))) == ["c"]  # "a" is pinned: the next least recently used goes
+    index.release(loading)
+    assert index.keep(checkpoint("e", (5,))) == ["a"]
+    assert index.nbytes <= index.budget_bytes
+
+
+def test_a_checkpoint_of_the_same_tokens_replaces_the_older_and_one_too_big_is_not_kept():
+    index = PrefixCheckpoints(100)
+    index.keep(checkpoint("first", (1, 2)))
+    assert index.keep(checkpoint("again", (1, 2))) == ["first"]
+    assert len(index) == 1
+    assert index.keep(checkpoint("huge", (7, 8), nbytes=500)) == ["huge"]  # the caller drops it in the host
+    assert index.longest("s", [1, 2, 3]).head_id == "again"
