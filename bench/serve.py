@@ -655,11 +655,15 @@ def main() -> None:
     parser.add_argument("--backend", choices=("ours", "vllm"), default="ours",
                         help="vllm: the multi-turn workload on our app's vLLM backend, vLLM's server and our "
                              "engine (bench/serve_vllm.py)")
+    parser.add_argument("--sides", default="vadc", help="--backend vllm: which sides run, of v (our app on vLLM), a "
+                                                         "(our engine), d and c (vLLM's server, prefix caching off/on)")
     args = parser.parse_args()
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.backend == "vllm":
         if args.skip_app or args.vllm_results:
             parser.error("--backend vllm runs every side itself: no --skip-app or --vllm-results")
+        if not args.sides or set(args.sides) - set("vadc"):
+            parser.error(f"--sides takes letters of vadc, not {args.sides!r}")
         main_vllm_backend(plan, args)
         return
     res = run(plan, args.quick or args.smoke, args.skip_vllm, args.skip_app, args.vllm_results)
@@ -677,7 +681,7 @@ def main_vllm_backend(plan: Plan, args: argparse.Namespace) -> None:
 
     models = (serve_vllm.DENSE,) if args.smoke else (serve_vllm.DENSE, serve_vllm.MOE)
     variant = "smoke" if args.smoke else "quick" if args.quick else "full"
-    res = serve_vllm.run(plan, models, variant, args.skip_vllm)
+    res = serve_vllm.run(plan, models, variant, args.skip_vllm, args.sides)
     stem = "serve.vllm.smoke" if args.smoke else "serve.vllm.quick" if args.quick else "serve.vllm"
     md = serve_vllm.markdown(res)
     write_results(stem, res, md, args.results_dir)

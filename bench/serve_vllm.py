@@ -69,20 +69,24 @@ DENSE, MOE = Model("dense", False), Model("moe", True)
 
 
 # -- the sides --------------------------------------------------------------------------------------
-def measure_model(plan: serve.Plan, model: Model, scripts: list[Script], tmp: Path, vllm_python: Path | None) -> dict:
-    """{side: record} of one checkpoint; without vllm_python only (a)."""
+def measure_model(plan: serve.Plan, model: Model, scripts: list[Script], tmp: Path, vllm_python: Path | None,
+                  sides: str) -> dict:
+    """{side: record} of one checkpoint for the sides asked (of "vadc"); without vllm_python only (a)."""
     from workers.checkpoint import Arch, make_model
 
     head_dim = VLLM_MIN_HEAD_DIM if plan.preset == "tiny" else None
     model_dir = make_model(tmp / f"granitemoehybrid-{plan.preset}-{model.name}", Arch.GRANITEMOEHYBRID, plan.preset,
                            seed=plan.seed, moe=model.moe, attention_head_dim=head_dim)
+    if vllm_python is None:
+        sides = "a"
     modes: dict = {}
-    if vllm_python is not None:
+    if "v" in sides:
         modes["v"] = run_app(plan, model_dir, scripts, tmp, "config.vllm.yaml",
                              {"vllm_python": str(vllm_python)}, f"{model.name}-v")
-    modes["a"] = run_app(plan, model_dir, scripts, tmp, "config.yaml", {}, f"{model.name}-a")
-    if vllm_python is not None:
-        for side, extra in (("d", ["--no-enable-prefix-caching"]), ("c", [])):
+    if "a" in sides:
+        modes["a"] = run_app(plan, model_dir, scripts, tmp, "config.yaml", {}, f"{model.name}-a")
+    for side, extra in (("d", ["--no-enable-prefix-caching"]), ("c", [])):
+        if side in sides:
             server = serve.VllmServer(vllm_python, model_dir, tmp, f"{model.name}-{side}", extra)
             try:
                 modes[side] = server.run(
@@ -157,8 +161,8 @@ def headline(modes: dict) -> dict:
     return out
 
 
-def run(plan: serve.Plan, models: tuple[Model, ...], variant: str, skip_vllm: bool) -> dict:
-    """variant: full, quick or smoke (the plan's name, for the report)."""
+def run(plan: serve.Plan, models: tuple[Model, ...], variant: str, skip_vllm: bool, sides: str = "vadc") -> dict:
+    """variant: full, quick or smoke (the plan's name, for the report); sides: which of "vadc" run."""
     from workers.vllm_backend.venv import ensure_vllm_python
 
     res: dict = {"variant": variant, "plan": asdict(plan), "env": environment_info(), "labels": SIDES,
@@ -169,11 +173,13 @@ def run(plan: serve.Plan, models: tuple[Model, ...], variant: str, skip_vllm: bo
         res["not_run"].append(f"the models other than {', '.join(m.name for m in models)}: this plan runs only those")
     if skip_vllm:
         res["not_run"].append("(v), (d), (c): --skip-vllm (no vLLM environment): only our engine ran")
+    elif set(sides) != set("vadc"):
+        res["not_run"].append(f"{', '.join(f'({s})' for s in 'vadc' if s not in sides)}: --sides {sides}")
     python = None if skip_vllm else ensure_vllm_python()
     scripts = serve.make_scripts(plan)
     with tempfile.TemporaryDirectory(prefix="bench-serve-vllm-") as tmp_name:
         for model in models:
-            modes = measure_model(plan, model, scripts, Path(tmp_name), python)
+            modes = measure_model(plan, model, scripts, Path(tmp_name), python, sides)
             res["models"][model.name] = {"modes": modes, "headline": headline(modes)}
     res["env"]["load_average_end"] = serve.load_average()
     return res

