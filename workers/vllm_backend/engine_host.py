@@ -8,9 +8,10 @@ If the host dies, every stream and call fails with EngineShutdownError.
 
 A host can also hang without dying (a wedged kernel, a deadlock in the engine): its turns would
 wait forever and its replica would look healthy. So a watchdog kills a host that has work in hand
-(a request streaming, a call awaiting its reply) and sends nothing for `stall_timeout_s`: a
-running request sends a frame every engine step, a call is answered between two steps. Its turns
-then fail with EngineShutdownError (503) and the replica's health check fails (Serve replaces it).
+(a request streaming, a call awaiting its reply) and sends nothing for `stall_timeout_s`: a busy
+host sends a frame at least every second (a token, or a tick while a long prompt is prefilled),
+a call is answered between two steps. Its turns then fail with EngineShutdownError (503) and the
+replica's health check fails (Serve replaces it).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class HostSettings:
     max_num_seqs: int = 16
     kv_cache_mib: int = 256
     threads: int = 1
-    stall_timeout_s: float = 120.0  # longer than any one engine step (a whole prompt's prefill)
+    stall_timeout_s: float = 120.0  # longer than any one engine step (one chunk of a prompt's prefill)
 
 
 class EngineHost:
@@ -144,19 +145,19 @@ class EngineHost:
         """Kills the host once it has work in hand and has sent nothing for stall_timeout_s."""
         limit = self.settings.stall_timeout_s
         loop = asyncio.get_running_loop()
+        silent_before = False
         while self._failure is None:
             await asyncio.sleep(min(limit / 4, 5.0))
             silent = loop.time() - self._heard_at
-            if self._has_work() and silent > limit and self._failure is None:
-                # The frames may be read but not yet handled (a starved loop runs this first): a
-                # last turn of the loop lets a frame that arrived count.
-                await asyncio.sleep(0)
-                silent = loop.time() - self._heard_at
-                if silent > limit:
-                    self._fail(f"the vLLM engine host sent nothing for {silent:.0f} s with {len(self._streams)} "
-                               f"requests and {len(self._calls)} calls in hand: stuck, killed")
-                    log.error("%s", self._failure)
-                    self.shutdown()
+            stalled = self._has_work() and silent > limit
+            # Twice in a row: after this loop itself was held up, frames already in the pipe are
+            # read only after this check runs; the next one sees them.
+            if stalled and silent_before and self._failure is None:
+                self._fail(f"the vLLM engine host sent nothing for {silent:.0f} s with {len(self._streams)} "
+                           f"requests and {len(self._calls)} calls in hand: stuck, killed")
+                log.error("%s", self._failure)
+                self.shutdown()
+            silent_before = stalled
 
     async def _dispatch(self) -> None:
         while (message := await self._read()) is not None:

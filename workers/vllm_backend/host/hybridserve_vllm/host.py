@@ -13,6 +13,7 @@ original stdout and fd 1 is pointed at stderr.
     -> {"op": "abort", "id"}
     -> {"op": "call", "call", "fn": commit | abandon | drop | export | install | stats, ...}
     <- {"op": "reply", "call", "value" | "error"}
+    <- {"op": "tick"}   (busy, nothing else sent for TICK_S: a long prefill is not a hang)
 
 Frames are handled between engine steps, on this one thread: the store of heads is only ever
 touched here (by the calls and by the connector inside a step). A captured request's last frame
@@ -26,6 +27,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -34,6 +36,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core 
 from hybridserve_vllm import wire  # noqa: E402
 
 _SAVE_STEPS = 4  # a finished request's save lands in the next step; give up on it after this many
+# A prompt's prefill runs over several steps (chunked) before its first token: while the host is
+# busy it says so at least this often, so the worker's stall watchdog tells it from a hung one.
+TICK_S = 1.0
 
 
 class Host:
@@ -63,6 +68,7 @@ class Host:
         self.captures: dict[str, tuple[dict[str, Any], int]] = {}  # request id -> (its last frame, steps left)
         self.running: set[str] = set()
         self.dropping: dict[str, int] = {}  # aborted captured requests -> steps left for their save
+        self.sent_at = time.monotonic()
 
     def info(self) -> dict[str, Any]:
         import torch
@@ -83,6 +89,7 @@ class Host:
     def send(self, message: dict[str, Any]) -> None:
         self.out.write(wire.encode(message))
         self.out.flush()
+        self.sent_at = time.monotonic()
 
     # -- frames ---------------------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> None:
@@ -110,7 +117,9 @@ class Host:
             self.running.discard(request_id)
             if request_id in self.capturing:  # the connector saves aborted requests too: drop it then
                 self.dropping[request_id] = _SAVE_STEPS
-        elif request_id not in self.captures:
+        elif request_id in self.captures:  # finished, its save lands in the next step: drop it then
+            self.dropping[request_id] = _SAVE_STEPS
+        else:
             return  # already ended: its last frame went out
         self.capturing.discard(request_id)
         self.captures.pop(request_id, None)
@@ -159,6 +168,8 @@ class Host:
         for output in self.engine.step():
             self.emit(output)
         self.settle_captures()
+        if self.busy and time.monotonic() - self.sent_at >= TICK_S:
+            self.send({"op": "tick"})
 
     def emit(self, output) -> None:
         request_id, completion = output.request_id, output.outputs[0]
