@@ -12,7 +12,8 @@ does every turn) runs only what is new; and a system prompt, so new chats openin
     keep       a finished stateless request's captured state, its prompt and reply but the last
                token (what vLLM computed), becomes a checkpoint
 
-prefix_cache_mb holds them, least recently used dropped first.
+prefix_cache_mb holds them, least recently used dropped first; a state that could not fit in
+it (the host's layout says how big it is) is neither captured nor primed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from workers.request import ReuseSource
 from workers.sampling import SamplingParams
@@ -55,6 +59,9 @@ class PrefixCheckpoints:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def __iter__(self):
+        return iter(list(self._held.values()))
 
     @property
     def nbytes(self) -> int:
@@ -108,10 +115,15 @@ class HostPrefixes:
         self.index = PrefixCheckpoints(budget_bytes)
         self._priming: dict[tuple[str, tuple[int, ...]], asyncio.Future] = {}
         self._numbers = itertools.count()
+        self.layout: dict[str, Any] = {}  # the host's (export.host_layout), once it is up
 
     @property
     def enabled(self) -> bool:
         return self.index.budget_bytes > 0
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a state of `tokens` tokens fits the budget (its KV blocks and Mamba pages)."""
+        return self.enabled and bool(self.layout) and state_bytes(self.layout, tokens) <= self.index.budget_bytes
 
     async def attach(self, salt: str, prompt: Sequence[int], system_end: int) -> PrefixCheckpoint | None:
         """The checkpoint the request loads, pinned (release it when the request ends), or None.
@@ -119,7 +131,8 @@ class HostPrefixes:
         if not self.enabled:
             return None
         found = self.index.longest(salt, prompt)
-        if system_end >= MIN_SYSTEM_TOKENS and (found is None or len(found.tokens) < system_end):
+        if (system_end >= MIN_SYSTEM_TOKENS and (found is None or len(found.tokens) < system_end)
+                and self.fits(system_end)):
             if found is not None:
                 self.index.release(found)
             await self._prime(salt, tuple(prompt[:system_end]))
@@ -140,7 +153,7 @@ class HostPrefixes:
         key = (salt, tokens)
         priming = self._priming.get(key)
         if priming is None:
-            priming = self._priming[key] = asyncio.ensure_future(self._compute(salt, tokens))
+            priming = self._priming[key] = detached(self._compute(salt, tokens))
             priming.add_done_callback(lambda _: self._priming.pop(key, None))
         await asyncio.shield(priming)  # a request cancelled meanwhile leaves it to the others
 
@@ -170,3 +183,22 @@ class HostPrefixes:
         if dropped:
             await self.host.call("drop", heads=dropped)
         return 0 if head_id in dropped else captured
+
+
+def detached(work) -> asyncio.Task:
+    """`work` as a task that runs to its end even if all its waiters are cancelled (await it
+    through asyncio.shield); its failure, if nobody is left to see it, is not logged as lost."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
+def state_bytes(layout: dict[str, Any], tokens: int) -> int:
+    """The bytes of a head of `tokens` tokens in the host: a block per layer per started block of
+    tokens, and every Mamba layer's state page."""
+    def nbytes(layer: dict[str, Any]) -> int:
+        dtype = getattr(torch, layer["dtype"].removeprefix("torch."))
+        return torch.Size(layer["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
+
+    blocks = -(-tokens // layout["block_size"])
+    return blocks * sum(nbytes(layer) for layer in layout["attention"]) + sum(nbytes(m) for m in layout["mamba"])

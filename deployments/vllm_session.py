@@ -38,9 +38,9 @@ import torch
 from deployments.conversation_use import ConversationUse
 from deployments.protocol import HeadRef
 from deployments.settings import AppSettings
-from deployments.vllm_prefixes import HostPrefixes, PrefixCheckpoint
+from deployments.vllm_prefixes import HostPrefixes, PrefixCheckpoint, detached
 from proto.contract import ConversationRef, ModelIdentity, tokens_digest
-from workers.conversation.boundaries import message_marks
+from workers.conversation.boundaries import system_boundary
 from workers.conversation.export_format import pack_export, unpack_export
 from workers.config import CacheConfig
 from workers.conversation.ledger import ConversationLedger
@@ -121,6 +121,7 @@ class VllmSession:
             self.identity = ModelIdentity(base.weights_digest, base.config_digest, info["dtype"], info["torch"],
                                           base.device_kind)
             self.layout = vllm_export.host_layout(info)
+            self.prefixes.layout = self.layout
 
     def shutdown(self) -> None:
         self.host.shutdown()
@@ -286,9 +287,8 @@ class VllmSession:
 
     def _system_end(self, messages: list[dict[str, Any]], prompt: list[int],
                     tools: list[dict[str, Any]] | None) -> int:
-        """Where the prompt's system message ends (0: it opens with none, or no boundary is there)."""
-        marks = message_marks(self.tokenizer, messages, prompt, tools)
-        return next((m.position for m in marks if m.source is ReuseSource.SYSTEM), 0)
+        """Where the prompt's system message ends (0: it opens with none, or none is kept here)."""
+        return system_boundary(self.tokenizer, messages, prompt, tools) if self.prefixes.enabled else 0
 
     async def _check_length(self, prompt: list[int]) -> None:
         """As our engine: a prompt must leave room for one token (vLLM would refuse it)."""
@@ -331,12 +331,12 @@ class VllmSession:
             outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
             async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self._allowed),
                                                 (base.head_id, len(base.tokens)) if base else None,
-                                                capture=self.prefixes.enabled):
+                                                capture=self.prefixes.fits(len(prompt) + params.max_tokens)):
                 checkpoints = ()
                 if frame["finished"] and frame.get("prepared") is not None:
                     # Kept before the last output goes out (the client's next request may follow at
                     # once), and kept whole even if this stream is cancelled meanwhile.
-                    tokens = await asyncio.shield(asyncio.ensure_future(self.prefixes.keep(
+                    tokens = await asyncio.shield(detached(self.prefixes.keep(
                         salt, prompt + outputs.output_ids + list(frame["tokens"]), frame["prepared"], request_id)))
                     checkpoints = self.prefixes.system_checkpoint(salt, prompt, system_end)
                     if tokens:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import openai
 
+from cache_service.client import CacheClient
+
 MAX_TOKENS = 8
 
 
@@ -86,5 +88,18 @@ async def tier_copy(http, conv_id: str, salt: str, timeout_s: float = 30.0) -> d
             if state["head"]["tier_version"] == state["head"]["version"]:
                 return state
             await asyncio.sleep(0.05)
+
+    return await asyncio.wait_for(poll(), timeout_s)
+
+
+async def prefix_holders(cache: CacheClient, names: list[str], timeout_s: float = 30.0) -> tuple[str, ...]:
+    """The replicas the prefix index names for the whole of `names` (announced after the answer,
+    off the response path: polled)."""
+    async def poll() -> tuple[str, ...]:
+        while True:
+            match = await cache.find_prefix(names)
+            if match is not None and match.index == len(names) - 1:
+                return tuple(replica for replica, _ in match.holders)
+            await asyncio.sleep(0.1)
 
     return await asyncio.wait_for(poll(), timeout_s)

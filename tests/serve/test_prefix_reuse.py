@@ -5,7 +5,6 @@ those of a request computed from scratch."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from cache_service.client import CacheClient
 from proto.contract import message_prefix_digests
 from tests.serve.conftest import APP
-from tests.serve.helpers import chat_turn, metric, stateless_reference, user
+from tests.serve.helpers import chat_turn, metric, prefix_holders, stateless_reference, user
 from tests.serve.test_recovery import kill_replica, replica_replaced
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,26 +67,13 @@ async def test_a_shared_system_prompt_is_computed_once_per_scope(stack):
     assert other.cached_tokens == 0  # another salt: another scope
 
 
-async def _holders_of(cache: CacheClient, names: list[str], timeout_s: float = 30.0) -> tuple[str, ...]:
-    """The replicas the prefix index names for the whole of `names` (announced after the answer,
-    off the response path: polled)."""
-    async def poll() -> tuple[str, ...]:
-        while True:
-            match = await cache.find_prefix(names)
-            if match is not None and match.index == len(names) - 1:
-                return tuple(replica for replica, _ in match.holders)
-            await asyncio.sleep(0.1)
-
-    return await asyncio.wait_for(poll(), timeout_s)
-
-
 async def test_a_prefix_whose_holder_died_is_recomputed_with_the_same_tokens(stack):
     client, salt = stack.client(), _salt()
     history = [user("first: name a colour")]
     first = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
     history.append({"role": "assistant", "content": first.text})
     async with CacheClient(stack.service.target) as cache:
-        (holder,) = await _holders_of(cache, message_prefix_digests(salt, history))
+        (holder,) = await prefix_holders(cache, message_prefix_digests(salt, history))
     kill_replica(APP, holder)
     await replica_replaced(APP)
     history.append(user("second: and another one"))

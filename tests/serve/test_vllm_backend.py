@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import pytest
 from ray import serve
 
+from cache_service.client import CacheClient
 from deployments.app import build_app
+from proto.contract import message_prefix_digests
 from tests.serve.conftest import app_args, never_ending
-from tests.serve.helpers import chat_turn, conversation, metric, stateless_reference, tier_copy, user
+from tests.serve.helpers import chat_turn, conversation, metric, prefix_holders, stateless_reference, tier_copy, user
 from tests.serve.test_recovery import kill_replica, replica_replaced
 from tests.serve.test_tool_calls import TOOLS
 from workers.checkpoint import Arch, Preset, make_model
@@ -105,6 +107,8 @@ async def test_a_chat_resent_in_full_runs_only_its_new_messages(stack, vllm_app)
         assert reply.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
         ended = reply.prompt_tokens + len(reply.tokens) - 1
         history.append({"role": "assistant", "content": reply.text})
+        async with CacheClient(stack.service.target) as cache:  # announced off the answer's path: landed
+            assert await prefix_holders(cache, message_prefix_digests("full", history))
 
 
 async def test_owner_killed_between_turns_continues_from_the_tier_with_the_same_tokens(stack, vllm_app, conv_id):

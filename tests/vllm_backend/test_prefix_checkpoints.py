@@ -42,3 +42,21 @@ def test_a_checkpoint_of_the_same_tokens_replaces_the_older_and_one_too_big_is_n
     assert len(index) == 1
     assert index.keep(checkpoint("huge", (7, 8), nbytes=500)) == ["huge"]  # the caller drops it in the host
     assert index.longest("s", [1, 2, 3]).head_id == "again"
+
+
+LAYOUT = {"block_size": 128,
+          "attention": [{"name": f"a{i}", "shape": [2, 128, 2, 32], "dtype": "torch.float32"} for i in range(2)],
+          "mamba": [{"name": "m0", "shape": [1000], "dtype": "torch.bfloat16"}]}
+
+
+def test_a_state_is_sized_from_the_layout_and_one_beyond_the_budget_is_not_kept():
+    from deployments.vllm_prefixes import HostPrefixes, state_bytes
+
+    block = 2 * 128 * 2 * 32 * 4
+    assert state_bytes(LAYOUT, 1) == 2 * block + 2000
+    assert state_bytes(LAYOUT, 129) == 4 * block + 2000  # a started block is a whole one
+    prefixes = HostPrefixes(host=None, budget_bytes=state_bytes(LAYOUT, 256))
+    assert not prefixes.fits(10)  # the layout is not known before the host is up
+    prefixes.layout = LAYOUT
+    assert prefixes.fits(256) and not prefixes.fits(257)
+    assert not HostPrefixes(host=None, budget_bytes=0).fits(1)

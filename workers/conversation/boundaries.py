@@ -27,16 +27,32 @@ def message_marks(
 ) -> tuple[CheckpointMark, ...]:
     marks: dict[int, CheckpointMark] = {}
     for k in sorted({1, len(messages)}):
-        try:
-            rendered = tokenizer.render_chat(list(messages[:k]), add_generation_prompt=False, tools=tools)
-            ids = tokenizer.encode(rendered)
-        except Exception:  # a template may refuse a partial chat (e.g. a system message alone)
-            continue
-        n = len(ids)
-        if 0 < n < len(prompt_ids) and list(prompt_ids[:n]) == ids and n not in marks:
+        n = _boundary(tokenizer, messages[:k], prompt_ids, tools)
+        if n and n not in marks:
             system = k == 1 and messages[0].get("role") == "system"
             marks[n] = CheckpointMark(n, label=k, source=ReuseSource.SYSTEM if system else ReuseSource.PREFIX)
     return tuple(marks.values())
+
+
+def system_boundary(
+    tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int],
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> int:
+    """Where the prompt's opening system message ends (0: none, or no boundary there)."""
+    if not messages or messages[0].get("role") != "system":
+        return 0
+    return _boundary(tokenizer, messages[:1], prompt_ids, tools)
+
+
+def _boundary(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int],
+              tools: Sequence[dict[str, Any]] | None) -> int:
+    """The length of `messages` rendered, if that is a proper prefix of the prompt's ids; else 0."""
+    try:
+        ids = tokenizer.encode(tokenizer.render_chat(list(messages), add_generation_prompt=False, tools=tools))
+    except Exception:  # a template may refuse a partial chat (e.g. a system message alone)
+        return 0
+    n = len(ids)
+    return n if 0 < n < len(prompt_ids) and list(prompt_ids[:n]) == ids else 0
 
 
 def reply_label(messages: Sequence[dict[str, Any]]) -> int:
