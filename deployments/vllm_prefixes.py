@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from workers.request import ReuseSource
 from workers.sampling import SamplingParams
 from workers.vllm_backend.engine_host import EngineHost
+from workers.vllm_backend.host.hybridserve_vllm.heads import LayerLayout, block_count
 from workers.vllm_backend.requests import vllm_sampling
 
 log = logging.getLogger("hybridserve.vllm")
@@ -194,11 +193,9 @@ def detached(work) -> asyncio.Task:
 
 
 def state_bytes(layout: dict[str, Any], tokens: int) -> int:
-    """The bytes of a head of `tokens` tokens in the host: a block per layer per started block of
-    tokens, and every Mamba layer's state page."""
-    def nbytes(layer: dict[str, Any]) -> int:
-        dtype = getattr(torch, layer["dtype"].removeprefix("torch."))
-        return torch.Size(layer["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
+    """The bytes of a head of `tokens` tokens in the host (its HeadStore's): a block per
+    attention layer per block of tokens, and every Mamba layer's state page."""
+    def total(key: str) -> int:
+        return sum(LayerLayout.from_dict(layer).nbytes for layer in layout[key])
 
-    blocks = -(-tokens // layout["block_size"])
-    return blocks * sum(nbytes(layer) for layer in layout["attention"]) + sum(nbytes(m) for m in layout["mamba"])
+    return block_count(tokens, layout["block_size"]) * total("attention") + total("mamba")

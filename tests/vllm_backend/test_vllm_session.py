@@ -30,8 +30,11 @@ QUESTIONS = [
 
 
 async def run_turn(session, ref, text, request_id, **sampling):
-    outs = [o async for o in session.stream_turn(ref, [{"role": "user", "content": text}],
-                                                  SamplingParams(**(sampling or GREEDY)), request_id)]
+    return await run_turn_with(session, ref, [{"role": "user", "content": text}], request_id, **sampling)
+
+
+async def run_turn_with(session, ref, messages, request_id, **sampling):
+    outs = [o async for o in session.stream_turn(ref, messages, SamplingParams(**(sampling or GREEDY)), request_id)]
     return outs, outs[-1].turn_commit
 
 
@@ -411,10 +414,6 @@ async def test_a_system_prompt_is_computed_once_for_the_chats_that_open_with_it(
     assert outs[-1].checkpoints == ((3, outs[-1].num_prompt_tokens + sum(len(o.new_tokens) for o in outs) - 1),)
     await host_is_clean(session)
 
-
-async def run_turn_with(session, ref, messages, request_id):
-    outs = [o async for o in session.stream_turn(ref, messages, SamplingParams(**GREEDY), request_id)]
-    return outs, outs[-1].turn_commit
 
 
 STALL_S = 1.0

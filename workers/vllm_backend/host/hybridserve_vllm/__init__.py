@@ -3,7 +3,8 @@ the engine host process and the KV connector it loads into vLLM. Nothing here im
 package (it is not installed there): only the standard library, torch and vllm.
 
     wire.py       frames between the worker replica and the engine host (also used on our side)
-    heads.py      the heads this engine holds: committed and prepared, as block copies
+    heads.py      the heads this engine holds: committed and prepared, as block copies (our side
+                  sizes prefix checkpoints with its LayerLayout)
     connector.py  vLLM's KV connector: loads a head before a request's forward, captures its end
     host.py       the engine host: vLLM's LLMEngine in this process, driven by the worker's frames
 """

@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
-from hybridserve_vllm.heads import Head, HeadStore, LayerLayout
+from hybridserve_vllm.heads import Head, HeadStore, LayerLayout, block_count
 
 # The engine runs in the host's process (in-process engine core, one worker): the worker-side
 # connector fills this store and the host resolves, exports and installs heads in it.
@@ -140,7 +140,7 @@ class HeadConnector(KVConnectorBase_V1, SupportsHMA):
                 if name in self._mamba_layers:
                     cache.select(dim, ids[0]).copy_(head.states[name])
                 else:
-                    for i in range(_block_count(load.num_tokens, self._block_size)):
+                    for i in range(block_count(load.num_tokens, self._block_size)):
                         cache.select(dim, ids[i]).copy_(head.blocks[name][i])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -174,14 +174,11 @@ class HeadConnector(KVConnectorBase_V1, SupportsHMA):
             if name in self._mamba_layers:
                 head.states[name] = cache.select(dim, ids[0]).clone()
             else:
-                count = _block_count(save.num_tokens, self._block_size)
+                count = block_count(save.num_tokens, self._block_size)
                 head.blocks[name] = [
                     base.blocks[name][i] if i < shared else cache.select(dim, ids[i]).clone() for i in range(count)]
         return head
 
-
-def _block_count(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 def _block_dim(cache: torch.Tensor, num_blocks: int) -> int:

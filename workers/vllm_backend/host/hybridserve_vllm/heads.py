@@ -30,6 +30,10 @@ class LayerLayout:
     def to_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": str(self.dtype)}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> LayerLayout:
+        return cls(d["name"], tuple(d["shape"]), getattr(torch, d["dtype"].removeprefix("torch.")))
+
 
 @dataclass
 class Head:
@@ -80,13 +84,13 @@ class HeadStore:
         """(tokens covered, one part per block index with every attention layer's block in layer
         order, the Mamba state pages in layer order)."""
         head = self.head(head_id)
-        count = _block_count(head.num_tokens, self.block_size)
+        count = block_count(head.num_tokens, self.block_size)
         blocks = [b"".join(_raw(head.blocks[layer.name][i]) for layer in self.attention) for i in range(count)]
         return head.num_tokens, blocks, b"".join(_raw(head.states[layer.name]) for layer in self.mamba)
 
     def install(self, head_id: str, num_tokens: int, blocks: list[bytes], state: bytes) -> int:
         """A head from its export's parts (checked against this engine's layout); returns its bytes."""
-        if len(blocks) != _block_count(num_tokens, self.block_size):
+        if len(blocks) != block_count(num_tokens, self.block_size):
             raise HeadError(f"{len(blocks)} blocks do not cover {num_tokens} tokens")
         head = Head(num_tokens, {layer.name: [] for layer in self.attention}, {})
         for raw in blocks:
@@ -98,7 +102,8 @@ class HeadStore:
         return head.nbytes()
 
 
-def _block_count(num_tokens: int, block_size: int) -> int:
+def block_count(num_tokens: int, block_size: int) -> int:
+    """Blocks of block_size covering num_tokens (a started block is a whole one)."""
     return -(-num_tokens // block_size)
 
 
