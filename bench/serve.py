@@ -239,7 +239,7 @@ def run_mode(base_url: str, scripts: list[Script], kind: ConversationMode, tag: 
 # -- the in-process reference of the overhead ------------------------------------------------------
 class InProcessReference:
     """The overhead probe's conversations in an engine stepped in this process, configured as a
-    Worker replica configures its own (deployments/engine_session.py) from config.yaml's args."""
+    Worker replica configures its own (deployments/worker/engine_session.py) from config.yaml's args."""
 
     def __init__(self, plan: Plan, model_dir: Path):
         import torch

@@ -12,10 +12,10 @@ from typing import Any
 
 from ray.serve import Application
 
-from deployments.cache_host import CacheService
-from deployments.ingress import ChatIngress
+from deployments.service.host import CacheService
+from deployments.front.ingress import ChatIngress
 from deployments.settings import AppSettings
-from deployments.worker import Worker
+from deployments.worker.replica import Worker
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deployments.protocol import ErrorKind
+from deployments.messages import ErrorKind
 
 log = logging.getLogger("hybridserve.errors")
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")

@@ -9,11 +9,15 @@ from __future__ import annotations
 import enum
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache_service.client import SERVICE_LIMITS
 from workers.quantization import WeightQuantization
+
+if TYPE_CHECKING:
+    from workers.config import EngineConfig
 
 MAX_OUTPUT_TOKENS = 4096  # max_tokens of one request
 # What one reply adds to its turn's content, beyond the request's messages: MAX_OUTPUT_TOKENS
@@ -22,6 +26,9 @@ REPLY_BYTES_PER_TOKEN = 128
 # The request body bounds the turn's messages (their JSON is at least their UTF-8 bytes): with
 # the longest reply they must fit the cache service's limit on one turn's content.
 MAX_BODY_BYTES = SERVICE_LIMITS.max_turn_content_bytes - MAX_OUTPUT_TOKENS * REPLY_BYTES_PER_TOKEN
+# Heads a worker keeps per conversation: the latest turn's (older turns are in the tier or the
+# ledger; keeping more would only shrink how many conversations a replica holds).
+RETAIN_TURNS = 1
 KEY_SCOPE_HEX = 16
 SCOPE_PREFIX_BYTES = KEY_SCOPE_HEX + 1  # "<scope>:" before the caller's salt when auth is on
 
@@ -113,6 +120,23 @@ class AppSettings(BaseModel):
         if self.weight_quantization is not WeightQuantization.NONE and self.device != "cpu":
             raise ValueError(f"weight_quantization={self.weight_quantization.value} runs on device cpu only")
         return self
+
+    def engine_config(self, model_dir: str) -> EngineConfig:
+        """The engine a worker replica runs, the one mapping of these settings onto EngineConfig
+        (benchmarks that stand for a replica build theirs here too). Imported here: the ingress
+        process reads these settings and never loads torch."""
+        from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+
+        return EngineConfig(
+            model=model_dir,
+            device=self.device,
+            num_threads=self.torch_threads,
+            max_model_len=self.max_model_len,
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs),
+            cache=CacheConfig(kv_cache_bytes=self.kv_cache_mb << 20, head_cache_bytes=self.head_cache_mb << 20,
+                              prefix_cache_bytes=self.prefix_cache_mb << 20),
+            weight_quantization=self.weight_quantization,
+        )
 
     @property
     def auth_enabled(self) -> bool:

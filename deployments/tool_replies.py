@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
-from deployments.protocol import ToolCall, ToolCallDelta
+from deployments.messages import ToolCall, ToolCallDelta
 from workers.tools.formats import ParsedPiece, ToolFormat
 
 

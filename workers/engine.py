@@ -64,7 +64,7 @@ class RequestOutput:
     # Prefix reuse, on the final output: the prefix checkpoints the request made, as (the mark's
     # label, tokens) — the worker labels a mark by the messages it covers, k for messages[:k]
     # (len(messages) + 1: the messages and the reply), and announces them to the prefix index
-    # (deployments/prefix_index.py) — and where its reused state came from.
+    # (deployments/routing/prefix_hints.py) — and where its reused state came from.
     checkpoints: tuple[tuple[int, int], ...] = ()
     reused_from: ReuseSource = ReuseSource.NONE
 

@@ -39,10 +39,10 @@ def test_deployments_use_only_the_cache_service_client():
 
 
 def test_the_ingress_imports_no_torch():
-    code = ("import sys, deployments.settings, deployments.ingress, deployments.router\n"
+    code = ("import sys, deployments.settings, deployments.front.ingress, deployments.routing.router\n"
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
             "assert not loaded, loaded[:5]\n"
-            "assert 'deployments.ingress' in sys.modules\n")
+            "assert 'deployments.front.ingress' in sys.modules\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr

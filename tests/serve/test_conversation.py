@@ -9,7 +9,7 @@ import openai
 import pytest
 from ray import serve
 
-from deployments.protocol import TurnDone, TurnJob
+from deployments.messages import TurnDone, TurnJob
 from tests.serve.conftest import APP
 from tests.serve.helpers import chat_turn, conversation, stateless_reference, user
 

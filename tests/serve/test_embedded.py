@@ -11,7 +11,7 @@ from ray import serve
 
 from cache_service.client import CacheClient, Unauthenticated
 from deployments.app import build_app
-from deployments.cache_access import CacheConnection
+from deployments.service.connection import CacheConnection
 from deployments.settings import AppSettings
 from tests.serve.helpers import chat_turn, user
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from deployments.ingress import api
+from deployments.front.ingress import api
 
 schema = schemathesis.openapi.from_dict(api.openapi())
 # Output lengths are capped so each example is quick: the model never ends a reply by itself

@@ -10,7 +10,7 @@ import pytest
 from ray import serve
 
 from deployments.app import ChatIngress, Worker
-from deployments.protocol import HeadRef, ReplicaCall
+from deployments.messages import HeadRef, ReplicaCall
 from deployments.settings import AppSettings
 from proto.contract import ConversationRef
 from tests.serve.conftest import APP, app_args

@@ -16,11 +16,11 @@ import pytest
 from cache_service.client import CacheClient, ClientConfig, RetryPolicy
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
-from deployments.cache_access import cache_client_config
-from deployments.lease_keeper import LeaseKeeper
-from deployments.prefix_index import LOOKUP_FAILURES, PREFIX_LOOKUP_S, Announcer, announcement
+from deployments.service.connection import cache_client_config
+from deployments.turn.lease_keeper import LeaseKeeper
+from deployments.routing.prefix_hints import LOOKUP_FAILURES, PREFIX_LOOKUP_S, Announcer, announcement
 from deployments.settings import AppSettings
-from deployments.turns import TurnRun
+from deployments.turn.run import TurnRun
 from proto.contract import ConversationRef, message_prefix_digests, tools_scope
 from tests.cache_service.cs_helpers import ServiceProcess
 

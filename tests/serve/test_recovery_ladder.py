@@ -14,11 +14,11 @@ from cache_service.client import (
     ResourceExhausted,
     Unavailable,
 )
-from deployments import recovery_ladder
-from deployments.engine_session import EngineSession
-from deployments.protocol import HeadRef, Recovery, TurnJob
+from deployments.worker import recovery_ladder
+from deployments.worker.engine_session import EngineSession
+from deployments.messages import HeadRef, Recovery, TurnJob
 from deployments.settings import AppSettings
-from deployments.tier_export import TierExporter
+from deployments.worker.tier_export import TierExporter
 from proto.contract import ConversationRef
 from tests.cache_service.cs_helpers import fast_client
 from workers.sampling import SamplingParams

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from deployments.engine_session import EngineSession
-from deployments.protocol import HeadRef
+from deployments.worker.engine_session import EngineSession
+from deployments.messages import HeadRef
 from deployments.settings import AppSettings
 from proto.contract import ConversationRef
 from workers.checkpoint import Arch, Preset, make_model

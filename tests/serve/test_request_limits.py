@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from cache_service.client import SERVICE_LIMITS
 from deployments import errors
-from deployments.api_models import MAX_MESSAGES, MAX_SALT_BYTES
+from deployments.front.chat_models import MAX_MESSAGES, MAX_SALT_BYTES
 from deployments.app import build_app
-from deployments.protocol import ErrorKind
+from deployments.messages import ErrorKind
 from deployments.settings import MAX_BODY_BYTES, AppSettings
 from tests.serve.helpers import chat_turn, user
 from tests.serve.test_http_errors import assert_error

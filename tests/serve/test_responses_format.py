@@ -11,10 +11,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from deployments.errors import APIError
-from deployments.protocol import Recovery, ToolCall, ToolCallDelta, TurnDelta, TurnDone
-from deployments.responses import STORED_ECHO
-from deployments.responses_format import ResponseBody, ResponseId, ResponseStream
-from deployments.responses_models import ResponsesRequest, engine_messages
+from deployments.messages import Recovery, ToolCall, ToolCallDelta, TurnDelta, TurnDone
+from deployments.front.responses_plan import STORED_ECHO
+from deployments.front.responses_format import ResponseBody, ResponseId, ResponseStream
+from deployments.front.responses_models import ResponsesRequest, engine_messages
 
 PUBLISH = "resp-" + "ab" * 16
 

@@ -11,8 +11,8 @@ from typing import Any
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from deployments.protocol import HeadRef, TurnJob
-from deployments.router import PREFIX_SLACK, StickyConversationRouter
+from deployments.messages import HeadRef, TurnJob
+from deployments.routing.router import PREFIX_SLACK, StickyConversationRouter
 
 
 @dataclass

@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from cache_service.client import CacheClient, Unauthenticated
-from deployments.cache_access import cache_client_config
-from deployments.cache_host import CacheServiceProcess
+from deployments.service.connection import cache_client_config
+from deployments.service.host import CacheServiceProcess
 from deployments.settings import AppSettings
 
 
@@ -62,7 +62,7 @@ async def test_without_a_secret_file_the_started_cache_service_gets_a_random_sec
 
 
 def test_weight_quantization_is_validated_and_reaches_the_engine(tmp_path):
-    from deployments.engine_session import EngineSession
+    from deployments.worker.engine_session import EngineSession
     from workers.checkpoint import Arch, Preset, make_model
     from workers.config import WeightQuantization
 

@@ -3,9 +3,9 @@ calls with the same ids, and a replay after a partial stream sends only what is 
 
 from __future__ import annotations
 
-from deployments.protocol import TurnDelta
+from deployments.messages import TurnDelta
 from deployments.tool_replies import ReplyCalls
-from deployments.turn_outcome import Streamed, replay
+from deployments.turn.outcome import Streamed, replay
 from proto import cache_pb2 as pb
 from workers.tools.formats import FORMATS
 

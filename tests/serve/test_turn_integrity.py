@@ -12,7 +12,7 @@ import time
 import openai
 from ray import serve
 
-from deployments.protocol import ReplicaCall
+from deployments.messages import ReplicaCall
 
 from tests.serve.conftest import APP, NOTIER_APP
 from tests.serve.helpers import chat_turn, conversation, metric, user

@@ -9,11 +9,11 @@ import pytest
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cache_service.client import LeaseLost, VersionConflict
-from deployments.cache_access import cache_client_config
-from deployments.lease_keeper import LeaseKeeper
-from deployments.protocol import Recovery, TurnDelta, TurnDone, TurnFailed, TurnJob
+from deployments.service.connection import cache_client_config
+from deployments.turn.lease_keeper import LeaseKeeper
+from deployments.messages import Recovery, TurnDelta, TurnDone, TurnFailed, TurnJob
 from deployments.settings import AppSettings
-from deployments.turns import TurnRun
+from deployments.turn.run import TurnRun
 from proto.contract import ConversationRef, tokens_digest
 from tests.cache_service.cs_helpers import fast_client
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deployments.settings import AppSettings
-from deployments.vllm_session import VllmSession
+from deployments.worker.vllm_session import VllmSession
 from workers.checkpoint import Arch, Preset, make_model
 from workers.vllm_backend.venv import VENV_DIR
 

@@ -3,7 +3,7 @@ test_vllm_session.py)."""
 
 from __future__ import annotations
 
-from deployments.vllm_prefixes import PrefixCheckpoint, PrefixCheckpoints
+from workers.vllm_backend.prefixes import PrefixCheckpoint, PrefixCheckpoints
 
 
 def checkpoint(head_id: str, tokens: tuple[int, ...], salt: str = "s", nbytes: int = 40) -> PrefixCheckpoint:
@@ -50,7 +50,7 @@ LAYOUT = {"block_size": 128,
 
 
 def test_a_state_is_sized_from_the_layout_and_one_beyond_the_budget_is_not_kept():
-    from deployments.vllm_prefixes import HostPrefixes, state_bytes
+    from workers.vllm_backend.prefixes import HostPrefixes, state_bytes
 
     block = 2 * 128 * 2 * 32 * 4
     assert state_bytes(LAYOUT, 1) == 2 * block + 2000

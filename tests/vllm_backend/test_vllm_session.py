@@ -123,7 +123,7 @@ async def test_abandon_leaves_the_head_byte_identical(dense_session):
 
 
 async def test_a_head_exported_by_one_worker_continues_on_another(dense_session, second_dense_session):
-    from deployments.protocol import HeadRef
+    from deployments.messages import HeadRef
     from workers.conversation.records import LedgerTurn
 
     ref = ConversationRef("migrate", "s")
@@ -157,7 +157,7 @@ async def test_exports_never_cross_backends_or_conversations(dense_session, tmp_
     with pytest.raises(CorruptStateError, match="unknown export format"):  # our engine refuses it
         verify_ours(header, chunks, dense_session.identity, {})
     other = ConversationRef("crossing-other", "s")
-    from deployments.protocol import HeadRef
+    from deployments.messages import HeadRef
     from workers.conversation.records import LedgerTurn
     conv = dense_session.conversations[ref.key]
     turns = [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start: t.end])) for t in conv.turns]
@@ -186,7 +186,7 @@ async def test_a_worker_without_the_head_recomputes_from_the_ledger_with_the_sam
         dense_session, second_dense_session):
     """The recovery ladder's last rung on this backend: the ledger adopted, no state imported;
     the next turn runs the whole history and continues exactly as the owner would have."""
-    from deployments.protocol import HeadRef
+    from deployments.messages import HeadRef
     from workers.conversation.records import LedgerTurn
 
     ref = ConversationRef("recompute", "s")
@@ -210,7 +210,7 @@ async def test_an_engine_host_that_cannot_start_says_why(tmp_path, vllm_models):
     EngineShutdownError naming the cause, and leave it unhealthy."""
     from pathlib import Path
 
-    from deployments.vllm_session import VllmSession
+    from deployments.worker.vllm_session import VllmSession
     from workers.checkpoint import Arch, Preset, make_model
     from workers.errors import EngineShutdownError
 
@@ -342,7 +342,7 @@ async def test_a_chat_resent_in_full_runs_only_its_new_messages(dense_session):
     checkpoint the previous request left at its end and computes only the rest; its reply is
     vLLM's own run of the whole prompt. A checkpoint is exact: another salt, or a history whose
     reply was edited, attaches nothing of it."""
-    from deployments.vllm_prefixes import state_bytes
+    from workers.vllm_backend.prefixes import state_bytes
     from workers.request import ReuseSource
 
     session = dense_session
@@ -382,7 +382,7 @@ async def test_a_system_prompt_is_computed_once_for_the_chats_that_open_with_it(
     """New chats opening with the same system prompt (stateless ones, and a conversation's first
     turn) load its checkpoint, computed once on its own; replies equal vLLM's run of the whole
     prompt. A system prompt under another salt, or a short one, is computed with its prompt."""
-    from deployments.vllm_prefixes import MIN_SYSTEM_TOKENS
+    from workers.vllm_backend.prefixes import MIN_SYSTEM_TOKENS
     from workers.request import ReuseSource
 
     session = dense_session
@@ -427,7 +427,7 @@ async def test_a_stuck_engine_host_is_killed_and_its_turns_fail(vllm_models):
     import os
     import signal
 
-    from deployments.vllm_session import VllmSession
+    from deployments.worker.vllm_session import VllmSession
     from workers.errors import EngineShutdownError
 
     from .conftest import vllm_settings

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front (FastAPI through `@serve.ingress`).
 
-    POST   /v1/chat/completions        stateless, or a conversation turn (see turns.py)
-    POST   /v1/responses               OpenAI's Responses API on conversations (see responses.py)
+    POST   /v1/chat/completions        stateless, or a conversation turn (see turn/run.py)
+    POST   /v1/responses               OpenAI's Responses API on conversations (see responses_plan.py)
     GET    /v1/responses/{id}[/input_items], DELETE /v1/responses/{id}
     POST   /v1/conversations           a fresh conversation id (stored with its first response)
     GET    /v1/models
@@ -30,21 +30,22 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_service.client import CacheClient, CacheError, LeaseHeld, NotFound
-from deployments import errors, responses
-from deployments.api_models import CacheSalt, ChatCompletionRequest
-from deployments.body_limit import BodyLimit
-from deployments.cache_access import CacheConnection
+from deployments import errors
+from deployments.front import responses_plan
+from deployments.front.chat_models import CacheSalt, ChatCompletionRequest
+from deployments.front.guard import BodyLimit
+from deployments.service.connection import CacheConnection
 from deployments.errors import APIError
-from deployments.lease_keeper import LeaseKeeper
-from deployments.metrics import ServeMetrics
-from deployments.openai_format import ChatFormat
-from deployments.protocol import HeadRef, Recovery, ReplicaCall, TurnDelta, TurnDone, TurnEvent, TurnFailed
-from deployments.responses import HeadMoved
-from deployments.responses_format import ResponseStream
-from deployments.responses_models import ConversationCreate, ResponsesRequest
+from deployments.turn.lease_keeper import LeaseKeeper
+from deployments.front.metrics import ServeMetrics
+from deployments.front.chat_format import ChatFormat
+from deployments.messages import HeadRef, Recovery, ReplicaCall, TurnDelta, TurnDone, TurnEvent, TurnFailed
+from deployments.front.responses_plan import HeadMoved
+from deployments.front.responses_format import ResponseStream
+from deployments.front.responses_models import ConversationCreate, ResponsesRequest
 from deployments.settings import AppSettings
-from deployments.turn_outcome import IdempotencyKey
-from deployments.turns import TurnRun, first_error
+from deployments.turn.outcome import IdempotencyKey
+from deployments.turn.run import TurnRun, first_error
 from proto.contract import ConversationRef
 
 DEFAULT_MAX_TOKENS = 256
@@ -116,7 +117,7 @@ class EventStream(Protocol):
 
 @dataclass(frozen=True)
 class _ChatStream:
-    """A chat completion's chunks (openai_format.ChatFormat) as an EventStream."""
+    """A chat completion's chunks (chat_format.ChatFormat) as an EventStream."""
 
     form: ChatFormat
     include_usage: bool
@@ -352,8 +353,8 @@ class ChatIngress:
         arrived = time.monotonic()
         self._check_model(body.model)
         cache = await self._cache()
-        plan = await responses.plan(cache, self._scope(request, body.cache_salt), body)
-        def start(plan: responses.Plan) -> Callable[[], dict[str, Any]]:
+        plan = await responses_plan.plan(cache, self._scope(request, body.cache_salt), body)
+        def start(plan: responses_plan.Plan) -> Callable[[], dict[str, Any]]:
             return lambda: dict(messages=plan.messages, conversation=plan.conversation, request_id=plan.publish_id,
                                 sampling=body.sampling(DEFAULT_MAX_TOKENS), scope=self._scope(request, body.cache_salt),
                                 wait_if_busy=True, tools=body.engine_tools(), parse_tool_calls=body.calls_tools)
@@ -363,9 +364,9 @@ class ChatIngress:
         except HeadMoved:
             if plan.fork_source() is None:  # a new conversation's id taken meanwhile, or a rewound one
                 raise errors.busy(plan.conversation.id) from None
-            plan = await responses.fork(cache, plan)
+            plan = await responses_plan.fork(cache, plan)
             run, first, events = await self._start_turn(start(plan), expect_turn=plan.expect_turn)
-        form = responses.response_body(body, plan, self.model, run.job.head.turn if run.job.head else 0)
+        form = responses_plan.response_body(body, plan, self.model, run.job.head.turn if run.job.head else 0)
         if body.stream:
             return _ClosingStream(self._relay(run, first, events, arrived, ResponseStream(form)),
                                   media_type="text/event-stream")
@@ -375,23 +376,23 @@ class ChatIngress:
     @api.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request,
                            cache_salt: Annotated[CacheSalt, Query()] = "") -> dict:
-        return await responses.retrieve(await self._cache(), self._scope(request, cache_salt), response_id,
+        return await responses_plan.retrieve(await self._cache(), self._scope(request, cache_salt), response_id,
                                         self.model)
 
     @api.get("/v1/responses/{response_id}/input_items")
     async def get_input_items(self, response_id: str, request: Request,
                               cache_salt: Annotated[CacheSalt, Query()] = "",
                               order: Literal["asc", "desc"] = "desc") -> dict:
-        return await responses.input_items(await self._cache(), self._scope(request, cache_salt), response_id,
+        return await responses_plan.input_items(await self._cache(), self._scope(request, cache_salt), response_id,
                                            order)
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request,
                               cache_salt: Annotated[CacheSalt, Query()] = "") -> dict:
         scope = self._scope(request, cache_salt)
-        deleted = await responses.delete(await self._cache(), scope, response_id,
+        deleted = await responses_plan.delete(await self._cache(), scope, response_id,
                                          int(self.settings.lease_ttl_s * 1000))
-        conv = ConversationRef(responses.ResponseId.parse(response_id).conversation_id, scope)
+        conv = ConversationRef(responses_plan.ResponseId.parse(response_id).conversation_id, scope)
         await self._forget_locally(conv, deleted)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -399,7 +400,7 @@ class ChatIngress:
     async def create_conversation(self, body: ConversationCreate) -> dict:
         """A fresh id: the conversation is stored with its first response (POST /v1/responses
         with `conversation`)."""
-        return {"id": responses.new_conversation_id(), "object": "conversation", "created_at": int(time.time()),
+        return {"id": responses_plan.new_conversation_id(), "object": "conversation", "created_at": int(time.time()),
                 "metadata": body.metadata or {}}
 
     # -- models, conversations, health, metrics ------------------------------------------------
@@ -442,7 +443,7 @@ class ChatIngress:
         if not ledger.head.version:
             raise _unknown(conversation_id)
         key = self._conversation(request, conversation_id, cache_salt).key
-        return responses.item_list([m for t in ledger.turns for m in t.messages], key, order)
+        return responses_plan.item_list([m for t in ledger.turns for m in t.messages], key, order)
 
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.errors import APIError
-from deployments.protocol import TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
+from deployments.messages import TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
 
 SSE_DONE = "data: [DONE]\n\n"
 

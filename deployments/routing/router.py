@@ -21,7 +21,7 @@ Load = requests this router sent (Serve's queue-length cache) plus the choices i
 Serve has not counted yet, then the worker's routing stats (`record_routing_stats`: running
 requests, free KV blocks) to break ties and to see what other routers sent. A replica that
 takes a conversation it does not own gets the head by the recovery ladder (tier import, else
-ledger recompute); see worker.py.
+ledger recompute); see worker/replica.py.
 
 Simultaneous arrivals: Serve counts a request against its replica only once it was sent
 (`on_send_request`), after probing, i.e. after an `await`; two new conversations routed in
@@ -51,7 +51,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.protocol import ReplicaCall, TurnJob
+from deployments.messages import ReplicaCall, TurnJob
 
 # A choice no request was sent for (cancelled while probing, or sent to a later rank) stops
 # counting after this.

@@ -10,7 +10,7 @@
 
 Items become engine messages: a function_call joins the assistant message before it (or starts
 one), a function_call_output is a "tool" message. Fields this server cannot honour are refused
-with a 400 naming the field unless their value means "off", as in api_models.py.
+with a 400 naming the field unless their value means "off", as in chat_models.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from deployments.api_models import (MAX_ID, MAX_MESSAGES, MAX_TOOLS, CacheSalt, ConversationId, Text, ToolName,
+from deployments.front.chat_models import (MAX_ID, MAX_MESSAGES, MAX_TOOLS, CacheSalt, ConversationId, Text, ToolName,
                                     _field_error, _off, _unsupported, check_tool_choice,
                                     reply_constraint)
 from deployments.settings import MAX_OUTPUT_TOKENS

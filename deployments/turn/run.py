@@ -12,7 +12,7 @@
     stateless request:  TurnJob with the full history, no lease
 
 A stateless request and a conversation's first turn carry the replicas the prefix index names
-as holding the longest prefix of their messages (prefix_index.py; a failed or slow lookup: none,
+as holding the longest prefix of their messages (routing/prefix_hints.py; a failed or slow lookup: none,
 the router then goes by load).
 
 A replica lost before it produced anything is retried on another, under a new lease (at most
@@ -35,13 +35,14 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from cache_service.client import CacheClient, CacheError, LeaseHeld, LeaseLost
-from deployments import errors, turn_outcome
+from deployments import errors
+from deployments.turn import outcome
 from deployments.errors import APIError
-from deployments.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
-from deployments.prefix_index import find_holders
-from deployments.protocol import ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob
+from deployments.turn.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
+from deployments.routing.prefix_hints import find_holders
+from deployments.messages import ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob
 from deployments.settings import AppSettings
-from deployments.turn_outcome import IdempotencyKey
+from deployments.turn.outcome import IdempotencyKey
 from proto.contract import ConversationRef, tools_scope
 
 log = logging.getLogger("hybridserve.ingress")
@@ -123,9 +124,9 @@ class TurnRun:
     async def _find_earlier_run(self, idempotency: IdempotencyKey, head_turn: int) -> None:
         """A turn with this key among the latest ones: the same body is answered from the
         ledger, another body is refused (the key names one request)."""
-        after = max(0, head_turn - turn_outcome.IDEMPOTENCY_WINDOW_TURNS)
+        after = max(0, head_turn - outcome.IDEMPOTENCY_WINDOW_TURNS)
         try:
-            earlier = await turn_outcome.find_turn(self.cache, self.lease.conv, after_turn=after,
+            earlier = await outcome.find_turn(self.cache, self.lease.conv, after_turn=after,
                                                    match=idempotency.same_key)
         except CacheError as e:
             raise errors.overloaded(f"cache service unavailable: {e}") from e
@@ -133,7 +134,7 @@ class TurnRun:
             return
         if earlier.publish_id != idempotency.publish_id:
             raise APIError(422, "this Idempotency-Key was used with a different request", "idempotency_key_reused")
-        self.replayed = turn_outcome.replay(earlier)
+        self.replayed = outcome.replay(earlier)
 
     def _keep_lease(self) -> None:
         loop, lease = asyncio.get_running_loop(), self.lease
@@ -155,7 +156,7 @@ class TurnRun:
                 self.done = event if isinstance(event, TurnDone) else self.done
                 yield event
             return
-        streamed = turn_outcome.Streamed()
+        streamed = outcome.Streamed()
         for attempt in range(RETRIES_BEFORE_FIRST_EVENT + 1):
             self._response = self.workers.options(stream=True).run_turn.remote(self.job)
             try:
@@ -215,7 +216,7 @@ class TurnRun:
             return step.result()
         raise _LeaseLostMidTurn()
 
-    async def _ledger_verdict(self, streamed: turn_outcome.Streamed, failure: TurnFailed) -> AsyncIterator[TurnEvent]:
+    async def _ledger_verdict(self, streamed: outcome.Streamed, failure: TurnFailed) -> AsyncIterator[TurnEvent]:
         """After a failure that may have followed the publish: what the ledger holds."""
         try:
             committed = await self._committed_turn()
@@ -230,7 +231,7 @@ class TurnRun:
             return
         log.info("turn %s committed though its worker did not say so: answered from the ledger",
                  self.job.publish_name)
-        for event in turn_outcome.replay(committed, streamed):
+        for event in outcome.replay(committed, streamed):
             self.done = event if isinstance(event, TurnDone) else self.done
             yield event
 
@@ -247,7 +248,7 @@ class TurnRun:
                 await asyncio.sleep(0.2)
 
     async def _find_own_turn(self):
-        return await turn_outcome.find_turn(self.cache, self.lease.conv, after_turn=self._base_turn,
+        return await outcome.find_turn(self.cache, self.lease.conv, after_turn=self._base_turn,
                                             match=lambda pid: pid == self.job.publish_name)
 
     async def _fence(self) -> None:

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_service.client import CacheClient, CacheError, InvalidArgument, LeaseHeld, NotFound, pb
-from deployments import errors, turn_outcome
+from deployments import errors
+from deployments.turn import outcome
 from deployments.errors import APIError
-from deployments.protocol import HeadRef, TurnDelta
-from deployments.responses_format import ResponseBody, ResponseId, not_found
-from deployments.responses_models import ResponsesRequest, engine_messages
+from deployments.messages import HeadRef, TurnDelta
+from deployments.front.responses_format import ResponseBody, ResponseId, not_found
+from deployments.front.responses_models import ResponsesRequest, engine_messages
 from proto.contract import ConversationRef
 
 log = logging.getLogger("hybridserve.ingress")
@@ -178,7 +179,7 @@ async def retrieve(cache: CacheClient, scope: str, response_id: str, model: str)
     previous = None
     if index and ledger.turns[0].publish_id.startswith("resp-"):
         previous = str(ResponseId(rid.conversation_id, rid.turn - 1, ledger.turns[0].publish_id))
-    events = turn_outcome.replay(turn)  # the reply's text and, parsed back out of it, its tool calls
+    events = outcome.replay(turn)  # the reply's text and, parsed back out of it, its tool calls
     text = "".join(e.text for e in events if isinstance(e, TurnDelta))
     form = ResponseBody(rid, model, STORED_ECHO, previous, created_at=turn.committed_at_ms // 1000)
     return form.done(text, events[-1])

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from deployments.conversation_use import ConversationUse
-from deployments.protocol import HeadRef
+from deployments.worker.turns_here import ConversationUse
+from deployments.messages import HeadRef
 from deployments.settings import AppSettings
-from deployments.vllm_prefixes import HostPrefixes, PrefixCheckpoint, detached
+from workers.vllm_backend.prefixes import HostPrefixes, PrefixCheckpoint, detached
 from proto.contract import ConversationRef, ModelIdentity, tokens_digest
 from workers.conversation.boundaries import system_boundary
 from workers.conversation.export_format import pack_export, unpack_export

@@ -13,8 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from cache_service.client import CacheClient, CacheError
-from deployments.engine_session import EngineSession
-from deployments.protocol import Recovery, TurnJob
+from deployments.worker.engine_session import EngineSession
+from deployments.messages import Recovery, TurnJob
 from deployments.settings import AppSettings, TierExport
 from workers.conversation.records import LedgerTurn
 from workers.errors import CorruptStateError, OutOfCacheError

@@ -9,7 +9,7 @@
       export:   the new head to the state tier (tier_export.py): before answering (sync), never
                 (off), or write-behind (async)
       announce: a stateless request's or a first turn's checkpointed prefixes to the prefix index
-                (prefix_index.py), in a task of its own, awaited briefly before the answer ends
+                (routing/prefix_hints.py), in a task of its own, awaited briefly before the answer ends
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from cache_service.client import (
     TurnResult,
     VersionConflict,
 )
-from deployments.cache_access import CacheConnection
-from deployments.engine_session import EngineSession
-from deployments.prefix_index import Announcer
-from deployments.protocol import (
+from deployments.service.connection import CacheConnection
+from deployments.worker.engine_session import EngineSession
+from deployments.routing.prefix_hints import Announcer
+from deployments.messages import (
     ErrorKind,
     HeadRef,
     Recovery,
@@ -46,12 +46,12 @@ from deployments.protocol import (
     TurnFailed,
     TurnJob,
 )
-from deployments.recovery_ladder import attach
-from deployments.router import StickyConversationRouter
+from deployments.worker.recovery_ladder import attach
+from deployments.routing.router import StickyConversationRouter
 from deployments.settings import AppSettings, Backend
-from deployments.tier_export import TierExporter
+from deployments.worker.tier_export import TierExporter
 from deployments.tool_replies import ReplyCalls
-from deployments.vllm_session import VllmSession
+from deployments.worker.vllm_session import VllmSession
 from proto.contract import ConversationRef, tools_scope
 from workers.conversation.records import TurnCommit
 from workers.errors import (

@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 
 from cache_service.client import CacheClient, CacheError, VersionConflict
-from deployments.engine_session import EngineSession
-from deployments.protocol import HeadRef
+from deployments.worker.engine_session import EngineSession
+from deployments.messages import HeadRef
 from deployments.settings import AppSettings, TierExport
 from proto.contract import ConversationRef
 from workers.errors import ConversationBusyError, ConversationNotFoundError

@@ -28,12 +28,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deployments.conversation_use import ConversationUse
-from deployments.protocol import HeadRef
-from deployments.settings import AppSettings
+from deployments.worker.turns_here import ConversationUse
+from deployments.messages import HeadRef
+from deployments.settings import RETAIN_TURNS, AppSettings
 from proto.contract import ConversationRef
 from workers.async_engine import AsyncEngine
-from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation import export as head_export
 from workers.conversation.boundaries import message_marks, reply_label
 from workers.conversation.cache import ConversationCache
@@ -48,18 +47,8 @@ from workers.tools.formats import ToolFormat
 
 class EngineSession:
     def __init__(self, model_dir: str, settings: AppSettings):
-        config = EngineConfig(
-            model=model_dir,
-            device=settings.device,
-            num_threads=settings.torch_threads,
-            max_model_len=settings.max_model_len,
-            scheduler=SchedulerConfig(max_num_seqs=settings.max_num_seqs),
-            cache=CacheConfig(kv_cache_bytes=settings.kv_cache_mb << 20, head_cache_bytes=settings.head_cache_mb << 20,
-                              prefix_cache_bytes=settings.prefix_cache_mb << 20),
-            weight_quantization=settings.weight_quantization,
-        )
-        engine = LLMEngine(config)
-        self.cache = ConversationCache(engine, retain_turns=1)
+        engine = LLMEngine(settings.engine_config(model_dir))
+        self.cache = ConversationCache(engine, retain_turns=RETAIN_TURNS)
         self.identity, self.layout = self.cache.export_identity()
         self.aengine = AsyncEngine(engine)
         self.use = ConversationUse()

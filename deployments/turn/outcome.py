@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cache_service.client import CacheClient, NotFound, pb
-from deployments.protocol import Recovery, ToolCall, ToolCallDelta, TurnDelta, TurnDone, TurnEvent
+from deployments.messages import Recovery, ToolCall, ToolCallDelta, TurnDelta, TurnDone, TurnEvent
 from deployments.tool_replies import call_id
 from workers.tools.formats import format_named
 from proto.contract import ConversationRef

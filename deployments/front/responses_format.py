@@ -29,9 +29,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.api_models import MAX_ID_BYTES
+from deployments.front.chat_models import MAX_ID_BYTES
 from deployments.errors import APIError
-from deployments.protocol import ToolCall, TurnDelta, TurnDone
+from deployments.messages import ToolCall, TurnDelta, TurnDone
 
 PREFIX = "resp_"
 MAX_TURN = (1 << 32) - 1  # the ledger's turn numbers are uint32
