@@ -80,6 +80,7 @@ class TileModel:
         self.model = model
         self.caches = caches
         self.ssd_chunk = ssd_chunk
+        self.device = model.embed.weight.device  # the tile's inputs are made there
 
     @torch.inference_mode()
     def forward(self, batch: TileBatch) -> TileResult:
