@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.deterministic.config import DeterministicConfig
+from workers.model.device import parse_device
 from workers.quantization import WeightQuantization  # re-exported: its home imports no torch
 
 
@@ -59,7 +60,7 @@ class CacheConfig:
 class EngineConfig:
     model: str
     dtype: torch.dtype = torch.float32
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, or cuda[:N] (the reference path; bf16 is its usual dtype): workers.model.device
     num_threads: int = 0  # 0: leave torch's default
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -71,6 +72,7 @@ class EngineConfig:
         if self.dtype not in SUPPORTED_DTYPES:
             names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
             raise ValueError(f"dtype {self.dtype} is not supported: choose one of {names}")
+        parse_device(self.device)  # "meta", "mps", a typo: refused here, not inside the first forward
         quantization = WeightQuantization(self.weight_quantization)  # a bad name is a ValueError here
         if quantization is not WeightQuantization.NONE and (self.dtype != torch.float32 or self.device != "cpu"):
             raise ValueError(

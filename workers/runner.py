@@ -14,7 +14,7 @@ from workers.cache.coordinator import PendingCopies
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout, MambaStateLayout, allocate_caches
 from workers.config import WeightQuantization
 from workers.kernels.extensions import decode_kernels, scan_kernels
-from workers.kernels.fast_path import REFERENCE, FastPath
+from workers.kernels.fast_path import REFERENCE, FastPath, runs_fast_path
 from workers.kernels.linear_plan import LinearPlan, int8_plan
 from workers.kernels.linear_tuning import tune_linears
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
@@ -49,7 +49,7 @@ class ModelRunner:
         built) both C++ kernel modules and measures the weight matmuls (unless `linear_plan` is
         given) here, at start-up, so that no forward on the engine thread ever compiles or
         measures anything; a kernel that cannot be built is None and its reference runs."""
-        on = enabled and torch.device(self.device).type == "cpu"
+        on = runs_fast_path(self.device, enabled)
         self.fast = FastPath(on=True, decode=decode_kernels(), scan=scan_kernels()) if on else REFERENCE
         self.model.use_fast_path(self.fast)
         if on and linear_plan is not None and linear_plan.quantized != (self.weight_quantization is WeightQuantization.INT8):
@@ -95,23 +95,27 @@ class ModelRunner:
     #   KV copy of n blocks:    [attention layers, 2 (K, V), n, block_size, kv heads, head dim]
     #   state copy of k slots:  conv [mamba layers, k, conv_dim, conv_width],
     #                           ssm  [mamba layers, k, heads, head dim, d_state]
+    # Copies read are host tensors (exports serialise them), whatever the engine's device;
+    # copies written may be host tensors.
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
-        index = torch.tensor(blocks, dtype=torch.long)
-        return torch.stack([kv.index_select(1, index) for kv in self.caches.kv])
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return torch.stack([kv.index_select(1, index) for kv in self.caches.kv]).cpu()
 
     def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
-        index = torch.tensor(blocks, dtype=torch.long)
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        data = data.to(self.device)
         for layer, kv in enumerate(self.caches.kv):
             kv[:, index] = data[layer]
 
     def read_slots(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.tensor(slots, dtype=torch.long)
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
         conv = torch.stack([c.index_select(0, index) for c in self.caches.conv])
         ssm = torch.stack([s.index_select(0, index) for s in self.caches.ssm])
-        return conv, ssm
+        return conv.cpu(), ssm.cpu()
 
     def write_slots(self, slots: list[int], conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        index = torch.tensor(slots, dtype=torch.long)
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        conv, ssm = conv.to(self.device), ssm.to(self.device)
         for layer, (c, s) in enumerate(zip(self.caches.conv, self.caches.ssm)):
             c[index] = conv[layer]
             s[index] = ssm[layer]
@@ -222,7 +226,7 @@ class ModelRunner:
                   \_ segment 1 _/\_ seg 2 _/\_ seg 3 _/  the state after segments 1, 2 is copied
         """
         end = chunk.start + chunk.num_tokens
-        table = torch.tensor(chunk.block_table[: -(-end // self.block_size)])
+        table = torch.tensor(chunk.block_table[: -(-end // self.block_size)], device=self.device)
         cuts: dict[int, list[int]] = {}
         for position, slot in chunk.snapshots:
             cuts.setdefault(position, []).append(slot)

@@ -131,6 +131,7 @@ def sample(
     if logits.dtype != torch.float32:
         logits, overwrite = logits.float(), True
     if banned_token_ids is not None and banned_token_ids.numel():
+        banned_token_ids = banned_token_ids.to(logits.device)  # the tokenizer's, on the host
         if overwrite:
             logits.index_fill_(1, banned_token_ids, -torch.inf)
         else:
@@ -139,8 +140,8 @@ def sample(
         if not overwrite:
             logits = logits.clone()
         for row, mask in enumerate(allowed):
-            if mask is not None:
-                logits[row].masked_fill_(~mask, -torch.inf)
+            if mask is not None:  # grammars make masks on the host
+                logits[row].masked_fill_(~mask.to(logits.device), -torch.inf)
     greedy_ids = torch.argmax(logits, dim=-1).tolist()
     if all(p.greedy and p.logprobs is None for p in params):  # the common decode batch: one argmax
         return [SampledToken(token, None, None) for token in greedy_ids]
@@ -148,7 +149,9 @@ def sample(
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     out = []
     for row, (p, pos) in enumerate(zip(params, positions)):
-        token = greedy_ids[row] if p.greedy else _draw(logits[row], p, pos)
+        # A seeded draw runs on the host whatever the logits' device: its generator is the
+        # CPU's, so a seed draws the same token from the same logits on any device.
+        token = greedy_ids[row] if p.greedy else _draw(logits[row].cpu(), p, pos)
         if p.logprobs is None:
             out.append(SampledToken(token, None, None))
             continue

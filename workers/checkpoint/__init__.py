@@ -10,7 +10,7 @@ demos, tests and CPU benchmarks.
     random_config.py   varied tiny configs for tests
     weights.py         random weights that make a useful test model
     metadata.py        hybridserve.json (eos and never-sample ids)
-    writer.py          writes a checkpoint directory (make_model)
+    writer.py          writes a checkpoint directory (make_model, make_model_of_shape)
     cli.py             the `make-model` subcommand
 """
 
@@ -27,6 +27,7 @@ _EXPORTS = {
     "build_config": "configs",
     "build_random_model": "writer",
     "make_model": "writer",
+    "make_model_of_shape": "writer",
     "METADATA_FILE": "metadata",
     "ServingMetadata": "metadata",
     "Arch": "presets",

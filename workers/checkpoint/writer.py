@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from workers.checkpoint.configs import build_config
 from workers.checkpoint.metadata import ServingMetadata
-from workers.checkpoint.presets import Arch, Preset, preset_shape, with_attention_head_dim
+from workers.checkpoint.presets import Arch, ModelShape, Preset, preset_shape, with_attention_head_dim
 from workers.checkpoint.tokenizer import write_tokenizer
 from workers.checkpoint.tokens import (
     BOS_TOKEN_ID,
@@ -56,11 +56,16 @@ def make_model(
     """Writes the checkpoint of (arch, preset, seed) into out_dir and returns its path; moe=True:
     the preset's mixture-of-experts variant (`presets.preset_shape`); attention_head_dim: fewer,
     wider attention heads (vLLM's CPU attention runs heads of 32 and more, the tiny preset's are 16)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     shape = preset_shape(Arch(arch), Preset(preset), moe)
     if attention_head_dim is not None:
         shape = with_attention_head_dim(shape, attention_head_dim)
+    return make_model_of_shape(out_dir, arch, shape, seed)
+
+
+def make_model_of_shape(out_dir: str | Path, arch: Arch | str, shape: ModelShape, seed: int = 0) -> Path:
+    """`make_model` of any shape (a preset scaled up for a GPU benchmark, say)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     config = build_config(Arch(arch), shape)
     model = build_random_model(config, seed)
     model.save_pretrained(out, safe_serialization=True)

@@ -80,6 +80,7 @@ class TileModel:
         self.model = model
         self.caches = caches
         self.ssd_chunk = ssd_chunk
+        self.device = model.embed.weight.device  # the tile's inputs are made there
 
     @torch.inference_mode()
     def forward(self, batch: TileBatch) -> TileResult:
@@ -128,8 +129,10 @@ class TileModel:
     def _mamba(self, x, mixer, batch: TileBatch, index: int, g: int, t: int):
         s = mixer.shape
         gate, xbc, dt = _linear(x, mixer.in_proj).split([s.intermediate, s.conv_dim, s.n_heads], dim=-1)
-        window = torch.cat([batch.conv0[index], xbc.reshape(g, t, s.conv_dim).transpose(1, 2)], dim=2)
-        conv = F.conv1d(window, mixer.conv_weight[:, None, :], mixer.conv_bias, groups=s.conv_dim)
+        # The conv runs in fp32 whatever the weights' dtype, as the mixer's does (its state is fp32).
+        c = mixer.constants
+        window = torch.cat([batch.conv0[index].float(), xbc.reshape(g, t, s.conv_dim).transpose(1, 2).float()], dim=2)
+        conv = F.conv1d(window, c.conv_weight[:, None, :], c.conv_bias, groups=s.conv_dim)
         xs, B, C = F.silu(conv).transpose(1, 2).split([s.intermediate, s.n_groups * s.d_state, s.n_groups * s.d_state], -1)
         step = F.softplus(dt.reshape(g, t, s.n_heads).float() + mixer.dt_bias.float())
         step = step.clamp(min=s.dt_min, max=s.dt_max)

@@ -35,16 +35,16 @@ class ScanInputs:
 
 
 @functools.lru_cache(maxsize=8)
-def _masks(size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    below = torch.tril(torch.ones(size, size, dtype=torch.bool), diagonal=-1)
-    on_or_below = torch.tril(torch.ones(size, size, dtype=torch.bool), diagonal=0)
+def _masks(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    below = torch.tril(torch.ones(size, size, dtype=torch.bool, device=device), diagonal=-1)
+    on_or_below = torch.tril(torch.ones(size, size, dtype=torch.bool, device=device), diagonal=0)
     return below, on_or_below
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
     """out[..., i, j] = sum(x[..., j+1 : i+1]) for j <= i, -inf above the diagonal."""
     size = x.size(-1)
-    below, on_or_below = _masks(size)
+    below, on_or_below = _masks(size, x.device)
     x = x[..., None].expand(*x.size(), size).masked_fill(~below, 0)
     return torch.cumsum(x, dim=-2).masked_fill(~on_or_below, -torch.inf)
 
@@ -79,13 +79,13 @@ def state_at(inputs: ScanInputs, lengths: torch.Tensor, d_conv: int) -> tuple[to
         window:  [ c c c | t0 t1 t2 ... ]      conv state after n tokens = window[:, n : n + d_conv - 1]
     """
     g, t = inputs.dA.shape[:2]
-    keep = torch.arange(t)[None, :] < lengths[:, None]  # [G, T]
+    keep = torch.arange(t, device=lengths.device)[None, :] < lengths[:, None]  # [G, T]
     dA = torch.where(keep[:, :, None], inputs.dA, 0.0)
     xdt = torch.where(keep[:, :, None, None], inputs.xdt, 0.0)
     cum = torch.cumsum(dA, dim=1)  # [G, T, H]
     total = cum[:, -1]  # [G, H] = sum over the kept positions
     decay = torch.exp(total[:, None] - cum)  # [G, T, H]
     ssm = torch.exp(total)[:, :, None, None] * inputs.s0 + torch.einsum("gthn,gth,gthp->ghpn", inputs.B, decay, xdt)
-    offsets = lengths[:, None] + torch.arange(d_conv - 1)[None, :]  # [G, d_conv-1]
+    offsets = lengths[:, None] + torch.arange(d_conv - 1, device=lengths.device)[None, :]  # [G, d_conv-1]
     conv = inputs.window.gather(2, offsets[:, None, :].expand(g, inputs.window.shape[1], -1))
     return conv, ssm

@@ -148,8 +148,8 @@ class Verifier:
         # (when bs does not divide T); those are never read, and the null block pads.
         pages = max((-(-start // bs) for _, start, _ in jobs), default=0)
         tables = torch.zeros(g, pages, dtype=torch.long)
-        conv0 = [torch.zeros(g, *c.shape[1:], dtype=c.dtype) for c in self.caches.conv]
-        ssm0 = [torch.zeros(g, *s.shape[1:], dtype=s.dtype) for s in self.caches.ssm]
+        conv0 = [torch.zeros(g, *c.shape[1:], dtype=c.dtype, device=c.device) for c in self.caches.conv]
+        ssm0 = [torch.zeros(g, *s.shape[1:], dtype=s.dtype, device=s.device) for s in self.caches.ssm]
         for row, (request, start, end) in enumerate(jobs):
             ids[row, : end - start] = torch.tensor(request.token_ids[start:end])
             positions[row] += start
@@ -159,7 +159,8 @@ class Verifier:
             slot = self.coordinator.aligned_slot(request)
             for dst, src in zip(conv0 + ssm0, self.caches.conv + self.caches.ssm):
                 dst[row] = src[slot]
-        return TileBatch(ids, positions, tables, history, conv0, ssm0)
+        device = self.tiles.device  # the index tensors are made on the host, then moved at once
+        return TileBatch(ids.to(device), positions.to(device), tables.to(device), history.to(device), conv0, ssm0)
 
     def _walk(self, request: Request, row: int, start: int, end: int, drawn: list[SampledToken]) -> Verdict:
         first = request.num_verified
@@ -202,7 +203,7 @@ class Verifier:
             target = request.num_tokens if request.prefill_only else request.num_tokens - 1
             request.verify_due = done < target or not self.config.fast_decode
         with _threads(self.config.num_threads):
-            states = [state_at(scan, lengths, self.d_conv) for scan in result.scans]
+            states = [state_at(scan, lengths.to(self.tiles.device), self.d_conv) for scan in result.scans]
         for verdict in verdicts:
             request, row = verdict.request, verdict.row
             slots = [self.coordinator.state_slot(request)]
@@ -224,8 +225,8 @@ class Verifier:
         positions = [p for p in range(start, done) if refs[table[p // bs]] == 1]
         if not positions:
             return
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in positions])
-        rows = torch.tensor([p - start for p in positions])
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in positions], device=self.tiles.device)
+        rows = torch.tensor([p - start for p in positions], device=self.tiles.device)
         for kv, keys, values in zip(self.caches.kv, result.keys, result.values):
             kv[0].view(-1, *kv.shape[3:])[slots] = keys[row, rows].to(kv.dtype)
             kv[1].view(-1, *kv.shape[3:])[slots] = values[row, rows].to(kv.dtype)

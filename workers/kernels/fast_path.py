@@ -11,12 +11,18 @@
 The runner builds both kernel modules when it turns the fast path on (start-up), so the model
 forward never compiles anything; either may be None (no compiler here) without affecting the
 other or the pure-torch variants.
+
+All of it is CPU code (C++ kernels, `_scaled_dot_product_flash_attention_for_cpu`, packed
+panels measured on this CPU): an engine on any other device runs the pure-torch reference,
+which is device-generic (`runs_fast_path`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -31,3 +37,9 @@ class FastPath:
 
 
 REFERENCE = FastPath(on=False)
+
+
+def runs_fast_path(device: str | torch.device, enabled: bool = True) -> bool:
+    """Whether an engine on `device` runs the fast path (asked for with `enabled`): on the CPU
+    only; on CUDA the reference path runs (cuBLAS, SDPA and the chunked SSD scan on the GPU)."""
+    return enabled and torch.device(device).type == "cpu"

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from workers.errors import CheckpointError
 from workers.model.config import HybridModelConfig, ModelFamily, parse_hf_config
+from workers.model.device import require_device
 from workers.model.hybrid_lm import HybridLM
 
 # (pattern, replacement, part): part orders the pieces of a fused tensor.
@@ -116,6 +117,7 @@ def read_model_config(path: Path) -> HybridModelConfig:
 
 
 def load_model(path: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HybridLM:
+    require_device(device)  # before any weight is read: "no CUDA here" is not a failed copy later
     path = Path(path)
     config = read_model_config(path)
     files = sorted(path.glob("*.safetensors"))

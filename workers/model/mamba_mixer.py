@@ -112,21 +112,22 @@ class MambaMixer(nn.Module):
             seq 2: t t t t .        each sequence's final state is its state after its last token
         """
         s, c = self.shape, self.constants
-        k, longest = len(segs), max(seg.num_tokens for seg in segs)
-        lengths = torch.tensor([seg.num_tokens for seg in segs])
-        valid = torch.arange(longest)[None, :] < lengths[:, None]  # [k, longest]
-        rows = torch.tensor([seg.token_start for seg in segs])[:, None] + torch.arange(longest)[None, :]
+        k, longest, device = len(segs), max(seg.num_tokens for seg in segs), xbc.device
+        lengths = torch.tensor([seg.num_tokens for seg in segs], device=device)
+        steps = torch.arange(longest, device=device)[None, :]
+        valid = steps < lengths[:, None]  # [k, longest]
+        rows = torch.tensor([seg.token_start for seg in segs], device=device)[:, None] + steps
         rows = torch.where(valid, rows, 0)
-        slots = torch.tensor([seg.state_slot for seg in segs])
+        slots = torch.tensor([seg.state_slot for seg in segs], device=device)
         # A sequence's first tokens start from the zero state whatever its slot holds (a fresh
         # slot is not zeroed before the step).
-        fresh = torch.tensor([seg.context_len == 0 for seg in segs])
+        fresh = torch.tensor([seg.context_len == 0 for seg in segs], device=device)
         conv_in = torch.where(fresh[:, None, None], 0.0, conv[slots])
         ssm_in = torch.where(fresh[:, None, None, None], 0.0, ssm[slots])
 
         # Causal depthwise conv over [cached d_conv-1 inputs | this run's inputs].
         window = torch.cat([conv_in, xbc[rows].transpose(1, 2).float()], dim=2)  # [k, conv_dim, d_conv-1+longest]
-        last = lengths[:, None] + torch.arange(s.d_conv - 1)[None, :]  # the last d_conv-1 real inputs
+        last = lengths[:, None] + torch.arange(s.d_conv - 1, device=device)[None, :]  # the last d_conv-1 real inputs
         conv[slots] = window.gather(2, last[:, None, :].expand(k, s.conv_dim, -1))
         out = F.silu(F.conv1d(window, c.conv_weight[:, None, :], c.conv_bias, groups=s.conv_dim))
         x, B, C = self._split_xbc(out.transpose(1, 2))
