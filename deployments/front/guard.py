@@ -1,17 +1,61 @@
-"""The request body limit, on the bytes actually received.
+"""What every request passes before a route sees it: the API key and the body's size.
 
-A `Content-Length` over the limit is refused before the body is read (ingress.py); a chunked
-body (no length) or a body longer than its declared length is counted here as it arrives: past
-the limit the app stops reading, and whatever it would have answered is replaced by a 413.
+    Guard      before the body is read: 401 without a configured API key (every /v1 route),
+               413 when its Content-Length is over the limit
+    BodyLimit  a chunked body (no length) or one longer than its declared length is counted as
+               it arrives: past the limit the app stops reading, and whatever it would have
+               answered is replaced by a 413
 
-Pure ASGI, like the ingress's guard: the response's chunks (each SSE token) pass straight through.
+Both limits are the deployment's, set on the app's state in ChatIngress.__init__. Pure ASGI, not
+`@api.middleware("http")`: that one passes every response chunk (each SSE token) through an extra
+task and memory stream; here the response's chunks pass straight through.
 """
 
 from __future__ import annotations
 
+from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.errors import APIError
+
+
+def install(api: FastAPI) -> None:
+    api.add_middleware(Guard)
+    api.add_middleware(BodyLimit)
+
+
+def bearer(request: Request) -> str:
+    """The request's API key (empty without one)."""
+    header = request.headers.get("authorization", "")
+    return header[len("Bearer "):] if header.startswith("Bearer ") else ""
+
+
+class Guard:
+    """Refuses a request without a configured API key, or declaring a body over the limit."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = _refusal(Request(scope))
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _refusal(request: Request) -> APIError | None:
+    state = request.app.state  # the deployment's copy of `api` that serves the request, not ingress.py's
+    keys = getattr(state, "api_keys", ())
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # the app's own route
+    if keys and path.startswith("/v1/") and bearer(request) not in keys:
+        return APIError(401, "invalid or missing API key", "invalid_api_key")
+    limit = getattr(state, "max_body_bytes", None)
+    size = request.headers.get("content-length", "")
+    if limit is not None and size.isdigit() and int(size) > limit:
+        return too_large(limit)
+    return None
 
 
 class BodyTooLarge(Exception):

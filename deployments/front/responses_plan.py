@@ -19,16 +19,20 @@ them (the committed history is what the model saw): it sends the same instructio
 otherwise 400. Whichever the caller scope (cache_salt, API key), a response of another scope is
 not found (404).
 
-The head is checked under the turn's lease: a continuation whose response stopped being the
-latest meanwhile (a concurrent continuation of the same response committed first) forks instead.
+The head is checked under the turn's lease (TurnRequest.expect_turn): a continuation whose
+response stopped being the latest meanwhile (a concurrent continuation of the same response
+committed first) forks instead, a planned step of start_turn:
+
+    plan -> start (HeadMoved?) -> fork -> start again on the fork
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cache_service.client import CacheClient, CacheError, InvalidArgument, LeaseHeld, NotFound, pb
 from deployments import errors
@@ -37,8 +41,10 @@ from deployments.errors import APIError
 from deployments.messages import HeadRef, TurnDelta
 from deployments.front.responses_format import ResponseBody, ResponseId, not_found
 from deployments.front.responses_models import ResponsesRequest, engine_messages
+from deployments.turn.request import HeadMoved, TurnRequest
 from proto.contract import ConversationRef
 
+Started = TypeVar("Started")
 log = logging.getLogger("hybridserve.ingress")
 
 # What a response read back from the ledger repeats of its request (the request is not stored).
@@ -46,10 +52,6 @@ STORED_ECHO = {"instructions": None, "max_output_tokens": None, "metadata": {}, 
                "temperature": None, "top_p": None, "store": True, "tool_choice": "auto", "tools": [],
                "text": {"format": {"type": "text"}, "verbosity": "medium"}, "truncation": "disabled",
                "user": None, "reasoning": None, "background": False, "service_tier": "default"}
-
-
-class HeadMoved(Exception):
-    """The conversation's head is no longer the turn a continuation expected."""
 
 
 @dataclass
@@ -67,6 +69,11 @@ class Plan:
         if self.previous is None or self.conversation is None:
             return None
         return ConversationRef(self.previous.conversation_id, self.conversation.salt), self.previous.turn
+
+    def turn_request(self, body: ResponsesRequest, scope: str, default_max_tokens: int) -> TurnRequest:
+        return TurnRequest(self.messages, body.sampling(default_max_tokens), scope, self.conversation,
+                           wait_if_busy=True, tools=body.engine_tools(), parse_tool_calls=body.calls_tools,
+                           request_id=self.publish_id, expect_turn=self.expect_turn)
 
 
 def new_conversation_id() -> str:
@@ -163,6 +170,22 @@ async def fork(cache: CacheClient, plan: Plan) -> Plan:
     except CacheError as e:
         raise _unavailable(e) from e
     return Plan(plan.messages, source.fork(target), turn, plan.previous, plan.publish_id)
+
+
+async def start_turn(cache: CacheClient, plan: Plan,
+                     start: Callable[[Plan], Awaitable[Started | HeadMoved]]) -> tuple[Plan, Started]:
+    """The plan's turn, started (`start`); where the conversation's head moved meanwhile, the
+    continuation forks from the previous response and starts on the fork."""
+    started = await start(plan)
+    if not isinstance(started, HeadMoved):
+        return plan, started
+    if plan.fork_source() is None:  # a new conversation's id taken meanwhile, or a rewound one
+        raise errors.busy(plan.conversation.id)
+    plan = await fork(cache, plan)
+    started = await start(plan)
+    if isinstance(started, HeadMoved):  # a fork nobody else has named yet moved: as busy as the first
+        raise errors.busy(plan.conversation.id)
+    return plan, started
 
 
 def response_body(body: ResponsesRequest, plan: Plan, model: str, base_turn: int) -> ResponseBody:

@@ -1,2 +1,3 @@
-"""One turn as the ingress process runs it: lease, route, stream, settle (run.py), what the
-ledger says of a turn (outcome.py), and the lease keeper's thread. Never imports worker/."""
+"""One turn as the ingress process runs it: what is asked (request.py: TurnRequest, HeadMoved),
+lease, route, stream, settle (run.py), what the ledger says of a turn (outcome.py), and the
+lease keeper's thread. Never imports worker/."""

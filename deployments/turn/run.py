@@ -43,6 +43,7 @@ from deployments.routing.prefix_hints import find_holders
 from deployments.messages import ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob
 from deployments.settings import AppSettings
 from deployments.turn.outcome import IdempotencyKey
+from deployments.turn.request import HeadMoved, TurnRequest
 from proto.contract import ConversationRef, tools_scope
 
 log = logging.getLogger("hybridserve.ingress")
@@ -81,26 +82,29 @@ class TurnRun:
         self._lease_lost: asyncio.Future = asyncio.get_running_loop().create_future()
 
     @classmethod
-    async def start(cls, settings: AppSettings, workers: DeploymentHandle, cache: CacheClient, keeper: LeaseKeeper,
-                    *, messages: list[dict], sampling: dict, conversation: ConversationRef | None, scope: str,
-                    wait_if_busy: bool, idempotency: IdempotencyKey | None = None,
-                    tools: tuple[dict, ...] = (), parse_tool_calls: bool = False,
-                    request_id: str | None = None) -> "TurnRun":
-        """`scope`: the caller's cache scope (a conversation's is its salt; a stateless request's
-        names the prefixes it may reuse). `tools`: the request's function tools (TurnJob.tools)."""
-        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    async def start(cls, settings: AppSettings, workers: DeploymentHandle, cache: CacheClient,
+                    keeper: LeaseKeeper | None, request: TurnRequest) -> "TurnRun | HeadMoved":
+        """The request's turn, ready to run (its lease held and kept), or HeadMoved (nothing
+        held) when its conversation's head is not at `request.expect_turn`."""
+        request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        messages, tools, conversation = request.messages, request.tools, request.conversation
         if conversation is None:  # nothing is committed: a retry is harmless, no key needed
-            holders = await find_holders(cache, tools_scope(scope, tools), messages)
-            return cls(settings, workers, cache, TurnJob(request_id, messages, sampling, prefix_holders=holders,
-                                                         stateless_scope=scope, tools=tools,
-                                                         parse_tool_calls=parse_tool_calls), None)
-        granted = await _acquire(settings, cache, conversation, request_id, wait_if_busy)
+            holders = await find_holders(cache, tools_scope(request.scope, tools), messages)
+            return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
+                                                         prefix_holders=holders, stateless_scope=request.scope,
+                                                         tools=tools, parse_tool_calls=request.parse_tool_calls),
+                       None)
+        granted = await _acquire(settings, cache, conversation, request_id, request.wait_if_busy)
         head = granted.head  # the head at the time of the acquire; version 0: a new conversation
-        job = TurnJob(request_id, messages, sampling, conversation, granted,
+        idempotency = request.idempotency
+        job = TurnJob(request_id, messages, request.sampling, conversation, granted,
                       HeadRef.of(head) if head.version else None,
                       publish_id=idempotency.publish_id if idempotency else "", tools=tools,
-                      parse_tool_calls=parse_tool_calls)
+                      parse_tool_calls=request.parse_tool_calls)
         run = cls(settings, workers, cache, job, Lease(conversation, granted), keeper)
+        if request.expect_turn is not None and run._base_turn != request.expect_turn:
+            await run.close()  # discards the lease: nothing ran
+            return HeadMoved(run._base_turn)
         if not head.version:  # a new conversation: where is its prefix held (a hint)?
             run._keep_lease()  # first: the lookup must not eat into the lease
             try:

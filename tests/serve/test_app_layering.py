@@ -1,5 +1,6 @@
 """The app's layering: deployments/ reaches the cache service only through its client (and
-its errors), and the ingress process (settings, ingress, router) never loads torch."""
+its errors); the ingress's rooms (front/, turn/) never import a replica's (worker/); and the
+ingress process (settings, ingress, router) never loads torch or the worker's code."""
 
 from __future__ import annotations
 
@@ -38,10 +39,20 @@ def test_deployments_use_only_the_cache_service_client():
     assert not service, f"deployments/ reaches into the cache service: {service}"
 
 
+def test_front_and_turn_never_import_the_worker():
+    for room in ("front", "turn"):
+        imports = imported_modules(f"deployments/{room}")
+        assert "deployments.messages" in imports, f"deployments/{room} imports no messages: the scan is broken"
+        worker = {name: sorted(files) for name, files in imports.items() if name.startswith("deployments.worker")}
+        assert not worker, f"deployments/{room} imports the worker: {worker}"
+
+
 def test_the_ingress_imports_no_torch():
     code = ("import sys, deployments.settings, deployments.front.ingress, deployments.routing.router\n"
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
             "assert not loaded, loaded[:5]\n"
+            "worker = sorted(m for m in sys.modules if m.startswith('deployments.worker'))\n"
+            "assert not worker, worker\n"
             "assert 'deployments.front.ingress' in sys.modules\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

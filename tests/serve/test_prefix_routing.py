@@ -20,6 +20,7 @@ from deployments.service.connection import cache_client_config
 from deployments.turn.lease_keeper import LeaseKeeper
 from deployments.routing.prefix_hints import LOOKUP_FAILURES, PREFIX_LOOKUP_S, Announcer, announcement
 from deployments.settings import AppSettings
+from deployments.turn.request import TurnRequest
 from deployments.turn.run import TurnRun
 from proto.contract import ConversationRef, message_prefix_digests, tools_scope
 from tests.cache_service.cs_helpers import ServiceProcess
@@ -59,8 +60,7 @@ def closed_port() -> int:
 async def start(cache: CacheClient, salt: str, *, conversation_id: str | None = None,
                 keeper: LeaseKeeper | None = None) -> TurnRun:
     conversation = None if conversation_id is None else ConversationRef(conversation_id, salt)
-    return await TurnRun.start(SETTINGS, None, cache, keeper, messages=CHAT, sampling={},
-                               conversation=conversation, scope=salt, wait_if_busy=False)
+    return await TurnRun.start(SETTINGS, None, cache, keeper, TurnRequest(CHAT, {}, salt, conversation))
 
 
 async def test_a_stateless_request_carries_the_holders_of_its_longest_prefix(service):

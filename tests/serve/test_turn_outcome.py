@@ -13,6 +13,7 @@ from deployments.service.connection import cache_client_config
 from deployments.turn.lease_keeper import LeaseKeeper
 from deployments.messages import Recovery, TurnDelta, TurnDone, TurnFailed, TurnJob
 from deployments.settings import AppSettings
+from deployments.turn.request import TurnRequest
 from deployments.turn.run import TurnRun
 from proto.contract import ConversationRef, tokens_digest
 from tests.cache_service.cs_helpers import fast_client
@@ -89,9 +90,8 @@ async def service(stack):
 
 
 async def run_turn(settings, cache, keeper, workers, conv_id) -> list:
-    run = await TurnRun.start(settings, workers, cache, keeper, messages=[{"role": "user", "content": "hi"}],
-                              sampling={}, conversation=ConversationRef(conv_id, "o"), scope="o",
-                              wait_if_busy=False)
+    run = await TurnRun.start(settings, workers, cache, keeper, TurnRequest(
+        [{"role": "user", "content": "hi"}], {}, "o", ConversationRef(conv_id, "o")))
     try:
         return [event async for event in run.events()]
     finally:

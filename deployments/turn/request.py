@@ -1,0 +1,43 @@
+"""What the ingress asks of a turn (TurnRequest), and the one answer other than a started
+turn: the conversation's head was not the turn the request was planned on (HeadMoved).
+
+    front/ (a chat completion, a Responses plan) --TurnRequest--> TurnRun.start
+        -> TurnRun            the lease is held (a conversation), the job made
+        -> HeadMoved          expect_turn given and the head found elsewhere under the lease;
+                              the lease is already discarded, nothing ran
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.turn.outcome import IdempotencyKey
+from proto.contract import ConversationRef
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One turn to run. `scope`: the caller's cache scope (a conversation's is its salt; a
+    stateless request's names the prefixes it may reuse). `tools`: the request's function tools
+    (TurnJob.tools)."""
+
+    messages: list[dict[str, Any]]  # a conversation's new suffix, or a stateless request's history
+    sampling: dict[str, Any]
+    scope: str
+    conversation: ConversationRef | None = None  # None: stateless
+    wait_if_busy: bool = False  # wait for a conversation's lease (else 409 at once)
+    idempotency: IdempotencyKey | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    parse_tool_calls: bool = False
+    request_id: str = ""  # "": a fresh chatcmpl- id
+    # The head turn the conversation must be at under the turn's lease (0: a new conversation),
+    # else the turn does not run (HeadMoved). None: whatever the head is.
+    expect_turn: int | None = None
+
+
+@dataclass(frozen=True)
+class HeadMoved:
+    """The conversation's head was at `found`, not at the request's expect_turn."""
+
+    found: int
