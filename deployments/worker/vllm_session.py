@@ -42,11 +42,13 @@ from workers.vllm_backend.requests import backend_params, vocabulary
 from workers.vllm_backend.streams import HostStreams
 
 
-class VllmSession:
+class VllmSession:  # implements Session (session.py)
+    use: ConversationUse  # the turns running here, per conversation
+
     def __init__(self, model_dir: str, settings: AppSettings):
         self.model_dir = model_dir
         self.tokenizer = ChatTokenizer(Path(model_dir))
-        self.tool_format: ToolFormat = tool_format_for(self.tokenizer.chat_template)
+        self._tool_format = tool_format_for(self.tokenizer.chat_template)
         self.allowed_ids, eos_token_ids = vocabulary(self.tokenizer, model_dir)
         self.host = EngineHost(HostSettings(
             model=model_dir, python=settings.vllm_python, device=settings.device,
@@ -167,6 +169,10 @@ class VllmSession:
 
     async def abandon(self, record: TurnCommit) -> None:
         await self.conversations.abandon(record)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        return self._tool_format
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode_exact([token_id])
