@@ -45,7 +45,9 @@ from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
 
 
-class EngineSession:
+class EngineSession:  # implements Session (session.py)
+    use: ConversationUse  # the turns running here, per conversation
+
     def __init__(self, model_dir: str, settings: AppSettings):
         engine = LLMEngine(settings.engine_config(model_dir))
         self.cache = ConversationCache(engine, retain_turns=RETAIN_TURNS)

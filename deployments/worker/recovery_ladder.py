@@ -13,16 +13,16 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from cache_service.client import CacheClient, CacheError
-from deployments.worker.engine_session import EngineSession
 from deployments.messages import Recovery, TurnJob
 from deployments.settings import AppSettings, TierExport
+from deployments.worker.session import Session
 from workers.conversation.records import LedgerTurn
 from workers.errors import CorruptStateError, OutOfCacheError
 
 log = logging.getLogger("hybridserve.worker")
 
 
-async def attach(session: EngineSession, settings: AppSettings, cache: Callable[[], Awaitable[CacheClient]],
+async def attach(session: Session, settings: AppSettings, cache: Callable[[], Awaitable[CacheClient]],
                  job: TurnJob) -> Recovery:
     """Make this engine hold the conversation's committed head, by the recovery ladder."""
     conv, head = job.conversation, job.head

@@ -33,6 +33,7 @@ from cache_service.client import (
 )
 from deployments.service.connection import CacheConnection
 from deployments.worker.engine_session import EngineSession
+from deployments.worker.session import Session
 from deployments.routing.prefix_hints import Announcer
 from deployments.messages import (
     ErrorKind,
@@ -68,7 +69,7 @@ from workers.tools.formats import ToolFormat
 log = logging.getLogger("hybridserve.worker")
 
 
-def open_session(settings: AppSettings) -> EngineSession | VllmSession:
+def open_session(settings: AppSettings) -> Session:
     """The engine session of the app's backend, on its model (empty: the built-in one)."""
     from workers.checkpoint.builtin import VLLM_BUILTIN_ARCH, builtin_model_dir
 
@@ -178,7 +179,6 @@ class Worker:
                     self._expiring = True
                     self._spawn(self._expire_idle_copies())
                 self.session.turn_started(job.conversation)
-                self.exporter.turn_started(job.conversation)
                 recovery = await attach(self.session, self.settings, self._cache, job)
                 stream = self.session.stream_turn(job.conversation, job.messages, params, job.request_id,
                                                   list(job.tools))

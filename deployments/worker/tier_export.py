@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 
 from cache_service.client import CacheClient, CacheError, VersionConflict
-from deployments.worker.engine_session import EngineSession
 from deployments.messages import HeadRef
 from deployments.settings import AppSettings, TierExport
+from deployments.worker.session import Session
 from proto.contract import ConversationRef
 from workers.errors import ConversationBusyError, ConversationNotFoundError
 
@@ -31,7 +30,7 @@ log = logging.getLogger("hybridserve.worker")
 class TierExporter:
     """Which heads committed here the tier does not hold yet, and when to send them."""
 
-    def __init__(self, session: EngineSession, settings: AppSettings,
+    def __init__(self, session: Session, settings: AppSettings,
                  cache: Callable[[], Awaitable[CacheClient]], spawn: Callable[[Coroutine], None]):
         self.session = session
         self.settings = settings
@@ -39,16 +38,10 @@ class TierExporter:
         self._spawn = spawn
         # Heads committed here whose state the tier does not hold yet: exported on shutdown.
         self._unexported: dict[ConversationRef, HeadRef] = {}
-        self._turns_here: Counter[ConversationRef] = Counter()  # turns running here, per conversation
         self._export_due: dict[ConversationRef, asyncio.TimerHandle] = {}  # async exports waiting for quiet
 
-    def turn_started(self, conv: ConversationRef) -> None:
-        self._turns_here[conv] += 1
-
     def turn_ended(self, conv: ConversationRef) -> None:
-        self._turns_here[conv] -= 1
-        if self._turns_here[conv] <= 0:
-            del self._turns_here[conv]
+        """A turn of `conv` ended here (after the session counted it out)."""
         # Also after a failed turn: the head it would have replaced may still wait for its export.
         if conv in self._unexported and self.settings.tier_export is TierExport.ASYNC:
             self._export_when_quiet(conv)
@@ -80,7 +73,7 @@ class TierExporter:
     def _export_if_quiet(self, conv: ConversationRef) -> None:
         self._export_due.pop(conv, None)
         head = self._unexported.get(conv)
-        if head is not None and not self._turns_here[conv]:  # else the running turn's end schedules again
+        if head is not None and not self.session.use.running(conv):  # else the running turn's end schedules again
             self._spawn(self.export_head(conv, head))
 
     async def export_head(self, conv: ConversationRef, head: HeadRef) -> None:

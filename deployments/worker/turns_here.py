@@ -1,4 +1,5 @@
-"""Which conversations a worker's engine session is using, and since when each is idle.
+"""Which conversations a worker's engine session is using, and since when each is idle: the
+replica's one count of the turns running here (the session's `use`; the tier exporter reads it).
 
 A conversation is in use from the start of a turn's recovery to the end of its verdict: its
 ledger is kept whatever its heads (the recovery ladder adopts a ledger before the turn begins).
@@ -28,6 +29,10 @@ class ConversationUse:
         if not self._in_use[ref]:
             del self._in_use[ref]
         self._last_used[ref] = time.monotonic()
+
+    def running(self, ref: ConversationRef) -> bool:
+        """Whether a turn of the conversation runs here (from its recovery to its verdict)."""
+        return ref in self._in_use
 
     def in_use(self) -> list[ConversationRef]:
         return list(self._in_use)

@@ -43,7 +43,7 @@ async def stateless_tokens(session, prompt_ids, request_id, **sampling):
     from workers.vllm_backend.requests import vllm_sampling
 
     tokens = []
-    params = vllm_sampling(SamplingParams(**(sampling or GREEDY)), session._allowed)
+    params = vllm_sampling(SamplingParams(**(sampling or GREEDY)), session.allowed_ids)
     async for frame in session.host.stream(request_id, prompt_ids, params, None, capture=False):
         tokens += frame["tokens"]
         assert frame["cached"] == 0
@@ -55,7 +55,7 @@ async def test_five_turns_reuse_the_head_and_equal_vllms_stateless_run(kind, ses
     session = sessions[kind]
     ref = ConversationRef(f"five-{kind}", "salt-a")
     for turn, text in enumerate(QUESTIONS, start=1):
-        base = list(session.conversations[ref.key].token_ids) if turn > 1 else []
+        base = list(session.conversations.ledgers[ref.key].token_ids) if turn > 1 else []
         outs, record = await run_turn(session, ref, text, f"{kind}-t{turn}")
         assert record is not None and record.base_turn == turn - 1
         prompt = base + list(record.token_ids[: outs[-1].num_prompt_tokens - len(base)])
@@ -86,7 +86,7 @@ async def test_a_wrong_state_changes_the_reply(dense_session, spoil):
     scored = dict(GREEDY, logprobs=0)
     right_outs, right = await run_turn(session, ref, QUESTIONS[1], f"spoil-{spoil}-right", **scored)
     await session.abandon(right)
-    held = session.heads[ref.key]
+    held = session.conversations.heads.get(ref.key)
     state_len, blocks, state = await session.host.call("export", head=held.head_id)
     if spoil == "kv":
         blocks = [bytes(len(b)) for b in blocks]
@@ -131,7 +131,7 @@ async def test_a_head_exported_by_one_worker_continues_on_another(dense_session,
         _, record = await run_turn(dense_session, ref, text, f"migrate-{turn}")
         head = await dense_session.commit(record)
     version, parts = await dense_session.export_state(ref)
-    conv = dense_session.conversations[ref.key]
+    conv = dense_session.conversations.ledgers[ref.key]
     turns = [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start: t.end])) for t in conv.turns]
     head_ref = HeadRef(version, head.turn, head.committed_tokens, head.tokens_digest, "", version)
     await second_dense_session.adopt_ledger(ref, head_ref, turns)
@@ -159,7 +159,7 @@ async def test_exports_never_cross_backends_or_conversations(dense_session, tmp_
     other = ConversationRef("crossing-other", "s")
     from deployments.messages import HeadRef
     from workers.conversation.records import LedgerTurn
-    conv = dense_session.conversations[ref.key]
+    conv = dense_session.conversations.ledgers[ref.key]
     turns = [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start: t.end])) for t in conv.turns]
     head = HeadRef(1, 1, len(conv.token_ids), record.tokens_digest, "", 1)
     await dense_session.adopt_ledger(other, head, turns)
@@ -193,7 +193,7 @@ async def test_a_worker_without_the_head_recomputes_from_the_ledger_with_the_sam
     for turn, text in enumerate(QUESTIONS[:2], start=1):
         _, record = await run_turn(dense_session, ref, text, f"recompute-{turn}")
         head = await dense_session.commit(record)
-    conv = dense_session.conversations[ref.key]
+    conv = dense_session.conversations.ledgers[ref.key]
     turns = [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start: t.end])) for t in conv.turns]
     await second_dense_session.adopt_ledger(ref, HeadRef(head.version, head.turn, head.committed_tokens,
                                                          head.tokens_digest, "", 0), turns)
@@ -241,8 +241,8 @@ async def host_is_clean(session, within_s: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + within_s
     while True:
         stats = await session.host.call("stats")
-        held = len(session.heads) + len(session.prefixes.index)  # every head there is one we know of
-        if (stats["running"] == 0 and stats["prepared"] == len(session.prepared) and not session.host._orphans
+        held = len(session.conversations.heads) + len(session.prefixes.index)  # every head there is one we know of
+        if (stats["running"] == 0 and stats["prepared"] == len(session.conversations.prepared) and not session.host._orphans
                 and stats["heads"] == held):
             return
         assert asyncio.get_running_loop().time() < deadline, stats
@@ -266,7 +266,7 @@ async def test_a_turn_ended_by_a_stop_string_is_captured_and_continued_exactly(d
     assert record is not None and outs[-1].finish_reason.value == "stop"
     assert "".join(o.text_delta for o in outs) == reply[: reply.index(stop)]
     await session.commit(record)
-    base = list(session.conversations[ref.key].token_ids)
+    base = list(session.conversations.ledgers[ref.key].token_ids)
     outs, record = await run_turn(session, ref, QUESTIONS[1], "stop-2")
     assert outs[-1].num_cached_tokens == len(base) - 1
     prompt = base + list(record.token_ids[: outs[-1].num_prompt_tokens - len(base)])
@@ -292,7 +292,7 @@ async def test_a_stream_left_midway_or_at_its_end_leaves_nothing_behind(dense_se
                 await asyncio.sleep(0.01)  # the last frame is queued, not read
         await stream.aclose()
         await host_is_clean(session)
-        assert session.conversations.get(ref.key) is None  # a first turn left: nothing kept
+        assert session.conversations.ledgers.get(ref.key) is None  # a first turn left: nothing kept
         _, record = await run_turn(session, ref, QUESTIONS[0], f"left-{cut}-again")
         await session.commit(record)
 
@@ -304,7 +304,7 @@ async def test_a_prompt_too_long_is_refused_and_the_engine_goes_on(dense_session
     ref = ConversationRef("too-long", "s")
     with pytest.raises(PromptTooLongError):
         await run_turn(session, ref, "x " * 3000, "too-long-1")
-    assert session.conversations.get(ref.key) is None
+    assert session.conversations.ledgers.get(ref.key) is None
     _, record = await run_turn(session, ref, QUESTIONS[0], "too-long-2")  # the host is alive
     await session.commit(record)
     await host_is_clean(session)
@@ -460,6 +460,6 @@ async def test_a_stuck_engine_host_is_killed_and_its_turns_fail(vllm_models):
             assert await session.host._process.wait() == -signal.SIGKILL
         with pytest.raises(EngineShutdownError, match="stuck"):
             session.check_health()
-        assert len(session.conversations[ref.key].turns) == 1 and not session.prepared
+        assert len(session.conversations.ledgers[ref.key].turns) == 1 and not session.conversations.prepared
     finally:
         await session.aclose()

@@ -26,9 +26,10 @@ from workers.conversation.ledger import ConversationLedger, find_conversation
 from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import CommitMode, HeadInfo, Resolution, TurnCommit, TurnOutcome
 from workers.conversation.retention import HeadRetention
-from workers.conversation.turn_state import PendingTurn, PreparedTurn, Resolutions, turn_record
+from workers.conversation.turn_state import PendingTurn, PreparedTurn, turn_record
+from workers.conversation.two_phase import PreparedTurns, commit_to_ledger, end_turn
 from workers.engine import LLMEngine
-from workers.errors import ConversationNotFoundError, InvalidRequestError, TurnResolvedError
+from workers.errors import ConversationNotFoundError, InvalidRequestError
 from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
 from workers.tools.formats import plain_message
@@ -50,8 +51,7 @@ class TurnLifecycle:
         self.retention = retention
         self.counters = counters
         self.pending: dict[str, PendingTurn] = {}
-        self.prepared_turns: dict[str, PreparedTurn] = {}
-        self._resolved = Resolutions()
+        self.prepared_turns: PreparedTurns[PreparedTurn] = PreparedTurns()
 
     def begin_turn(
         self,
@@ -137,14 +137,13 @@ class TurnLifecycle:
         except BaseException:
             self._end_turn(conv, TurnOutcome.DISCARDED)  # the engine frees the prepared state
             raise
-        self.prepared_turns[request.request_id] = PreparedTurn(
-            record, request.prepared, request.num_cached_tokens, pending.replacing)
+        self.prepared_turns.add(PreparedTurn(record, request.prepared, request.num_cached_tokens, pending.replacing))
         request.prepared.on_expire = lambda state: self._expired(record)
         if pending.mode is CommitMode.AT_ONCE:
             try:
                 self.commit(record)
             except BaseException:  # the engine frees the prepared state; the turn is discarded
-                del self.prepared_turns[request.request_id]
+                self.prepared_turns.discard(request.request_id)
                 self._end_turn(conv, TurnOutcome.DISCARDED)
                 raise
         return record
@@ -153,16 +152,8 @@ class TurnLifecycle:
         entry = self.prepared_turns.get(request_id)
         return None if entry is None else entry.record
 
-    def _entry(self, record: TurnCommit, how: str) -> PreparedTurn:
-        entry = self.prepared_turns.get(record.request_id)
-        if entry is None or entry.record != record:
-            done = self._resolved.get(record.request_id)
-            why = f"already {done.value}" if done else "not a prepared turn of this engine"
-            raise TurnResolvedError(f"cannot {how} turn {record.request_id!r}: {why}")
-        return entry
-
     def commit(self, record: TurnCommit) -> HeadInfo:
-        entry = self._entry(record, "commit")
+        entry = self.prepared_turns.entry(record, "commit")
         conv = self.conversations[record.conversation.key]
         turn = record.base_turn + 1
         # A regenerated turn replaces the head of that turn it saw begin (only once the state
@@ -171,31 +162,24 @@ class TurnLifecycle:
         for stale in [h for h in self.heads.of_conversation(conv.key) if h.turn > turn]:
             self.heads.drop(stale)  # heads of turns the new one cuts off
         # The state has moved; only now does the ledger change (pure list operations).
-        del self.prepared_turns[record.request_id]
-        conv.truncate(record.base_turn)
-        conv.append([dict(m) for m in record.messages], list(record.token_ids))
-        conv.version = record.base_version + 1
+        self.prepared_turns.resolve(record, Resolution.COMMITTED)
+        commit_to_ledger(conv, record)
         self._end_turn(conv, TurnOutcome.PUBLISHED)
-        self._resolved.remember(record.request_id, Resolution.COMMITTED)
         self.counters["tokens_reused"] += entry.tokens_reused
         self.retention.retire_older(conv.key, turn)
         return conv.head_info(head)
 
     def abandon(self, record: TurnCommit) -> None:
-        entry = self._entry(record, "abandon")
-        del self.prepared_turns[record.request_id]
+        entry = self.prepared_turns.entry(record, "abandon")
+        self.prepared_turns.resolve(record, Resolution.ABANDONED)
         self.heads.release(entry.state)
         self._end_turn(self.conversations[record.conversation.key], TurnOutcome.DISCARDED)
-        self._resolved.remember(record.request_id, Resolution.ABANDONED)
 
     def _expired(self, record: TurnCommit) -> None:
         """The head manager abandoned a prepared turn nobody resolved in time."""
-        self.prepared_turns.pop(record.request_id, None)
+        self.prepared_turns.resolve(record, Resolution.EXPIRED)
         self._end_turn(self.conversations[record.conversation.key], TurnOutcome.DISCARDED)
-        self._resolved.remember(record.request_id, Resolution.EXPIRED)
 
     def _end_turn(self, conv: ConversationLedger, outcome: TurnOutcome) -> None:
-        conv.in_flight = None
         self.counters[outcome.value] += 1
-        if conv.turn == 0 and not self.heads.of_conversation(conv.key):
-            self.conversations.pop(conv.key, None)  # a first turn that never committed leaves nothing
+        end_turn(self.conversations, conv, bool(self.heads.of_conversation(conv.key)))

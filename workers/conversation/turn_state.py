@@ -2,20 +2,18 @@
 
     begin_turn ──> PendingTurn     base turn and version, suffix, start offset, commit mode
     finish     ──> PreparedTurn    the TurnCommit record + the prepared state it describes
-    commit / abandon / expiry ──> Resolutions remembers how (bounded), so a second
-                                  resolution is refused with an error that names the first
+    commit / abandon / expiry ──> two_phase.py's rules (a resolution is remembered)
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from proto.contract import tokens_digest
 from workers.cache.heads import CommittedHead, PreparedState
 from workers.conversation.ledger import ConversationLedger
-from workers.conversation.records import CommitMode, Resolution, TurnCommit
+from workers.conversation.records import CommitMode, TurnCommit
 from workers.engine import LLMEngine
 from workers.request import FinishReason, Request
 
@@ -37,22 +35,6 @@ class PreparedTurn:
     state: PreparedState
     tokens_reused: int
     replacing: CommittedHead | None
-
-
-class Resolutions:
-    """Request id -> how its prepared turn was resolved, for the last `limit` turns."""
-
-    def __init__(self, limit: int = 4096):
-        self.limit = limit
-        self._how: OrderedDict[str, Resolution] = OrderedDict()
-
-    def remember(self, request_id: str, how: Resolution) -> None:
-        self._how[request_id] = how
-        while len(self._how) > self.limit:
-            self._how.popitem(last=False)
-
-    def get(self, request_id: str) -> Resolution | None:
-        return self._how.get(request_id)
 
 
 def turn_record(engine: LLMEngine, conv: ConversationLedger, pending: PendingTurn, request: Request) -> TurnCommit:

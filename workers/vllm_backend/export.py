@@ -13,14 +13,26 @@ engine's exports are format 2), vLLM versions or kernel layouts.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from proto.contract import ModelIdentity, chunk_digest
 from workers.conversation.export_format import ExportedHead, parse_fitting_header, seal_header
 from workers.errors import CorruptStateError
+from workers.identity import model_identity
+from workers.quantization import WeightQuantization
 
 FORMAT = "vllm/1"
+
+
+async def host_identity(model_dir: str, device: str, info: dict[str, Any]) -> ModelIdentity:
+    """The model identity a head exported by this host carries: vLLM's kernels make the bits,
+    so its torch and dtype, not ours (the weights' digest reads every file: off the event loop)."""
+    base = await asyncio.to_thread(model_identity, model_dir, torch.float32, device, WeightQuantization.NONE)
+    return ModelIdentity(base.weights_digest, base.config_digest, info["dtype"], info["torch"], base.device_kind)
 
 
 def host_layout(info: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 from workers.request import ReuseSource
 from workers.sampling import SamplingParams
 from workers.vllm_backend.engine_host import EngineHost
+from workers.vllm_backend.lru_budget import LruBudget
 from workers.vllm_backend.host.hybridserve_vllm.heads import LayerLayout, block_count
 from workers.vllm_backend.requests import vllm_sampling
 
@@ -53,30 +54,34 @@ class PrefixCheckpoints:
     """The checkpoints' index on the worker's side (the host holds their state)."""
 
     def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
-        self._held: dict[str, PrefixCheckpoint] = {}  # head id -> checkpoint, least recently used first
+        self._held: LruBudget[str, PrefixCheckpoint] = LruBudget(  # by head id
+            budget_bytes, lambda c: c.nbytes, lambda _, c: c.loads > 0)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._held.budget_bytes
 
     def __len__(self) -> int:
         return len(self._held)
 
     def __iter__(self):
-        return iter(list(self._held.values()))
+        return iter(self._held)
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self._held.values())
+        return self._held.nbytes
 
     def longest(self, salt: str, prompt: Sequence[int]) -> PrefixCheckpoint | None:
         """The longest checkpoint of `salt` that is a proper prefix of `prompt`, pinned (release it)."""
         prompt = tuple(prompt)
         best = None
-        for c in self._held.values():
+        for c in self._held:
             n = len(c.tokens)
             if c.salt == salt and n < len(prompt) and (best is None or n > len(best.tokens)) and prompt[:n] == c.tokens:
                 best = c
         if best is not None:
             best.loads += 1
-            self._held[best.head_id] = self._held.pop(best.head_id)  # most recently used last
+            self._held.touch(best.head_id)
         return best
 
     def release(self, checkpoint: PrefixCheckpoint) -> None:
@@ -84,26 +89,19 @@ class PrefixCheckpoints:
 
     def holds(self, salt: str, tokens: Sequence[int]) -> bool:
         tokens = tuple(tokens)
-        return any(c.salt == salt and c.tokens == tokens for c in self._held.values())
+        return any(c.salt == salt and c.tokens == tokens for c in self._held)
 
     def keep(self, checkpoint: PrefixCheckpoint) -> list[str]:
         """Hold a new checkpoint; returns the head ids to drop in the host (one of the same
         tokens it replaces, and those beyond the budget; itself if it alone is beyond it)."""
         if checkpoint.nbytes > self.budget_bytes:
             return [checkpoint.head_id]
-        dropped = [c.head_id for c in self._held.values()
+        dropped = [c.head_id for c in self._held
                    if c.salt == checkpoint.salt and c.tokens == checkpoint.tokens and not c.loads]
         for head_id in dropped:
-            del self._held[head_id]
-        self._held[checkpoint.head_id] = checkpoint
-        used = self.nbytes
-        for c in list(self._held.values()):
-            if used <= self.budget_bytes:
-                break
-            if not c.loads:
-                used -= c.nbytes
-                dropped.append(self._held.pop(c.head_id).head_id)
-        return dropped
+            self._held.pop(head_id)
+        self._held.put(checkpoint.head_id, checkpoint)
+        return dropped + [c.head_id for c in self._held.over_budget()]
 
 
 class HostPrefixes:

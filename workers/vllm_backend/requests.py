@@ -5,6 +5,8 @@ tool-call parsing and logprob text behave as on our engine)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 from workers.detokenizer import Detokenizer
@@ -16,6 +18,17 @@ from workers.sampling import SampledToken, SamplingParams
 from workers.tokenizer import ChatTokenizer
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def vocabulary(tokenizer: ChatTokenizer, model_dir: str) -> tuple[list[int] | None, frozenset[int]]:
+    """(the ids vLLM may sample: all but the control ids, None if there are none; the ids that
+    end a turn, the config's and the tokenizer's)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    banned = set(tokenizer.never_sample_ids)
+    allowed = [i for i in range(config["vocab_size"]) if i not in banned] if banned else None
+    eos = config.get("eos_token_id")
+    return allowed, frozenset((eos if isinstance(eos, list) else [eos] if eos is not None else [])
+                              + list(tokenizer.eos_token_ids()))
 
 
 def backend_params(params: SamplingParams) -> SamplingParams:

@@ -1,0 +1,98 @@
+"""What a worker replica asks of its engine, whichever the backend: our engine
+(engine_session.EngineSession) or vLLM's in an engine host (vllm_session.VllmSession).
+The worker (replica.py), the recovery ladder and the tier exporter are typed against this;
+tests/serve/test_session_protocol.py checks that both sessions implement it.
+
+    a turn:     turn_started ─ holds / forget / adopt_ledger / import_state (the recovery ladder)
+                ─ stream_turn (its final output carries the prepared TurnCommit)
+                ─ commit or abandon, as the cache service decided ─ turn_ended
+    stateless:  stream_stateless (the longest held prefix of its prompt is reused)
+    the tier:   export_state (a committed head as tier parts), import_state (another replica's)
+    upkeep:     load (routing stats), held_heads, forget_idle, check_health, shutdown
+
+`use` is the replica's one count of the turns running here, per conversation: the session's
+idle copies and the exporter's "export when quiet" both read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from deployments.messages import HeadRef
+from deployments.worker.turns_here import ConversationUse
+from proto.contract import ConversationRef
+from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
+from workers.engine import RequestOutput
+from workers.sampling import SamplingParams
+from workers.tools.formats import ToolFormat
+
+
+class Session(Protocol):
+    use: ConversationUse
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The form this model's chat template writes tool calls in."""
+        ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def shutdown(self) -> None: ...
+
+    def check_health(self) -> None:
+        """Raises once the engine can no longer serve (Serve replaces the replica)."""
+        ...
+
+    async def load(self) -> tuple[int, int]:
+        """(requests in the engine, free KV blocks), for routing stats."""
+        ...
+
+    # -- what this engine holds (the recovery ladder) ---------------------------------------
+    async def holds(self, ref: ConversationRef, head: HeadRef) -> bool:
+        """Whether this engine holds exactly `head`: its ledger at that version and its state."""
+        ...
+
+    async def forget(self, ref: ConversationRef, deleted: HeadRef | None = None) -> None:
+        """Drop the conversation's ledger and heads here (with `deleted`: only if they are that head's)."""
+        ...
+
+    async def adopt_ledger(self, ref: ConversationRef, head: HeadRef, turns: list[LedgerTurn]) -> None: ...
+
+    async def import_state(self, ref: ConversationRef, blob: bytes) -> HeadInfo: ...
+
+    async def export_state(self, ref: ConversationRef) -> tuple[int, list[bytes]]:
+        """(head version, tier parts) of the conversation's latest head."""
+        ...
+
+    async def held_heads(self, ref: ConversationRef | None = None) -> int: ...
+
+    def turn_started(self, ref: ConversationRef) -> None:
+        """A turn of the conversation begins here (before its recovery): its ledger is kept."""
+        ...
+
+    def turn_ended(self, ref: ConversationRef) -> None: ...
+
+    async def forget_idle(self, ttl_s: float) -> int:
+        """Forget the conversations unused here for more than `ttl_s`; returns how many."""
+        ...
+
+    # -- turns ------------------------------------------------------------------------------
+    async def prepare_grammar(self, params: SamplingParams) -> None:
+        """Refuses (InvalidRequestError) what the engine cannot run, before the turn starts."""
+        ...
+
+    def stream_turn(self, ref: ConversationRef, suffix: list[dict[str, Any]], params: SamplingParams,
+                    request_id: str, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def stream_stateless(self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str,
+                         cache_salt: str, tools: list[dict[str, Any]] | None = None
+                         ) -> AsyncIterator[RequestOutput]: ...
+
+    async def commit(self, record: TurnCommit) -> HeadInfo:
+        """The prepared turn becomes the conversation's head (the service accepted it)."""
+        ...
+
+    async def abandon(self, record: TurnCommit) -> None:
+        """The prepared turn is dropped (the service refused it); the previous head is untouched."""
+        ...

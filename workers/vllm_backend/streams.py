@@ -1,0 +1,89 @@
+"""A vLLM backend request as our engine's outputs: a conversation's turn (its head loaded, its end
+captured prepared for the two-phase commit, conversations.py) or a stateless request (the longest
+prefix checkpoint loaded, its end kept as one, prefixes.py), streamed from the engine host."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from workers.conversation.ledger import ConversationLedger
+from workers.engine import RequestOutput
+from workers.errors import PromptTooLongError
+from workers.request import ReuseSource
+from workers.sampling import SamplingParams
+from workers.tokenizer import ChatTokenizer
+from workers.vllm_backend.conversations import HostedConversations
+from workers.vllm_backend.engine_host import EngineHost
+from workers.vllm_backend.prefixes import HostPrefixes, PrefixCheckpoint, detached
+from workers.vllm_backend.requests import OutputStream, vllm_sampling
+
+
+class HostStreams:
+    def __init__(self, host: EngineHost, tokenizer: ChatTokenizer, allowed_ids: list[int] | None,
+                 conversations: HostedConversations, prefixes: HostPrefixes):
+        self.host = host
+        self.tokenizer = tokenizer
+        self.allowed_ids = allowed_ids
+        self.conversations = conversations
+        self.prefixes = prefixes
+
+    async def turn(self, conv: ConversationLedger, suffix: list[dict[str, Any]], prompt: list[int],
+                   params: SamplingParams, request_id: str, load: tuple[str, int] | None, system_end: int
+                   ) -> AsyncIterator[RequestOutput]:
+        prepared, base = False, None
+        try:
+            await self.check_length(prompt)
+            if system_end:
+                base = await self.prefixes.attach(conv.ref.salt, prompt, system_end)
+                load = (base.head_id, len(base.tokens)) if base is not None else None
+            outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
+            async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids), load,
+                                                capture=True):
+                record, checkpoints = None, ()
+                if frame["finished"] and frame["prepared"] is not None:
+                    try:
+                        record = self.conversations.prepare(conv, suffix, prompt,
+                                                            outputs.output_ids + list(frame["tokens"]), frame,
+                                                            request_id)
+                    except BaseException:
+                        await self.host.call("abandon", id=request_id)
+                        raise
+                    prepared = True
+                    checkpoints = self.prefixes.system_checkpoint(conv.ref.salt, prompt, system_end)
+                yield outputs.output(frame, record, reused=base.source if base else ReuseSource.HEAD,
+                                     checkpoints=checkpoints)
+        finally:
+            self.prefixes.release(base)
+            if not prepared:
+                self.conversations.end_turn(conv)
+
+    async def check_length(self, prompt: list[int]) -> None:
+        """As our engine: a prompt must leave room for one token (vLLM would refuse it)."""
+        limit = (await self.host.start())["max_model_len"]
+        if len(prompt) >= limit:
+            raise PromptTooLongError(f"the prompt has {len(prompt)} tokens; this model takes at most {limit - 1}")
+
+    async def stateless(self, num_messages: int, prompt: list[int], system_end: int, params: SamplingParams,
+                        request_id: str, salt: str) -> AsyncIterator[RequestOutput]:
+        await self.check_length(prompt)
+        base: PrefixCheckpoint | None = await self.prefixes.attach(salt, prompt, system_end)
+        try:
+            outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
+            async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids),
+                                                (base.head_id, len(base.tokens)) if base else None,
+                                                capture=self.prefixes.fits(len(prompt) + params.max_tokens)):
+                checkpoints = ()
+                if frame["finished"] and frame.get("prepared") is not None:
+                    # Kept before the last output goes out (the client's next request may follow at
+                    # once), and kept whole even if this stream is cancelled meanwhile.
+                    tokens = await asyncio.shield(detached(self.prefixes.keep(
+                        salt, prompt + outputs.output_ids + list(frame["tokens"]), frame["prepared"], request_id)))
+                    checkpoints = self.prefixes.system_checkpoint(salt, prompt, system_end)
+                    if tokens:
+                        checkpoints += ((num_messages + 1, tokens),)  # the messages and the reply
+                yield outputs.output(frame, reused=base.source if base else ReuseSource.PREFIX,
+                                     checkpoints=checkpoints)
+        finally:
+            self.prefixes.release(base)
