@@ -27,7 +27,7 @@ import statistics
 
 import openai
 
-from bench.agent_workload import LoopScript, StepRecord, _stream_chat
+from bench.agent.workload import LoopScript, StepRecord, _stream_chat
 
 FORM_SCHEMA = {
     "type": "object",

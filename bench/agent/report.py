@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.common import format_number, markdown_table
-
-
-def _ms(x: float | None) -> str:
-    return "—" if x is None else f"{x * 1e3:,.0f}"
-
-
-def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{x:.1%}"
+from bench.kit.tables import format_number, markdown_table, ms, percent
 
 
 def _ran(res: dict) -> list[str]:
@@ -29,14 +21,14 @@ def step_table(res: dict) -> list[str]:
             pts = res["sides"][s]["per_turn"]
             pt = pts[i] if i < len(pts) else None
             row.append("—" if not pt or not pt["completed"] else
-                       f"{_ms(pt['ttft_p50_s'])} / {_ms(pt['ttft_p99_s'])} "
-                       f"({format_number(pt['prompt_tokens_mean'], 0)} tok, hit {_pct(pt['hit_ratio'])})")
+                       f"{ms(pt['ttft_p50_s'])} / {ms(pt['ttft_p99_s'])} "
+                       f"({format_number(pt['prompt_tokens_mean'], 0)} tok, hit {percent(pt['hit_ratio'], 1)})")
         rows.append(row)
     if not present:
         return ["No side completed a step.", ""]
     lines = ["Step TTFT p50 / p99 in ms (mean prompt tokens; hit ratio = cached / prompt tokens):", "",
              markdown_table(["step", *[res["labels"][s] for s in present]], rows)]
-    summary = [[res["labels"][s], str(r["turns_completed"]), _pct(r["cache_hit_ratio"]),
+    summary = [[res["labels"][s], str(r["turns_completed"]), percent(r["cache_hit_ratio"], 1),
                 format_number(r["output_tokens_per_s"]), f"{r['wall_s']:.1f}", str(len(r["errors"]))]
                for s in present for r in [res["sides"][s]]]
     lines += [markdown_table(["side", "steps done", "hit ratio", "output tok/s", "wall s", "errors"], summary)]
@@ -65,7 +57,7 @@ def decode_lines(res: dict) -> list[str]:
               for k, r in d.items()}
     return [f"Constrained decoding, {res['plan']['loops']} requests at once, max_tokens "
             f"{res['plan']['decode_max_tokens']}, {res['plan']['decode_rounds']} rounds (method in "
-            "bench/agent_decode.py; target <= +10% per token):", "",
+            "bench/agent/decode.py; target <= +10% per token):", "",
             markdown_table(["pair", "ms per token", "grammar on", "grammar off", "extra"], rows),
             "Output tokens per request (on / off): "
             + "; ".join(f"{k} {on} / {off}" for k, (on, off) in tokens.items()) + ".",
@@ -79,8 +71,8 @@ def headline_lines(res: dict) -> list[str]:
     for s, r in h["ttft_p50_ratio_over_a"].items():
         target = " (target >= 5x at step 10)" if s.startswith("d") else ""
         lines.append(f"- {res['labels'][s]} over (a) at step {r['step']} ({format_number(r['prompt_tokens'], 0)} "
-                     f"prompt tokens), the last both completed: TTFT p50 {_ms(r['other_ttft_p50_s'])} / "
-                     f"{_ms(r['a_ttft_p50_s'])} ms = {r['ratio']:.1f}x{target}.")
+                     f"prompt tokens), the last both completed: TTFT p50 {ms(r['other_ttft_p50_s'])} / "
+                     f"{ms(r['a_ttft_p50_s'])} ms = {r['ratio']:.1f}x{target}.")
     for kind, r in h["decode_overhead"].items():
         lines.append(f"- Constrained decoding, {kind}: {r['overhead']:+.1%} per output token ({r['measure']}; "
                      "target <= +10%).")

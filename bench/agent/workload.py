@@ -21,8 +21,8 @@ from pathlib import Path
 
 import openai
 
-from bench.common import chat_text
-from bench.serve_http import TurnRecord, WorkloadResult
+from bench.kit.chat_client import TurnRecord, WorkloadResult
+from bench.kit.chat_text import chat_text
 
 # Argument schemas are bounded (maxLength, integer ranges, enums, no extra properties), so a
 # forced call always ends within a step's max_tokens.

@@ -6,6 +6,8 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.kit.tables import ms
+
 ENGINE_MODES = ("a", "b", "b16", "c")
 LABELS = {
     "a": "(a) exact conversation cache",
@@ -94,8 +96,8 @@ def summarize(plan, quick, records, mismatches, block, cache_stats, env, model, 
 
 
 # -- outputs --------------------------------------------------------------------------------------
-def _ms(x: float | None) -> str:
-    return "—" if x is None else (f"{x * 1e3:,.0f}" if x >= 0.1 else f"{x * 1e3:.1f}")
+def _ms(seconds: float | None) -> str:
+    return ms(seconds, fine_below_s=0.1)  # TTFTs here go below 100 ms
 
 
 def _s(x: float | None) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.peer import PeerError, VllmPeer
+from bench.kit.peer import PeerError, VllmPeer
 from workers.checkpoint.tokens import NEVER_SAMPLE_TOKEN_IDS
 
 VLLM_ISSUE = "https://github.com/vllm-project/vllm/issues/54504"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.common import format_number, markdown_table
+from bench.kit.tables import format_number, markdown_table, percent
 
 CONTENDED_FRACTION = 0.75  # a run with less CPU/wall than this share of its threads ran on a busy machine
 METRICS = (
@@ -18,10 +18,6 @@ def _x(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
-def _pct(value: float | None) -> str:
-    return "—" if value is None else f"{100 * value:.0f}%"
-
-
 def _metric_table(family: dict, metric: str) -> str:
     s, sides = family["summary"], family["sides"]
     roof = s[f"{metric}_fraction_of_roofline"]
@@ -31,7 +27,7 @@ def _metric_table(family: dict, metric: str) -> str:
     for c in s[metric]["ours"]:
         row = [c] + [format_number(s[metric][side][c]) for side in sides]
         row += [_x(s[f"{metric}_ratio_vs_{side}"][c]) for side in sides[1:]]
-        row += [_pct(roof[side][c]) for side in sides]
+        row += [percent(roof[side][c]) for side in sides]
         rows.append(row)
     return markdown_table(headers, rows)
 
@@ -173,7 +169,7 @@ def _int8_section(family: dict) -> list[str]:
         "",
         *rows,
         "",
-        f"Accuracy against our fp32 weights (`bench.int8_accuracy`, teacher-forced over {acc.get('positions', '?')} prompt "
+        f"Accuracy against our fp32 weights (`bench.engine.int8_accuracy`, teacher-forced over {acc.get('positions', '?')} prompt "
         f"positions): max |logit error| {acc.get('max_abs_logit_error', float('nan')):.3f} "
         f"({acc.get('max_scaled_logit_error', float('nan')):.3f} of the logits' std), greedy next token equal at "
         f"{acc.get('top1_agreement', float('nan')):.1%} of positions; free-running greedy sequences all equal: {greedy}. "
@@ -197,7 +193,7 @@ def markdown(results: dict) -> str:
         "",
         "Roofline = the tokens/s of a forward that only moved its bytes (every weight, each sequence's Mamba "
         "state in and out) at this machine's measured read bandwidth and did its matmul flops at the measured "
-        "fp32 peak, whichever is slower (`bench.roofline`); '% roofline' is the share of that ceiling a side "
+        "fp32 peak, whichever is slower (`bench.kit.roofline`); '% roofline' is the share of that ceiling a side "
         "reaches. Measured per family below.",
         "",
     ]

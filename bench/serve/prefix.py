@@ -32,8 +32,9 @@ import random
 import re
 from dataclasses import dataclass
 
-from bench.common import chat_text, format_number, markdown_table
-from bench.serve_http import ConversationMode, Schedule, Script, WorkloadResult, run_workload
+from bench.kit.chat_client import ConversationMode, Schedule, Script, WorkloadResult, run_workload
+from bench.kit.chat_text import chat_text
+from bench.kit.tables import format_number, markdown_table, ms, percent
 
 
 @dataclass(frozen=True)
@@ -186,14 +187,6 @@ def headline(prefix: dict) -> dict:
 
 
 # -- report ----------------------------------------------------------------------------------------
-def _ms(x: float | None) -> str:
-    return "—" if x is None else f"{x * 1e3:,.0f}"
-
-
-def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{x:.0%}"
-
-
 def _verdict(ok: bool | None) -> str:
     return "—" if ok is None else ("met" if ok else "NOT met")
 
@@ -216,9 +209,9 @@ def markdown(prefix: dict, plan: dict, h: dict) -> list[str]:
                 if not t or not t["completed"]:
                     row.append("—")
                     continue
-                hits = "" if t["hit_ratio"] is None else f", hit {_pct(t['hit_ratio'])}"
-                hist = "" if t["history_hit_ratio"] is None else f", history {_pct(t['history_hit_ratio'])}"
-                row.append(f"{_ms(t['ttft_p50_s'])} / {_ms(t['ttft_p99_s'])} "
+                hits = "" if t["hit_ratio"] is None else f", hit {percent(t['hit_ratio'])}"
+                hist = "" if t["history_hit_ratio"] is None else f", history {percent(t['history_hit_ratio'])}"
+                row.append(f"{ms(t['ttft_p50_s'])} / {ms(t['ttft_p99_s'])} "
                            f"({format_number(t['prompt_tokens_mean'], 0)} tok{hits}{hist})")
             rows.append(row)
         lines += [markdown_table(["turn", *[SIDES[s][0] for s in sides]], rows)]
@@ -233,8 +226,8 @@ def markdown(prefix: dict, plan: dict, h: dict) -> list[str]:
         if m:
             hist = m["min_history_hit_ratio_from_turn_2"]
             lines += ["", f"Targets at the last turn ({m['last_turn']}; stateless with reuse: TTFT p50 "
-                      f"{_ms(m['reuse_ttft_p50_s'])} ms):", ""]
-            rows = [["history hit ratio >= 90% from turn 2", f"lowest {_pct(hist)}",
+                      f"{ms(m['reuse_ttft_p50_s'])} ms):", ""]
+            rows = [["history hit ratio >= 90% from turn 2", f"lowest {percent(hist)}",
                      _verdict(None if hist is None else hist >= 0.9)]]
             for side, want in ((Side.EXPLICIT, "reuse within 1.2x of explicit"),
                                (Side.VLLM_ON, "vLLM on >= 5x over reuse"),
@@ -244,15 +237,15 @@ def markdown(prefix: dict, plan: dict, h: dict) -> list[str]:
                 if r is None:
                     continue
                 if "ratio" not in r:
-                    before = (f"; at turn {r['at_turn']}: {_ms(r['at_turn_ttft_p50_s'])} ms = "
+                    before = (f"; at turn {r['at_turn']}: {ms(r['at_turn_ttft_p50_s'])} ms = "
                               f"{r['at_turn_ratio']:.2f}x reuse's" if "at_turn" in r else "")
                     rows.append([want, f"— ({r['stopped']}){before}", _verdict(None)])
                     continue
                 if side is Side.EXPLICIT:
-                    measured, ok = f"explicit {_ms(r['ttft_p50_s'])} ms; reuse / explicit = {1 / r['ratio']:.2f}x", \
+                    measured, ok = f"explicit {ms(r['ttft_p50_s'])} ms; reuse / explicit = {1 / r['ratio']:.2f}x", \
                         1 / r["ratio"] <= 1.2
                 else:
-                    measured, ok = f"{_ms(r['ttft_p50_s'])} ms = {r['ratio']:.2f}x reuse's", \
+                    measured, ok = f"{ms(r['ttft_p50_s'])} ms = {r['ratio']:.2f}x reuse's", \
                         r["ratio"] >= 5 if side is Side.VLLM_ON else None
                 rows.append([want, measured, _verdict(ok)])
             lines += [markdown_table(["target", "measured", "verdict"], rows)]
@@ -266,8 +259,8 @@ def markdown(prefix: dict, plan: dict, h: dict) -> list[str]:
             rec = sh[s.value]
             t = _turns(rec).get(1)
             ratio = s_h.get("over_reuse", {}).get(s.value, {}).get("ratio")
-            rows.append([SIDES[s][0], str(t["completed"] if t else 0), _ms(t and t["ttft_p50_s"]),
-                         _ms(t and t["ttft_p99_s"]), _pct(t and t["hit_ratio"]),
+            rows.append([SIDES[s][0], str(t["completed"] if t else 0), ms(t and t["ttft_p50_s"]),
+                         ms(t and t["ttft_p99_s"]), percent(t and t["hit_ratio"]),
                          "1.00x" if s is Side.REUSE and t else "—" if ratio is None else f"{ratio:.2f}x"])
         lines += ["First-turn TTFT:", "", markdown_table(["side", "done", "TTFT p50 ms", "TTFT p99 ms", "hit ratio",
                                                           "p50 over reuse"], rows)]

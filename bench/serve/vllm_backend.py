@@ -43,15 +43,20 @@ from pathlib import Path
 
 import httpx
 
-from bench import serve
-from bench.common import environment_info, format_number
-from bench.serve_http import ConversationMode, Script, run_workload
+from bench.kit.app_servers import VllmServer, start_app
+from bench.kit.chat_client import ConversationMode, Script, run_workload
+from bench.kit.environment import environment_info, load_average
+from bench.kit.tables import format_number
+from bench.serve.measure import run_mode
+from bench.serve.plan import MODES, Plan, make_scripts
+from bench.serve.report import last_turn_table, mode_tables, plot_ttft
+from bench.serve.summary import last_turn
 
 SIDES = {
     "v": "(v) our app on the vLLM backend, conversation cache on",
     "a": "(a) our app on our engine, conversation cache on",
-    "d": serve.MODES["d"],
-    "c": serve.MODES["c"],
+    "d": MODES["d"],
+    "c": MODES["c"],
 }
 STYLES = {"v": "o-", "a": "x-", "d": "^--", "c": "s:"}
 WORKER_REPLICAS = 2  # config.yaml's and config.vllm.yaml's
@@ -69,7 +74,7 @@ DENSE, MOE = Model("dense", False), Model("moe", True)
 
 
 # -- the sides --------------------------------------------------------------------------------------
-def measure_model(plan: serve.Plan, model: Model, scripts: list[Script], tmp: Path, vllm_python: Path | None,
+def measure_model(plan: Plan, model: Model, scripts: list[Script], tmp: Path, vllm_python: Path | None,
                   sides: str) -> dict:
     """{side: record} of one checkpoint for the sides asked (of "vadc"); without vllm_python only (a)."""
     from workers.checkpoint import Arch, make_model
@@ -87,21 +92,21 @@ def measure_model(plan: serve.Plan, model: Model, scripts: list[Script], tmp: Pa
         modes["a"] = run_app(plan, model_dir, scripts, tmp, "config.yaml", {}, f"{model.name}-a")
     for side, extra in (("d", ["--no-enable-prefix-caching"]), ("c", [])):
         if side in sides:
-            server = serve.VllmServer(vllm_python, model_dir, tmp, f"{model.name}-{side}", extra)
+            server = VllmServer(vllm_python, model_dir, tmp, f"{model.name}-{side}", extra)
             try:
                 modes[side] = server.run(
-                    lambda url: serve.run_mode(url, scripts, ConversationMode.STATELESS, side, plan))
+                    lambda url: run_mode(url, scripts, ConversationMode.STATELESS, side, plan))
             finally:
                 server.stop()
     return modes
 
 
-def run_app(plan: serve.Plan, model_dir: Path, scripts: list[Script], tmp: Path, config_file: str, args: dict,
+def run_app(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path, config_file: str, args: dict,
             name: str) -> dict:
     """The workload on `serve run` of config_file with args; a failed start is a result (tried
     twice: the free port it picked can be taken before Serve binds it, as happened once)."""
     for attempt in (1, 2):
-        server, base_url, config = serve.start_app(model_dir, tmp, config_file, args, f"{name}-{attempt}")
+        server, base_url, config = start_app(model_dir, tmp, config_file, args, f"{name}-{attempt}")
         rec: dict = {"config": config, "command": server.argv}
         try:
             rec["startup_s"] = server.wait_ready(900)
@@ -114,7 +119,7 @@ def run_app(plan: serve.Plan, model_dir: Path, scripts: list[Script], tmp: Path,
     rec.pop("startup_error", None)
     try:
         rec["warm_up"] = warm_replicas(base_url, plan)
-        rec |= serve.run_mode(base_url, scripts, ConversationMode.STORED, name, plan)
+        rec |= run_mode(base_url, scripts, ConversationMode.STORED, name, plan)
         if rec["errors"]:
             rec["server_log_errors"] = server.error_lines()
     finally:
@@ -122,7 +127,7 @@ def run_app(plan: serve.Plan, model_dir: Path, scripts: list[Script], tmp: Path,
     return rec
 
 
-def warm_replicas(base_url: str, plan: serve.Plan, rounds: int = 8) -> dict:
+def warm_replicas(base_url: str, plan: Plan, rounds: int = 8) -> dict:
     """Rounds of WORKER_REPLICAS one-turn conversations at once until every replica owns one. Their
     system prompts differ: the router sends a new conversation to a replica holding its prompt's
     prefix (our engine's prefix reuse), so alike ones would all go where the first went."""
@@ -148,7 +153,7 @@ def warm_replicas(base_url: str, plan: serve.Plan, rounds: int = 8) -> dict:
 def headline(modes: dict) -> dict:
     """At (v)'s last completed turn: every side's TTFT p50 over (v)'s (or how far it got), and the
     targets: vLLM's server over (v), (v) over our engine."""
-    lt = serve.last_turn({"modes": modes}, ref="v", others=("a", "d", "c"))
+    lt = last_turn({"modes": modes}, ref="v", others=("a", "d", "c"))
     out: dict = {"last_turn": lt}
     if lt is None:
         return out
@@ -161,13 +166,13 @@ def headline(modes: dict) -> dict:
     return out
 
 
-def run(plan: serve.Plan, models: tuple[Model, ...], variant: str, skip_vllm: bool, sides: str = "vadc") -> dict:
+def run(plan: Plan, models: tuple[Model, ...], variant: str, skip_vllm: bool, sides: str = "vadc") -> dict:
     """variant: full, quick or smoke (the plan's name, for the report); sides: which of "vadc" run."""
     from workers.vllm_backend.venv import ensure_vllm_python
 
     res: dict = {"variant": variant, "plan": asdict(plan), "env": environment_info(), "labels": SIDES,
                  "models": {}, "not_run": [], "method": __doc__}
-    res["env"]["load_average_start"] = serve.load_average()
+    res["env"]["load_average_start"] = load_average()
     res["plan"]["models"] = [asdict(m) for m in models]
     if len(models) < 2:
         res["not_run"].append(f"the models other than {', '.join(m.name for m in models)}: this plan runs only those")
@@ -176,12 +181,12 @@ def run(plan: serve.Plan, models: tuple[Model, ...], variant: str, skip_vllm: bo
     elif set(sides) != set("vadc"):
         res["not_run"].append(f"{', '.join(f'({s})' for s in 'vadc' if s not in sides)}: --sides {sides}")
     python = None if skip_vllm else ensure_vllm_python()
-    scripts = serve.make_scripts(plan)
+    scripts = make_scripts(plan)
     with tempfile.TemporaryDirectory(prefix="bench-serve-vllm-") as tmp_name:
         for model in models:
             modes = measure_model(plan, model, scripts, Path(tmp_name), python, sides)
             res["models"][model.name] = {"modes": modes, "headline": headline(modes)}
-    res["env"]["load_average_end"] = serve.load_average()
+    res["env"]["load_average_end"] = load_average()
     return res
 
 
@@ -199,7 +204,7 @@ def markdown(res: dict) -> str:
     for name, rec in res["models"].items():
         modes, h = rec["modes"], rec["headline"]
         lines += [f"## {name}", ""]
-        lines += serve.mode_tables(modes, SIDES)
+        lines += mode_tables(modes, SIDES)
         for side, mode in modes.items():
             warm = mode.get("warm_up")
             if warm and (warm["errors"] or warm["replicas_warmed"] < WORKER_REPLICAS):
@@ -212,7 +217,7 @@ def markdown(res: dict) -> str:
             continue
         lines += [f"At (v)'s last turn ({lt['turn']}, {format_number(lt['prompt_tokens'], 0)} prompt tokens"
                   + ("" if h["history_at_target"] else f", short of the targets' {TARGET_HISTORY_TOKENS:,}")
-                  + "):", "", serve.last_turn_table(lt, SIDES, ref="v"), ""]
+                  + "):", "", last_turn_table(lt, SIDES, ref="v"), ""]
         for side in ("d", "c"):
             if f"{side}_over_v" in h:
                 lines.append(f"- {SIDES[side]} over (v): {h[f'{side}_over_v']:.1f}x (target >= {OVER_VLLM_TARGET:g}x).")
@@ -235,7 +240,7 @@ def plot(res: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(res["models"]), figsize=(7 * len(res["models"]), 5.5), squeeze=False)
     for ax, (name, rec) in zip(axes[0], res["models"].items()):
-        serve.plot_ttft(ax, rec["modes"], SIDES, STYLES, f"TTFT per turn over HTTP — {name}, "
+        plot_ttft(ax, rec["modes"], SIDES, STYLES, f"TTFT per turn over HTTP — {name}, "
                         f"{res['plan']['conversations']} concurrent conversations")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
