@@ -138,7 +138,6 @@ def headline(res: dict) -> dict:
     return out
 
 
-# -- main -------------------------------------------------------------------------------------------
 def run(plan: Plan, quick: bool, skip_vllm: bool, decode_only: bool = False) -> dict:
     from workers.checkpoint import make_model
 

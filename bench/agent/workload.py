@@ -16,12 +16,13 @@ import json
 import random
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 
-from bench.kit.chat_client import TurnRecord, WorkloadResult
+from bench.kit.chat_client import TurnRecord, WorkloadResult, drive_workload
 from bench.kit.chat_text import chat_text
 
 # Argument schemas are bounded (maxLength, integer ranges, enums, no extra properties), so a
@@ -237,26 +238,8 @@ class AgentLoop:
 async def run_loops(base_url: str, loops: list[AgentLoop], steps: int, request_timeout_s: float,
                     budget_s: float) -> WorkloadResult:
     """Every loop at once, each at its own pace, within budget_s in all."""
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0, timeout=request_timeout_s)
-    records: list[StepRecord] = []
-    errors: list[str] = []
-    try:
-        try:
-            model = (await client.models.list()).data[0].id
-        except openai.APIError as exc:
-            return WorkloadResult([], 0.0, [f"the server did not answer /v1/models: {type(exc).__name__}: {exc}"[:500]])
-        t0 = time.perf_counter()
-        try:
-            await asyncio.wait_for(asyncio.gather(*(loop.run(client, model, steps, records) for loop in loops)),
-                                   budget_s)
-        except asyncio.TimeoutError:
-            errors.append(f"time budget of {budget_s:.0f} s used up; unfinished steps are not counted")
-            for rec in records:
-                if rec.total_s is None and rec.error is None:
-                    rec.error = "cut off by the time budget"
-        wall = time.perf_counter() - t0
-    finally:
-        await client.close()
-    records.sort(key=lambda r: (r.conversation, r.turn))
-    errors += [f"loop {r.conversation} step {r.turn}: {r.error}" for r in records if r.error]
-    return WorkloadResult(records, wall, errors)
+
+    def work(client: openai.AsyncOpenAI, model: str, records: list[StepRecord]) -> Awaitable:
+        return asyncio.gather(*(loop.run(client, model, steps, records) for loop in loops))
+
+    return await drive_workload(base_url, request_timeout_s, budget_s, work, names=("loop", "step"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bench.kit.chat_text import chat_text
+from bench.kit.chat_text import scripted_conversation
 
 
 THREADS = 2
@@ -62,10 +62,8 @@ def make_scripts(plan: Plan) -> list[Script]:
     rng = random.Random(plan.seed)
     scripts = []
     for c in range(plan.conversations):
-        system = chat_text(rng, plan.system_tokens, f"You are assistant #{c}. Answer carefully.")
-        users = [chat_text(rng, rng.randint(*plan.user_tokens), f"Question {t + 1}:") for t in range(plan.turns)]
-        replies = [rng.randint(*plan.reply_tokens) for _ in range(plan.turns)]
-        scripts.append(Script(system, users, replies))
+        scripts.append(Script(*scripted_conversation(rng, c, plan.turns, plan.system_tokens, plan.user_tokens,
+                                                     plan.reply_tokens)))
     return scripts
 
 

@@ -46,7 +46,6 @@ from workers.engine import LLMEngine
 from workers.sampling import SamplingParams
 
 
-# -- the run ----------------------------------------------------------------------------------------
 def run(plan: Plan, quick: bool, arch: Arch, with_vllm: bool) -> dict:
     torch.set_num_threads(THREADS)
     load_before = os.getloadavg()

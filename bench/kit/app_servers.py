@@ -15,7 +15,7 @@ from bench.kit.servers import ServerProcess, free_port
 VLLM_MEMORY_FRACTION = "0.3"
 
 
-# -- (a) and (b): our app ---------------------------------------------------------------------------
+# -- our app ---------------------------------------------------------------------------------------
 def app_config(model_dir: Path, data_dir: Path, port: int, config_file: str = "config.yaml",
                args: dict | None = None) -> dict:
     """config_file (config.yaml) as users run it, with the benchmark's model, a private data dir,
@@ -43,6 +43,7 @@ def start_app(model_dir: Path, tmp: Path, config_file: str = "config.yaml", args
     return server, f"http://127.0.0.1:{port}", config
 
 
+# -- vLLM's OpenAI server ---------------------------------------------------------------------------
 class VllmServer:
     """One vLLM OpenAI server configuration, started again on demand after its engine died."""
 

@@ -11,6 +11,7 @@ import asyncio
 import enum
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -166,30 +167,25 @@ class Schedule(str, enum.Enum):
     POOL = "pool"  # `concurrency` conversations at a time, in order
 
 
-async def run_workload(base_url: str, scripts: list[Script], mode: ConversationMode, tag: str,
-                       request_timeout_s: float, budget_s: float, schedule: Schedule = Schedule.FREE,
-                       concurrency: int = 1) -> WorkloadResult:
-    """The conversations as `schedule` orders them, within budget_s in all."""
+async def drive_workload(base_url: str, request_timeout_s: float, budget_s: float,
+                         work: Callable[[openai.AsyncOpenAI, str, list], Awaitable],
+                         names: tuple[str, str] = ("conversation", "turn")) -> WorkloadResult:
+    """`work(client, model, records)` against the server, within budget_s in all; what is still
+    running then is cut off. `names`: what a record's conversation and turn are called."""
+    whole, part = names
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0, timeout=request_timeout_s)
-    records: list[TurnRecord] = []
-    errors = []
+    records: list = []
+    errors: list[str] = []
     try:
         try:
             model = (await client.models.list()).data[0].id
         except openai.APIError as exc:  # e.g. a server that died in an earlier mode: a result, not a crash
             return WorkloadResult([], 0.0, [f"the server did not answer /v1/models: {type(exc).__name__}: {exc}"[:500]])
-        chats = [Chat(i, s, mode, tag) for i, s in enumerate(scripts)]
-        if schedule is Schedule.ROUNDS:
-            work = run_rounds(client, model, chats, records)
-        elif schedule is Schedule.POOL:
-            work = run_pool(client, model, chats, records, concurrency)
-        else:
-            work = asyncio.gather(*(run_conversation(client, model, c, records) for c in chats))
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(work, budget_s)
+            await asyncio.wait_for(work(client, model, records), budget_s)
         except asyncio.TimeoutError:
-            errors.append(f"time budget of {budget_s:.0f} s used up; unfinished turns are not counted")
+            errors.append(f"time budget of {budget_s:.0f} s used up; unfinished {part}s are not counted")
             for rec in records:
                 if rec.total_s is None and rec.error is None:
                     rec.error = "cut off by the time budget"
@@ -197,5 +193,21 @@ async def run_workload(base_url: str, scripts: list[Script], mode: ConversationM
     finally:
         await client.close()
     records.sort(key=lambda r: (r.conversation, r.turn))
-    errors += [f"conversation {r.conversation} turn {r.turn}: {r.error}" for r in records if r.error]
+    errors += [f"{whole} {r.conversation} {part} {r.turn}: {r.error}" for r in records if r.error]
     return WorkloadResult(records, wall, errors)
+
+
+async def run_workload(base_url: str, scripts: list[Script], mode: ConversationMode, tag: str,
+                       request_timeout_s: float, budget_s: float, schedule: Schedule = Schedule.FREE,
+                       concurrency: int = 1) -> WorkloadResult:
+    """The conversations as `schedule` orders them, within budget_s in all."""
+    chats = [Chat(i, s, mode, tag) for i, s in enumerate(scripts)]
+
+    def work(client: openai.AsyncOpenAI, model: str, records: list[TurnRecord]) -> Awaitable:
+        if schedule is Schedule.ROUNDS:
+            return run_rounds(client, model, chats, records)
+        if schedule is Schedule.POOL:
+            return run_pool(client, model, chats, records, concurrency)
+        return asyncio.gather(*(run_conversation(client, model, c, records) for c in chats))
+
+    return await drive_workload(base_url, request_timeout_s, budget_s, work)

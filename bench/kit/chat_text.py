@@ -21,3 +21,13 @@ def chat_text(rng: random.Random, n_chars: int, lead: str = "") -> str:
     while len(out) < n_chars:
         out += (" " if out else "") + rng.choice(CHAT_WORDS)
     return out[:n_chars].rstrip() + "."
+
+
+def scripted_conversation(rng: random.Random, index: int, turns: int, system_tokens: int,
+                          user_tokens: tuple[int, int], reply_tokens: tuple[int, int]) -> tuple[str, list[str], list[int]]:
+    """Conversation `index` of a workload: its system prompt, one question per turn and the length
+    of each reply (drawn in that order, so a seed gives the same conversations everywhere)."""
+    system = chat_text(rng, system_tokens, f"You are assistant #{index}. Answer carefully.")
+    users = [chat_text(rng, rng.randint(*user_tokens), f"Question {t + 1}:") for t in range(turns)]
+    replies = [rng.randint(*reply_tokens) for _ in range(turns)]
+    return system, users, replies

@@ -95,7 +95,6 @@ def measure_vllm(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) 
     return out, prefix
 
 
-# -- main -----------------------------------------------------------------------------------------
 def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool, vllm_results: Path | None) -> dict:
     from workers.checkpoint import make_model
 

@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 
 from bench.kit.chat_client import Script
-from bench.kit.chat_text import chat_text
+from bench.kit.chat_text import chat_text, scripted_conversation
 from bench.serve import prefix as serve_prefix
 from bench.serve.prefix import PrefixPlan
 
@@ -56,10 +56,9 @@ def make_scripts(plan: Plan) -> list[Script]:
     rng = random.Random(plan.seed)
     scripts = []
     for c in range(plan.conversations):
-        system = chat_text(rng, plan.system_tokens, f"You are assistant #{c}. Answer carefully.")
-        users = tuple(chat_text(rng, rng.randint(*plan.user_tokens), f"Question {t + 1}:") for t in range(plan.turns))
-        replies = tuple(rng.randint(*plan.reply_tokens) for _ in range(plan.turns))
-        scripts.append(Script(system, users, replies))
+        system, users, replies = scripted_conversation(rng, c, plan.turns, plan.system_tokens, plan.user_tokens,
+                                                       plan.reply_tokens)
+        scripts.append(Script(system, tuple(users), tuple(replies)))
     return scripts
 
 

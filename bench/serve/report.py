@@ -10,7 +10,6 @@ from bench.serve import prefix as serve_prefix
 from bench.serve.plan import MODES
 
 
-# -- report -----------------------------------------------------------------------------------------
 def mode_tables(modes: dict, labels: dict[str, str]) -> list[str]:
     """The TTFT per turn and the summary of each mode, and what failed (Markdown lines)."""
     lines = []
