@@ -17,14 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -34,19 +30,19 @@ import grpc
 import redis
 import redis.asyncio as aioredis
 
-from bench.common import write_results
+from bench.kit.results import RESULTS_DIR, write_results
+from bench.kit.stats import nearest_rank
 from cache_service import scripts
 from cache_service.client import CacheClient
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from cache_service.keys import ConversationKeys
+from cache_service.launch import CacheServiceChild
 from cache_service.leases import new_incarnation
 from cache_service.store import now_ms
-from proto.contract import ConversationRef, tokens_digest
 from proto import cache_pb2 as pb
+from proto.contract import ConversationRef, tokens_digest
 
-RESULTS = Path(__file__).resolve().parent / "results"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKENS_PER_TURN = 64
 MESSAGE = "x" * 400  # a short chat message
 
@@ -78,11 +74,6 @@ class Point:
         return self.cycles / self.seconds
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 @dataclass
 class Samples:
     latencies_ms: list[float]
@@ -90,7 +81,7 @@ class Samples:
 
     def point(self) -> Point:
         return Point(len(self.latencies_ms), self.seconds, statistics.median(self.latencies_ms),
-                     percentile(self.latencies_ms, 0.99))
+                     nearest_rank(self.latencies_ms, 0.99))
 
 
 async def run_slice(cycles, seconds: float, samples: Samples) -> None:
@@ -171,25 +162,16 @@ def redis_cycle_factory(r: aioredis.Redis):
     return make
 
 
-def start_service(redis_url: str, data_dir: Path, tier_budget: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cache_service", "--port", "0", "--redis-url", redis_url,
-         "--data-dir", str(data_dir), "--tier-budget", str(tier_budget), "--log-level", "INFO"],
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-        stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:  # the service announces its port in the "serving" event
-        event = json.loads(line)
-        if event.get("event") == "serving":
-            # Keep draining its log so the service never blocks on a full pipe.
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, f"127.0.0.1:{event['port']}"
-    raise RuntimeError("cache service exited before serving")
+def start_service(redis_url: str, data_dir: Path, tier_budget: int) -> tuple[CacheServiceChild, str]:
+    child = CacheServiceChild(["--port", "0", "--redis-url", redis_url, "--data-dir", str(data_dir),
+                               "--tier-budget", str(tier_budget), "--log-level", "INFO"])
+    return child, f"127.0.0.1:{child.start()}"
 
 
 async def bench_cycles(plan: Plan, fsync: FsyncPolicy, workdir: Path) -> dict:
     out = {}
     with EmbeddedRedis(EmbeddedRedisConfig(data_dir=workdir / f"redis-{fsync.value}", fsync=fsync)) as server:
-        proc, target = start_service(server.url, workdir / f"svc-{fsync.value}", plan.tier_budget)
+        service, target = start_service(server.url, workdir / f"svc-{fsync.value}", plan.tier_budget)
         try:
             raw = aioredis.Redis.from_url(server.url, max_connections=256)
             async with CacheClient(target) as client:
@@ -210,8 +192,7 @@ async def bench_cycles(plan: Plan, fsync: FsyncPolicy, workdir: Path) -> dict:
                           flush=True)
             await raw.aclose()
         finally:
-            proc.terminate()
-            proc.wait(30)
+            service.stop(30)
     return out
 
 
@@ -219,7 +200,7 @@ async def bench_tier(plan: Plan, workdir: Path) -> dict:
     data = os.urandom(plan.state_bytes)
     mib = plan.state_bytes / (1 << 20)
     with EmbeddedRedis(EmbeddedRedisConfig(data_dir=workdir / "redis-tier", fsync=FsyncPolicy.EVERYSEC)) as server:
-        proc, target = start_service(server.url, workdir / "svc-tier", plan.tier_budget)
+        service, target = start_service(server.url, workdir / "svc-tier", plan.tier_budget)
         try:
             async with CacheClient(target) as client:
                 conv = ConversationRef(f"tier-{uuid.uuid4().hex}", "salt")
@@ -242,8 +223,7 @@ async def bench_tier(plan: Plan, workdir: Path) -> dict:
                 reply = await client.put_state(conv, head, data + os.urandom(1 << 20))
                 inc_s = time.perf_counter() - t0
         finally:
-            proc.terminate()
-            proc.wait(30)
+            service.stop(30)
         r = redis.Redis.from_url(server.url)
         chunks = [data[i:i + (1 << 20)] for i in range(0, len(data), 1 << 20)]
         t0 = time.perf_counter()
@@ -320,7 +300,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short run")
     parser.add_argument("--smoke", action="store_true", help="a fraction of a second per point: proves it runs")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     plan, mode = (SMOKE, "smoke") if args.smoke else (QUICK, "quick") if args.quick else (FULL, "full")
     results = asyncio.run(main_async(plan, mode))

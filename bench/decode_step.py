@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
-from bench.engine import checkpoint_dir
-from bench.engine_sides import make_prompts
+from bench.engine.sides import make_prompts
+from bench.kit.checkpoints import checkpoint_dir
+from bench.kit.environment import environment_info
+from bench.kit.results import RESULTS_DIR, write_results
+from bench.kit.tables import format_number, markdown_table
 from workers.checkpoint import Arch, Preset
 from workers.config import CacheConfig, EngineConfig
 from workers.engine import LLMEngine

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS_DIR, environment_info, markdown_table, write_results
+from bench.kit.environment import environment_info
+from bench.kit.results import RESULTS_DIR, write_results
+from bench.kit.tables import markdown_table
 
 NEVER_COMPLETE = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 10_000}
 

@@ -35,8 +35,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
-from bench.engine import checkpoint_dir
+from bench.kit.checkpoints import checkpoint_dir
+from bench.kit.environment import environment_info
+from bench.kit.results import RESULTS_DIR, write_results
+from bench.kit.tables import format_number, markdown_table
 from workers.checkpoint import Arch, Preset
 from workers.kernels.extensions import decode_kernels, scan_kernels
 from workers.kernels.fast_path import REFERENCE, FastPath

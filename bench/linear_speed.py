@@ -17,7 +17,7 @@ weight bytes over that time (GB/s; for int8 the bytes it stands for, a quarter o
 reads), GFLOPS, and the largest output difference from F.linear. The panel kernel's time is also
 given against its two floors, both from the same run: the memory floor, its own 1-row pass (a
 pass over the weights with next to no arithmetic), and the compute floor, the pass's flops at the
-measured fp32 peak (`bench.roofline.fp32_peak`, operands hot in the caches). Writes
+measured fp32 peak (`bench.kit.roofline.fp32_peak`, operands hot in the caches). Writes
 bench/results/linear_speed[.quick].{json,md,png} (--smoke, the tiny checkpoint in seconds:
 linear_speed.smoke.*; --results-dir elsewhere).
 """
@@ -31,9 +31,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.common import RESULTS_DIR, environment_info, format_number, markdown_table, write_results
-from bench.engine import checkpoint_dir
-from bench.roofline import fp32_peak
+from bench.kit.checkpoints import checkpoint_dir
+from bench.kit.environment import environment_info
+from bench.kit.results import RESULTS_DIR, write_results
+from bench.kit.roofline import fp32_peak
+from bench.kit.tables import format_number, markdown_table
 from workers.checkpoint import Arch, Preset
 from workers.kernels.linear_backends import LinearBackend, available_backends, bind, pack_for
 from workers.model.loader import load_model
@@ -129,7 +131,7 @@ def markdown(
     if floors:
         tail = (
             f"\nFloors of the panel kernel, same run: memory = its 1-row pass; compute = the pass's flops at "
-            f"{format_number(env['fp32_peak_gflops'])} GFLOPS, the best of `bench.roofline.fp32_peak`'s probes.\n"
+            f"{format_number(env['fp32_peak_gflops'])} GFLOPS, the best of `bench.kit.roofline.fp32_peak`'s probes.\n"
         )
     return head + markdown_table(headers, table) + tail
 

@@ -46,7 +46,7 @@ def find_redis_server() -> Path:
     return Path(on_path)
 
 
-def _die_with_parent_prefix() -> list[str]:
+def die_with_parent_prefix() -> list[str]:
     """argv prefix so that if the parent dies (even by SIGKILL) the kernel sends redis
     SIGTERM, which makes it flush the AOF and exit instead of lingering.
 
@@ -142,7 +142,7 @@ class EmbeddedRedis:
     def _spawn(self) -> tuple[subprocess.Popen, threading.Event, list[str]]:
         # The parent-death signal belongs to the forking *thread*: start from a thread
         # that lives as long as the process (the main thread), not from a pool worker.
-        proc = subprocess.Popen(_die_with_parent_prefix() + self._argv(), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(die_with_parent_prefix() + self._argv(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         ready = threading.Event()
         lines: list[str] = []

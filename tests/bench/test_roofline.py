@@ -1,9 +1,9 @@
-"""bench.roofline: a fp32 rate measured elsewhere in the benchmark counts as a peak probe."""
+"""bench.kit.roofline: a fp32 rate measured elsewhere in the benchmark counts as a peak probe."""
 
 import pytest
 from torch import nn
 
-from bench.roofline import forward_key, roofline
+from bench.kit.roofline import forward_key, roofline
 
 
 def test_a_faster_reading_taken_during_the_runs_raises_the_peak_and_every_compute_ceiling():

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache_service.client import CacheClient, ClientConfig, RetryPolicy
+from cache_service.launch import CacheServiceChild
 from proto.contract import ConversationRef, tokens_digest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,35 +64,21 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> None:
-        argv = [sys.executable, "-m", "cache_service", "--port", str(self.port),
-                "--data-dir", str(self.data_dir), "--tier-budget", str(self.tier_budget),
+        args = ["--port", str(self.port), "--data-dir", str(self.data_dir), "--tier-budget", str(self.tier_budget),
                 "--grace-s", "2"]
         if self.redis_url:
-            argv += ["--redis-url", self.redis_url]
-        env = {**os.environ, "PYTHONPATH": str(SERVICE_ROOT), **self._extra_env}
-        env.pop("REDIS_URL", None)
-        self.proc = subprocess.Popen(argv, cwd=SERVICE_ROOT, env=env, stderr=subprocess.PIPE, text=True)
-        serving = threading.Event()
-        proc = self.proc
+            args += ["--redis-url", self.redis_url]
+        child = CacheServiceChild(args, root=SERVICE_ROOT, extra_env=self._extra_env, on_event=self._record)
+        self.proc = None
+        try:
+            self.port = child.start(timeout_s)
+        finally:
+            self.proc = child.proc
 
-        def drain() -> None:
-            for line in proc.stderr:
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    event = {"event": "raw", "line": line.rstrip()}
-                with self._new_event:
-                    self.events.append(event)
-                    self._new_event.notify_all()
-                if event.get("event") == "serving":
-                    self.port = event["port"]
-                    serving.set()
-            serving.set()  # EOF: exited
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not serving.wait(timeout_s) or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError(f"cache service did not start: {self.events[-10:]}")
+    def _record(self, event: dict) -> None:
+        with self._new_event:
+            self.events.append(event)
+            self._new_event.notify_all()
 
     def kill(self) -> None:
         self._signal(signal.SIGKILL)

@@ -1,14 +1,14 @@
-"""The product's promise as a property under faults (bench/chaos_driver.py): every client's
+"""The product's promise as a property under faults (bench/chaos/driver.py): every client's
 view equals the service's ledger, no turn twice, every named head serves a next turn, greedy
 outputs equal a fault-free replay. `python -m bench.chaos` runs the same driver longer."""
 
 from __future__ import annotations
 
 import pytest
-
-from bench.chaos import QUICK, StackInfrastructure
-from bench.chaos_driver import ChaosRun, Fault
 from tests.serve.conftest import APP
+
+from bench.chaos.driver import ChaosRun, Fault
+from bench.chaos.run import QUICK, StackInfrastructure
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -1,0 +1,133 @@
+"""The cost of constrained decoding in `bench.agent`: decode time per output token at a given
+concurrency with the grammar on and off, in our app, the same prompts and max_tokens.
+
+Two pairs, each prompt under a cache_salt of its own that a warm-up round filled (so a request
+is a cached prefix, a short prefill and its decode):
+
+  tool_call    the agent's first step (tools in the system message): tool_choice "required"
+               (parallel_tool_calls False) vs tool_choice "none" (the same prompt, no grammar);
+  json_schema  a short request: a json_schema response_format vs none.
+
+max_tokens is below the shortest reply the grammars allow; requests sample (temperature 1, a
+seed per prompt: greedy replies of the random-weight model end at once without a grammar), yet
+unconstrained replies may still end early (their token counts are recorded). The measure is
+therefore the decode step itself: the gaps between a request's consecutive streamed deltas
+(content or tool-call pieces, one per decode step) while the whole batch is still streaming
+(from the last request's first delta to the first request's last), median over the batch and
+rounds. A forced call's first delta comes once its name is decoded, so its gaps start there.
+Also recorded, as before: total time over output tokens, and time after the first delta over
+the tokens after the first (both include shrinking batches and, for total, the prefill).
+Rounds alternate which side goes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import openai
+
+from bench.agent.workload import LoopScript, StepRecord, _stream_chat
+
+FORM_SCHEMA = {
+    "type": "object",
+    "properties": {k: {"type": "string", "minLength": 12, "maxLength": 20} for k in ("title", "owner", "place", "note")},
+    "required": ["title", "owner", "place", "note"],
+    "additionalProperties": False,
+}
+KINDS = ("tool_call", "json_schema")
+
+
+def _request(kind: str, constrained: bool, script: LoopScript, tools: list[dict], index: int) -> dict:
+    if kind == "tool_call":
+        messages = [{"role": "system", "content": script.system}, {"role": "user", "content": script.task}]
+        choice = {"tool_choice": "required", "parallel_tool_calls": False} if constrained else {"tool_choice": "none"}
+        return {"messages": messages, "tools": tools, **choice}
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "form", "schema": FORM_SCHEMA,
+                                                                      "strict": True}}} if constrained else {}
+    return {"messages": [{"role": "user", "content": f"Fill in form {index}: {script.task}"}], **fmt}
+
+
+async def _batch(client: openai.AsyncOpenAI, model: str, kind: str, constrained: bool, scripts: list[LoopScript],
+                 tools: list[dict], max_tokens: int) -> list[StepRecord]:
+    recs = [StepRecord(conversation=i, turn=0, delta_at_s=[]) for i in range(len(scripts))]
+    await asyncio.gather(*(
+        _stream_chat(client, rec, model=model, max_tokens=max_tokens, temperature=1.0, seed=i,
+                     extra_body={"cache_salt": f"decode-{kind}-{i}"}, **_request(kind, constrained, s, tools, i))
+        for i, (s, rec) in enumerate(zip(scripts, recs))))
+    return recs
+
+
+def step_gaps(recs: list[StepRecord]) -> tuple[list[float], bool]:
+    """Gaps between consecutive deltas while every request of the batch streams; (gaps, True).
+    When the batch never streams whole (a reply ended before another began), every gap: (gaps, False)."""
+    times = [r.delta_at_s for r in recs if r.delta_at_s]
+    if not times:
+        return [], False
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    whole = [b - a for t in times for a, b in zip(t, t[1:]) if start <= a and b <= end]
+    if len(whole) >= len(times):
+        return whole, True
+    return [b - a for t in times for a, b in zip(t, t[1:])], False
+
+
+def _per_token(recs: list[StepRecord]) -> dict:
+    gaps, whole = step_gaps(recs)
+    total = [r.total_s / r.completion_tokens for r in recs if r.completion_tokens]
+    inter = [(r.total_s - r.ttft_s) / (r.completion_tokens - 1) for r in recs
+             if r.ttft_s is not None and r.completion_tokens and r.completion_tokens > 1]
+    return {"step_gap_s": gaps, "whole_batch": whole, "total_s_per_token": total, "inter_token_s": inter,
+            "completion_tokens": [r.completion_tokens for r in recs],
+            "finish_reasons": [r.finish_reason for r in recs]}
+
+
+async def _measure(base_url: str, scripts: list[LoopScript], tools: list[dict], rounds: int, max_tokens: int,
+                   timeout_s: float) -> dict:
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0, timeout=timeout_s)
+    out: dict = {k: {"on": [], "off": []} for k in KINDS}
+    try:
+        model = (await client.models.list()).data[0].id
+        for kind in KINDS:
+            for constrained in (True, False):  # warm-up: fills each prompt's cache, not recorded
+                await _batch(client, model, kind, constrained, scripts, tools, max_tokens)
+            for r in range(rounds):
+                for constrained in ((True, False) if r % 2 == 0 else (False, True)):
+                    recs = await _batch(client, model, kind, constrained, scripts, tools, max_tokens)
+                    out[kind]["on" if constrained else "off"].append(_per_token(recs))
+    finally:
+        await client.close()
+    return out
+
+
+def _merged(rounds: list[dict], key: str) -> list[float]:
+    return [x for r in rounds for x in r[key]]
+
+
+def summarize(raw: dict) -> dict:
+    """Per kind: medians per side and the grammar's extra cost per token (on / off - 1)."""
+    out = {}
+    for kind, sides in raw.items():
+        rec: dict = {"rounds": sides}
+        for key in ("step_gap_s", "total_s_per_token", "inter_token_s"):
+            on, off = _merged(sides["on"], key), _merged(sides["off"], key)
+            if on and off:
+                rec[key] = {"on_median": statistics.median(on), "off_median": statistics.median(off),
+                            "overhead": statistics.median(on) / statistics.median(off) - 1}
+        rec["completion_tokens"] = {s: _merged(sides[s], "completion_tokens") for s in ("on", "off")}
+        rec["whole_batch_rounds"] = {s: [r["whole_batch"] for r in sides[s]] for s in ("on", "off")}
+        out[kind] = rec
+    return out
+
+
+def measure(base_url: str, scripts: list[LoopScript], tools: list[dict], rounds: int, max_tokens: int,
+            timeout_s: float) -> dict:
+    return summarize(asyncio.run(_measure(base_url, scripts, tools, rounds, max_tokens, timeout_s)))
+
+
+def headline(decode: dict) -> dict:
+    """The overhead compared to the target: the decode step's gap, grammar on over off."""
+    out = {}
+    for kind, rec in decode.items():
+        if "step_gap_s" in rec:
+            out[kind] = {"measure": "step_gap_s", "overhead": rec["step_gap_s"]["overhead"]}
+    return out

