@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from workers.cache.holders import Holder, HolderKind
+from workers.state_names import Holder, HolderKind
 from workers.checkpoint import EOS_TOKEN_ID
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation.cache import ConversationCache

@@ -23,7 +23,7 @@ from tests.conversation.helpers import (
     snapshot,
     user,
 )
-from workers.cache.holders import Holder
+from workers.state_names import Holder
 from workers.checkpoint import Arch
 from workers.errors import ConversationNotFoundError, InvalidRequestError
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 
 from workers.cache.heads import CommittedHead, HeadManager
-from workers.cache.holders import Holder, HolderKind
-from workers.cache.prefix_index import PrefixKey
+from workers.state_names import Holder, HolderKind, PrefixKey
 
 
 def _manager(pause_s: float) -> HeadManager:

@@ -36,10 +36,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from workers.cache.holders import Holder, HolderKind
+from workers.state_names import Holder, HolderKind, PrefixKey
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
-from workers.cache.prefix_index import PrefixIndex, PrefixKey
+from workers.cache.prefix_index import PrefixIndex
 from workers.errors import HeadExistsError
 from workers.request import CheckpointMark, HeadAttachment, Request, RequestStatus, ReuseSource
 

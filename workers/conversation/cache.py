@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from proto.contract import ConversationRef, ModelIdentity
-from workers.cache.holders import HolderKind
+from workers.state_names import HolderKind
 from workers.conversation import export, history
 from workers.conversation.export_install import install_head
 from workers.conversation.ledger import ConversationLedger, find_conversation
