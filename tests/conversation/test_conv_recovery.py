@@ -148,4 +148,4 @@ def test_a_template_that_cannot_append_is_refused_not_rewriting_history(models, 
     with pytest.raises(HistoryRewriteError):
         cc.begin_turn(C, user("two"), greedy(5), "t2")
     assert cc.describe(C) == ledger and head_of(cc, "c", "s") is head
-    assert not cc.engine.has_unfinished() and not cc.pending
+    assert not cc.engine.has_unfinished() and not cc.pending_turns()

@@ -77,7 +77,7 @@ def assert_same_head_state(a_cc, b_cc):
 
 
 def assert_nothing_installed(cc):
-    assert len(cc.heads) == 0
+    assert cc.head_count() == 0
     kv, slots = cc.engine.caches.kv.usage(), cc.engine.caches.states.usage()
     assert kv.free == kv.total and slots.free == slots.total
 

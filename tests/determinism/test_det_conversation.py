@@ -34,7 +34,7 @@ def _turn(cc: ConversationCache, suffix, params, rid: str):
 
 
 def _head(cc: ConversationCache, turn: int):
-    return cc.heads.find(C1.key, turn, touch=False)
+    return cc.head_of(C1, turn)
 
 
 def _state_bytes(cc: ConversationCache, head) -> tuple:
@@ -114,7 +114,7 @@ def test_a_head_made_by_the_fast_path_is_recomputed_not_reused(model):
         _turn(cc, TURN1, ordinary, "t1")
         assert _head(cc, 1).canonical_window == 0
         if force_miss:
-            cc.heads.drop(_head(cc, 1))
+            cc.engine.caches.heads.drop(_head(cc, 1))
         request, tokens = _turn(cc, TURN2, det_params(max_tokens=10), "t2")
         assert request.num_cached_tokens == 0 and request.head is None
         outcomes.append((tokens, _state_bytes(cc, _head(cc, 2))))
