@@ -214,4 +214,7 @@ class LLMEngine:
         return len(self.scheduler.requests), self.caches.kv.num_free
 
     def check_integrity(self) -> None:
+        """free + cached + in use == total for blocks and slots, and nothing held by a request
+        that is not admitted (run after every engine test; for debugging)."""
         self.caches.check_integrity()
+        self.scheduler.check_integrity()
