@@ -242,7 +242,7 @@ class ConversationCache:
         KV blocks are shared by reference.
 
         All-or-nothing: OutOfCacheError (no room for the head's state copies) changes nothing."""
-        history.fork(self.caches, self._conversations, self.conversation_of(ref), turn, new_conversation_id)
+        history.fork(self._caches, self._conversations, self.conversation_of(ref), turn, new_conversation_id)
 
     def delete(self, ref: ConversationRef) -> None:
         history.delete(self._heads, self._conversations, self.conversation_of(ref))
