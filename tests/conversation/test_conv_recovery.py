@@ -108,7 +108,7 @@ def test_a_head_that_appears_while_a_rebuild_runs_is_never_overwritten(models):
     assert installed is not None
     outputs = drive(rebuilt.engine)
     assert outputs["rebuild"].error is not None and "already has a head" in outputs["rebuild"].error
-    assert head_of(rebuilt, "c", "s") is installed and len(rebuilt.heads) == 1
+    assert head_of(rebuilt, "c", "s") is installed and rebuilt.head_count() == 1
     assert rebuilt.stats()["materialized"] == 0
 
 

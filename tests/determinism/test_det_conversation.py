@@ -70,7 +70,7 @@ def test_hit_miss_and_import_give_the_same_bits(model):
 
     miss = _cache(model)
     _turn(miss, TURN1, params, "t1")
-    miss.heads.drop(_head(miss, 1))  # forced miss: the whole prompt is recomputed
+    miss.engine.caches.heads.drop(_head(miss, 1))  # forced miss: the whole prompt is recomputed
     request, miss_tokens = _turn(miss, TURN2, params, "t2")
     assert request.num_cached_tokens == 0
 
@@ -223,4 +223,4 @@ def test_a_fast_path_head_serves_ordinary_turns_and_a_canonical_request_replaces
     assert canonical is not fast and fast.holder not in rebuilt.engine.caches.kv.tables
     assert _state_bytes(rebuilt, canonical) == _state_bytes(original, _head(original, 1))
     assert rebuilt.materialize_head(C1, "again", canonical=True) is None
-    assert rebuilt.stats()["materialized"] == 2 and len(rebuilt.heads) == 1
+    assert rebuilt.stats()["materialized"] == 2 and rebuilt.head_count() == 1
