@@ -1,110 +1,52 @@
-"""The engine loop: admit requests, schedule a step, run it, sample, report outputs.
+"""The engine: admit requests, schedule a step, run it, sample, report outputs.
 
 Synchronous and single-threaded by design; `workers.async_engine` runs it on a thread and
-gives asyncio callers streams of outputs.
+gives asyncio callers streams of outputs. The step's parts live in workers/loop/, one job each:
+
+    admission.py      checks a request must pass, its seed and its keyed checkpoint marks
+    fast_step.py      one batch through the model, sampled (grammar_masks.py: constrained rows)
+    verify_step.py    deterministic mode's verify passes
+    finishing.py      detokenizer and stop checks, the tool-call pause, ending without a leak
+    outputs.py        RequestOutput
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import numbers
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from proto.contract import ModelIdentity
 from workers.cache.coordinator import CacheCoordinator
 from workers.cache.heads import HeadManager
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.layout import layouts_for
 from workers.cache.mamba_slots import MambaStateManager
 from workers.config import EngineConfig
-from workers.deterministic.seed import derived_seed
 from workers.deterministic.verifier import Verifier
-from workers.detokenizer import Detokenizer
 from workers.grammar.compiler import GrammarCompiler
-from workers.grammar.guide import GrammarError, TokenGuide
-from workers.tools.formats import tool_format_for
-from proto.contract import ModelIdentity
-from workers.errors import InvalidRequestError, PromptTooLongError, RequestIdInUseError
+from workers.grammar.guide import TokenGuide
 from workers.identity import model_identity
+from workers.loop.admission import check_prompt, check_request_id, keyed_marks, seeded
+from workers.loop.fast_step import FastStep
+from workers.loop.finishing import Finisher
+from workers.loop.outputs import RequestOutput
+from workers.loop.verify_step import VerifyStep
 from workers.model.loader import load_model
-from workers.cache.prefix_index import prefix_keys
-from workers.request import CheckpointMark, FinishReason, HeadAttachment, KeepState, Request, RequestStatus, ReuseSource
+from workers.request import CheckpointMark, FinishReason, HeadAttachment, KeepState, Request
 from workers.runner import ModelRunner
-from workers.sampling import SampledToken, SamplingParams, sample
+from workers.sampling import SampledToken, SamplingParams
 from workers.scheduler import Scheduler
 from workers.tokenizer import ChatTokenizer
+from workers.tools.formats import tool_format_for
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request (a delta, not the whole text)."""
-
-    request_id: str
-    new_tokens: tuple[SampledToken, ...]
-    text_delta: str
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    error: str | None = None
-    seed: int = 0  # the sampling seed used (drawn from the OS for unseeded requests)
-    # What the request's on_finished returned, on its final output: a conversation turn's
-    # `TurnCommit` (see workers/conversation/API.md).
-    turn_commit: Any = None
-    # Prefix reuse, on the final output: the prefix checkpoints the request made, as (the mark's
-    # label, tokens) — the worker labels a mark by the messages it covers, k for messages[:k]
-    # (len(messages) + 1: the messages and the reply), and announces them to the prefix index
-    # (deployments/routing/prefix_hints.py) — and where its reused state came from.
-    checkpoints: tuple[tuple[int, int], ...] = ()
-    reused_from: ReuseSource = ReuseSource.NONE
-
-    @property
-    def new_token_ids(self) -> list[int]:
-        return [t.token_id for t in self.new_tokens]
-
-
-def _keyed_marks(scope: str, prompt: list[int], marks: tuple[CheckpointMark, ...]) -> tuple[CheckpointMark, ...]:
-    """The marks inside the prompt, by position, each with the name of the prefix it ends."""
-    positions = sorted({m.position for m in marks if 0 < m.position < len(prompt)})
-    keys = {k.length: k for k in prefix_keys(scope, list(prompt), positions)}
-    return tuple(dataclasses.replace(m, key=keys[m.position]) for m in sorted(marks, key=lambda m: m.position)
-                 if m.position in keys)
-
-
-def _grammar_masks(requests: list[Request], banned: torch.Tensor) -> tuple[list[torch.Tensor | None] | None, dict]:
-    """Per row, the tokens its grammar allows next (None: the batch has no constrained request),
-    and the requests whose grammar failed or allows nothing that may be sampled (request id ->
-    why): they fail alone, whatever their rows draw."""
-    if all(r.guide is None for r in requests):
-        return None, {}
-    masks, failed = [], {}
-    for request in requests:
-        mask = None
-        if request.guide is not None:
-            try:
-                mask = request.guide.allowed(request.reply_ids)
-            except GrammarError as e:
-                failed[request.request_id] = str(e)
-            if mask is not None and not mask.index_fill(0, banned, False).any():
-                failed[request.request_id] = "the grammar allows no token the model may sample"
-                mask = None
-        masks.append(mask)
-    return masks, failed
-
-
-def _prefetch_mask(request: Request) -> None:
-    if request.guide is not None:
-        request.guide.prefetch(request.reply_ids)
 
 
 class LLMEngine:
@@ -154,7 +96,12 @@ class LLMEngine:
         self.verifier = Verifier(
             config.deterministic, self.model, self.runner.caches, self.caches, self.banned_token_ids
         )
-        self._detok: dict[str, Detokenizer] = {}
+        # The step's parts (workers/loop): calls go engine -> steps -> finisher -> scheduler.
+        self._finisher = Finisher(
+            self.tokenizer, self.tool_format, self.eos_token_ids, self.max_model_len, self.scheduler, self.caches
+        )
+        self._fast_step = FastStep(self.scheduler, self.runner, self.verifier, self._finisher, self.banned_token_ids)
+        self._verify_step = VerifyStep(self.scheduler, self.verifier, self._finisher, config.deterministic.rows)
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(
@@ -180,7 +127,8 @@ class LLMEngine:
         checkpoints its state at `marks`; a kept state (prepared turn, keep=CHECKPOINT, labelled
         `final_label`) is named too. Deterministic requests neither look up nor mark: no
         checkpoint is canonical (they recompute in tiles, as on a miss)."""
-        self._validate(request_id, prompt_token_ids, params)
+        check_request_id(request_id, self.scheduler, self.caches.heads)
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len, self.kv_layout)
         guide = None
         if params.constraint is not None:  # a bad schema is refused here, before anything runs
             guide = TokenGuide(self.grammars.matcher(params.constraint), self.model_config.vocab_size,
@@ -190,14 +138,10 @@ class LLMEngine:
         reuse = prefix_scope is not None and not params.deterministic and self.caches.heads.checkpoint_budget_bytes > 0
         if keep is KeepState.CHECKPOINT and not reuse:
             keep = KeepState.FREE
-        if params.seed is None and params.deterministic:
-            params = dataclasses.replace(params, seed=derived_seed(prompt_token_ids))  # same on every replica
-        elif params.seed is None:
-            params = dataclasses.replace(params)  # a fresh random seed per request, not per params object
         request = Request(
             request_id,
             list(prompt_token_ids),
-            params,
+            seeded(params, prompt_token_ids),
             head=head,
             keep=keep,
             on_finished=on_finished,
@@ -205,41 +149,20 @@ class LLMEngine:
             # a prepared turn's head is named (found by requests that do reuse) even with reuse off
             prefix_scope=prefix_scope if reuse or keep is KeepState.PREPARE else None,
             prefix_lookup=reuse,
-            marks=_keyed_marks(prefix_scope, prompt_token_ids, marks) if reuse else (),
+            marks=keyed_marks(prefix_scope, prompt_token_ids, marks) if reuse else (),
             final_label=final_label,
         )
         if guide is not None:
             request.guide = guide
             guide.prefetch(())  # the first mask, while the prompt runs
-        self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self._finisher.start(request)
         self.scheduler.add(request)
         return request
-
-    def _validate(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.scheduler.requests:
-            raise RequestIdInUseError(f"request id {request_id!r} is already running")
-        if self.caches.heads.prepared_of(request_id) is not None:  # its id names it until resolved
-            raise RequestIdInUseError(f"request id {request_id!r} names a prepared turn awaiting commit or abandon")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
-            raise InvalidRequestError("token ids must be integers")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; this model's limit is {self.max_model_len} (prompt + output)"
-            )
-        blocks = -(-(len(ids) + 1) // self.kv_layout.block_size)
-        if blocks > self.kv_layout.usable_blocks:
-            raise PromptTooLongError(f"prompt of {len(ids)} tokens cannot fit the KV cache ({blocks} blocks)")
 
     def abort(self, request_id: str) -> None:
         request = self.scheduler.requests.get(request_id)
         if request is not None:
-            self._finish(request, FinishReason.ABORT)
+            self._finisher.finish(request, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -248,89 +171,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         self.expire_prepared()
-        outputs = self._fast_step()
-        outputs += self._verify_step()
+        outputs = self._fast_step.run()
+        outputs += self._verify_step.run()
         self.verifier.metrics.step_seconds += time.perf_counter() - started
-        return outputs
-
-    @torch.inference_mode()  # the step's logits are masked in place before sampling
-    def _fast_step(self) -> list[RequestOutput]:
-        step = self.scheduler.schedule()
-        outputs = [self._fail(r, "the request does not fit in the KV cache") for r in step.unfittable]
-        if not step.chunks:
-            # Admitted deterministic prefills run no chunk, but their slots must be zeroed
-            # (or copied from a head) before their first verify pass reads them.
-            self.runner.apply_copies(step.copies)
-            return outputs
-        ending = [c for c in step.chunks if c.samples]
-        rows = [i for i, c in enumerate(ending) if not c.request.prefill_only]
-        sampling = [ending[i] for i in rows]
-        masks, grammar_failed = _grammar_masks([c.request for c in sampling], self.banned_token_ids)
-        try:
-            logits = self.runner.execute(step)
-            sampled = sample(
-                logits[rows] if len(rows) != len(ending) else logits,
-                [c.request.params for c in sampling],
-                [c.request.num_tokens for c in sampling],
-                self.banned_token_ids,
-                overwrite=True,  # the step's own logits: mask the never-sampled ids in place
-                allowed=masks,
-            )
-        except Exception as e:  # a failing step fails its requests; the engine keeps serving
-            log.exception("model step failed")
-            return outputs + [self._fail(c.request, f"model step failed: {e}") for c in step.chunks]
-        self.scheduler.advance(step)
-        for chunk, token in zip(sampling, sampled):
-            if chunk.request.request_id in grammar_failed:
-                outputs.append(self._fail(chunk.request, grammar_failed[chunk.request.request_id]))
-            elif chunk.request.deterministic:  # a candidate: nothing reaches the client unverified
-                self.verifier.on_candidate(chunk.request, token, self._ends)
-                _prefetch_mask(chunk.request)
-            else:
-                outputs.append(self._on_token(chunk.request, token))
-        for chunk in ending:
-            if chunk.request.prefill_only:  # its state now covers the whole prompt: done
-                self._finish(chunk.request, FinishReason.STOP)
-                outputs.append(self._output(chunk.request, (), ""))
-        return outputs
-
-    def _verify_step(self) -> list[RequestOutput]:
-        """Verify passes (G requests each) for every deterministic request waiting for one;
-        only what they accept goes through the stop checks to the detokenizer and the stream."""
-        due = [r for r in self.scheduler.running if r.verify_due]
-        outputs: list[RequestOutput] = []
-        for i in range(0, len(due), self.config.deterministic.rows):
-            group = due[i : i + self.config.deterministic.rows]
-            try:
-                verdicts = self.verifier.verify(group)
-            except Exception as e:  # as a failing model step: its requests fail, the engine goes on
-                log.exception("verify pass failed")
-                outputs += [self._fail(r, f"verify pass failed: {e}") for r in group]
-                continue
-            applied = []
-            for verdict in verdicts:
-                request = verdict.request
-                if request.prefill_only:  # takes no token: done once its last prompt tile ran
-                    ran_all = verdict.end == request.num_tokens
-                    applied.append((request, [], "", FinishReason.STOP if ran_all else None))
-                    continue
-                del request.token_ids[verdict.first :]  # candidates out; verified tokens back in
-                taken, delta, reason = [], "", None
-                for token in verdict.tokens:
-                    request.append(token)
-                    taken.append(token)
-                    text, reason = self._text_and_reason(request, token)
-                    delta += text
-                    if reason is not None:
-                        break
-                applied.append((request, taken, delta, reason))
-            self.verifier.commit(verdicts, [len(taken) for _, taken, _, _ in applied])
-            for request, taken, delta, reason in applied:
-                if reason is not None:
-                    delta += self._detok[request.request_id].flush()
-                    self._finish(request, reason)
-                if taken or request.is_finished:
-                    outputs.append(self._output(request, taken, delta))
         return outputs
 
     def expire_prepared(self) -> int:
@@ -342,99 +185,9 @@ class LLMEngine:
         deadline = self.caches.heads.next_deadline()
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    def _on_token(self, request: Request, token: SampledToken) -> RequestOutput:
-        request.append(token)
-        delta, reason = self._text_and_reason(request, token)
-        if reason is not None:
-            delta += self._detok[request.request_id].flush()
-            self._finish(request, reason)
-        else:
-            _prefetch_mask(request)
-        return self._output(request, (token,), delta)
-
-    def _text_and_reason(self, request: Request, token: SampledToken) -> tuple[str, FinishReason | None]:
-        """The text the new last token adds, and why the request ends there (if it does)."""
-        delta, stopped = self._detok[request.request_id].update(token.token_id)
-        if stopped:
-            return delta, FinishReason.STOP
-        return delta, self._finish_reason(request, token.token_id)
-
-    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        """For the last token of request.token_ids (verified or a candidate)."""
-        params = request.params
-        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
-            return FinishReason.STOP
-        if request.guide is not None and request.guide.ended_after(request.reply_ids):
-            return FinishReason.STOP  # the grammar is complete: nothing may follow
-        if request.num_tokens - request.num_prompt_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _ends(self, request: Request, token_id: int) -> bool:
-        return self._finish_reason(request, token_id) is not None
-
-    def _finish(self, request: Request, reason: FinishReason) -> None:
-        """End a request; a failure while keeping its state or in its on_finished fails this
-        request alone and frees its state (never the batch, never a leak)."""
-        self._detok.pop(request.request_id, None)
-        if request.guide is not None:
-            request.guide.close()
-            request.guide = None
-        request.awaiting_tool = reason is FinishReason.STOP and self._ends_in_tool_call(request)
-        try:
-            self.scheduler.finish(request, reason)
-        except Exception as e:
-            self._failed_finish(request, e)  # on_finished still runs: it sees no prepared state
-        if request.on_finished is None:
-            return
-        try:
-            request.finish_record = request.on_finished(request)
-        except Exception as e:
-            self._failed_finish(request, e)
-
-    def _ends_in_tool_call(self, request: Request) -> bool:
-        """Whether the reply's text ends with the end of a tool call (only its end is decoded)."""
-        end_tag = self.tool_format.end_tag
-        tail = request.reply_ids[-(len(end_tag) + 4):]
-        if not tail or not self.tokenizer.available:
-            return False
-        text = self.tokenizer.decode(tail)
-        return text.rstrip().endswith(end_tag)
-
-    def _failed_finish(self, request: Request, error: Exception) -> None:
-        log.exception("request %s: finishing failed", request.request_id)
-        prepared = request.prepared
-        if prepared is not None and prepared.holder in self.caches.heads.prepared:
-            self.caches.heads.release(prepared)
-        request.prepared = None
-        self.caches.discard(request)  # whatever the request still holds
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = FinishReason.ERROR
-        request.finish_error = f"finishing the request failed: {error}"
-
-    def _fail(self, request: Request, message: str) -> RequestOutput:
-        self._finish(request, FinishReason.ERROR)
-        return self._output(request, (), "", error=message)
-
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every unfinished request with an error (the loop itself failed)."""
-        return [self._fail(r, message) for r in list(self.scheduler.requests.values())]
-
-    def _output(self, request: Request, tokens, delta: str, error: str | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            new_tokens=tuple(tokens),
-            text_delta=delta,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            error=error or request.finish_error,
-            seed=request.params.resolved_seed,
-            turn_commit=request.finish_record if request.is_finished else None,
-            checkpoints=tuple(request.checkpoints_made) if request.is_finished else (),
-            reused_from=request.reused_from,
-        )
+        return [self._finisher.fail(r, message) for r in list(self.scheduler.requests.values())]
 
     # -- conveniences -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[SampledToken]]:
@@ -461,4 +214,7 @@ class LLMEngine:
         return len(self.scheduler.requests), self.caches.kv.num_free
 
     def check_integrity(self) -> None:
+        """free + cached + in use == total for blocks and slots, and nothing held by a request
+        that is not admitted (run after every engine test; for debugging)."""
         self.caches.check_integrity()
+        self.scheduler.check_integrity()

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from workers.cache.holders import Holder
-from workers.cache.prefix_index import PrefixKey
+from workers.state_names import Holder, PrefixKey
 from workers.sampling import SampledToken, SamplingParams
 
 

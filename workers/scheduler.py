@@ -70,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since the engine started (requests count their own too)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -78,6 +79,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def check_integrity(self) -> None:
+        """The slots remembered per request are only running requests' (none kept for one that left)."""
+        stray = set(self._slots) - {r.request_id for r in self.running}
+        assert not stray, f"state slots remembered for requests not running: {stray}"
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -154,6 +160,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.drop_unverified()
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def advance(self, output: SchedulerOutput) -> None:

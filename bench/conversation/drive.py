@@ -110,24 +110,15 @@ def drive(engine: LLMEngine, request_id: str, submit) -> tuple[Timing, object]:
 
 def cut_to_aligned(cache: ConversationCache, conversation_id: str, turn: int, block: int) -> dict:
     """Make the committed head what align mode keeps: KV up to the last full block and the
-    Mamba state at that block boundary (copied into the head's terminal slot)."""
-    key = ConversationRef(conversation_id, SALT).key
-    head = next(h for h in cache.heads.of_conversation(key) if h.turn == turn)
-    committed = head.state_len
-    aligned = head.aligned_len
+    Mamba state at that block boundary."""
+    committed, aligned = cache.cut_to_aligned(ConversationRef(conversation_id, SALT), turn)
     assert aligned == committed // block * block, (aligned, committed, block)
-    terminal, snapshot = cache.states.slots[head.holder]
-    if aligned != committed:
-        cache.engine.runner.copy_slots([(snapshot, terminal)])
-    cache.kv.truncate(head.holder, aligned)
-    cache.heads.unname(head)  # it no longer covers the tokens it was named by
-    head.state_len = aligned
     return {"committed": committed, "aligned": aligned}
 
 
 def turn_prompt(cache: ConversationCache, conversation_id: str, suffix: list[dict]) -> list[int]:
     """The full prompt ids begin_turn builds for the next turn (ledger ids + template delta)."""
-    conv = cache.conversations.get(ConversationRef(conversation_id, SALT).key)
+    conv = cache.ledger(ConversationRef(conversation_id, SALT))
     if conv is None:
         return build_turn_prompt(cache.engine.tokenizer, [], [], suffix).token_ids
     return build_turn_prompt(cache.engine.tokenizer, conv.tokens_until(conv.turn), conv.messages, suffix).token_ids

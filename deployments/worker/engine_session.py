@@ -34,13 +34,11 @@ from deployments.settings import RETAIN_TURNS, AppSettings
 from proto.contract import ConversationRef
 from workers.async_engine import AsyncEngine
 from workers.conversation import export as head_export
-from workers.conversation.boundaries import message_marks, reply_label
 from workers.conversation.cache import ConversationCache
 from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
-from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
 
@@ -160,7 +158,7 @@ class EngineSession:  # implements Session (session.py)
         """A constrained request's grammar made and checked off the engine thread (a bad schema
         is refused here); cached, so an agent loop's same tools are compiled once."""
         if params.constraint is not None:
-            await asyncio.to_thread(self.cache.engine.grammars.prepare, params.constraint)
+            await asyncio.to_thread(self.cache.prepare_grammar, params.constraint)
 
     def stream_turn(
         self,
@@ -183,12 +181,8 @@ class EngineSession:  # implements Session (session.py)
         its salt, checkpoints its message boundaries and its end (the final output's
         `checkpoints`, labelled by the messages they cover, see workers/conversation/boundaries.py)."""
 
-        def start(e: LLMEngine) -> Request:  # the stream follows the request start returns
-            prompt = e.tokenizer.encode(e.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools))
-            return e.add_request(
-                request_id, prompt, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT,
-                marks=message_marks(e.tokenizer, messages, prompt, tools), final_label=reply_label(messages))
-
+        start = lambda _e: self.cache.begin_stateless(  # noqa: E731
+            messages, params, request_id, cache_salt, tools)
         return self.aengine.stream(request_id, start)
 
     # Each verdict also drops the ledgers that hold no head here: O(ledgers + heads) on the
@@ -219,8 +213,8 @@ class EngineSession:  # implements Session (session.py)
     @property
     def tool_format(self) -> ToolFormat:
         """The form this model's chat template writes tool calls in."""
-        return self.cache.engine.tool_format
+        return self.cache.tool_format
 
     def token_text(self, token_id: int) -> str:
-        return self.cache.engine.tokenizer.decode_exact([token_id])
+        return self.cache.token_text(token_id)
 

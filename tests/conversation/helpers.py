@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from workers.cache.holders import Holder, HolderKind
+from workers.state_names import Holder, HolderKind
 from workers.checkpoint import EOS_TOKEN_ID
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.conversation.cache import ConversationCache
@@ -100,20 +100,9 @@ def check_engine(engine: LLMEngine) -> None:
 def check_cache(cc: ConversationCache) -> None:
     """Heads own exactly what the managers say heads hold; nothing pinned, pending or prepared
     when idle (a test must resolve the turns it prepared)."""
-    kv, states = cc.kv, cc.states
-    cc.engine.check_integrity()  # includes: every head-held block or slot belongs to a known head
-    holders = {h.holder for h in cc.heads.all()}
-    assert {h for h in kv.tables if h.kind is HolderKind.HEAD} == holders, "KV blocks of no head (leak)"
-    assert {h for h in states.slots if h.kind is HolderKind.HEAD} == holders, "state slots of no head (leak)"
-    for head in cc.heads.all():
-        assert len(kv.table(head.holder)) == -(-head.state_len // BLOCK), head
-        assert len(states.slots[head.holder]) == 2, head
-        assert head.aligned_len <= head.state_len and head.aligned_len % BLOCK == 0, head
+    cc.check_integrity()
     if not cc.engine.has_unfinished():
-        assert not cc.pending, cc.pending
-        assert not cc._prepared and not cc.heads.prepared, "a prepared turn was never resolved"
-        assert all(h.pins == 0 for h in cc.heads.all())
-        assert all(c.in_flight is None for c in cc.conversations.values())
+        cc.check_settled()
 
 
 # -- running --------------------------------------------------------------------------------
@@ -206,15 +195,12 @@ def check_turn_against_reference(
 
 # -- heads and their state ------------------------------------------------------------------------
 def conversation(cc: ConversationCache, conversation_id: str, salt: str):
-    return cc.conversations.get(ConversationRef(conversation_id, salt).key)
+    return cc.ledger(ConversationRef(conversation_id, salt))
 
 
 def head_of(cc: ConversationCache, conversation_id: str, salt: str, turn: int | None = None) -> CommittedHead | None:
     """The retained head of `turn` (default: the latest), without touching the LRU order."""
-    key = ConversationRef(conversation_id, salt).key
-    conv = cc.conversations.get(key)
-    turn = conv.turn if turn is None and conv else turn
-    return next((h for h in cc.heads.of_conversation(key) if h.turn == turn), None)
+    return cc.head_of(ConversationRef(conversation_id, salt), turn)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from tests.conversation.helpers import (
     snapshot,
     user,
 )
-from workers.cache.holders import Holder, HolderKind
+from workers.state_names import Holder, HolderKind
 from workers.checkpoint import Arch
 from workers.errors import OutOfCacheError
 

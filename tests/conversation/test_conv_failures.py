@@ -147,11 +147,11 @@ def test_busy_conversation_rejects_everything_and_changes_nothing(models, refere
     for attempt in attempts:
         with pytest.raises(ConversationBusyError):
             attempt()
-        assert set(eng.scheduler.requests) == requests and set(cc.pending) == {"inflight"}
+        assert set(eng.scheduler.requests) == requests and cc.pending_turns() == {"inflight"}
         assert head.pins == 1 and cc.stats() == stats
         assert cc.describe(C1) == ledger
         snapshot(eng, head.holder).assert_equal(state)
-    assert "c1-fork" not in {c.ref.id for c in cc.conversations.values()}
+    assert cc.ledger(ConversationRef("c1-fork", C1.salt)) is None
 
     results = drive(eng)
     expected = ref.generate([reference_prompt(ref, ledger["messages"], user("first"))], greedy(5))[0]

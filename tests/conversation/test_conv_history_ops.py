@@ -23,7 +23,7 @@ from tests.conversation.helpers import (
     snapshot,
     user,
 )
-from workers.cache.holders import Holder
+from workers.state_names import Holder
 from workers.checkpoint import Arch
 from workers.errors import ConversationNotFoundError, InvalidRequestError
 
@@ -121,7 +121,7 @@ def test_rewind_to_retained_and_evicted_turns(three_turns):
     with pytest.raises(ConversationNotFoundError):
         cc.rewind(C1, 3)
     cc.rewind(C1, 0)
-    assert cc.describe(C1)["token_ids"] == [] and len(cc.heads) == 0
+    assert cc.describe(C1)["token_ids"] == [] and cc.head_count() == 0
     fresh = check_turn_against_reference(cc, ref, "c1", "s", user("start over"), greedy(5), "r1")
     assert fresh.num_cached_tokens == 0
 
@@ -203,7 +203,7 @@ def test_delete_frees_everything(three_turns):
     cc.fork(C1, 3, "c2")
     cc.delete(C1)
     cc.delete(ConversationRef("c2", "s"))
-    assert len(cc.heads) == 0 and not cc.conversations
+    assert cc.head_count() == 0 and cc.stats()["ledgers"] == 0
     usage = cc.engine.caches.kv.usage()
     assert usage.free == usage.total, usage
     with pytest.raises(ConversationNotFoundError):

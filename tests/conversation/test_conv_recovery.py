@@ -108,7 +108,7 @@ def test_a_head_that_appears_while_a_rebuild_runs_is_never_overwritten(models):
     assert installed is not None
     outputs = drive(rebuilt.engine)
     assert outputs["rebuild"].error is not None and "already has a head" in outputs["rebuild"].error
-    assert head_of(rebuilt, "c", "s") is installed and len(rebuilt.heads) == 1
+    assert head_of(rebuilt, "c", "s") is installed and rebuilt.head_count() == 1
     assert rebuilt.stats()["materialized"] == 0
 
 
@@ -148,4 +148,4 @@ def test_a_template_that_cannot_append_is_refused_not_rewriting_history(models, 
     with pytest.raises(HistoryRewriteError):
         cc.begin_turn(C, user("two"), greedy(5), "t2")
     assert cc.describe(C) == ledger and head_of(cc, "c", "s") is head
-    assert not cc.engine.has_unfinished() and not cc.pending
+    assert not cc.engine.has_unfinished() and not cc.pending_turns()

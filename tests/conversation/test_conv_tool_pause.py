@@ -34,7 +34,8 @@ def test_a_head_waiting_for_tool_results_is_evicted_last(models, pause_s, evicte
     assert request.awaiting_tool and head_of(cc, "waiting", "s").awaiting_tool
     run_turn(cc, "plain", "s", user("hello"), greedy(), "plain-1")
     assert not head_of(cc, "plain", "s").awaiting_tool
-    cc.heads.budget_bytes = cc.heads.bytes_used()  # room for these two, not a third
+    heads = cc.engine.caches.heads
+    heads.budget_bytes = heads.bytes_used()  # room for these two, not a third
     run_turn(cc, "third", "s", user("and another"), greedy(), "third-1")
     survivors = {name for name in ("waiting", "plain") if head_of(cc, name, "s") is not None}
     assert survivors == {"waiting", "plain"} - {evicted}

@@ -77,7 +77,7 @@ def assert_same_head_state(a_cc, b_cc):
 
 
 def assert_nothing_installed(cc):
-    assert len(cc.heads) == 0
+    assert cc.head_count() == 0
     kv, slots = cc.engine.caches.kv.usage(), cc.engine.caches.states.usage()
     assert kv.free == kv.total and slots.free == slots.total
 
@@ -177,7 +177,7 @@ def test_an_import_that_does_not_fit_changes_nothing(models, reference_engines):
     arch = Arch.BAMBA
     a_cc = conversation(models, reference_engines, arch)
     exported = export_from(a_cc)
-    blocks = len(a_cc.kv.table(head_of(a_cc, "c1", "s").holder))
+    blocks = len(a_cc.engine.caches.kv.table(head_of(a_cc, "c1", "s").holder))
     block_bytes, _ = sizes(models[arch])
     b_cc = new_cache(new_engine(models[arch], kv_cache_bytes=(blocks - 1) * block_bytes))
     adopt_from(a_cc, b_cc)

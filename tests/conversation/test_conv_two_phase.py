@@ -221,7 +221,7 @@ def test_a_request_id_awaiting_its_verdict_cannot_be_reused(bamba_cc):
         cc.begin_turn(ConversationRef("b", "s"), user("other"), greedy(5), "t", commit=CommitMode.PREPARE)
     with pytest.raises(RequestIdInUseError):
         cc.engine.add_request("t", [1, 2, 3], greedy(2))
-    assert cc.describe(ConversationRef("a", "s"))["turn"] == 0 and cc.conversations.keys() == {record.conversation.key}
+    assert cc.describe(ConversationRef("a", "s"))["turn"] == 0 and cc.stats()["ledgers"] == 1 and cc.ledger(record.conversation)
     info = cc.commit(record)
     assert info.turn == 1 and cc.describe(ConversationRef("a", "s"))["token_ids"] == list(record.token_ids)
     run_turn(cc, "b", "s", user("other"), greedy(5), "t")  # free again once resolved
@@ -242,7 +242,7 @@ def test_a_failed_regenerate_commit_leaves_the_old_head_and_the_ledger_intact(ba
     def failing_transfer(src, dst):
         raise RuntimeError("slot transfer failed")
 
-    monkeypatch.setattr(cc.states, "transfer", failing_transfer)
+    monkeypatch.setattr(cc.engine.caches.states, "transfer", failing_transfer)
     with pytest.raises(RuntimeError, match="slot transfer failed"):
         cc.commit(record)
     monkeypatch.undo()
@@ -253,7 +253,7 @@ def test_a_failed_regenerate_commit_leaves_the_old_head_and_the_ledger_intact(ba
 
     info = cc.commit(record)  # the prepared turn is still whole: the retry succeeds
     assert info.turn == 2 and head_of(cc, "c", "s", 2) is not old
-    assert old.holder not in cc.kv.tables and old.holder not in cc.states.slots
+    assert old.holder not in cc.engine.caches.kv.tables and old.holder not in cc.engine.caches.states.slots
     assert cc.describe(C)["token_ids"] != ledger["token_ids"]
 
 

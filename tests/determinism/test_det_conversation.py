@@ -34,7 +34,7 @@ def _turn(cc: ConversationCache, suffix, params, rid: str):
 
 
 def _head(cc: ConversationCache, turn: int):
-    return cc.heads.find(C1.key, turn, touch=False)
+    return cc.head_of(C1, turn)
 
 
 def _state_bytes(cc: ConversationCache, head) -> tuple:
@@ -70,7 +70,7 @@ def test_hit_miss_and_import_give_the_same_bits(model):
 
     miss = _cache(model)
     _turn(miss, TURN1, params, "t1")
-    miss.heads.drop(_head(miss, 1))  # forced miss: the whole prompt is recomputed
+    miss.engine.caches.heads.drop(_head(miss, 1))  # forced miss: the whole prompt is recomputed
     request, miss_tokens = _turn(miss, TURN2, params, "t2")
     assert request.num_cached_tokens == 0
 
@@ -114,7 +114,7 @@ def test_a_head_made_by_the_fast_path_is_recomputed_not_reused(model):
         _turn(cc, TURN1, ordinary, "t1")
         assert _head(cc, 1).canonical_window == 0
         if force_miss:
-            cc.heads.drop(_head(cc, 1))
+            cc.engine.caches.heads.drop(_head(cc, 1))
         request, tokens = _turn(cc, TURN2, det_params(max_tokens=10), "t2")
         assert request.num_cached_tokens == 0 and request.head is None
         outcomes.append((tokens, _state_bytes(cc, _head(cc, 2))))
@@ -223,4 +223,4 @@ def test_a_fast_path_head_serves_ordinary_turns_and_a_canonical_request_replaces
     assert canonical is not fast and fast.holder not in rebuilt.engine.caches.kv.tables
     assert _state_bytes(rebuilt, canonical) == _state_bytes(original, _head(original, 1))
     assert rebuilt.materialize_head(C1, "again", canonical=True) is None
-    assert rebuilt.stats()["materialized"] == 2 and len(rebuilt.heads) == 1
+    assert rebuilt.stats()["materialized"] == 2 and rebuilt.head_count() == 1

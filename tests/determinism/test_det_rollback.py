@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.determinism.helpers import DET_PROMPTS, background_load, capture_states, det_arrivals, drive, new_engine
-from workers.cache.holders import Holder
+from workers.state_names import Holder
 from workers.cache.layout import allocate_caches
 from workers.checkpoint import Arch
 from workers.request import Request

@@ -161,6 +161,29 @@ def test_workers_has_no_import_cycles():
     assert not cycles, f"import cycles in workers/: {[sorted(c) for c in cycles]}"
 
 
+
+def collapse(graph: dict[str, set[str]], groups: list[str]) -> dict[str, set[str]]:
+    """The graph with each package in `groups` (and everything under it) one node."""
+
+    def node(module: str) -> str:
+        return next((g for g in groups if module == g or module.startswith(g + ".")), module)
+
+    collapsed: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        collapsed.setdefault(node(module), set()).update(node(d) for d in deps)
+    return {name: deps - {name} for name, deps in collapsed.items()}
+
+
+def test_the_cache_package_and_requests_import_one_way():
+    """workers/cache/ as a whole imports workers/request.py, never the other way round (the
+    names both use live below both, in workers/state_names.py)."""
+    graph = collapse(import_graph("workers"), ["workers.cache"])
+    assert "workers.request" in graph["workers.cache"]
+    cycles = import_cycles(graph)
+    assert not cycles, f"package-level import cycles in workers/: {[sorted(c) for c in cycles]}"
+    planted = collapse({**import_graph("workers"), "workers.request": {"workers.cache.holders"}}, ["workers.cache"])
+    assert import_cycles(planted), "a planted request -> cache import goes unseen"
+
 # The scheduler decides on plain Python state and the cache managers do accounting: neither
 # touches tensors. layout.py is the exception: it describes (with torch dtypes) and allocates
 # the tensors the runner owns.

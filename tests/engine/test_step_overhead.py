@@ -150,7 +150,8 @@ def test_scheduled_slots_and_tables_are_the_coordinators_through_preemption(tiny
     prompts = {f"r{i}": prompt_of(n, seed=10 + i) for i, n in enumerate([18, 9, 25, 4])}
     run = run_engine(engine, prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert run.preempted and any(n > 0 for n in checked), "re-admitted requests must have been scheduled"
-    assert not engine.scheduler._slots  # nothing kept for requests that left
+    assert not engine.has_unfinished()
+    engine.check_integrity()  # includes: no state slots remembered for requests that left
 
 
 # -- sampling -------------------------------------------------------------------------------------

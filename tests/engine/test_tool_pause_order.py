@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 
 from workers.cache.heads import CommittedHead, HeadManager
-from workers.cache.holders import Holder, HolderKind
-from workers.cache.prefix_index import PrefixKey
+from workers.state_names import Holder, HolderKind, PrefixKey
 
 
 def _manager(pause_s: float) -> HeadManager:
@@ -29,9 +28,9 @@ def test_paused_states_go_last_until_their_results_came_back():
     resumed = _checkpoint(manager, 3, age_s=90, awaiting_tool=True, chain_end=True, hits=1)
     expired = _checkpoint(manager, 4, age_s=400, awaiting_tool=True, chain_end=True)
     spent = _checkpoint(manager, 5, age_s=10, awaiting_tool=True, chain_end=True, superseded=True, hits=1)
-    order = manager._eviction_order(HolderKind.CHECKPOINT)
+    order = manager.eviction_order(HolderKind.CHECKPOINT)
     assert order == [spent, expired, resumed, old, waiting]
-    assert _manager(pause_s=0.0)._eviction_order(None) == []
+    assert _manager(pause_s=0.0).eviction_order(None) == []
     off = _manager(pause_s=0.0)
     off.checkpoints = manager.checkpoints
-    assert off._eviction_order(HolderKind.CHECKPOINT) == [spent, expired, waiting, resumed, old]
+    assert off.eviction_order(HolderKind.CHECKPOINT) == [spent, expired, waiting, resumed, old]

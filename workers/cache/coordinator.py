@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from proto.contract import tokens_digest
 from workers.cache.chunk_index import ChunkIndex
 from workers.cache.heads import CommittedHead, HeadManager, PreparedState
-from workers.cache.holders import Holder, HolderKind, HolderSlots
+from workers.cache.holders import HolderSlots
+from workers.state_names import Holder, HolderKind, PrefixKey
 from workers.cache.kv_blocks import KVCacheManager, blocks_for
 from workers.cache.manager import CacheManager
 from workers.cache.mamba_slots import MambaStateManager
-from workers.cache.prefix_index import PrefixKey
 from workers.errors import OutOfCacheError
 from workers.request import KeepState, Request
 

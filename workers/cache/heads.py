@@ -36,10 +36,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from workers.cache.holders import Holder, HolderKind
+from workers.state_names import Holder, HolderKind, PrefixKey
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
-from workers.cache.prefix_index import PrefixIndex, PrefixKey
+from workers.cache.prefix_index import PrefixIndex
 from workers.errors import HeadExistsError
 from workers.request import CheckpointMark, HeadAttachment, Request, RequestStatus, ReuseSource
 
@@ -344,7 +344,7 @@ class HeadManager:
         kind: HolderKind | None = None,
     ) -> None:
         while short():
-            candidates = [h for h in self._eviction_order(kind) if h.holder != protect]
+            candidates = [h for h in self.eviction_order(kind) if h.holder != protect]
             victim = next((h for h in candidates if h.pins == 0), None)
             if victim is None:
                 victim = next((h for h in candidates if take_pinned(h)), None)
@@ -362,7 +362,7 @@ class HeadManager:
         return (head.awaiting_tool and not head.superseded and head.hits == 0
                 and now - head.last_used < self.tool_pause_s)
 
-    def _eviction_order(self, kind: HolderKind | None) -> list[CommittedHead]:
+    def eviction_order(self, kind: HolderKind | None) -> list[CommittedHead]:
         """Superseded checkpoints hit at most once first, then least recently used first; states
         waiting for tool results (within tool_pause_s) last of all: an agent loop's pause for
         its tools is not idleness, its next step comes back for this state."""

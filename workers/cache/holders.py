@@ -1,5 +1,5 @@
-"""Who holds a cache resource: a running request, a prepared turn, a committed head or a
-prefix checkpoint.
+"""How a holder's cache resources are counted and named (who holds them, `Holder`, is named in
+workers/state_names.py, below the requests and this package).
 
 Requests' and prepared turns' resources are "in use"; resources held only by heads and
 checkpoints are "cached" (evictable); the rest are "free". Both managers report the same triple and assert
@@ -12,37 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
-
-
-class HolderKind(Enum):
-    REQUEST = "request"
-    PREPARED = "prepared"  # a finished turn's state awaiting commit or abandon
-    HEAD = "head"
-    CHECKPOINT = "checkpoint"  # the state at a prefix of some prompt, owned by no conversation
-    MARK = "mark"  # a checkpoint being made: a slot a running request's prefill will snapshot into
-
-    @property
-    def cached(self) -> bool:
-        """Evictable: nothing running needs it."""
-        return self in (HolderKind.HEAD, HolderKind.CHECKPOINT)
-
-
-@dataclass(frozen=True)
-class Holder:
-    kind: HolderKind
-    id: str | int  # the request id (REQUEST), or a serial of the head manager (PREPARED, HEAD)
-
-    @staticmethod
-    def request(request_id: str) -> Holder:
-        return Holder(HolderKind.REQUEST, request_id)
-
-    @staticmethod
-    def prepared(serial: int) -> Holder:
-        return Holder(HolderKind.PREPARED, serial)
-
-    @staticmethod
-    def head(serial: int) -> Holder:
-        return Holder(HolderKind.HEAD, serial)
 
 
 class SlotRole(Enum):

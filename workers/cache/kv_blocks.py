@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from workers.cache.holders import CacheUsage, Holder
+from workers.cache.holders import CacheUsage
+from workers.state_names import Holder
 from workers.cache.layout import NULL_BLOCK, KVCacheLayout
 from workers.cache.manager import CacheManager
 from workers.errors import OutOfCacheError

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from workers.cache.holders import CacheUsage, Holder, HolderSlots
+from workers.cache.holders import CacheUsage, HolderSlots
+from workers.state_names import Holder
 from workers.cache.layout import MambaStateLayout
 from workers.cache.manager import CacheManager
 from workers.errors import OutOfCacheError

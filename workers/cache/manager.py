@@ -12,7 +12,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
-from workers.cache.holders import CacheUsage, Holder
+from workers.cache.holders import CacheUsage
+from workers.state_names import Holder
 
 
 class CacheManager(ABC):

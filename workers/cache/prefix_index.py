@@ -18,19 +18,12 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from proto.contract import token_bytes
+from workers.state_names import PrefixKey
 
 State = TypeVar("State")
-
-
-@dataclass(frozen=True)
-class PrefixKey:
-    scope: str
-    length: int
-    digest: str  # proto.contract.tokens_digest of the prefix's token ids
 
 
 def prefix_digests(token_ids: list[int], lengths: list[int]) -> Iterator[tuple[int, str]]:

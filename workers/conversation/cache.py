@@ -1,7 +1,8 @@
 """`ConversationCache`: the one front the worker (and in-process callers) use for conversations.
 
-It holds the engine's ledgers (`conversations`, by key) and hands each operation what it
-needs, never itself:
+It holds the engine's ledgers (by conversation key) and hands each operation what it needs,
+never itself; callers see only its methods (the engine's grammars, tokenizer and pools stay
+behind it). Where each operation lives:
 
     turn_lifecycle.py  begin_turn, regenerate, commit, abandon (the turn lifecycle)
     recovery.py        adopt_ledger, materialize_head
@@ -20,37 +21,75 @@ from collections.abc import Iterable
 from typing import Any
 
 from proto.contract import ConversationRef, ModelIdentity
-from workers.cache.holders import HolderKind
+from workers.cache.heads import CommittedHead
 from workers.conversation import export, history
+from workers.conversation.boundaries import message_marks, reply_label
 from workers.conversation.export_install import install_head
 from workers.conversation.ledger import ConversationLedger, find_conversation
+from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import CommitMode, HeadInfo, LedgerState, LedgerTurn, TurnCommit
 from workers.conversation.recovery import LedgerRecovery
 from workers.conversation.retention import HeadRetention
 from workers.conversation.turn_lifecycle import TurnLifecycle
 from workers.engine import LLMEngine
-from workers.request import Request
+from workers.grammar.constraint import Constraint
+from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
+from workers.state_names import HolderKind
+from workers.tools.formats import ToolFormat
 
 
 class ConversationCache:
     def __init__(self, engine: LLMEngine, retain_turns: int = 1):
-        self.engine = engine
-        self.retention = HeadRetention(engine.caches.heads, retain_turns)
-        self.retain_turns = retain_turns
-        self.caches = engine.caches
-        self.kv = engine.caches.kv
-        self.states = engine.caches.states
-        self.heads = engine.caches.heads
-        self.conversations: dict[str, ConversationLedger] = {}
-        self.counters: Counter[str] = Counter(
+        self._engine = engine
+        self._caches = engine.caches
+        self._heads = engine.caches.heads
+        self._retention = HeadRetention(self._heads, retain_turns)
+        self._conversations: dict[str, ConversationLedger] = {}
+        self._counters: Counter[str] = Counter(
             {"hits": 0, "misses": 0, "tokens_reused": 0, "published": 0, "discarded": 0, "materialized": 0}
         )
-        self.turns = TurnLifecycle(engine, self.conversations, self.retention, self.counters)
-        self.recovery = LedgerRecovery(engine, self.conversations, self.retention, self.counters)
-        self.pending = self.turns.pending  # request id -> a turn begun and not finished
-        self._prepared = self.turns.prepared_turns  # request id -> a turn awaiting its verdict
-        self.materializing = self.recovery.materializing  # request id -> a head rebuild
+        self._turns = TurnLifecycle(engine, self._conversations, self._retention, self._counters)
+        self._recovery = LedgerRecovery(engine, self._conversations, self._retention, self._counters)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine this cache serves, for in-process callers that drive it themselves (tests,
+        the CLI, benchmarks: step, add_request). The worker uses the methods below instead."""
+        return self._engine
+
+    # -- the model's text ---------------------------------------------------------------------------
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The form this model's chat template writes tool calls in."""
+        return self._engine.tool_format
+
+    def token_text(self, token_id: int) -> str:
+        """One token's exact text (may be part of a character)."""
+        return self._engine.tokenizer.decode_exact([token_id])
+
+    def prepare_grammar(self, constraint: Constraint) -> None:
+        """Compile and check a constrained request's grammar (cached). Off-thread: it touches no
+        engine state, so a bad schema is refused before the request reaches the engine thread."""
+        self._engine.grammars.prepare(constraint)
+
+    # -- a request without a conversation ------------------------------------------------------------
+    def begin_stateless(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Request:
+        """A full-history request: it attaches the longest prefix of its prompt held here under
+        `cache_salt`, checkpoints its message boundaries and its end (the final output's
+        `checkpoints`, labelled by the messages they cover, see boundaries.py)."""
+        tokenizer = self._engine.tokenizer
+        prompt = build_turn_prompt(tokenizer, [], [], messages, tools).token_ids
+        return self._engine.add_request(
+            request_id, prompt, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT,
+            marks=message_marks(tokenizer, messages, prompt, tools), final_label=reply_label(messages))
 
     # -- turns (see turn_lifecycle.py) ------------------------------------------------------------
     def begin_turn(
@@ -66,7 +105,7 @@ class ConversationCache:
     ) -> Request:
         """Start a turn continuing `base_turn` (default: the latest) with the new suffix messages
         (`tools`: the request's function tools, rendered by the chat template)."""
-        return self.turns.begin_turn(
+        return self._turns.begin_turn(
             ref, suffix, params, request_id, base_turn=base_turn, commit=commit, tools=tools)
 
     def regenerate(
@@ -80,48 +119,48 @@ class ConversationCache:
     ) -> Request:
         """Re-run the last turn from the previous head, replacing it on commit (`tools`: the
         conversation's, as its turns sent them)."""
-        return self.turns.regenerate(ref, params, request_id, commit=commit, tools=tools)
+        return self._turns.regenerate(ref, params, request_id, commit=commit, tools=tools)
 
     def prepared(self, request_id: str) -> TurnCommit | None:
-        return self.turns.prepared(request_id)
+        return self._turns.prepared(request_id)
 
     def commit(self, record: TurnCommit) -> HeadInfo:
         """Make a prepared turn the conversation's head (no copy), then append it to the ledger."""
-        return self.turns.commit(record)
+        return self._turns.commit(record)
 
     def abandon(self, record: TurnCommit) -> None:
         """Free a prepared turn; the base head and the ledger stay exactly as they were."""
-        self.turns.abandon(record)
+        self._turns.abandon(record)
 
     # -- ledger of record, recovery and exports (see recovery.py, export.py) -----------------------
     def adopt_ledger(self, ref: ConversationRef, *, version: int, turns: list[LedgerTurn]) -> None:
-        self.recovery.adopt_ledger(ref, version, turns)
+        self._recovery.adopt_ledger(ref, version, turns)
 
     def materialize_head(
         self, ref: ConversationRef, request_id: str, *, canonical: bool = False
     ) -> Request | None:
-        return self.recovery.materialize_head(ref, request_id, canonical)
+        return self._recovery.materialize_head(ref, request_id, canonical)
 
     def snapshot_head(self, ref: ConversationRef) -> export.HeadSnapshot:
-        return export.snapshot_head(self.engine, self.conversation_of(ref))
+        return export.snapshot_head(self._engine, self.conversation_of(ref))
 
     def install_head(self, ref: ConversationRef, verified: export.VerifiedHead) -> HeadInfo:
-        return install_head(self.engine, self.conversations, self.retention, ref, verified)
+        return install_head(self._engine, self._conversations, self._retention, ref, verified)
 
     def export_identity(self) -> tuple[ModelIdentity, dict[str, Any]]:
         """What `export.verify_export` checks a foreign export against."""
-        return self.engine.identity, export.engine_layout(self.engine)
+        return self._engine.identity, export.engine_layout(self._engine)
 
     def held_chunk_digests(self) -> set[str]:
-        return self.caches.chunks.held_digests()
+        return self._caches.chunks.held_digests()
 
     def remember_chunks(self, snapshot: export.HeadSnapshot, exported: export.ExportedHead) -> None:
-        export.remember_chunks(self.caches.chunks, snapshot, exported)
+        export.remember_chunks(self._caches.chunks, snapshot, exported)
 
     # -- what this engine holds ---------------------------------------------------------------------
     def ledger_state(self, ref: ConversationRef) -> LedgerState | None:
         """The engine's ledger of the conversation (None if it holds none); touches no head."""
-        conv = self.conversations.get(ref.key)
+        conv = self._conversations.get(ref.key)
         if conv is None:
             return None
         return LedgerState(conv.version, conv.turn, tuple(conv.token_ids), busy=conv.in_flight is not None)
@@ -129,16 +168,16 @@ class ConversationCache:
     def idle_head_tokens(self, ref: ConversationRef, version: int, turn: int) -> list[int] | None:
         """The committed token ids if the conversation is idle at exactly (`version`, `turn`) and
         the head of that turn is held (touched: it is about to serve); else None."""
-        conv = self.conversations.get(ref.key)
+        conv = self._conversations.get(ref.key)
         if conv is None or conv.in_flight is not None or (conv.version, conv.turn) != (version, turn):
             return None
-        return list(conv.token_ids) if self.heads.find(ref.key, conv.turn) is not None else None
+        return list(conv.token_ids) if self._heads.find(ref.key, conv.turn) is not None else None
 
     def head_count(self, ref: ConversationRef | None = None) -> int:
         """Heads held: all of them, or the conversation's."""
         if ref is None:
-            return len(self.heads)
-        return len(self.heads.of_conversation(ref.key))
+            return len(self._heads)
+        return len(self._heads.of_conversation(ref.key))
 
     def drop_headless_ledgers(self, keep: Iterable[ConversationRef] = ()) -> int:
         """Forget the ledgers of conversations that hold no head here and have no turn (or head
@@ -146,55 +185,98 @@ class ConversationCache:
         ledgers are a cache of a record kept elsewhere (the worker: the cache service's ledger,
         read again when a turn needs it); in-process callers never call it, their ledger is the
         record. O(conversations + heads)."""
-        kept = {h.conversation_key for h in self.heads.all()} | {ref.key for ref in keep}
-        gone = [key for key, conv in self.conversations.items() if conv.in_flight is None and key not in kept]
+        kept = {h.conversation_key for h in self._heads.all()} | {ref.key for ref in keep}
+        gone = [key for key, conv in self._conversations.items() if conv.in_flight is None and key not in kept]
         for key in gone:
-            del self.conversations[key]
+            del self._conversations[key]
         return len(gone)
+
+    def ledger(self, ref: ConversationRef) -> ConversationLedger | None:
+        """The engine's ledger of the conversation (None if it holds none), to read: its
+        turns, messages and token ids. Change it only through the methods of this class."""
+        return self._conversations.get(ref.key)
+
+    def head_of(self, ref: ConversationRef, turn: int | None = None) -> CommittedHead | None:
+        """The held head of `turn` (default: the ledger's latest), without touching the LRU order."""
+        conv = self._conversations.get(ref.key)
+        turn = conv.turn if turn is None and conv is not None else turn
+        return next((h for h in self._heads.of_conversation(ref.key) if h.turn == turn), None)
+
+    def pending_turns(self) -> set[str]:
+        """Request ids of the turns and head rebuilds begun here and not finished yet."""
+        return set(self._turns.pending) | set(self._recovery.materializing)
+
+    # -- integrity (for tests and debugging) -----------------------------------------------------------
+    def check_integrity(self) -> None:
+        """The engine's pool checks, then: heads own exactly what the managers say heads hold,
+        each head's KV table and slots match its length."""
+        self._engine.check_integrity()  # includes: every head-held block or slot belongs to a known head
+        kv, states = self._caches.kv, self._caches.states
+        block = self._engine.kv_layout.block_size
+        holders = {h.holder for h in self._heads.all()}
+        assert {h for h in kv.tables if h.kind is HolderKind.HEAD} == holders, "KV blocks of no head (leak)"
+        assert {h for h in states.slots if h.kind is HolderKind.HEAD} == holders, "state slots of no head (leak)"
+        for head in self._heads.all():
+            assert len(kv.table(head.holder)) == -(-head.state_len // block), head
+            assert len(states.slots[head.holder]) == 2, head
+            assert head.aligned_len <= head.state_len and head.aligned_len % block == 0, head
+
+    def check_settled(self) -> None:
+        """Nothing in flight: no turn pending or prepared, no head pinned, no ledger busy (for a
+        caller that has resolved every turn it began, once the engine is idle)."""
+        assert not self._turns.pending, self._turns.pending
+        assert not self._turns.prepared_turns and not self._heads.prepared, "a prepared turn was never resolved"
+        assert all(h.pins == 0 for h in self._heads.all())
+        assert all(c.in_flight is None for c in self._conversations.values())
 
     # -- history operations (see history.py) ----------------------------------------------------------
     def conversation_of(self, ref: ConversationRef) -> ConversationLedger:
-        return find_conversation(self.conversations, ref)
+        return find_conversation(self._conversations, ref)
 
     def rewind(self, ref: ConversationRef, turn: int) -> None:
         """Forget turns after `turn`; the head of `turn` is used if it is still retained."""
-        history.rewind(self.heads, self.conversation_of(ref), turn)
+        history.rewind(self._heads, self.conversation_of(ref), turn)
 
     def fork(self, ref: ConversationRef, turn: int, new_conversation_id: str) -> None:
         """A new conversation `new_conversation_id` (same salt) whose history is turns 1..turn;
         KV blocks are shared by reference.
 
         All-or-nothing: OutOfCacheError (no room for the head's state copies) changes nothing."""
-        history.fork(self.caches, self.conversations, self.conversation_of(ref), turn, new_conversation_id)
+        history.fork(self._caches, self._conversations, self.conversation_of(ref), turn, new_conversation_id)
+
+    def cut_to_aligned(self, ref: ConversationRef, turn: int) -> tuple[int, int]:
+        """Cut the head of `turn` back to its last block boundary, as a block-aligned cache keeps
+        it (what bench.conversation measures that reuse with); (committed, aligned) lengths."""
+        return history.cut_to_aligned(self._engine, self.conversation_of(ref), turn)
 
     def delete(self, ref: ConversationRef) -> None:
-        history.delete(self.heads, self.conversations, self.conversation_of(ref))
+        history.delete(self._heads, self._conversations, self.conversation_of(ref))
 
     def describe(self, ref: ConversationRef) -> dict[str, Any]:
-        return history.describe(self.heads, self.conversation_of(ref))
+        return history.describe(self._heads, self.conversation_of(ref))
 
     def stats(self) -> dict[str, int]:
-        detached = self.heads.counters["detached"]
+        detached = self._heads.counters["detached"]
         return {
-            **self.counters,
-            "hits": self.counters["hits"] - detached,
-            "misses": self.counters["misses"] + detached,
+            **self._counters,
+            "hits": self._counters["hits"] - detached,
+            "misses": self._counters["misses"] + detached,
             "detached": detached,
-            "evictions": self.heads.counters["evictions"],
-            "tool_pause_evictions": self.heads.counters["tool_pause_evictions"],
-            "prepared": len(self._prepared),
-            "prepared_expired": self.heads.counters["prepared_expired"],
-            "cow_block_copies": self.caches.counters["cow_block_copies"],
-            "state_copies": self.caches.counters["state_copies"],
-            "heads": len(self.heads),
-            "ledgers": len(self.conversations),
-            "head_bytes": self.heads.bytes_used(),
-            "head_budget_bytes": self.heads.budget_bytes,
+            "evictions": self._heads.counters["evictions"],
+            "tool_pause_evictions": self._heads.counters["tool_pause_evictions"],
+            "prepared": len(self._turns.prepared_turns),
+            "prepared_expired": self._heads.counters["prepared_expired"],
+            "cow_block_copies": self._caches.counters["cow_block_copies"],
+            "state_copies": self._caches.counters["state_copies"],
+            "heads": len(self._heads),
+            "ledgers": len(self._conversations),
+            "head_bytes": self._heads.bytes_used(),
+            "head_budget_bytes": self._heads.budget_bytes,
             # prefix checkpoints (workers/cache/prefix_index.py)
-            "checkpoints": len(self.heads.checkpoints),
-            "checkpoints_made": self.heads.counters["checkpoints_made"],
-            "checkpoint_evictions": self.heads.counters["checkpoint_evictions"],
-            "prefix_hits": self.heads.counters["prefix_hits"],
-            "prefix_misses": self.heads.counters["prefix_misses"],
-            "checkpoint_bytes": self.heads.bytes_used(HolderKind.CHECKPOINT),
+            "checkpoints": len(self._heads.checkpoints),
+            "checkpoints_made": self._heads.counters["checkpoints_made"],
+            "checkpoint_evictions": self._heads.counters["checkpoint_evictions"],
+            "prefix_hits": self._heads.counters["prefix_hits"],
+            "prefix_misses": self._heads.counters["prefix_misses"],
+            "checkpoint_bytes": self._heads.bytes_used(HolderKind.CHECKPOINT),
         }

@@ -1,4 +1,5 @@
-"""History operations on an idle conversation: rewind, fork, delete, describe.
+"""History operations on an idle conversation: rewind, fork, delete, describe (and cutting a
+head back to its block-aligned state, what a block-aligned cache would have kept).
 
 Each changes the engine's ledger and its heads together; the worker maps them onto the cache
 service's RPCs (RewindConversation, ForkConversation, DeleteConversation), whose ledger is
@@ -7,7 +8,7 @@ the record.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proto.contract import tokens_digest
 from workers.cache.coordinator import CacheCoordinator
@@ -15,6 +16,9 @@ from workers.cache.heads import HeadManager
 from workers.conversation.ledger import ConversationLedger
 from workers.conversation.records import LedgerTurn
 from workers.errors import ConversationNotFoundError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from workers.engine import LLMEngine
 
 
 def check_idle_turn(conv: ConversationLedger, turn: int) -> None:
@@ -71,3 +75,27 @@ def describe(heads: HeadManager, conv: ConversationLedger) -> dict[str, Any]:
         "ledger": [LedgerTurn(tuple(t.messages), tuple(conv.token_ids[t.start : t.end])) for t in conv.turns],
         "retained_turns": sorted(h.turn for h in heads.of_conversation(conv.key)),
     }
+
+
+def cut_to_aligned(engine: LLMEngine, conv: ConversationLedger, turn: int) -> tuple[int, int]:
+    """Make the head of `turn` what a block-aligned cache keeps (vLLM's reuse on hybrids holds
+    Mamba state only at block boundaries): KV up to its last full block and the Mamba state of
+    that boundary, copied into the head's terminal slot. The next turn then recomputes
+    [aligned, committed) before its suffix. Returns (committed, aligned) lengths.
+
+        committed head:  [ block 0 | block 1 | tail.. ]    state at `committed`
+        after the cut:   [ block 0 | block 1 ]             state at `aligned` (the snapshot)
+    """
+    check_idle_turn(conv, turn)
+    caches = engine.caches
+    head = caches.heads.find(conv.key, turn, touch=False)
+    if head is None:
+        raise ConversationNotFoundError(f"conversation {conv.ref.id!r} holds no head of turn {turn}")
+    committed, aligned = head.state_len, head.aligned_len
+    terminal, snapshot = caches.states.slots[head.holder]
+    if aligned != committed:
+        engine.runner.copy_slots([(snapshot, terminal)])
+    caches.kv.truncate(head.holder, aligned)
+    caches.heads.unname(head)  # it no longer covers the tokens it was named by
+    head.state_len = aligned
+    return committed, aligned

@@ -1,0 +1,56 @@
+"""What a step reports for one request: a `RequestOutput` (a delta, not the whole text)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from workers.request import FinishReason, Request, ReuseSource
+from workers.sampling import SampledToken
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a delta, not the whole text)."""
+
+    request_id: str
+    new_tokens: tuple[SampledToken, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+    seed: int = 0  # the sampling seed used (drawn from the OS for unseeded requests)
+    # What the request's on_finished returned, on its final output: a conversation turn's
+    # `TurnCommit` (see workers/conversation/API.md).
+    turn_commit: Any = None
+    # Prefix reuse, on the final output: the prefix checkpoints the request made, as (the mark's
+    # label, tokens) — the worker labels a mark by the messages it covers, k for messages[:k]
+    # (len(messages) + 1: the messages and the reply), and announces them to the prefix index
+    # (deployments/routing/prefix_hints.py) — and where its reused state came from.
+    checkpoints: tuple[tuple[int, int], ...] = ()
+    reused_from: ReuseSource = ReuseSource.NONE
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return [t.token_id for t in self.new_tokens]
+
+
+def output_of(request: Request, tokens: Iterable[SampledToken], delta: str, error: str | None = None) -> RequestOutput:
+    """The request's output for this step (its final fields once it has finished)."""
+    return RequestOutput(
+        request_id=request.request_id,
+        new_tokens=tuple(tokens),
+        text_delta=delta,
+        finished=request.is_finished,
+        finish_reason=request.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        error=error or request.finish_error,
+        seed=request.params.resolved_seed,
+        turn_commit=request.finish_record if request.is_finished else None,
+        checkpoints=tuple(request.checkpoints_made) if request.is_finished else (),
+        reused_from=request.reused_from,
+    )
