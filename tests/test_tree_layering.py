@@ -47,7 +47,7 @@ def test_the_graph_covers_the_tree():
         assert any(m.split(".")[0] == package for m in GRAPH), f"no module of {package}/ read: the scan is broken"
     # edges across packages, from a function body, and relative to a subpackage are all seen
     assert "proto.contract" in GRAPH["cache_service.keys"]
-    assert "deployments.turn.run" in GRAPH["deployments.front.ingress"]
+    assert "deployments.turn.run" in GRAPH["deployments.front.inflight"]
     assert "workers.checkpoint.writer" in GRAPH["workers.checkpoint.builtin"]
 
 

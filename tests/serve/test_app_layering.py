@@ -1,5 +1,5 @@
 """The app's layering: deployments/ reaches the cache service only through its client (and
-its errors); the ingress's rooms (front/, turn/) never import a replica's (worker/); and the
+its errors, and its launcher); the ingress's rooms (front/, turn/) never import a replica's (worker/); and the
 ingress process (settings, ingress, router) never loads torch or the worker's code."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICE_API = {"cache_service.client", "cache_service.errors"}
+SERVICE_API = {"cache_service.client", "cache_service.errors", "cache_service.launch"}
 
 
 def imported_modules(package: str) -> dict[str, set[str]]:
