@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS_DIR, environment_info, write_results
+from bench.kit.environment import environment_info
+from bench.kit.results import RESULTS_DIR, write_results
 from bench.gpu_check import conversation, determinism, logits, throughput
 from bench.gpu_check.plan import FULL, LOGIT_MODELS, SMOKE, SPEED_ARCH, SPEED_SHAPE, Models, exact_fp32
 from bench.gpu_check.plan import parameter_count, pick_device, write_speed_model

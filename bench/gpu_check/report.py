@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.common import format_number, markdown_table
+from bench.kit.tables import format_number, markdown_table
 
 
 def _g(value: float | None) -> str:

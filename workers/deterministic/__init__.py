@@ -1,4 +1,4 @@
 """Deterministic requests: decode on the fast path, verify in fixed-shape tiles, roll back.
 
-See ARCHITECTURE.md ("Deterministic mode") and ../shared/DETERMINISM.md.
+See ARCHITECTURE.md ("Deterministic mode").
 """
