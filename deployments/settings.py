@@ -41,6 +41,20 @@ class TierExport(str, enum.Enum):
     OFF = "off"  # never: a lost owner is recovered by recomputing from the ledger
 
 
+class ModelDtype(str, enum.Enum):
+    """The dtype of a worker's weights and activations (Mamba states stay fp32 in all)."""
+
+    AUTO = "auto"  # bfloat16 on cuda, float32 on cpu (the CPU fast paths are fp32)
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    def resolve(self, device: str) -> ModelDtype:
+        if self is not ModelDtype.AUTO:
+            return self
+        return ModelDtype.BFLOAT16 if device.startswith("cuda") else ModelDtype.FLOAT32
+
+
 class Backend(str, enum.Enum):
     """The engine a worker replica runs."""
 
@@ -79,6 +93,8 @@ class AppSettings(BaseModel):
     max_num_seqs: int = Field(16, ge=1)
     torch_threads: int = Field(1, ge=1, description="torch threads per worker replica")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="where the engines run (cuda on GPU pods)")
+    dtype: ModelDtype = Field(ModelDtype.AUTO, description="weights and activations: auto = bfloat16 on cuda, "
+                              "float32 on cpu (our engine; the vLLM backend keeps vLLM's choice)")
     weight_quantization: WeightQuantization = Field(
         WeightQuantization.NONE, description="int8: weight-only int8 linears on CPU (faster decode, measured accuracy "
                                              "cost; see bench/results/engine.md); none: the weights as loaded")
@@ -119,17 +135,28 @@ class AppSettings(BaseModel):
         # Refused here, at build time, rather than by every replica's engine at start-up.
         if self.weight_quantization is not WeightQuantization.NONE and self.device != "cpu":
             raise ValueError(f"weight_quantization={self.weight_quantization.value} runs on device cpu only")
+        if self.weight_quantization is not WeightQuantization.NONE and self.model_dtype is not ModelDtype.FLOAT32:
+            raise ValueError(f"weight_quantization={self.weight_quantization.value} runs on float32 weights only, "
+                             f"not dtype={self.dtype.value}")
         return self
+
+    @property
+    def model_dtype(self) -> ModelDtype:
+        """`dtype` with auto resolved for this device."""
+        return self.dtype.resolve(self.device)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         """The engine a worker replica runs, the one mapping of these settings onto EngineConfig
         (benchmarks that stand for a replica build theirs here too). Imported here: the ingress
         process reads these settings and never loads torch."""
+        import torch
+
         from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 
         return EngineConfig(
             model=model_dir,
             device=self.device,
+            dtype=getattr(torch, self.model_dtype.value),
             num_threads=self.torch_threads,
             max_model_len=self.max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs),

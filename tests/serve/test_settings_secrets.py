@@ -77,3 +77,17 @@ def test_weight_quantization_is_validated_and_reaches_the_engine(tmp_path):
         assert "int8" in session.identity.dtype  # exports say so: no head moves to an fp32 replica
     finally:
         session.shutdown()
+
+
+def test_the_dtype_follows_the_device_and_reaches_the_engine_config():
+    """A replica on a GPU runs bf16 weights unless told otherwise; on CPU fp32 (its fast paths)."""
+    import torch
+
+    assert AppSettings().engine_config("m").dtype == torch.float32
+    assert AppSettings(device="cuda").engine_config("m").dtype == torch.bfloat16
+    assert AppSettings(device="cuda:1", dtype="float32").engine_config("m").dtype == torch.float32
+    assert AppSettings(dtype="bfloat16").engine_config("m").dtype == torch.bfloat16
+    with pytest.raises(ValidationError, match="float32 weights only"):
+        AppSettings(weight_quantization="int8", dtype="bfloat16")
+    with pytest.raises(ValidationError):
+        AppSettings(dtype="float64")
