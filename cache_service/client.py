@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import secrets
 import time
 import uuid
@@ -35,8 +34,7 @@ from typing import Any
 
 import grpc
 
-from cache_service import hashing
-from cache_service.config import Limits
+from cache_service import hashing, state_chunks
 from cache_service.errors import (  # noqa: F401
     AlreadyExists,
     CacheError,
@@ -54,6 +52,7 @@ from cache_service.errors import (  # noqa: F401
     VersionConflict,
     from_status,
 )
+from cache_service.client_config import SERVICE_LIMITS, ClientConfig, RetryPolicy  # noqa: F401 (the client's face)
 from cache_service.wire import bearer
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
@@ -61,40 +60,9 @@ from proto.contract import ConversationRef
 
 TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(result=...))
 
-# The bounds a service applies with its default flags (`--max-lease-ttl-ms` can lower one), for
-# clients to check their input before a call instead of learning them from INVALID_ARGUMENT.
-SERVICE_LIMITS = Limits()
-
-
 def key_message(conv: ConversationRef) -> pb.ConversationKey:
     """The conversation as the wire names it: its id and salt, never its key (the service hashes)."""
     return pb.ConversationKey(conversation_id=conv.id, cache_salt=conv.salt)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    attempts: int = 10
-    initial_backoff_s: float = 0.02
-    max_backoff_s: float = 1.0
-    multiplier: float = 2.0
-
-    def backoff(self, attempt: int) -> float:
-        cap = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** attempt)
-        return random.uniform(cap / 2, cap)  # jitter: retrying clients spread out
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    timeout_s: float = 5.0             # deadline of each unary attempt
-    stream_timeout_s: float = 300.0    # deadline of each state put/get attempt
-    chunk_bytes: int = 1 << 20         # chunk size when put_state gets one bytes object
-    holder_prefix: str = "client"
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    max_message_bytes: int = 64 << 20
-    # The service's shared secret, when it requires one (ServerConfig.auth_token).
-    auth_token: str | None = field(default=None, repr=False)
-    max_remembered_leases: int = 4096  # proofs kept for callers that pass bare tokens
-    max_ledger_page_restarts: int = 5  # a ledger rewritten mid-read is read again
 
 
 LeaseArg = int | pb.Lease
@@ -380,8 +348,7 @@ class CacheClient:
     async def stats(self) -> pb.Stats:
         return await self._unary("GetStats", pb.GetStatsRequest())
 
-    # -- state tier -------------------------------------------------------------------
-
+    # -- state tier (chunks and manifests: state_chunks.py) -----------------------------
     async def put_state(self, conv: ConversationRef, version: int | pb.Head,
                         data: bytes | Sequence[bytes], *, incarnation: str | None = None,
                         lease: pb.Lease | None = None) -> pb.PutStateResponse:
@@ -405,16 +372,9 @@ class CacheClient:
                 raise VersionConflict(f"put_state: head version is {head.version}",
                                       current_version=head.version)
             incarnation = head.incarnation
-        # A chosen chunk larger than config.chunk_bytes (a Mamba state of a real model is tens
-        # of MiB) is cut too: the service refuses chunks over its limit, and get_state joins
-        # the pieces back, so the boundaries the caller chose still hash the same.
-        pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
-        chunks = [c for piece in pieces for c in hashing.split(piece, self.config.chunk_bytes)]
+        chunks = state_chunks.cut(data, self.config.chunk_bytes)
         digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
-        manifest = pb.StateManifest(key=key_message(conv), version=version, incarnation=incarnation, chunks=[
-            pb.ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks, strict=True)])
-        if lease is not None:
-            manifest.lease_token, manifest.lease_proof = lease.token, lease.proof
+        manifest = state_chunks.manifest(key_message(conv), version, incarnation, chunks, digests, lease)
         missing = await self._unary("MissingChunks", pb.MissingChunksRequest(
             key=key_message(conv), digests=list(dict.fromkeys(digests))))
         try:
@@ -425,16 +385,9 @@ class CacheClient:
 
     async def _put_stream(self, manifest: pb.StateManifest, chunks: Sequence[bytes],
                           digests: Sequence[bytes], send: set[bytes]) -> pb.PutStateResponse:
-        async def requests() -> AsyncIterator[pb.PutStateRequest]:
-            yield pb.PutStateRequest(manifest=manifest)
-            pending = set(send)
-            for digest, chunk in zip(digests, chunks, strict=True):
-                if digest in pending:
-                    pending.discard(digest)
-                    yield pb.PutStateRequest(chunk=pb.Chunk(digest=digest, data=bytes(chunk)))
-
         return await self._retrying(
-            lambda: self._stub.PutState(requests(), timeout=self.config.stream_timeout_s,
+            lambda: self._stub.PutState(state_chunks.put_requests(manifest, chunks, digests, send),
+                                        timeout=self.config.stream_timeout_s,
                                         metadata=self._metadata), stream=True)
 
     async def get_state(self, conv: ConversationRef, version: int = 0) -> tuple[int, bytes]:
@@ -442,18 +395,6 @@ class CacheClient:
         async def attempt() -> tuple[int, bytes]:
             call = self._stub.GetState(pb.GetStateRequest(key=key_message(conv), version=version),
                                        timeout=self.config.stream_timeout_s, metadata=self._metadata)
-            manifest, parts = None, []
-            async for reply in call:
-                if reply.HasField("manifest"):
-                    manifest = reply.manifest
-                    continue
-                ref = manifest.chunks[len(parts)]
-                if reply.chunk.digest != ref.digest or \
-                        await asyncio.to_thread(hashing.sha256, reply.chunk.data) != ref.digest:
-                    raise DataLoss(f"state chunk #{len(parts)} arrived corrupted")
-                parts.append(reply.chunk.data)
-            if manifest is None or len(parts) != len(manifest.chunks):
-                raise DataLoss("state stream ended early")
-            return manifest.version, b"".join(parts)
+            return await state_chunks.read_verified(call)
 
         return await self._retrying(attempt, stream=True)
