@@ -20,7 +20,13 @@ On the GPU machine (torch 2.11 + CUDA 13, transformers 5.17, no network), from t
 
     python3 -m bench.gpu_check            # ~4-6 minutes on one H100 (model writing ~1 of them)
 
-Nothing needs carrying: the import chain is torch, transformers, safetensors, tokenizers,
+Carry transformers 5.23 (our pin): with the image's transformers 5.17 the Bamba and Granite 4.0-H
+logit checks fail on the CPU as well (fp32 max error 2.2-2.6 against ours; Nemotron-H and its MoE
+pass), a difference between those transformers versions, not a device one. Here, in the repo root:
+`echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: -d .whl
+transformers==5.23.0 huggingface_hub==2.4.0` (both pure Python), then on the GPU machine, with `.whl`
+carried: `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+PYTHONPATH=/tmp/site python3 -m bench.gpu_check`. Otherwise the import chain is torch, transformers, safetensors, tokenizers,
 jinja2, numpy, psutil, tqdm, pyyaml and the repo (proto.contract is plain Python). It imports
 no ray, redis, grpc server, fastapi or pydantic; llguidance (grammars) is imported lazily
 and unused here. Should a later import need a missing pure-Python wheel, carry it as
