@@ -17,8 +17,6 @@ import grpc
 import pytest
 
 from cache_service.client import LeaseLost, VersionConflict
-from cache_service.config import FsyncPolicy
-from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from deployments.messages import ErrorKind, Recovery, TurnDelta, TurnDone, TurnFailed, TurnJob
 from deployments.service.connection import cache_client_config
 from deployments.settings import AppSettings
@@ -26,26 +24,12 @@ from deployments.turn.lease_keeper import LeaseKeeper, Renewal
 from deployments.turn.request import TurnRequest
 from deployments.turn.run import TurnRun
 from proto.contract import ConversationRef, tokens_digest
-from tests.cache_service.cs_helpers import ServiceProcess, fast_client
+from tests.cache_service.cs_helpers import fast_client
 
 TTL_S = 1.0
 PERIOD_S = TTL_S / 4
 TURN_S = 3 * TTL_S  # the turn outlives its lease three times over unless it is renewed
 Fault = Callable[[int, grpc.aio.ServicerContext], Awaitable[None]]
-
-
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    root = tmp_path_factory.mktemp("keeper")
-    redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=root / "redis", fsync=FsyncPolicy.EVERYSEC))
-    redis.start()
-    proc = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
-    try:
-        proc.start()
-        yield proc
-    finally:
-        proc.close()
-        redis.stop()
 
 
 class RenewalFaults:
@@ -78,8 +62,9 @@ class RenewalFaults:
 
 
 @pytest.fixture
-async def turns(service):
+async def turns(bare_service):
     """(settings, cache client, faults, renewals seen by the keeper) for turns kept through `faults`."""
+    service = bare_service
     faults = RenewalFaults(service.target)
     await faults._server.start()
     settings = AppSettings(cache_service=service.target, lease_ttl_s=TTL_S, busy_wait_s=5)

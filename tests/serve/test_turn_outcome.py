@@ -80,10 +80,10 @@ class Workers:
 
 
 @pytest.fixture
-async def service(stack):
-    settings = AppSettings(cache_service=stack.service.target, lease_ttl_s=10, busy_wait_s=5)
-    cache = fast_client(stack.service.target)
-    keeper = LeaseKeeper(stack.service.target, cache_client_config("test", settings))
+async def service(bare_service):
+    settings = AppSettings(cache_service=bare_service.target, lease_ttl_s=10, busy_wait_s=5)
+    cache = fast_client(bare_service.target)
+    keeper = LeaseKeeper(bare_service.target, cache_client_config("test", settings))
     yield settings, cache, keeper
     keeper.close()
     await cache.close()
