@@ -6,7 +6,7 @@ kill reaches these two instants reliably."""
 from __future__ import annotations
 
 import pytest
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError, RaySystemError
 
 from cache_service.client import LeaseLost, VersionConflict
 from deployments.service.connection import cache_client_config
@@ -24,8 +24,10 @@ REPLY = "a reply nobody received"
 class Replica:
     """One run of a turn: streams a delta, publishes, then dies where told to."""
 
-    def __init__(self, cache, *, die_before_first_event: bool = False, die_after_publish: bool = False):
+    def __init__(self, cache, *, die_before_first_event: bool = False, die_after_publish: bool = False,
+                 after_publish: BaseException | None = None, silent_after_publish: bool = False):
         self.cache, self.die_before, self.die_after = cache, die_before_first_event, die_after_publish
+        self.after_publish, self.silent_after_publish = after_publish, silent_after_publish
         self.job: TurnJob | None = None
         self.cancelled = False
 
@@ -45,6 +47,10 @@ class Replica:
         await self.publish()
         if self.die_after:
             raise RayActorError()
+        if self.after_publish is not None:
+            raise self.after_publish
+        if self.silent_after_publish:
+            return  # the stream ends without the turn's outcome
         yield TurnDone("stop", 3, 3, 0, Recovery.NEW, "stand-in", turn=1, head_version=1)
 
 
@@ -120,3 +126,16 @@ async def test_a_retry_after_a_lost_replica_runs_under_a_new_lease_and_fences_th
         await lost.publish()
     ledger = await cache.read_ledger(ConversationRef(conv_id, "o"))
     assert len(ledger.turns) == 1
+
+
+@pytest.mark.parametrize("replica", [
+    {"silent_after_publish": True},  # its stream ended without TurnDone: was a bare 500
+    {"after_publish": RaySystemError("the object store went away")},  # not an actor's death: was a raw error
+    {"after_publish": ObjectLostError("00" * 28, "owner", "call site")},
+], ids=["stream-ended", "ray-system-error", "object-lost"])
+async def test_a_worker_that_ends_without_the_outcome_is_answered_from_the_ledger(service, conv_id, replica):
+    settings, cache, keeper = service
+    events = await run_turn(settings, cache, keeper, Workers([Replica(cache, **replica)]), conv_id)
+    assert not any(isinstance(e, TurnFailed) for e in events), events
+    assert isinstance(events[-1], TurnDone) and events[-1].recovery is Recovery.REPLAY, events[-1]
+    assert "".join(e.text for e in events if isinstance(e, TurnDelta)) == REPLY
