@@ -203,6 +203,9 @@ class TurnRun:
                     if last:
                         yield lost
                         return
+                    # A fresh id: the lost replica, revived (or its engine still holding the first
+                    # run), would refuse the same id (RequestIdInUse, a 400 for the client).
+                    self.job = replace(self.job, request_id=f"{self.job.request_id}-retry{attempt + 1}")
                 elif last or not await self._fence_and_lease_again():
                     # the lost replica may have published before it died: the ledger decides
                     async for verdict in self._ledger_verdict(streamed, lost):

@@ -139,3 +139,27 @@ async def test_a_worker_that_ends_without_the_outcome_is_answered_from_the_ledge
     assert not any(isinstance(e, TurnFailed) for e in events), events
     assert isinstance(events[-1], TurnDone) and events[-1].recovery is Recovery.REPLAY, events[-1]
     assert "".join(e.text for e in events if isinstance(e, TurnDelta)) == REPLY
+
+
+class StatelessReplica(Replica):
+    """A stateless request's run: nothing to publish."""
+
+    async def events(self):
+        if self.die_before:
+            raise ActorUnavailableError("the replica is gone", None)
+        yield TurnDelta(REPLY, (1,))
+        yield TurnDone("stop", 3, 1, 0, Recovery.NEW, "stand-in")
+
+
+async def test_a_stateless_retry_after_a_lost_replica_runs_under_a_fresh_request_id(service):
+    settings, cache, keeper = service
+    lost, healthy = StatelessReplica(cache, die_before_first_event=True), StatelessReplica(cache)
+    run = await TurnRun.start(settings, Workers([lost, healthy]), cache, keeper,
+                              TurnRequest([{"role": "user", "content": "hi"}], {}, "o", None))
+    try:
+        events = [event async for event in run.events()]
+    finally:
+        await run.close()
+    assert isinstance(events[-1], TurnDone), events
+    # a revived replica would refuse the id it already ran (RequestIdInUse: a 400 for the client)
+    assert healthy.job.request_id != lost.job.request_id
