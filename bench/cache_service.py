@@ -163,8 +163,8 @@ def redis_cycle_factory(r: aioredis.Redis):
 
 
 def start_service(redis_url: str, data_dir: Path, tier_budget: int) -> tuple[CacheServiceChild, str]:
-    child = CacheServiceChild(["--port", "0", "--redis-url", redis_url, "--data-dir", str(data_dir),
-                               "--tier-budget", str(tier_budget), "--log-level", "INFO"])
+    child = CacheServiceChild(["--port", "0", "--data-dir", str(data_dir), "--tier-budget", str(tier_budget),
+                               "--log-level", "INFO"], redis_url=redis_url)
     return child, f"127.0.0.1:{child.start()}"
 
 

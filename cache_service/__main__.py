@@ -76,19 +76,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     tier_dir = args.tier_dir or args.data_dir / "tier"
-    auth = args.auth_token_file.read_text().strip() if args.auth_token_file else None
+    auth = None
+    if args.auth_token_file:
+        auth = args.auth_token_file.read_text().strip()
+        if not auth:  # asked for authentication: an empty secret must not turn it off
+            raise ValueError(f"--auth-token-file {args.auth_token_file} is empty: write the shared secret "
+                             "in it (or leave the flag out to run without authentication)")
     return ServerConfig(
         tier=TierConfig(directory=Path(tier_dir), memory_budget_bytes=args.tier_budget),
         redis_url=args.redis_url or None, data_dir=args.data_dir, host=args.host,
         port=args.port, fsync=FsyncPolicy(args.appendfsync), grace_s=args.grace_s,
         limits=Limits(max_lease_ttl_ms=args.max_lease_ttl_ms, ledger_page_bytes=args.ledger_page_bytes),
         puts=PutLimits(max_staged_bytes=args.max_staged_bytes, idle_timeout_s=args.put_idle_timeout_s),
-        auth_token=auth or None, health_interval_s=args.health_interval_s, prefix_ttl_s=args.prefix_ttl_s)
+        auth_token=auth, health_interval_s=args.health_interval_s, prefix_ttl_s=args.prefix_ttl_s)
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
     logs.configure(args.log_level)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:  # a flag's value is wrong: say which, exit 2, no traceback
+        parser.error(str(e))
     loop_factory = None
     if EventLoop(args.event_loop) is EventLoop.UVLOOP:
         try:
@@ -98,7 +108,7 @@ def main() -> None:
             logging.getLogger("cache_service").warning(
                 "event_loop_fallback", extra=logs.fields(reason="uvloop is not installed"))
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(config_from_args(args)))
+        runner.run(serve(config))
 
 
 if __name__ == "__main__":

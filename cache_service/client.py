@@ -40,6 +40,7 @@ from cache_service.errors import (  # noqa: F401
     CacheError,
     DataLoss,
     DeadlineExceeded,
+    Interrupted,
     InvalidArgument,
     LeaseHeld,
     LeaseLost,
@@ -130,7 +131,7 @@ class CacheClient:
                 return await attempt_fn()
             except grpc.aio.AioRpcError as exc:
                 error = from_status(exc.code(), exc.details() or "", exc.trailing_metadata())
-                if error is None and stream and exc.code() == grpc.StatusCode.INTERNAL:
+                if isinstance(error, Interrupted) and stream and exc.code() == grpc.StatusCode.INTERNAL:
                     error = Unavailable(f"state stream cut: {exc.details()}")
                 if error is None:
                     raise
@@ -188,10 +189,13 @@ class CacheClient:
             attempt += 1
 
     async def renew_lease(self, conv: ConversationRef, token: LeaseArg, ttl_ms: int, *,
-                          lease_proof: bytes | None = None) -> pb.Lease:
+                          lease_proof: bytes | None = None, timeout_s: float | None = None) -> pb.Lease:
+        """With `timeout_s` one attempt within that deadline (a keeper retries at its next tick)."""
         token, proof = self._fence(conv, token, lease_proof)
-        return await self._unary("RenewLease", pb.RenewLeaseRequest(
-            key=key_message(conv), token=token, ttl_ms=ttl_ms, lease_proof=proof))
+        request = pb.RenewLeaseRequest(key=key_message(conv), token=token, ttl_ms=ttl_ms, lease_proof=proof)
+        if timeout_s is None:
+            return await self._unary("RenewLease", request)
+        return await self._once("RenewLease", request, timeout_s)
 
     async def release_lease(self, conv: ConversationRef, token: LeaseArg, *,
                             lease_proof: bytes | None = None) -> None:

@@ -29,6 +29,7 @@ class Reason(enum.Enum):
     ALREADY_EXISTS = "already_exists"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAUTHENTICATED = "unauthenticated"
+    INTERRUPTED = "interrupted"
 
 
 class CacheError(Exception):
@@ -127,11 +128,20 @@ class DeadlineExceeded(CacheError):
     reason, code = Reason.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Interrupted(CacheError):
+    """The call ended without the service's verdict: UNKNOWN or INTERNAL (a handler that
+    crashed, a connection cut mid-call), CANCELLED. Transient, like a timeout: a read may be
+    repeated, a mutation may or may not have happened (repeat it with the same holder /
+    publish_id to find out). The service never raises it; it only names such statuses."""
+
+    reason, code = Reason.INTERRUPTED, grpc.StatusCode.UNKNOWN
+
+
 _BY_REASON: dict[Reason, type[CacheError]] = {
     cls.reason: cls
     for cls in (NotFound, InvalidArgument, LeaseHeld, LeaseLost, StaleFence,
                 VersionConflict, MissingChunks, DataLoss, Unavailable, DeadlineExceeded,
-                AlreadyExists, ResourceExhausted, Unauthenticated)
+                AlreadyExists, ResourceExhausted, Unauthenticated, Interrupted)
 }
 _BY_CODE: dict[grpc.StatusCode, type[CacheError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -146,6 +156,11 @@ _BY_CODE: dict[grpc.StatusCode, type[CacheError]] = {
     # hs-reason: that is the caller's oversized input. The service's own bounds carry
     # hs-reason = resource_exhausted and map to ResourceExhausted above.
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
+    # No verdict: typed all the same, so that a caller catching CacheError (a lease keeper, a
+    # turn asking the ledger) never dies of a raw grpc error it did not expect.
+    grpc.StatusCode.UNKNOWN: Interrupted,
+    grpc.StatusCode.INTERNAL: Interrupted,
+    grpc.StatusCode.CANCELLED: Interrupted,
 }
 
 

@@ -6,7 +6,8 @@ which carries the bound port (so `--port 0` works). Its log is drained for as lo
 so it never blocks on a full pipe; each event goes to `on_event`.
 
 A shared secret goes to the child through its stdin (`--auth-token-file /dev/stdin`: never on
-disk or in its argv). With `die_with_parent`, the child is started through util-linux
+disk or in its argv), a Redis URL (which may carry a password) through its environment
+(`REDIS_URL`): a process's argv is readable by every user of the machine (`ps`). With `die_with_parent`, the child is started through util-linux
 `setpriv --pdeathsig TERM` so it goes when its parent goes, however the parent dies.
 """
 
@@ -33,11 +34,13 @@ class ServiceDidNotStart(RuntimeError):
 class CacheServiceChild:
     """One `python -m cache_service <args>` child; `port` once it serves."""
 
-    def __init__(self, args: Sequence[str], *, auth_token: str | None = None, root: Path = REPO_ROOT,
+    def __init__(self, args: Sequence[str], *, auth_token: str | None = None, redis_url: str | None = None,
+                 root: Path = REPO_ROOT,
                  extra_env: Mapping[str, str] | None = None, die_with_parent: bool = False,
                  on_event: Callable[[dict], None] | None = None):
         self.args = list(args)
         self.auth_token = auth_token
+        self.redis_url = redis_url
         self.root = root
         self.extra_env = dict(extra_env or {})
         self.die_with_parent = die_with_parent
@@ -54,7 +57,9 @@ class CacheServiceChild:
             argv += ["--auth-token-file", "/dev/stdin"]
         env = {**os.environ, **self.extra_env,
                "PYTHONPATH": os.pathsep.join([str(self.root), os.environ.get("PYTHONPATH", "")])}
-        env.pop("REDIS_URL", None)  # the service's Redis comes from its flags only
+        env.pop("REDIS_URL", None)  # the service's Redis is the caller's to give, never inherited
+        if self.redis_url:
+            env["REDIS_URL"] = self.redis_url
         stdin = subprocess.PIPE if self.auth_token is not None else None
         self.proc = proc = subprocess.Popen(argv, cwd=self.root, env=env, stdin=stdin, stderr=subprocess.PIPE,
                                             text=True)

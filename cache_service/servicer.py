@@ -1,5 +1,8 @@
 """The CacheService handlers: validate, call the store or the tier, reply.
 
+The event loop never waits on the tier's lock (held during disk I/O): tier calls other than
+its lock-free reads go through `asyncio.to_thread`, so a spill stalls no other RPC.
+
 Head replies always report the tier version the tier actually holds, which is the
 only truth after a service restart (the tier's index lives in this process).
 """
@@ -151,7 +154,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         keys = self._key(request.key)
         async with self._lock(keys):
             existed = await self.store.delete(keys)
-            dropped = self.tier.drop(keys.conv_hash)
+            dropped = await asyncio.to_thread(self.tier.drop, keys.conv_hash)
         return pb.DeleteConversationResponse(existed=existed or dropped)
 
     @rpc
@@ -171,7 +174,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             head = await self.store.rewind(keys, fence, request.expected_version, request.turn,
                                            request.owner_replica)
             # The tier's entry is the state of a later turn: unreachable from now on.
-            self.tier.drop(keys.conv_hash)
+            await asyncio.to_thread(self.tier.drop, keys.conv_hash)
         return self._with_tier(keys, head)
 
     @rpc
@@ -190,7 +193,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     async def MissingChunks(self, request, context):
         keys = self._key(request.key)
         digests = validation.digests(request.digests, "digests", self.limits)
-        return pb.MissingChunksResponse(digests=self.tier.missing(keys.conv_hash, digests))
+        return pb.MissingChunksResponse(digests=await asyncio.to_thread(self.tier.missing, keys.conv_hash, digests))
 
     async def _next(self, requests) -> pb.PutStateRequest | None:
         """The stream's next message, or None at its end; an idle stream is cut."""
@@ -211,9 +214,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         fence = self._fence(keys, manifest.lease_token, manifest.lease_proof) if manifest.lease_token else None
         conv = keys.conv_hash
         refs = [ChunkRef(c.digest, c.size) for c in manifest.chunks]
-        self.tier.check_sizes(conv, refs)
+        await asyncio.to_thread(self.tier.check_sizes, conv, refs)
         sizes = {r.digest: r.size for r in refs}
-        to_send = sum(sizes[d] for d in self.tier.missing(conv, list(sizes)))
+        to_send = sum(sizes[d] for d in await asyncio.to_thread(self.tier.missing, conv, list(sizes)))
         if to_send > self.staging.limit:
             raise errors.InvalidArgument(f"this put would send {to_send} bytes, over the service's "
                                          f"staging limit of {self.staging.limit}")
@@ -230,7 +233,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             async with self._lock(keys):
                 # Refuse before marking Redis if something is missing (cheap, common case).
                 unsent = [d for d in sizes if d not in staged]
-                if self.tier.missing(conv, unsent):
+                if await asyncio.to_thread(self.tier.missing, conv, unsent):
                     raise errors.MissingChunks("the stream lacks chunks the tier does not hold; resend them")
                 head = await self.store.mark_tier(keys, manifest.version, manifest.incarnation, fence)
                 reused = await asyncio.to_thread(self.tier.commit, conv, manifest.incarnation,
@@ -297,7 +300,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @rpc
     async def GetStats(self, request, context):
         prefix_names = await self.store.prefix_names()
-        t = self.tier.stats()
+        t = await asyncio.to_thread(self.tier.stats)
         return pb.Stats(
             tier_memory_bytes=t.memory_bytes, tier_disk_bytes=t.disk_bytes,
             tier_budget_bytes=self.tier.budget_bytes, tier_entries=t.entries,

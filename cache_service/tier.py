@@ -27,7 +27,11 @@ tier never interprets those bytes.
   previous process have no entries pointing at them.
 
 Thread-safe: the servicer calls it from worker threads so hashing and disk I/O stay
-off the event loop (hashlib releases the GIL on large buffers).
+off the event loop (hashlib releases the GIL on large buffers). `_lock` is held during
+disk I/O (a commit's spill of tens of MB, unlinks), so the event loop never takes it:
+it calls only `version_of` and `entry`, which read the entries without the lock (one
+dict lookup; entries are immutable and replaced whole), and every other method from a
+thread. Otherwise one spill would stall every RPC of the service, lease renewals too.
 """
 
 from __future__ import annotations
@@ -100,14 +104,13 @@ class StateTier:
             return [d for d in dict.fromkeys(digests) if not self._has(conv, d)]
 
     def version_of(self, conv: str) -> int:
-        with self._lock:
-            entry = self._entries.get(conv)
-            return entry.version if entry else 0
+        """Lock-free (safe on the event loop)."""
+        entry = self._entries.get(conv)
+        return entry.version if entry else 0
 
     def entry(self, conv: str, version: int) -> Entry:
-        """The entry at `version` (0: whichever the tier holds)."""
-        with self._lock:
-            entry = self._entries.get(conv)
+        """The entry at `version` (0: whichever the tier holds). Lock-free (safe on the event loop)."""
+        entry = self._entries.get(conv)
         if entry is None or (version and entry.version != version):
             held = f"holds version {entry.version}" if entry else "holds nothing"
             raise errors.NotFound(f"state tier has no version {version} of this conversation ({held})")

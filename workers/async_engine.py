@@ -79,10 +79,15 @@ class AsyncEngine:
         async for out in self.stream(request_id, start):
             yield out
 
-    async def stream(self, request_id: str, start: Callable[[LLMEngine], Any]) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, start: Callable[[LLMEngine], Any],
+                     on_left: Callable[[LLMEngine], Any] | None = None) -> AsyncIterator[RequestOutput]:
         """Run start(engine) on the engine thread (it adds request_id, e.g. a conversation
         turn) and stream that request's outputs; leaving early aborts it. If start returns
         None it started nothing (e.g. a head that is already held) and the stream is empty.
+
+        `on_left(engine)` runs on the engine thread after that abort: the request may have
+        finished before the abort reached it (its last output unread, or crossing the abort),
+        and what it left for its caller (a prepared turn) has no owner any more.
 
         Raises RequestIdInUseError if request_id is already streaming (that stream is untouched)."""
         if request_id in self._streams:
@@ -95,7 +100,7 @@ class AsyncEngine:
             # start may still be running on the engine thread: abort whatever it adds. Commands
             # run in order, so this runs after it (not awaited: this caller is being cancelled).
             self._forget(request_id, stream)
-            self._submit(lambda e: e.abort(request_id))
+            self._left(request_id, on_left)
             raise
         except BaseException:
             self._forget(request_id, stream)
@@ -115,7 +120,14 @@ class AsyncEngine:
         finally:
             self._forget(request_id, stream)
             if not finished:
-                self._submit(lambda e: e.abort(request_id))
+                self._left(request_id, on_left)
+
+    def _left(self, request_id: str, on_left: Callable[[LLMEngine], Any] | None) -> None:
+        """Abort a request whose stream was left, then `on_left` (commands run in order; not
+        awaited: the caller may be cancelled)."""
+        self._submit(lambda e: e.abort(request_id))
+        if on_left is not None:
+            self._submit(on_left)
 
     def _forget(self, request_id: str, stream: _Stream) -> None:
         if self._streams.get(request_id) is stream:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StringConstraints,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from cache_service.client import SERVICE_LIMITS
@@ -251,8 +252,8 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: boo
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
-    include_obfuscation: bool = Field(False, description="accepted, ignored (no obfuscation padding is sent)")
+    include_usage: StrictBool = False
+    include_obfuscation: StrictBool = Field(False, description="accepted, ignored (no obfuscation padding is sent)")
 
 
 # OpenAI request fields this server does not implement: refused unless their value means "off".
@@ -266,17 +267,17 @@ class ChatCompletionRequest(BaseModel):
 
     model: Text = Field(max_length=MAX_ID)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    n: StrictInt = Field(1, ge=1, le=1, description="only 1 is supported")
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     # Accepted and ignored: nothing here depends on them.
     user: Text | None = Field(None, max_length=MAX_ID)
     safety_identifier: Text | None = Field(None, max_length=MAX_ID)
@@ -285,7 +286,7 @@ class ChatCompletionRequest(BaseModel):
     service_tier: Text | None = Field(None, max_length=MAX_ID)
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     # Not implemented: a 400 unless off (null, false, 0, empty, "none", "text", ["text"]).
     functions: Any = None
@@ -304,8 +305,8 @@ class ChatCompletionRequest(BaseModel):
     conversation_id: ConversationId | None = Field(
         None, description="continue this conversation; send only the new messages")
     cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")
-    deterministic: bool = Field(False, description="bit-identical output whatever else is batched")
-    wait_if_busy: bool = Field(False, description="wait for a turn in flight instead of a 409")
+    deterministic: StrictBool = Field(False, description="bit-identical output whatever else is batched")
+    wait_if_busy: StrictBool = Field(False, description="wait for a turn in flight instead of a 409")
 
     @field_validator(*UNSUPPORTED, mode="before")
     @classmethod

@@ -46,7 +46,8 @@ class InFlight:
         self._count = 0
 
     def connected(self, client: CacheClient) -> None:
-        self._keeper = LeaseKeeper(client.target, client.config, on_delay=self.metrics.lease_renewal_delay)
+        self._keeper = LeaseKeeper(client.target, client.config, on_delay=self.metrics.lease_renewal_delay,
+                                   on_renewal=self.metrics.lease_renewal_rpc)
 
     async def start(self, make: Callable[[], TurnRequest], arrived: float) -> StartedTurn | HeadMoved:
         """Count the request in and start its turn (`make()`, called once the request is counted:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from deployments.messages import Recovery
+from deployments.turn.lease_keeper import Renewal
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -57,6 +58,10 @@ class ServeMetrics:
         self.lease_renewal_delay_max = Gauge(
             "hybridserve_lease_renewal_delay_max_seconds", "the latest any lease renewal ran past its time",
             registry=r)
+        self.lease_renewal_seconds = Histogram(
+            "hybridserve_lease_renewal_rpc_seconds", "how long each RenewLease call took, by outcome: renewed, "
+            "failed (no verdict; the next renewal retries), lost (the service says the lease is gone)",
+            ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
 
     def turn_done(self, *, continued: bool, cached_tokens: int, recovery: Recovery, moved: bool,
                   reused_from: str = "", tool_resume: bool = False, tool_calls: int = 0) -> None:
@@ -82,6 +87,10 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def lease_renewal_rpc(self, seconds: float, outcome: Renewal) -> None:
+        """Called from the lease keeper's thread, as below."""
+        self.lease_renewal_seconds.labels(outcome.value).observe(seconds)
 
     def lease_renewal_delay(self, seconds: float) -> None:
         """Called from the lease keeper's thread (prometheus_client's metrics are thread-safe)."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag, field_validator,
+                      model_validator)
 
 from deployments.front.chat_models import (MAX_ID, MAX_MESSAGES, MAX_TOOLS, CacheSalt, ConversationId, Text, ToolName,
                                     _field_error, _off, _unsupported, check_tool_choice,
@@ -184,15 +185,15 @@ class ResponsesRequest(BaseModel):
     instructions: Text | None = None
     previous_response_id: Text | None = Field(None, min_length=1, max_length=1024)
     conversation: ConversationId | ConversationParam | None = None
-    store: bool = True
+    store: StrictBool = True
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stream: bool = False
+    max_output_tokens: StrictInt | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    stream: StrictBool = False
     truncation: Literal["disabled"] | None = Field(None, description="only \"disabled\": a too long input is a 400")
     # Accepted and ignored: nothing here depends on them.
     metadata: dict[str, Text] | None = Field(None, max_length=16)
@@ -212,7 +213,7 @@ class ResponsesRequest(BaseModel):
     context_management: Any = None
     # hybridserve extensions
     cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")
-    deterministic: bool = Field(False, description="bit-identical output whatever else is batched")
+    deterministic: StrictBool = Field(False, description="bit-identical output whatever else is batched")
 
     @field_validator(*UNSUPPORTED, mode="before")
     @classmethod

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -163,6 +163,7 @@ class TurnRun:
         streamed = outcome.Streamed()
         for attempt in range(RETRIES_BEFORE_FIRST_EVENT + 1):
             self._response = self.workers.options(stream=True).run_turn.remote(self.job)
+            told = False  # the worker's stream gave the turn's outcome (done or failed)
             try:
                 while True:
                     event = await self._next_event()
@@ -174,8 +175,13 @@ class TurnRun:
                         self.done = event
                     elif isinstance(event, TurnDelta):
                         streamed.add(event)
+                    told = told or isinstance(event, (TurnDone, TurnFailed))
                     yield event
             except StopAsyncIteration:
+                if not told:  # it may have published before its stream ended: the ledger says
+                    async for verdict in self._worker_failed(streamed, TurnFailed(
+                            ErrorKind.INTERNAL, "the worker's stream ended without the turn's outcome")):
+                        yield verdict
                 return
             except BackPressureError as e:
                 raise errors.overloaded(f"every worker is at capacity: {e}") from e
@@ -187,11 +193,7 @@ class TurnRun:
                 return
             except RayTaskError as e:  # a bug in the worker: never retried, never a bad request
                 log.error("worker failed: %s", e)
-                failed = TurnFailed(ErrorKind.INTERNAL, "the worker failed")
-                if self.lease is None:
-                    yield failed
-                    return
-                async for verdict in self._ledger_verdict(streamed, failed):
+                async for verdict in self._worker_failed(streamed, TurnFailed(ErrorKind.INTERNAL, "the worker failed")):
                     yield verdict
                 return
             except (RayActorError, ActorUnavailableError) as e:
@@ -201,12 +203,30 @@ class TurnRun:
                     if last:
                         yield lost
                         return
+                    # A fresh id: the lost replica, revived (or its engine still holding the first
+                    # run), would refuse the same id (RequestIdInUse, a 400 for the client).
+                    self.job = replace(self.job, request_id=f"{self.job.request_id}-retry{attempt + 1}")
                 elif last or not await self._fence_and_lease_again():
                     # the lost replica may have published before it died: the ledger decides
                     async for verdict in self._ledger_verdict(streamed, lost):
                         yield verdict
                     return
                 log.warning("worker lost before the turn started, retrying: %s", e)
+            except RayError as e:  # any other Ray failure (object lost, cancelled, system): as a worker's bug
+                log.error("worker call failed: %s: %s", type(e).__name__, e)
+                async for verdict in self._worker_failed(streamed, TurnFailed(
+                        ErrorKind.INTERNAL, f"the worker call failed: {type(e).__name__}")):
+                    yield verdict
+                return
+
+    async def _worker_failed(self, streamed: outcome.Streamed, failed: TurnFailed) -> AsyncIterator[TurnEvent]:
+        """The worker failed without telling the turn's outcome: a stateless turn fails, a
+        conversation's turn gets the ledger's verdict (it may have been published)."""
+        if self.lease is None:
+            yield failed
+            return
+        async for verdict in self._ledger_verdict(streamed, failed):
+            yield verdict
 
     async def _next_event(self) -> TurnEvent:
         """The worker's next event, unless the lease is lost first (then the turn is doomed)."""

@@ -168,10 +168,19 @@ class EngineSession:  # implements Session (session.py)
         request_id: str,
         tools: list[dict[str, Any]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The final output's `turn_commit` is the prepared turn (None if it was discarded)."""
+        """The final output's `turn_commit` is the prepared turn (None if it was discarded). A
+        stream left before its final output was read leaves nothing prepared: a turn that
+        finished as it was left is abandoned at once, not held (and its conversation busy)
+        until it expires."""
         start = lambda _e: self.cache.begin_turn(  # noqa: E731
             ref, suffix, params, request_id, commit=CommitMode.PREPARE, tools=tools)
-        return self.aengine.stream(request_id, start)
+        return self.aengine.stream(request_id, start, on_left=lambda _e: self._abandon_unowned(request_id))
+
+    def _abandon_unowned(self, request_id: str) -> None:
+        """On the engine thread: the turn's stream was left; whatever it prepared, nobody owns."""
+        record = self.cache.prepared(request_id)
+        if record is not None:
+            self.cache.abandon(record)
 
     def stream_stateless(
         self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str, cache_salt: str,

@@ -198,44 +198,55 @@ class Worker:
                 self.exporter.turn_ended(job.conversation)
 
     async def _run(self, job: TurnJob, params: SamplingParams, stream, recovery: Recovery) -> AsyncIterator[TurnEvent]:
-        completion, last = 0, None
-        calls = ReplyCalls(self.session.tool_format if job.parse_tool_calls else None, job.publish_name)
-        async for out in stream:
-            last = out
-            if out.error:
-                yield TurnFailed(ErrorKind.INTERNAL, out.error)
+        """The turn's events. A turn prepared but never handed to `_commit` (the client left at a
+        yield after its final output, or the turn failed after it) is abandoned at once: held
+        until it expired, it kept its conversation busy here and every next turn got a 409. A
+        stream left before its final output is its session's to clean up (both backends abandon
+        a turn that finished as it was left)."""
+        completion, last, handed = 0, None, False
+        try:
+            calls = ReplyCalls(self.session.tool_format if job.parse_tool_calls else None, job.publish_name)
+            async for out in stream:
+                last = out
+                if out.error:
+                    yield TurnFailed(ErrorKind.INTERNAL, out.error)
+                    return
+                completion += len(out.new_tokens)
+                text, call_deltas = calls.feed(out.text_delta)
+                if out.new_tokens or text or call_deltas:
+                    yield TurnDelta(text, tuple(out.new_token_ids), self._logprobs(out.new_tokens, params), call_deltas)
+            if last is None or not last.finished:
+                yield TurnFailed(ErrorKind.INTERNAL, "the engine ended the stream before the request finished")
                 return
-            completion += len(out.new_tokens)
-            text, call_deltas = calls.feed(out.text_delta)
-            if out.new_tokens or text or call_deltas:
-                yield TurnDelta(text, tuple(out.new_token_ids), self._logprobs(out.new_tokens, params), call_deltas)
-        if last is None or not last.finished:
-            yield TurnFailed(ErrorKind.INTERNAL, "the engine ended the stream before the request finished")
-            return
-        if last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
-            yield TurnFailed(ErrorKind.INTERNAL, f"the turn ended with {last.finish_reason}")
-            return
-        text, call_deltas = calls.finish()
-        if text or call_deltas:
-            yield TurnDelta(text, (), None, call_deltas)
-        reason = last.finish_reason.value
-        if calls.calls and last.finish_reason is FinishReason.STOP:
-            reason = "tool_calls"
-        done = TurnDone(reason, last.num_prompt_tokens, completion, last.num_cached_tokens,
-                        recovery, self.replica_id, reused_from=last.reused_from.value, tool_calls=calls.calls)
-        hint_scope = tools_scope(job.scope, job.tools)
-        if job.conversation is None:
-            await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(), last.checkpoints)
-            yield done
-            return
-        if last.turn_commit is None:
-            yield TurnFailed(ErrorKind.INTERNAL, "the engine finished the turn without preparing it")
-            return
-        outcome = await self._commit(job, done, last.turn_commit, calls.form)
-        if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
-            await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(),
-                                                    last.checkpoints)
-        yield outcome
+            if last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+                yield TurnFailed(ErrorKind.INTERNAL, f"the turn ended with {last.finish_reason}")
+                return
+            text, call_deltas = calls.finish()
+            if text or call_deltas:
+                yield TurnDelta(text, (), None, call_deltas)
+            reason = last.finish_reason.value
+            if calls.calls and last.finish_reason is FinishReason.STOP:
+                reason = "tool_calls"
+            done = TurnDone(reason, last.num_prompt_tokens, completion, last.num_cached_tokens,
+                            recovery, self.replica_id, reused_from=last.reused_from.value, tool_calls=calls.calls)
+            hint_scope = tools_scope(job.scope, job.tools)
+            if job.conversation is None:
+                await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(), last.checkpoints)
+                yield done
+                return
+            if last.turn_commit is None:
+                yield TurnFailed(ErrorKind.INTERNAL, "the engine finished the turn without preparing it")
+                return
+            handed = True  # from here `_commit` owns the prepared turn, whatever happens to this stream
+            outcome = await self._commit(job, done, last.turn_commit, calls.form)
+            if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
+                await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(),
+                                                        last.checkpoints)
+            yield outcome
+        finally:
+            prepared = last.turn_commit if last is not None else None
+            if prepared is not None and not handed:
+                self._spawn(self._abandon(prepared))  # not awaited: this stream may be closing or cancelled
 
     async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit,
                       tool_format: ToolFormat | None) -> TurnEvent:

@@ -5,9 +5,10 @@ import select
 
 import grpc
 import pytest
-from cs_helpers import History, ServiceProcess, commit_turn, fast_client
+from cs_helpers import SERVICE_ROOT, History, ServiceProcess, commit_turn, fast_client
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cache_service.launch import CacheServiceChild, ServiceDidNotStart
 from cache_service.server import SERVICE_NAME
 from proto.contract import ConversationRef
 
@@ -72,3 +73,17 @@ async def test_embedded_redis_default_persists_across_restarts(embedded_service,
     redis_pid = proc.event("embedded_redis_started")["pid"]
     proc.kill()
     assert wait_for_exit(redis_pid), "the embedded redis-server outlived a killed service"
+
+
+def test_an_empty_auth_token_file_refuses_to_start(tmp_path):
+    """Asked for authentication, the service must not run without it because the file is empty."""
+    token = tmp_path / "token"
+    token.write_text("\n")
+    child = CacheServiceChild(["--port", "0", "--data-dir", str(tmp_path), "--auth-token-file", str(token)],
+                              root=SERVICE_ROOT)
+    try:
+        with pytest.raises(ServiceDidNotStart, match="is empty"):
+            child.start(30)
+        assert child.proc.wait(10) == 2
+    finally:
+        child.stop()

@@ -132,3 +132,18 @@ def notier(stack):
 @pytest.fixture
 def conv_id() -> str:
     return f"conv-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def bare_service(tmp_path_factory):
+    """Redis and the cache service without the app (no Ray): for tests that drive the ingress's
+    turn code (TurnRun, LeaseKeeper) with stand-in replicas."""
+    root = tmp_path_factory.mktemp("bare-service")
+    with ExitStack() as cleanup:
+        redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=root / "redis", fsync=FsyncPolicy.EVERYSEC))
+        cleanup.callback(redis.stop)
+        redis.start()
+        service = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
+        cleanup.callback(service.close)
+        service.start()
+        yield service

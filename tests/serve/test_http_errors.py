@@ -25,7 +25,9 @@ def assert_error(response, status: int, code: str | None = None) -> dict:
     {"temperature": 5}, {"top_p": 0}, {"n": 2}, {"messages": []}, {"max_tokens": 0},
     {"messages": [{"role": "wizard", "content": "hi"}]}, {"top_logprobs": 21}, {"stop": ["a"] * 5},
     {"conversation_id": ""}, {"seed": -1}, {"stream": "maybe"},
-], ids=lambda p: next(iter(p)))
+    # strict types, as OpenAI: no string or number read as a boolean, no string as a number
+    {"stream": "yes"}, {"max_tokens": "12"}, {"deterministic": "1"}, {"logprobs": 1}, {"temperature": "0.5"},
+], ids=lambda p: f"{next(iter(p))}={next(iter(p.values()))!r}")
 async def test_invalid_fields_are_400(stack, patch):
     body = {"model": stack.model, "messages": [user("hi")], "max_tokens": 2, **patch}
     async with stack.http() as http:

@@ -202,6 +202,8 @@ async def test_a_created_conversation_collects_its_responses(stack):
     ({"include": ["reasoning.encrypted_content"]}, "include"), ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"), ({"input": []}, "input"),
     ({"previous_response_id": "resp_x", "conversation": "c"}, "conversation"),
+    ({"stream": "yes"}, "stream"), ({"max_output_tokens": "12"}, "max_output_tokens"),
+    ({"deterministic": "1"}, "deterministic"), ({"store": "false"}, "store"),
 ], ids=lambda p: next(iter(p)) if isinstance(p, dict) else None)
 async def test_bad_fields_are_400_naming_them(stack, patch, field):
     body = {"model": stack.model, "input": "hi", "max_output_tokens": 2, **patch}

@@ -4,10 +4,12 @@ starts it, without Ray."""
 
 from __future__ import annotations
 
+import psutil
 import pytest
 from pydantic import ValidationError
 
 from cache_service.client import CacheClient, Unauthenticated
+from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from deployments.service.connection import cache_client_config
 from deployments.service.host import CacheServiceProcess
 from deployments.settings import AppSettings
@@ -59,6 +61,22 @@ async def test_without_a_secret_file_the_started_cache_service_gets_a_random_sec
     finally:
         service.stop()
         other.stop()
+
+
+async def test_the_started_cache_service_gets_the_redis_url_by_environment_not_on_its_argv(tmp_path):
+    redis = EmbeddedRedis(EmbeddedRedisConfig(data_dir=tmp_path / "redis"))
+    redis.start()
+    # A password Redis accepts (its default user has none: any is taken) and nobody may read in `ps`.
+    url = redis.url.replace("redis://", "redis://default:a-redis-password@")
+    service = CacheServiceProcess(AppSettings(redis_url=url, data_dir=str(tmp_path / "data")), "127.0.0.1")
+    try:
+        assert "a-redis-password" not in " ".join(psutil.Process(service.proc.pid).cmdline())
+        assert not (tmp_path / "data" / "redis").exists(), "it started an embedded Redis instead"
+        async with CacheClient(service.address, cache_client_config("test", AppSettings(), service.auth_token)) as c:
+            assert (await c.stats()).tier_budget_bytes > 0  # it reads that Redis
+    finally:
+        service.stop()
+        redis.stop()
 
 
 def test_weight_quantization_is_validated_and_reaches_the_engine(tmp_path):

@@ -6,7 +6,7 @@ kill reaches these two instants reliably."""
 from __future__ import annotations
 
 import pytest
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, ObjectLostError, RayActorError, RaySystemError
 
 from cache_service.client import LeaseLost, VersionConflict
 from deployments.service.connection import cache_client_config
@@ -24,8 +24,10 @@ REPLY = "a reply nobody received"
 class Replica:
     """One run of a turn: streams a delta, publishes, then dies where told to."""
 
-    def __init__(self, cache, *, die_before_first_event: bool = False, die_after_publish: bool = False):
+    def __init__(self, cache, *, die_before_first_event: bool = False, die_after_publish: bool = False,
+                 after_publish: BaseException | None = None, silent_after_publish: bool = False):
         self.cache, self.die_before, self.die_after = cache, die_before_first_event, die_after_publish
+        self.after_publish, self.silent_after_publish = after_publish, silent_after_publish
         self.job: TurnJob | None = None
         self.cancelled = False
 
@@ -45,6 +47,10 @@ class Replica:
         await self.publish()
         if self.die_after:
             raise RayActorError()
+        if self.after_publish is not None:
+            raise self.after_publish
+        if self.silent_after_publish:
+            return  # the stream ends without the turn's outcome
         yield TurnDone("stop", 3, 3, 0, Recovery.NEW, "stand-in", turn=1, head_version=1)
 
 
@@ -80,10 +86,10 @@ class Workers:
 
 
 @pytest.fixture
-async def service(stack):
-    settings = AppSettings(cache_service=stack.service.target, lease_ttl_s=10, busy_wait_s=5)
-    cache = fast_client(stack.service.target)
-    keeper = LeaseKeeper(stack.service.target, cache_client_config("test", settings))
+async def service(bare_service):
+    settings = AppSettings(cache_service=bare_service.target, lease_ttl_s=10, busy_wait_s=5)
+    cache = fast_client(bare_service.target)
+    keeper = LeaseKeeper(bare_service.target, cache_client_config("test", settings))
     yield settings, cache, keeper
     keeper.close()
     await cache.close()
@@ -120,3 +126,40 @@ async def test_a_retry_after_a_lost_replica_runs_under_a_new_lease_and_fences_th
         await lost.publish()
     ledger = await cache.read_ledger(ConversationRef(conv_id, "o"))
     assert len(ledger.turns) == 1
+
+
+@pytest.mark.parametrize("replica", [
+    {"silent_after_publish": True},  # its stream ended without TurnDone: was a bare 500
+    {"after_publish": RaySystemError("the object store went away")},  # not an actor's death: was a raw error
+    {"after_publish": ObjectLostError("00" * 28, "owner", "call site")},
+], ids=["stream-ended", "ray-system-error", "object-lost"])
+async def test_a_worker_that_ends_without_the_outcome_is_answered_from_the_ledger(service, conv_id, replica):
+    settings, cache, keeper = service
+    events = await run_turn(settings, cache, keeper, Workers([Replica(cache, **replica)]), conv_id)
+    assert not any(isinstance(e, TurnFailed) for e in events), events
+    assert isinstance(events[-1], TurnDone) and events[-1].recovery is Recovery.REPLAY, events[-1]
+    assert "".join(e.text for e in events if isinstance(e, TurnDelta)) == REPLY
+
+
+class StatelessReplica(Replica):
+    """A stateless request's run: nothing to publish."""
+
+    async def events(self):
+        if self.die_before:
+            raise ActorUnavailableError("the replica is gone", None)
+        yield TurnDelta(REPLY, (1,))
+        yield TurnDone("stop", 3, 1, 0, Recovery.NEW, "stand-in")
+
+
+async def test_a_stateless_retry_after_a_lost_replica_runs_under_a_fresh_request_id(service):
+    settings, cache, keeper = service
+    lost, healthy = StatelessReplica(cache, die_before_first_event=True), StatelessReplica(cache)
+    run = await TurnRun.start(settings, Workers([lost, healthy]), cache, keeper,
+                              TurnRequest([{"role": "user", "content": "hi"}], {}, "o", None))
+    try:
+        events = [event async for event in run.events()]
+    finally:
+        await run.close()
+    assert isinstance(events[-1], TurnDone), events
+    # a revived replica would refuse the id it already ran (RequestIdInUse: a 400 for the client)
+    assert healthy.job.request_id != lost.job.request_id

@@ -7,6 +7,10 @@ prepared state lives (our head manager's holders, an engine host's heads) is the
               and commit_to_ledger(conv, record)        (the ledger changes only once the state moved)
     abandon   turns.entry(record, "abandon"), free the state, turns.resolve(record, ABANDONED)
     expire    unresolved after prepared_turn_timeout_s: freed, turns.resolve(record, EXPIRED)
+    left      a turn whose owner is gone before it took the verdict in hand is abandoned at once,
+              never left to expire (its conversation would be busy meanwhile): a stream left
+              as its turn finished (AsyncEngine.stream's `on_left`, the engine host's `_left`),
+              a record read but never published (the worker replica's `_run`)
     end_turn  whichever way it ends: the conversation is idle again, and a first turn that never
               committed leaves nothing
 
