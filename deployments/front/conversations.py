@@ -38,7 +38,7 @@ async def _ledger(cache: CacheClient, conv: ConversationRef) -> pb.ReadLedgerRes
     except NotFound:
         raise _unknown(conv.id) from None
     except CacheError as e:
-        raise errors.overloaded(f"cache service unavailable: {e}") from e
+        raise errors.cache_failed(e) from e
 
 
 async def describe(cache: CacheClient, conv: ConversationRef) -> dict[str, Any]:
@@ -82,7 +82,7 @@ class Forgetting:
         except LeaseHeld:
             raise errors.busy(conv.id) from None
         except CacheError as e:
-            raise errors.overloaded(f"cache service unavailable: {e}") from e
+            raise errors.cache_failed(e) from e
         await self.locally(conv, HeadRef.of(lease.head))
 
     async def locally(self, conv: ConversationRef, deleted: HeadRef) -> None:
