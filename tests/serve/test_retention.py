@@ -65,6 +65,8 @@ async def test_a_stored_response_expires_and_is_then_a_404_like_a_deleted_one(st
 async def test_a_full_store_is_a_503_storage_full_and_reads_go_on(stack, conv_id):
     client, salt = stack.client(), f"full-{uuid.uuid4().hex[:12]}"
     await chat_turn(client, stack.model, [user("stored first")], conversation_id=conv_id, cache_salt=salt)
+    doomed = f"{conv_id}-doomed"
+    await chat_turn(client, stack.model, [user("delete me")], conversation_id=doomed, cache_salt=salt)
     body = {"model": stack.model, "messages": [user("and now?")], "max_tokens": MAX_TOKENS,
             "conversation_id": conv_id, "cache_salt": salt}
     async with stack.http() as http, aioredis.Redis.from_url(stack.redis.url) as r:
@@ -75,6 +77,7 @@ async def test_a_full_store_is_a_503_storage_full_and_reads_go_on(stack, conv_id
             stored = await http.get(f"/v1/conversations/{conv_id}", params={"cache_salt": salt})
             new = await http.post("/v1/responses", json={"model": stack.model, "input": "hi", "max_output_tokens": 4,
                                                          "cache_salt": salt})
+            deleted = await http.delete(f"/v1/conversations/{doomed}", params={"cache_salt": salt})
         finally:
             await r.config_set("maxmemory", 0)
         for response in (refused, new):
@@ -83,6 +86,9 @@ async def test_a_full_store_is_a_503_storage_full_and_reads_go_on(stack, conv_id
             assert error["code"] == "storage_full" and error["type"] == "service_unavailable", error
             assert "full" in error["message"] and response.headers["retry-after"]
         assert stored.status_code == 200 and stored.json()["turn"] == 1
+        # A full store can still be freed: a DELETE needs no write that grows it.
+        assert deleted.status_code == 200, deleted.text
+        assert (await http.get(f"/v1/conversations/{doomed}", params={"cache_salt": salt})).status_code == 404
         # Room again: the conversation goes on from where it was.
         assert (await http.post("/v1/chat/completions", json=body)).json()["turn"] == 2
         assert (await conversation(http, conv_id, salt))["turn"] == 2
