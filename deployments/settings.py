@@ -70,8 +70,8 @@ class AppSettings(BaseModel):
     redis_url: str = Field("", description="Redis of the started cache service; empty: its embedded redis-server")
     data_dir: str = Field("data/serve", description="where a started cache service keeps Redis AOF and the tier")
     conversation_ttl_s: float = Field(
-        30 * 86400.0, ge=0, description="a stored conversation (head, ledger, its responses) expires this long after its "
-                                        "last turn, as OpenAI keeps stored responses 30 days; 0: never. Given to a "
+        30 * 86400.0, ge=0, description="a stored conversation (head, ledger, its responses) expires this long after "
+                                        "its last turn, as OpenAI keeps stored responses 30 days; 0: never. Given to a "
                                         "started cache service; with an external one, set its --conversation-ttl-s "
                                         "alike (here it bounds the workers' copies)")
     redis_maxmemory_mb: int = Field(1024, ge=0, description="a started cache service's embedded Redis: maxmemory "

@@ -87,7 +87,7 @@ def analyze(result: dict) -> dict:
         "peak_steady_keys": max((s["keys"] for s in steady), default=None),
         "final": {"used_memory": final["used_memory"], "keys": final["keys"], "t": final["t"]},
         "live_turns": len(live_turns),
-        "live_cached_fraction": round(sum(1 for t in live_turns if t["cached_tokens"] > 0) / max(len(live_turns), 1), 3),
+        "live_cached_fraction": round(sum(t["cached_tokens"] > 0 for t in live_turns) / max(len(live_turns), 1), 3),
         "calls_per_s": round((plan["responses"] + 2 * plan["conversations"]) / max(seen["load_end_s"], 1e-9), 1),
         "checks": checks,
     }
@@ -123,8 +123,10 @@ def markdown(result: dict) -> str:
         ["peak after the first window: used_memory / keys",
          f"{_mib(report['peak_steady_used_memory'])} / {report['peak_steady_keys']}"],
         ["peak of the run: used_memory / keys", f"{_mib(report['peak_used_memory'])} / {report['peak_keys']}"],
-        ["a TTL after the load: used_memory / keys", f"{_mib(report['final']['used_memory'])} / {report['final']['keys']}"],
-        ["without retention it would be", f"{_mib(report['without_retention_memory'])} / {report['without_retention_keys']}"],
+        ["a TTL after the load: used_memory / keys",
+         f"{_mib(report['final']['used_memory'])} / {report['final']['keys']}"],
+        ["without retention it would be",
+         f"{_mib(report['without_retention_memory'])} / {report['without_retention_keys']}"],
         ["live turns served from a cached head or prefix", f"{100 * report['live_cached_fraction']:.0f} %"],
     ]
     checks = [[name, "pass" if ok else "**FAIL**"] for name, ok in report["checks"].items()]

@@ -86,7 +86,8 @@ def _vllm_backend_sides(data: dict) -> None:
 def _soak_expired(data: dict) -> None:
     """Every call was stored and, a TTL after the load, gone again; the live conversations kept theirs."""
     report = data["report"]
-    assert report["stored_conversations"] == data["plan"]["responses"] + data["plan"]["conversations"] + data["plan"]["live"]
+    plan = data["plan"]
+    assert report["stored_conversations"] == plan["responses"] + plan["conversations"] + plan["live"]
     assert report["peak_keys"] > report["final"]["keys"], report
     assert all(report["checks"].values()), report["checks"]
 
