@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Redis probe period [CACHE_HEALTH_INTERVAL_S]")
     p.add_argument("--prefix-ttl-s", type=float, default=float(env("CACHE_PREFIX_TTL_S", "1800")),
                    help="a prefix-index entry lives this long after its last announce [CACHE_PREFIX_TTL_S]")
+    p.add_argument("--conversation-ttl-s", type=float,
+                   default=float(env("CACHE_CONVERSATION_TTL_S", str(30 * 86400))),
+                   help="a conversation expires this long after its last turn; 0 = never [CACHE_CONVERSATION_TTL_S]")
+    p.add_argument("--tier-sweep-interval-s", type=float, default=float(env("CACHE_TIER_SWEEP_INTERVAL_S", "60")),
+                   help="how often tier entries of expired conversations are dropped [CACHE_TIER_SWEEP_INTERVAL_S]")
+    p.add_argument("--redis-maxmemory", type=parse_bytes, default=parse_bytes(env("CACHE_REDIS_MAXMEMORY", "1GiB")),
+                   help="maxmemory of the embedded Redis (policy noeviction), 0 = none [CACHE_REDIS_MAXMEMORY]")
     return p
 
 
@@ -88,7 +95,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port, fsync=FsyncPolicy(args.appendfsync), grace_s=args.grace_s,
         limits=Limits(max_lease_ttl_ms=args.max_lease_ttl_ms, ledger_page_bytes=args.ledger_page_bytes),
         puts=PutLimits(max_staged_bytes=args.max_staged_bytes, idle_timeout_s=args.put_idle_timeout_s),
-        auth_token=auth, health_interval_s=args.health_interval_s, prefix_ttl_s=args.prefix_ttl_s)
+        auth_token=auth, health_interval_s=args.health_interval_s, prefix_ttl_s=args.prefix_ttl_s,
+        conversation_ttl_s=args.conversation_ttl_s, tier_sweep_interval_s=args.tier_sweep_interval_s,
+        redis_maxmemory_bytes=args.redis_maxmemory)
 
 
 def main() -> None:

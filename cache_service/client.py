@@ -48,6 +48,7 @@ from cache_service.errors import (  # noqa: F401
     NotFound,
     ResourceExhausted,
     StaleFence,
+    StorageFull,
     Unauthenticated,
     Unavailable,
     VersionConflict,

@@ -107,14 +107,36 @@ class ServerConfig:
     health_interval_s: float = 0.5     # Redis liveness probe (and embedded restart) period
     # A prefix-index entry lives this long after the last announce of its name (any replica).
     prefix_ttl_s: float = 1800.0
+    # A conversation (head, ledger, marks; its fence with it) expires this long after its last
+    # turn (acquire, renew, publish, rewind, fork); 0 = never. OpenAI keeps stored responses 30 days.
+    conversation_ttl_s: float = 30 * 86400.0
+    # How often tier entries whose conversation is gone (expired) are dropped.
+    tier_sweep_interval_s: float = 60.0
+    # The embedded redis-server's maxmemory (0 = none); its policy is always noeviction: a
+    # write refused for memory is STORAGE_FULL, never a lease or head evicted silently.
+    redis_maxmemory_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"bad port {self.port}")
         if self.redis_timeout_s <= 0 or self.grace_s < 0 or self.health_interval_s <= 0 \
-                or self.prefix_ttl_s <= 0:
+                or self.prefix_ttl_s <= 0 or self.tier_sweep_interval_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.conversation_ttl_s < 0 or self.redis_maxmemory_bytes < 0:
+            raise ValueError("conversation_ttl_s and redis_maxmemory_bytes must be >= 0 (0: none)")
         if self.fence_retention_ms < self.limits.max_lease_ttl_ms:
             raise ValueError("fence_retention_ms must be at least limits.max_lease_ttl_ms")
+        if 0 < self.conversation_ttl_ms < self.limits.min_ttl_ms:
+            raise ValueError("conversation_ttl_s is under the shortest TTL (10 ms)")
         if self.auth_token is not None and len(self.auth_token) < 16:
             raise ValueError("auth_token must be at least 16 characters")
+
+    @property
+    def conversation_ttl_ms(self) -> int:
+        return round(self.conversation_ttl_s * 1000)
+
+    def fence_ttl_ms(self, lease_ttl_ms: int) -> int:
+        """A fence outlives its lease by the retention, but not its conversation by more than
+        the lease: an expired conversation takes its fence along."""
+        ttl = self.conversation_ttl_ms
+        return lease_ttl_ms + (min(self.fence_retention_ms, ttl) if ttl else self.fence_retention_ms)

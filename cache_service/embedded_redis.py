@@ -75,6 +75,9 @@ class EmbeddedRedisConfig:
     fsync: FsyncPolicy = FsyncPolicy.ALWAYS
     binary: Path | None = None
     start_timeout_s: float = 20.0
+    # 0: no limit. The policy is always noeviction: evicting would drop leases and heads
+    # silently; a full Redis refuses writes instead (the service answers STORAGE_FULL).
+    maxmemory_bytes: int = 0
 
 
 class EmbeddedRedis:
@@ -109,6 +112,7 @@ class EmbeddedRedis:
             "--save", "",             # AOF only: no RDB snapshots racing the AOF rewrite
             "--daemonize", "no", "--logfile", "", "--loglevel", "notice",
             "--protected-mode", "yes",
+            "--maxmemory", str(self.config.maxmemory_bytes), "--maxmemory-policy", "noeviction",
         ]
 
     def start(self) -> None:

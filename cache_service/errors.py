@@ -30,6 +30,7 @@ class Reason(enum.Enum):
     RESOURCE_EXHAUSTED = "resource_exhausted"
     UNAUTHENTICATED = "unauthenticated"
     INTERRUPTED = "interrupted"
+    STORAGE_FULL = "storage_full"
 
 
 class CacheError(Exception):
@@ -115,6 +116,13 @@ class ResourceExhausted(CacheError):
     reason, code = Reason.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class StorageFull(ResourceExhausted):
+    """Redis refused a write for memory (maxmemory reached, policy noeviction): nothing was
+    written; reads still work. Retry once conversations expire or are deleted."""
+
+    reason = Reason.STORAGE_FULL
+
+
 class Unauthenticated(CacheError):
     """The service requires its shared secret and the call did not carry the right one."""
 
@@ -141,7 +149,7 @@ _BY_REASON: dict[Reason, type[CacheError]] = {
     cls.reason: cls
     for cls in (NotFound, InvalidArgument, LeaseHeld, LeaseLost, StaleFence,
                 VersionConflict, MissingChunks, DataLoss, Unavailable, DeadlineExceeded,
-                AlreadyExists, ResourceExhausted, Unauthenticated, Interrupted)
+                AlreadyExists, ResourceExhausted, StorageFull, Unauthenticated, Interrupted)
 }
 _BY_CODE: dict[grpc.StatusCode, type[CacheError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,

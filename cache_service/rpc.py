@@ -18,6 +18,7 @@ import logging
 
 import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cache_service import errors
@@ -33,11 +34,22 @@ class RpcCounters:
         self.errors: collections.Counter[str] = collections.Counter()
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Redis refused a write over its maxmemory: a bare command's OOM error, or a script's
+    (which Redis reports as a script error carrying "-OOM ...")."""
+    return isinstance(exc, OutOfMemoryError) or (
+        isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc))
+
+
 def _as_cache_error(exc: BaseException) -> errors.CacheError | None:
     if isinstance(exc, errors.CacheError):
         return exc
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
         return errors.Unavailable(f"redis unavailable: {exc}")
+    if is_out_of_memory(exc):
+        return errors.StorageFull("the cache service's Redis is full (its maxmemory is reached): the write was "
+                                  "refused and nothing changed; reads go on, and writes once conversations expire "
+                                  "or are deleted")
     return None
 
 

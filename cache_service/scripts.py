@@ -7,6 +7,19 @@ travel as strings because Lua numbers are doubles.
 Every script on the turn path is O(1) in the size of the conversation (ledger appends
 are RPUSH; rewind and fork, which copy or trim turns, are not on the turn path).
 
+Retention: a conversation's head, ledger and marks expire `conversation ttl` after its last
+turn. Every script that writes them sets their TTL in the same atomic step (`keep`), so no
+key of a conversation is ever left without one; an acquire or a renew extends them to the
+conversation TTL + the lease's, so a conversation never expires under a live lease. A TTL of
+'0' means never (PERSIST). Reads never refresh: they must not write (under a full Redis they
+go on) and a poller must not keep storage alive.
+
+Memory: Redis refuses a script's first write that may grow memory (a "denyoom" command such as
+HSET, RPUSH, HINCRBY) while it is over `maxmemory`, and lets the rest of the script run once a
+first write passed. So every script that grows memory writes a denyoom command first (never a
+PEXPIRE or DEL, which would let it grow past the limit): over the limit it fails before it
+changed anything (store.py: STORAGE_FULL).
+
 Fencing: the caller's (token, incarnation) has already passed its proof check
 (leases.py). A lease check passes only if the lease key holds exactly that token and
 incarnation. A missing lease or another incarnation is LEASE_LOST; a larger token of
@@ -30,6 +43,11 @@ local function head_reply(key)
   return redis.call('HMGET', key, 'version', 'turn', 'committed_tokens', 'tokens_sha256',
                     'owner', 'tier_version', 'updated_at_ms', 'incarnation')
 end
+local function keep(ttl_ms, ...)
+  for _, key in ipairs({...}) do
+    if ttl_ms == '0' then redis.call('PERSIST', key) else redis.call('PEXPIRE', key, ttl_ms) end
+  end
+end
 local function lease_check(lease_key, token, incarnation)
   local cur = redis.call('HMGET', lease_key, 'token', 'incarnation')
   if not cur[1] or cur[2] ~= incarnation then return 'LEASE_LOST' end
@@ -39,9 +57,10 @@ local function lease_check(lease_key, token, incarnation)
 end
 """
 
-# KEYS: lease, fence, head
+# KEYS: lease, fence, head, ledger, marks
 # ARGV: holder, ttl_ms, attempt (sha256 hex of the attempt key, '' = none),
-#       new incarnation (used if the fence has none), fence ttl_ms
+#       new incarnation (used if the fence has none), fence ttl_ms,
+#       conversation ttl_ms while leased ('0' = never expires)
 # Reply: OK, token, incarnation, ttl_ms, head fields | LEASE_HELD, pttl
 ACQUIRE = _PRELUDE + """
 local cur = redis.call('HMGET', KEYS[1], 'holder', 'token', 'attempt', 'incarnation')
@@ -50,6 +69,7 @@ if cur[1] then
     -- the same attempt retrying (its first reply was lost): same lease, fresh TTL
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     redis.call('PEXPIRE', KEYS[2], ARGV[5])
+    keep(ARGV[6], KEYS[3], KEYS[4], KEYS[5])
     return {'OK', cur[2], cur[4], ARGV[2], head_reply(KEYS[3])}
   end
   return {'LEASE_HELD', tostring(redis.call('PTTL', KEYS[1]))}
@@ -64,15 +84,19 @@ redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token, 'attempt', ARGV[3],
            'incarnation', incarnation)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+keep(ARGV[6], KEYS[3], KEYS[4], KEYS[5])
 return {'OK', tostring(token), incarnation, ARGV[2], head_reply(KEYS[3])}
 """
 
-# KEYS: lease, fence   ARGV: token, incarnation, ttl_ms, fence ttl_ms
+# KEYS: lease, fence, head, ledger, marks
+# ARGV: token, incarnation, ttl_ms, fence ttl_ms, conversation ttl_ms while leased
+# Only PEXPIREs: a renewal never needs memory, so it goes on while Redis is full.
 RENEW = _PRELUDE + """
 local err = lease_check(KEYS[1], ARGV[1], ARGV[2])
 if err then return {err} end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
+keep(ARGV[5], KEYS[3], KEYS[4], KEYS[5])
 return {'OK', redis.call('HGET', KEYS[1], 'holder')}
 """
 
@@ -89,7 +113,7 @@ return {'OK'}
 # KEYS: head, lease, ledger, marks
 # ARGV: token, incarnation, expected_version, ledger_entry, committed_tokens, tokens_sha256,
 #       owner, now_ms, release(0/1), publish_id, new_token_count, request digest,
-#       new head incarnation (used on the first publish)
+#       new head incarnation (used on the first publish), conversation ttl_ms
 # marks: one "committed_tokens tokens_sha256 entry_bytes" per turn: a rewind or fork learns
 # the head at turn k from it, a ledger read plans its page by bytes without loading turns.
 PUBLISH = _PRELUDE + """
@@ -118,6 +142,7 @@ redis.call('HSET', KEYS[1], 'version', version + 1, 'turn', turn,
            'publish_fence', fence)
 redis.call('HSETNX', KEYS[1], 'tier_version', 0)
 redis.call('HSETNX', KEYS[1], 'incarnation', ARGV[13])
+keep(ARGV[14], KEYS[1], KEYS[3], KEYS[4])
 if ARGV[9] == '1' then redis.call('DEL', KEYS[2]) end
 return {'OK', head_reply(KEYS[1])}
 """
@@ -142,7 +167,8 @@ return {'OK', head_reply(KEYS[1])}
 """
 
 # KEYS: head, lease, ledger, marks
-# ARGV: token, incarnation, expected_version, turn, owner, now_ms, empty tokens sha256
+# ARGV: token, incarnation, expected_version, turn, owner, now_ms, empty tokens sha256,
+#       conversation ttl_ms
 # The head keeps its incarnation and its version moves forward: a worker holding the
 # old version's state sees a new version and cannot mistake it for its own.
 REWIND = _PRELUDE + """
@@ -167,14 +193,17 @@ redis.call('HSET', KEYS[1], 'version', tonumber(version) + 1, 'turn', k,
            'committed_tokens', committed, 'tokens_sha256', sha, 'owner', ARGV[5],
            'tier_version', 0, 'updated_at_ms', ARGV[6], 'publish_id', '',
            'publish_digest', '', 'publish_fence', '')
+keep(ARGV[8], KEYS[1], KEYS[3], KEYS[4])
 return {'OK', head_reply(KEYS[1])}
 """
 
 # KEYS: source head, source ledger, source marks, target head, target ledger, target marks
-# ARGV: turn, expected source version ('0' = any), now_ms, new incarnation, empty sha256
+# ARGV: turn, expected source version ('0' = any), now_ms, new incarnation, empty sha256,
+#       conversation ttl_ms (of the fork; the source is only read, so not refreshed)
 # Touches two conversations, so on a Redis Cluster both must live on one node (see
-# README.md); copies in batches so Lua never holds the whole ledger at once.
-FORK = """
+# README.md); copies in batches so Lua never holds the whole ledger at once. The target's
+# head is written first: its HSET is the write Redis refuses when full, before anything moved.
+FORK = _PRELUDE + """
 local version = redis.call('HGET', KEYS[1], 'version')
 if not version then return {'NOT_FOUND'} end
 if ARGV[2] ~= '0' and version ~= ARGV[2] then return {'VERSION_CONFLICT', version} end
@@ -182,13 +211,6 @@ if redis.call('EXISTS', KEYS[4]) == 1 then return {'ALREADY_EXISTS'} end
 local k = tonumber(ARGV[1])
 local turns = redis.call('LLEN', KEYS[2])
 if k > turns then return {'BAD_TURN', tostring(turns)} end
-redis.call('DEL', KEYS[5], KEYS[6])
-local batch = 64
-for first = 0, k - 1, batch do
-  local last = math.min(first + batch, k) - 1
-  redis.call('RPUSH', KEYS[5], unpack(redis.call('LRANGE', KEYS[2], first, last)))
-  redis.call('RPUSH', KEYS[6], unpack(redis.call('LRANGE', KEYS[3], first, last)))
-end
 local committed, sha = '0', ARGV[5]
 if k > 0 then
   local mark = redis.call('LINDEX', KEYS[3], k - 1)
@@ -197,8 +219,15 @@ end
 redis.call('HSET', KEYS[4], 'version', 1, 'turn', k, 'committed_tokens', committed,
            'tokens_sha256', sha, 'owner', '', 'tier_version', 0, 'updated_at_ms', ARGV[3],
            'incarnation', ARGV[4])
-return {'OK', redis.call('HMGET', KEYS[4], 'version', 'turn', 'committed_tokens',
-                         'tokens_sha256', 'owner', 'tier_version', 'updated_at_ms', 'incarnation')}
+redis.call('DEL', KEYS[5], KEYS[6])
+local batch = 64
+for first = 0, k - 1, batch do
+  local last = math.min(first + batch, k) - 1
+  redis.call('RPUSH', KEYS[5], unpack(redis.call('LRANGE', KEYS[2], first, last)))
+  redis.call('RPUSH', KEYS[6], unpack(redis.call('LRANGE', KEYS[3], first, last)))
+end
+keep(ARGV[6], KEYS[4], KEYS[5], KEYS[6])
+return {'OK', head_reply(KEYS[4])}
 """
 
 # KEYS: head, ledger, marks   ARGV: first turn (0-based), max turns, page bytes
@@ -260,12 +289,14 @@ return redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[1])
 # live names plus those expired since.
 ANNOUNCE_PREFIXES = """
 local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 for i = 2, #KEYS do
   redis.call('HSET', KEYS[i], ARGV[1], ARGV[2 * i + 1])
   redis.call('PEXPIRE', KEYS[i], ttl)
   redis.call('ZADD', KEYS[1], now + ttl, ARGV[2 * i])
 end
+-- after the HSETs (the first write must be the one a full Redis refuses); the entries just
+-- added score now + ttl, so they stay
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return {'OK'}
 """
 

@@ -44,19 +44,22 @@ class CacheServer:
         self._health = health.aio.HealthServicer()
         self._serving = False
         self._supervisor: asyncio.Task | None = None
+        self._sweeper: asyncio.Task | None = None
+        self._servicer: CacheServicer | None = None
 
     async def start(self) -> int:
         cfg = self.config
         url = cfg.redis_url
         if url is None:
             self.embedded = EmbeddedRedis(EmbeddedRedisConfig(
-                data_dir=Path(cfg.data_dir) / "redis", fsync=cfg.fsync))
+                data_dir=Path(cfg.data_dir) / "redis", fsync=cfg.fsync, maxmemory_bytes=cfg.redis_maxmemory_bytes))
             # Started from this (main) thread on purpose: the child's parent-death
             # signal is tied to the thread that forked it.
             self.embedded.start()
             url = self.embedded.url
-        self._store = MetadataStore(url, cfg.redis_timeout_s)
+        self._store = MetadataStore(url, cfg.redis_timeout_s, cfg.conversation_ttl_ms)
         await self._store.ping()  # fail at start, not at the first request
+        await self._check_eviction_policy()
         signer = LeaseSigner(await self._store.lease_key())
         tier = StateTier(cfg.tier)
         size = cfg.limits.max_grpc_message_bytes
@@ -67,9 +70,9 @@ class CacheServer:
             # A second server on the same port must fail loudly, not share it.
             ("grpc.so_reuseport", 0),
         ])
-        wire.add_servicer(CacheServicer(self._store, tier, signer, limits=cfg.limits, puts=cfg.puts,
-                                        fence_retention_ms=cfg.fence_retention_ms,
-                                        prefix_ttl_ms=round(cfg.prefix_ttl_s * 1000)), self._server)
+        self._servicer = CacheServicer(self._store, tier, signer, limits=cfg.limits, puts=cfg.puts,
+                                       fence_ttl_ms=cfg.fence_ttl_ms, prefix_ttl_ms=round(cfg.prefix_ttl_s * 1000))
+        wire.add_servicer(self._servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
@@ -77,11 +80,13 @@ class CacheServer:
         await self._server.start()
         await self._set_serving(True)
         self._supervisor = asyncio.create_task(self._supervise(), name="redis-supervisor")
+        self._sweeper = asyncio.create_task(self._sweep_tier(), name="tier-sweeper")
         log.info("serving", extra=fields(host=cfg.host, port=self.port, redis=_redact(url),
                                          embedded_redis=self.embedded is not None,
                                          tier_dir=str(cfg.tier.directory),
                                          tier_budget_bytes=cfg.tier.memory_budget_bytes,
                                          auth=cfg.auth_token is not None,
+                                         conversation_ttl_s=cfg.conversation_ttl_s,
                                          event_loop=type(asyncio.get_running_loop()).__module__))
         return self.port
 
@@ -100,6 +105,31 @@ class CacheServer:
             return True
         except (OSError, asyncio.TimeoutError, RedisError):
             return False
+
+    async def _check_eviction_policy(self) -> None:
+        """An external Redis that may evict would drop leases and heads silently: say so loudly
+        (not refused: managed Redis services may not allow CONFIG GET)."""
+        try:
+            policy = await self._store.eviction_policy()
+        except RedisError as exc:
+            log.warning("redis_policy_unknown", extra=fields(error=str(exc)))
+            return
+        if policy != "noeviction":
+            log.error("redis_may_evict", extra=fields(
+                maxmemory_policy=policy, expected="noeviction",
+                reason="an evicting Redis drops leases and heads silently; set maxmemory-policy noeviction"))
+
+    async def _sweep_tier(self) -> None:
+        """Tier entries follow their conversation: once its head expired, the entry goes."""
+        while True:
+            await asyncio.sleep(self.config.tier_sweep_interval_s)
+            try:
+                dropped = await self._servicer.sweep_tier()
+            except (OSError, RedisError) as exc:  # Redis away: the next sweep tries again
+                log.warning("tier_sweep_failed", extra=fields(error=str(exc)))
+                continue
+            if dropped:
+                log.info("tier_swept", extra=fields(dropped=dropped))
 
     async def _supervise(self) -> None:
         """Probe Redis periodically: health follows it, a dead embedded Redis is restarted."""
@@ -121,10 +151,11 @@ class CacheServer:
         """Drain: report NOT_SERVING, let in-flight RPCs finish within the grace period."""
         log.info("stopping", extra=fields(grace_s=self.config.grace_s))
         await self._health.enter_graceful_shutdown()
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
+        for task in (self._supervisor, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._server is not None:
             await self._server.stop(self.config.grace_s)
         if self._store is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import weakref
+from collections.abc import Callable
 
 from cache_service import errors, validation
 from cache_service.config import Limits, PutLimits
@@ -56,14 +57,14 @@ def publish_digest(request: pb.PublishTurnRequest) -> str:
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def __init__(self, store: MetadataStore, tier: StateTier, signer: LeaseSigner, *,
-                 limits: Limits, puts: PutLimits, fence_retention_ms: int, prefix_ttl_ms: int):
+                 limits: Limits, puts: PutLimits, fence_ttl_ms: Callable[[int], int], prefix_ttl_ms: int):
         self.store = store
         self.tier = tier
         self.signer = signer
         self.limits = limits
         self.puts = puts
         self.staging = StagingBudget(puts.max_staged_bytes)
-        self._fence_retention_ms = fence_retention_ms
+        self._fence_ttl_ms = fence_ttl_ms  # of the lease's TTL (ServerConfig.fence_ttl_ms)
         self._prefix_ttl_ms = prefix_ttl_ms
         self.counters = RpcCounters()
         # Serializes tier commits against deletes and rewinds of the same conversation,
@@ -87,9 +88,6 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return self.signer.verify(keys.conv_hash, validation.token(token, field), proof)
 
     # -- leases -------------------------------------------------------------------
-
-    def _fence_ttl_ms(self, ttl_ms: int) -> int:
-        return ttl_ms + self._fence_retention_ms
 
     @rpc
     async def AcquireLease(self, request, context):
@@ -156,6 +154,23 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             existed = await self.store.delete(keys)
             dropped = await asyncio.to_thread(self.tier.drop, keys.conv_hash)
         return pb.DeleteConversationResponse(existed=existed or dropped)
+
+    async def sweep_tier(self) -> int:
+        """Drop the tier entries of conversations that no longer have a head (they expired, or a
+        delete's tier drop was lost with a crash); returns how many. Each is re-checked under the
+        conversation's lock, so a put for a conversation created meanwhile is never dropped."""
+        convs = self.tier.conversations()
+        if not convs:
+            return 0
+        dropped = 0
+        for conv, exists in zip(convs, await self.store.heads_exist(convs)):
+            if exists:
+                continue
+            keys = ConversationKeys(conv)
+            async with self._lock(keys):
+                if not (await self.store.heads_exist([conv]))[0]:
+                    dropped += self.tier.drop(conv)
+        return dropped
 
     @rpc
     async def TransferOwnership(self, request, context):

@@ -70,7 +70,10 @@ def _raise_status(reply: list, what: str) -> None:
 
 
 class MetadataStore:
-    def __init__(self, url: str, timeout_s: float):
+    """`conversation_ttl_ms`: a conversation's keys expire this long after its last turn (0: never)."""
+
+    def __init__(self, url: str, timeout_s: float, conversation_ttl_ms: int = 0):
+        self._conversation_ttl_ms = conversation_ttl_ms
         # Few, fast retries: the service answers UNAVAILABLE soon and lets the client
         # back off; a long stall here would only eat the caller's deadline.
         self._redis = aioredis.Redis.from_url(
@@ -100,6 +103,16 @@ class MetadataStore:
     async def close(self) -> None:
         await self._redis.aclose()
 
+    def _kept_ms(self, lease_ttl_ms: int = 0) -> str:
+        """The TTL a write sets on a conversation's keys ('0': none); under a lease, past it."""
+        ttl = self._conversation_ttl_ms
+        return str(ttl + lease_ttl_ms) if ttl else "0"
+
+    async def eviction_policy(self) -> str:
+        reply = await self._redis.config_get("maxmemory-policy")
+        value = reply.get("maxmemory-policy", reply.get(b"maxmemory-policy", b""))
+        return value.decode() if isinstance(value, bytes) else value
+
     async def lease_key(self) -> bytes:
         """The lease-proof key: created by the first service on this Redis, then kept."""
         await self._redis.set(LEASE_KEY, secrets.token_bytes(leases.KEY_BYTES), nx=True)
@@ -111,9 +124,9 @@ class MetadataStore:
                       fence_ttl_ms: int) -> tuple[int, str, int, pb.Head | None]:
         """(token, incarnation, expires_at_ms, head or None); LeaseHeld if busy."""
         start = now_ms()
-        reply = await self._acquire(keys=[keys.lease, keys.fence, keys.head],
+        reply = await self._acquire(keys=[keys.lease, keys.fence, keys.head, keys.ledger, keys.marks],
                                     args=[holder, ttl_ms, attempt, leases.new_incarnation(),
-                                          fence_ttl_ms])
+                                          fence_ttl_ms, self._kept_ms(ttl_ms)])
         if reply[0] == b"LEASE_HELD":
             raise errors.LeaseHeld("conversation is busy: another turn holds its lease",
                                    expires_in_ms=_i(reply[1]))
@@ -124,8 +137,9 @@ class MetadataStore:
     async def renew(self, keys: ConversationKeys, fence: Fence, ttl_ms: int,
                     fence_ttl_ms: int) -> pb.Lease:
         start = now_ms()
-        reply = await self._renew(keys=[keys.lease, keys.fence],
-                                  args=[fence.token, fence.incarnation, ttl_ms, fence_ttl_ms])
+        reply = await self._renew(keys=[keys.lease, keys.fence, keys.head, keys.ledger, keys.marks],
+                                  args=[fence.token, fence.incarnation, ttl_ms, fence_ttl_ms,
+                                        self._kept_ms(ttl_ms)])
         _raise_status(reply, "renew")
         return pb.Lease(holder=_s(reply[1]), token=fence.token, expires_at_ms=start + ttl_ms)
 
@@ -150,7 +164,7 @@ class MetadataStore:
             args=[fence.token, fence.incarnation, req.expected_version, entry.SerializeToString(),
                   req.committed_tokens, req.tokens_sha256, req.owner_replica,
                   entry.committed_at_ms, int(req.release_lease), req.publish_id,
-                  len(req.turn.token_ids), digest, leases.new_incarnation()])
+                  len(req.turn.token_ids), digest, leases.new_incarnation(), self._kept_ms()])
         _raise_status(reply, "publish")
         return head_from_fields(reply[1])
 
@@ -171,7 +185,7 @@ class MetadataStore:
                      turn: int, owner: str) -> pb.Head:
         reply = await self._rewind(keys=[keys.head, keys.lease, keys.ledger, keys.marks],
                                    args=[fence.token, fence.incarnation, expected_version, turn,
-                                         owner, now_ms(), scripts.EMPTY_TOKENS_SHA256])
+                                         owner, now_ms(), scripts.EMPTY_TOKENS_SHA256, self._kept_ms()])
         _raise_status(reply, "rewind")
         return head_from_fields(reply[1])
 
@@ -179,7 +193,8 @@ class MetadataStore:
                    expected_version: int) -> pb.Head:
         reply = await self._fork(
             keys=[source.head, source.ledger, source.marks, target.head, target.ledger, target.marks],
-            args=[turn, expected_version, now_ms(), leases.new_incarnation(), scripts.EMPTY_TOKENS_SHA256])
+            args=[turn, expected_version, now_ms(), leases.new_incarnation(), scripts.EMPTY_TOKENS_SHA256,
+                  self._kept_ms()])
         _raise_status(reply, "fork")
         return head_from_fields(reply[1])
 
@@ -204,6 +219,13 @@ class MetadataStore:
             turn.turn = first + offset
             turns.append(turn)
         return head, turns, _i(nxt)
+
+    async def heads_exist(self, conv_hashes: list[str]) -> list[bool]:
+        """Whether each conversation still has a head (one round trip; pure reads)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for conv in conv_hashes:
+                pipe.exists(ConversationKeys(conv).head)
+            return [bool(n) for n in await pipe.execute()]
 
     async def delete(self, keys: ConversationKeys) -> bool:
         # The fence goes too: a re-created conversation starts a new incarnation, so

@@ -116,6 +116,11 @@ class StateTier:
             raise errors.NotFound(f"state tier has no version {version} of this conversation ({held})")
         return entry
 
+    def conversations(self) -> list[str]:
+        """The conversations (hashes) holding an entry."""
+        with self._lock:
+            return list(self._entries)
+
     def check_sizes(self, conv: str, chunks: list[ChunkRef]) -> None:
         """InvalidArgument if a chunk the tier holds is declared with another size."""
         with self._lock:

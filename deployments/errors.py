@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cache_service.client import StorageFull
 from deployments.messages import ErrorKind
 
 log = logging.getLogger("hybridserve.errors")
@@ -45,7 +46,7 @@ class APIError(Exception):
 # context_length_exceeded is a 400, as in OpenAI's API; 413 is only a body over the size limit.
 _KIND_STATUS = {ErrorKind.INVALID: 400, ErrorKind.TOO_LONG: 400, ErrorKind.CONFLICT: 409,
                 ErrorKind.UNAVAILABLE: 503, ErrorKind.INTERNAL: 500,
-                ErrorKind.OUTCOME_UNKNOWN: 503}
+                ErrorKind.OUTCOME_UNKNOWN: 503, ErrorKind.STORAGE_FULL: 503}
 
 
 def from_kind(kind: ErrorKind, message: str) -> APIError:
@@ -69,6 +70,20 @@ def busy(conversation_id: str) -> APIError:
 
 def overloaded(why: str) -> APIError:
     return APIError(503, why, "overloaded", retry_after_s=1)
+
+
+def storage_full() -> APIError:
+    return APIError(503, "the conversation store is full: nothing was committed; stored conversations can still be "
+                         "read, and new turns are accepted once older conversations expire or are deleted",
+                    ErrorKind.STORAGE_FULL.value, retry_after_s=60)
+
+
+def cache_failed(error: Exception) -> APIError:
+    """A cache-service call that failed for the service's own reasons: 503 either way, storage_full
+    when its Redis refused the write for memory (retrying soon will not help), else overloaded."""
+    if isinstance(error, StorageFull):
+        return storage_full()
+    return overloaded(f"cache service unavailable: {error}")
 
 
 class _RequestIdContext:

@@ -109,6 +109,8 @@ class ErrorKind(enum.Enum):
     # 503: the cache service could not say whether the turn committed; a retry with the same
     # Idempotency-Key learns it (answered from the ledger if it did, run if it did not)
     OUTCOME_UNKNOWN = "turn_outcome_unknown"
+    # 503: the cache service's Redis is full (maxmemory): nothing was committed; reads go on
+    STORAGE_FULL = "storage_full"
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,13 @@ class AppSettings(BaseModel):
     cache_service: str = Field("", description="host:port of the cache service; empty: start one for the app")
     redis_url: str = Field("", description="Redis of the started cache service; empty: its embedded redis-server")
     data_dir: str = Field("data/serve", description="where a started cache service keeps Redis AOF and the tier")
+    conversation_ttl_s: float = Field(
+        30 * 86400.0, ge=0, description="a stored conversation (head, ledger, its responses) expires this long after "
+                                        "its last turn, as OpenAI keeps stored responses 30 days; 0: never. Given to a "
+                                        "started cache service; with an external one, set its --conversation-ttl-s "
+                                        "alike (here it bounds the workers' copies)")
+    redis_maxmemory_mb: int = Field(1024, ge=0, description="a started cache service's embedded Redis: maxmemory "
+                                    "(policy noeviction; a full Redis answers writes with 503 storage_full); 0: none")
     tier_export: TierExport = TierExport.ASYNC
     tier_export_delay_s: float = Field(
         0.5, ge=0, le=60, description="async export: how long a conversation must be quiet on its replica before its "
@@ -139,6 +146,14 @@ class AppSettings(BaseModel):
             raise ValueError(f"weight_quantization={self.weight_quantization.value} runs on float32 weights only, "
                              f"not dtype={self.dtype.value}")
         return self
+
+    @property
+    def local_copy_ttl_s(self) -> float:
+        """How long a worker keeps a conversation idle on it: never past the conversation's own
+        retention (an expired conversation's copy would only hold memory)."""
+        if self.conversation_ttl_s:
+            return min(self.replica_copy_ttl_s, self.conversation_ttl_s)
+        return self.replica_copy_ttl_s
 
     @property
     def model_dtype(self) -> ModelDtype:

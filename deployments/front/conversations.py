@@ -11,7 +11,7 @@ from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from cache_service.client import CacheClient, CacheError, LeaseHeld, NotFound, pb
+from cache_service.client import CacheClient, CacheError, LeaseHeld, NotFound, StorageFull, pb
 from deployments import errors
 from deployments.errors import APIError
 from deployments.front import responses_plan
@@ -38,7 +38,7 @@ async def _ledger(cache: CacheClient, conv: ConversationRef) -> pb.ReadLedgerRes
     except NotFound:
         raise _unknown(conv.id) from None
     except CacheError as e:
-        raise errors.overloaded(f"cache service unavailable: {e}") from e
+        raise errors.cache_failed(e) from e
 
 
 async def describe(cache: CacheClient, conv: ConversationRef) -> dict[str, Any]:
@@ -73,17 +73,26 @@ class Forgetting:
     async def delete(self, cache: CacheClient, conv: ConversationRef) -> None:
         """DELETE /v1/conversations/{id}: the head, the ledger, the tier copy, the owner's copy."""
         try:
-            lease = await cache.acquire_lease(conv, int(self.settings.lease_ttl_s * 1000))
-            if lease.head.version == 0:
-                await cache.release_lease(conv, lease)
+            lease = None
+            try:
+                lease = await cache.acquire_lease(conv, int(self.settings.lease_ttl_s * 1000))
+                head = lease.head
+            except StorageFull:
+                # A full store must still let clients free it, and taking a lease is a write. Without
+                # one, a turn in flight is not waited for but cannot commit either: the delete drops
+                # its lease, so its publish is refused (lease lost).
+                head = await cache.get_head_or_none(conv) or pb.Head()
+            if head.version == 0:
+                if lease is not None:
+                    await cache.release_lease(conv, lease)
                 raise _unknown(conv.id)
             # Deleting drops the lease too; a turn started after this point begins a new conversation.
             await cache.delete_conversation(conv)
         except LeaseHeld:
             raise errors.busy(conv.id) from None
         except CacheError as e:
-            raise errors.overloaded(f"cache service unavailable: {e}") from e
-        await self.locally(conv, HeadRef.of(lease.head))
+            raise errors.cache_failed(e) from e
+        await self.locally(conv, HeadRef.of(head))
 
     async def locally(self, conv: ConversationRef, deleted: HeadRef) -> None:
         """The owner's local copy frees its blocks now. Best effort and bounded: the conversation

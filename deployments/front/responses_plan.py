@@ -81,7 +81,7 @@ def new_conversation_id() -> str:
 
 
 def _unavailable(e: CacheError) -> APIError:
-    return errors.overloaded(f"cache service unavailable: {e}")
+    return errors.cache_failed(e)
 
 
 async def _turns(cache: CacheClient, conv: ConversationRef, first: int, count: int) -> pb.ReadLedgerResponse | None:

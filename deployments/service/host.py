@@ -40,7 +40,9 @@ class CacheServiceProcess:
         data_dir = Path(settings.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         self.auth_token = settings.read_cache_service_token() or secrets.token_urlsafe(32)
-        args = ["--host", host, "--port", "0", "--data-dir", str(data_dir)]
+        args = ["--host", host, "--port", "0", "--data-dir", str(data_dir),
+                "--conversation-ttl-s", str(settings.conversation_ttl_s),
+                "--redis-maxmemory", f"{settings.redis_maxmemory_mb}MiB"]
         # The Redis URL by environment: it may carry a password, and argv is anyone's to read.
         self.child = CacheServiceChild(args, auth_token=self.auth_token, redis_url=settings.redis_url or None,
                                        die_with_parent=True, on_event=_log_event)

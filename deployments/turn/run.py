@@ -133,7 +133,7 @@ class TurnRun:
             earlier = await outcome.find_turn(self.cache, self.lease.conv, after_turn=after,
                                                    match=idempotency.same_key)
         except CacheError as e:
-            raise errors.overloaded(f"cache service unavailable: {e}") from e
+            raise errors.cache_failed(e) from e
         if earlier is None:
             return
         if earlier.publish_id != idempotency.publish_id:
@@ -329,7 +329,7 @@ async def _acquire(settings: AppSettings, cache: CacheClient, conv: Conversation
     except LeaseHeld:
         raise errors.busy(conv.id) from None
     except CacheError as e:
-        raise errors.overloaded(f"cache service unavailable: {e}") from e
+        raise errors.cache_failed(e) from e
 
 
 async def _settle(cache: CacheClient, lease: Lease, *, committed: bool) -> None:

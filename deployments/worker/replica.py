@@ -28,6 +28,7 @@ from cache_service.client import (
     CacheError,
     InvalidArgument,
     LeaseLost,
+    StorageFull,
     TurnResult,
     VersionConflict,
 )
@@ -139,9 +140,10 @@ class Worker:
         return self.replica_id
 
     async def _expire_idle_copies(self) -> None:
-        """Forget conversations idle here for replica_copy_ttl_s (a DELETE routed to another
-        replica leaves this copy until then); checked every min(60 s, ttl / 4)."""
-        ttl = self.settings.replica_copy_ttl_s
+        """Forget conversations idle here for replica_copy_ttl_s, or the conversation TTL if
+        shorter (a DELETE routed to another replica, or the conversation's expiry in the cache
+        service, leaves this copy until then); checked every min(60 s, ttl / 4)."""
+        ttl = self.settings.local_copy_ttl_s
         while True:
             await asyncio.sleep(min(60.0, ttl / 4))
             try:
@@ -188,6 +190,8 @@ class Worker:
             yield TurnFailed(ErrorKind.TOO_LONG if isinstance(e, PromptTooLongError) else ErrorKind.INVALID, str(e))
         except ConversationBusyError as e:
             yield TurnFailed(ErrorKind.CONFLICT, str(e))
+        except StorageFull as e:
+            yield TurnFailed(ErrorKind.STORAGE_FULL, f"cache service: {e}")
         except CacheError as e:
             yield TurnFailed(ErrorKind.UNAVAILABLE, f"cache service: {e}")
         except EngineShutdownError as e:  # this replica's engine is gone: Serve replaces it (check_health)
@@ -283,6 +287,9 @@ class Worker:
             except (VersionConflict, LeaseLost) as e:
                 await self._abandon(prepared)
                 return TurnFailed(ErrorKind.CONFLICT, f"the turn was not committed: {e}")
+            except StorageFull as e:  # refused before it wrote anything: definitely not committed
+                await self._abandon(prepared)
+                return TurnFailed(ErrorKind.STORAGE_FULL, f"the turn was not committed: {e}")
             except InvalidArgument as e:  # the service refused what this worker computed: a bug here
                 await self._abandon(prepared)
                 log.error("publish of %s refused: %s", job.publish_name, e)

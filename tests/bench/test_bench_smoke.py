@@ -30,6 +30,7 @@ from bench.engine import report as engine_report
 from bench.grammar_backends import report as grammar_backends
 from bench.kit.results import RESULTS_DIR
 from bench.serve import report as serve, vllm_backend as serve_vllm
+from bench.soak import report as soak
 from workers.checkpoint import Arch
 from workers.vllm_backend.venv import VENV_DIR
 
@@ -82,6 +83,15 @@ def _vllm_backend_sides(data: dict) -> None:
         assert any("--sides vd" in line for line in data["not_run"])
 
 
+def _soak_expired(data: dict) -> None:
+    """Every call was stored and, a TTL after the load, gone again; the live conversations kept theirs."""
+    report = data["report"]
+    plan = data["plan"]
+    assert report["stored_conversations"] == plan["responses"] + plan["conversations"] + plan["live"]
+    assert report["peak_keys"] > report["final"]["keys"], report
+    assert all(report["checks"].values()), report["checks"]
+
+
 SMOKES = {
     "agent": Smoke(("--smoke", "--skip-vllm"), "agent.smoke", agent_report.markdown, check=_agent_reuse),
     "cache_service": Smoke(("--smoke",), "cache_service.smoke", cache_service.markdown),
@@ -109,6 +119,7 @@ SMOKES = {
         ),
     ),
     "serve": Smoke(("--smoke",) + (() if VLLM_READY else ("--skip-vllm",)), "serve.smoke", serve.markdown),
+    "soak": Smoke(("--smoke",), "soak.smoke", soak.markdown, check=_soak_expired),
     "serve --backend vllm": Smoke(
         ("--smoke", "--backend", "vllm") + (("--sides", "vd") if VLLM_READY else ("--skip-vllm",)),
         "serve.vllm.smoke",

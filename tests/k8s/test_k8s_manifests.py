@@ -156,6 +156,7 @@ def test_redis_keeps_an_fsynced_aof_on_a_persistent_volume():
     flags = dict(zip(args[::2], args[1::2]))
     assert flags["--appendonly"] == "yes" and flags["--appendfsync"] == "always"
     assert flags["--maxmemory-policy"] == "noeviction"
+    assert flags["--maxmemory"].endswith("mb")  # bounded: over it a write is storage_full, never an eviction
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}

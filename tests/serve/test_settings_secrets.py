@@ -4,6 +4,8 @@ starts it, without Ray."""
 
 from __future__ import annotations
 
+import asyncio
+
 import psutil
 import pytest
 from pydantic import ValidationError
@@ -13,6 +15,8 @@ from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from deployments.service.connection import cache_client_config
 from deployments.service.host import CacheServiceProcess
 from deployments.settings import AppSettings
+from proto.contract import ConversationRef
+from tests.cache_service.cs_helpers import History, commit_turn
 
 
 def test_api_keys_file_adds_keys_and_turns_authentication_on(tmp_path):
@@ -77,6 +81,25 @@ async def test_the_started_cache_service_gets_the_redis_url_by_environment_not_o
     finally:
         service.stop()
         redis.stop()
+
+
+async def test_the_started_cache_service_expires_conversations_after_conversation_ttl_s(tmp_path):
+    settings = AppSettings(data_dir=str(tmp_path / "data"), conversation_ttl_s=1.0)
+    assert settings.local_copy_ttl_s == 1.0  # the workers' copies never outlive the conversation
+    assert AppSettings(conversation_ttl_s=0).local_copy_ttl_s == AppSettings().replica_copy_ttl_s
+    service = CacheServiceProcess(settings, "127.0.0.1")
+    try:
+        async with CacheClient(service.address, cache_client_config("test", settings, service.auth_token)) as c:
+            conv = ConversationRef("short-lived", salt="s")
+            await commit_turn(c, conv, History(), [1, 2], "hello")
+
+            async def expired() -> None:
+                while await c.get_head_or_none(conv) is not None:
+                    await asyncio.sleep(0.1)
+
+            await asyncio.wait_for(expired(), 15.0)
+    finally:
+        service.stop()
 
 
 def test_weight_quantization_is_validated_and_reaches_the_engine(tmp_path):
