@@ -66,6 +66,8 @@ class TurnJob:
     # the chat template renders them; the reply's tool calls are parsed out of its text.
     tools: tuple[dict[str, Any], ...] = ()
     parse_tool_calls: bool = False  # tools given and tool_choice not "none"
+    # A legacy completion's prompt (text or token ids), no chat template; stateless, no messages.
+    prompt: str | tuple[int, ...] | None = None
 
     @property
     def scope(self) -> str:

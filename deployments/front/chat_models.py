@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from cache_service.client import SERVICE_LIMITS
-from deployments.settings import MAX_OUTPUT_TOKENS, SCOPE_PREFIX_BYTES
+from deployments.front.request_base import RequestModel
+from deployments.settings import SCOPE_PREFIX_BYTES
 
 MAX_ID = 256  # characters of the fields the cache service never sees (model, name, user)
 MAX_ID_BYTES = SERVICE_LIMITS.max_id_bytes
@@ -69,8 +70,7 @@ def _unsupported(field: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", "{field} is not supported by this server", {"field": field})
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(RequestModel):
 
     type: Literal["text"]
     text: Text
@@ -80,17 +80,14 @@ ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 MAX_TOOLS = 128
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionCall(RequestModel):
 
     name: ToolName
     arguments: Text  # JSON text, as the model wrote it
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(RequestModel):
     """A tool call of an assistant message sent back as history."""
-
-    model_config = ConfigDict(extra="forbid")
 
     id: Text = Field(max_length=MAX_ID)
     type: Literal["function"] = "function"
@@ -101,8 +98,7 @@ class MessageToolCall(BaseModel):
                 "function": {"name": self.function.name, "arguments": self.function.arguments}}
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(RequestModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None  # bounded by the body size limit (413)
@@ -143,8 +139,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionDefinition(RequestModel):
 
     name: ToolName
     description: Text | None = None
@@ -159,8 +154,7 @@ class FunctionDefinition(BaseModel):
         return value
 
 
-class ChatTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatTool(RequestModel):
 
     type: Literal["function"]
     function: FunctionDefinition
@@ -169,21 +163,18 @@ class ChatTool(BaseModel):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedFunction(RequestModel):
 
     name: ToolName
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(RequestModel):
 
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class JsonSchemaFormat(RequestModel):
 
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Text | None = None
@@ -191,8 +182,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponseFormat(RequestModel):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -248,8 +238,7 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: boo
                       for t in chosen]}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(RequestModel):
 
     include_usage: bool = False
     include_obfuscation: bool = Field(False, description="accepted, ignored (no obfuscation padding is sent)")
@@ -261,13 +250,13 @@ UNSUPPORTED = ("functions", "function_call", "logit_bias",
                "verbosity", "web_search_options", "store")
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatCompletionRequest(RequestModel):
 
     model: Text = Field(max_length=MAX_ID)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    # Any length: clamped to the server's max_output_tokens and to what the context leaves.
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=1 << 63)
@@ -339,10 +328,12 @@ class ChatCompletionRequest(BaseModel):
                                 fmt.type if fmt is not None else "text",
                                 schema.schema_ if schema else None, bool(schema and schema.strict))
 
-    def sampling(self, default_max_tokens: int) -> dict:
+    def sampling(self, max_output_tokens: int) -> dict:
+        """The SamplingParams fields (`max_output_tokens`: the server's cap, the default of
+        max_tokens; the worker clamps it further to what the context leaves)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {
-            "max_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            "max_tokens": min(self.max_completion_tokens or self.max_tokens or max_output_tokens, max_output_tokens),
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,

@@ -89,10 +89,13 @@ class TurnRun:
         request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         messages, tools, conversation = request.messages, request.tools, request.conversation
         if conversation is None:  # nothing is committed: a retry is harmless, no key needed
-            holders = await find_holders(cache, tools_scope(request.scope, tools), messages)
+            # The prefix index names message prefixes: a raw completion prompt has none to look up.
+            holders = () if request.prompt is not None else await find_holders(
+                cache, tools_scope(request.scope, tools), messages)
             return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
                                                          prefix_holders=holders, stateless_scope=request.scope,
-                                                         tools=tools, parse_tool_calls=request.parse_tool_calls),
+                                                         tools=tools, parse_tool_calls=request.parse_tool_calls,
+                                                         prompt=request.prompt),
                        None)
         granted = await _acquire(settings, cache, conversation, request_id, request.wait_if_busy)
         head = granted.head  # the head at the time of the acquire; version 0: a new conversation

@@ -122,7 +122,13 @@ class Worker:
     async def record_routing_stats(self) -> dict[str, Any]:
         await self._cache()  # Serve calls this every period from the start: connect before the first turn
         running, free = await self.session.load()
-        return {"running_requests": running, "free_kv_blocks": free}
+        # kv_cache_usage: read by the ingress's /metrics (vllm:kv_cache_usage_perc, routing/fleet.py)
+        return {"running_requests": running, "free_kv_blocks": free,
+                "kv_cache_usage": await self.session.kv_cache_usage()}
+
+    async def max_model_len(self) -> int:
+        """The longest prompt + reply this replica's engine takes (GET /v1/models)."""
+        return await self.session.max_model_len()
 
     # -- state of deleted conversations ---------------------------------------------------------
     async def forget(self, call: ReplicaCall, conv: ConversationRef, deleted: HeadRef) -> str:
@@ -170,7 +176,10 @@ class Worker:
             yield TurnFailed(ErrorKind.INVALID, str(e))
             return
         try:
-            if job.conversation is None:
+            if job.prompt is not None:
+                stream = self.session.stream_completion(job.prompt, params, job.request_id, job.scope)
+                recovery = Recovery.NEW
+            elif job.conversation is None:
                 stream = self.session.stream_stateless(job.messages, params, job.request_id, job.scope,
                                                        list(job.tools))
                 recovery = Recovery.NEW
@@ -225,7 +234,9 @@ class Worker:
                         recovery, self.replica_id, reused_from=last.reused_from.value, tool_calls=calls.calls)
         hint_scope = tools_scope(job.scope, job.tools)
         if job.conversation is None:
-            await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(), last.checkpoints)
+            if job.prompt is None:  # (a raw completion prompt has no messages to name its prefixes by)
+                await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(),
+                                                        last.checkpoints)
             yield done
             return
         if last.turn_commit is None:

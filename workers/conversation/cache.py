@@ -17,7 +17,7 @@ the API is documented in API.md next to this file.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from proto.contract import ConversationRef, ModelIdentity
@@ -90,6 +90,14 @@ class ConversationCache:
         return self._engine.add_request(
             request_id, prompt, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT,
             marks=message_marks(tokenizer, messages, prompt, tools), final_label=reply_label(messages))
+
+    def begin_completion(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
+                         cache_salt: str) -> Request:
+        """A legacy completion's raw prompt (its text tokenized as is, no template): like a
+        stateless request it attaches the longest prefix held under `cache_salt` and keeps its
+        end (labelled 0: it covers no messages, so it is never announced)."""
+        ids = self._engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self._engine.add_request(request_id, ids, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT)
 
     # -- turns (see turn_lifecycle.py) ------------------------------------------------------------
     def begin_turn(
