@@ -9,6 +9,7 @@ Plain dataclasses and enums only: the ingress never imports torch or the engine.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,12 @@ class HeadRef:
         version 1: only its tokens tell it from the old one (identical tokens: identical state)."""
         return (self.version, self.turn, self.committed_tokens, self.tokens_sha256) == (
             other.version, other.turn, other.committed_tokens, other.tokens_sha256)
+
+
+def prompt_as_messages(prompt: str | tuple[int, ...]) -> list[dict[str, Any]]:
+    """How the prefix index names a legacy completion's prompt (it names message prefixes): one
+    pseudo-message, so a request repeating a prompt is routed where that prompt's state is held."""
+    return [{"role": "prompt", "content": prompt if isinstance(prompt, str) else json.dumps(list(prompt))}]
 
 
 @dataclass(frozen=True)

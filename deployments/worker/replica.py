@@ -46,6 +46,7 @@ from deployments.messages import (
     TurnEvent,
     TurnFailed,
     TurnJob,
+    prompt_as_messages,
 )
 from deployments.worker.recovery_ladder import attach
 from deployments.routing.router import StickyConversationRouter
@@ -234,9 +235,8 @@ class Worker:
                         recovery, self.replica_id, reused_from=last.reused_from.value, tool_calls=calls.calls)
         hint_scope = tools_scope(job.scope, job.tools)
         if job.conversation is None:
-            if job.prompt is None:  # (a raw completion prompt has no messages to name its prefixes by)
-                await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(),
-                                                        last.checkpoints)
+            named = job.messages if job.prompt is None else prompt_as_messages(job.prompt)
+            await self.announcer.after_turn_awaited(hint_scope, named, calls.reply_message(), last.checkpoints)
             yield done
             return
         if last.turn_commit is None:

@@ -178,7 +178,7 @@ class VllmSession:  # implements Session (session.py)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        return self.streams.stateless(0, ids, 0, params, request_id, cache_salt)
+        return self.streams.stateless(1, ids, 0, params, request_id, cache_salt)  # one pseudo-message
 
     async def commit(self, record: TurnCommit) -> HeadInfo:
         return await self.conversations.commit(record)
