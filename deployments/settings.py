@@ -59,6 +59,13 @@ class ModelDtype(str, enum.Enum):
         return ModelDtype.BFLOAT16 if device.startswith("cuda") else ModelDtype.FLOAT32
 
 
+class UnknownFields(str, enum.Enum):
+    """What a request field neither OpenAI nor vLLM defines gets (deployments/front/vllm_fields.py)."""
+
+    REFUSE = "refuse"  # a 400 naming it (OpenAI's API)
+    LOG = "log"  # dropped and logged (vLLM's server)
+
+
 class Backend(str, enum.Enum):
     """The engine a worker replica runs."""
 
@@ -80,6 +87,10 @@ class AppSettings(BaseModel):
     api_keys: tuple[str, ...] = Field((), description="bearer tokens; empty: no authentication")
     rate_limit_rpm: int = Field(0, ge=0, description="requests per minute per API key (without keys: per bearer "
                                 "token sent, or none) beyond which /v1 routes answer 429 with Retry-After; 0: off")
+    unknown_fields: UnknownFields = Field(
+        UnknownFields.REFUSE, description="request fields neither OpenAI nor vLLM defines: refuse (400, as OpenAI) "
+                                          "or log (dropped and logged, as vLLM's server); vLLM fields not served "
+                                          "are a 400 either way unless at their default")
     cors_allow_origins: tuple[str, ...] = Field((), description="origins browsers may call the API from (\"*\": "
                                                 "any); empty: no CORS headers")
     lease_ttl_s: float = Field(30.0, gt=0.05, description="at most the cache service's longest lease")

@@ -59,6 +59,9 @@ class ChatTokenizer:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None) -> str:
         tok = self._require()
+        if "developer" not in (self.chat_template or ""):
+            # OpenAI's newer name of the system role: a template that does not know it gets "system"
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            tools=list(tools) if tools else None)

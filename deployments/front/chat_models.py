@@ -23,6 +23,7 @@ from pydantic import AfterValidator, Field, StringConstraints, field_validator, 
 from pydantic_core import PydanticCustomError
 
 from cache_service.client import SERVICE_LIMITS
+from deployments.front import vllm_fields
 from deployments.front.request_base import RequestModel
 from deployments.settings import SCOPE_PREFIX_BYTES
 
@@ -32,6 +33,7 @@ MAX_SALT_BYTES = MAX_ID_BYTES - SCOPE_PREFIX_BYTES
 MAX_MESSAGES = SERVICE_LIMITS.max_messages_per_turn - 1
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _unicode(value: str) -> str:
@@ -71,9 +73,10 @@ def _unsupported(field: str) -> PydanticCustomError:
 
 
 class TextPart(RequestModel):
-
     type: Literal["text"]
     text: Text
+    cache_control: dict[str, Any] | None = Field(None, description="Anthropic-style prompt caching hint that agent "
+                                                 "frameworks resend: accepted, dropped (caching here is automatic)")
 
 
 ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -81,7 +84,6 @@ MAX_TOOLS = 128
 
 
 class FunctionCall(RequestModel):
-
     name: ToolName
     arguments: Text  # JSON text, as the model wrote it
 
@@ -92,6 +94,7 @@ class MessageToolCall(RequestModel):
     id: Text = Field(max_length=MAX_ID)
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = Field(None, description="a streamed call's index, resent by agent frameworks: dropped")
 
     def as_engine(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function",
@@ -99,7 +102,6 @@ class MessageToolCall(RequestModel):
 
 
 class ChatMessage(RequestModel):
-
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None  # bounded by the body size limit (413)
     name: Text | None = Field(None, max_length=MAX_ID)
@@ -127,8 +129,8 @@ class ChatMessage(RequestModel):
         return self
 
     def as_engine_message(self) -> dict[str, Any]:
-        if isinstance(self.content, list):
-            text = "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # parts are lines of one text (as vLLM joins them)
+            text = "\n".join(part.text for part in self.content)
         else:
             text = self.content or ""
         message: dict[str, Any] = {"role": self.role, "content": text}
@@ -140,7 +142,6 @@ class ChatMessage(RequestModel):
 
 
 class FunctionDefinition(RequestModel):
-
     name: ToolName
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema (checked when it is compiled)
@@ -155,7 +156,6 @@ class FunctionDefinition(RequestModel):
 
 
 class ChatTool(RequestModel):
-
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -164,18 +164,15 @@ class ChatTool(RequestModel):
 
 
 class NamedFunction(RequestModel):
-
     name: ToolName
 
 
 class NamedToolChoice(RequestModel):
-
     type: Literal["function"]
     function: NamedFunction
 
 
 class JsonSchemaFormat(RequestModel):
-
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Text | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
@@ -183,7 +180,6 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -238,8 +234,14 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: boo
                       for t in chosen]}
 
 
-class StreamOptions(RequestModel):
+def vllm_sampling(top_k: int | None, min_p: float | None, stop_token_ids: list[int] | None,
+                  ignore_eos: bool) -> dict[str, Any]:
+    """SamplingParams fields of vLLM's request extensions (chat and completions alike)."""
+    return {"top_k": max(0, top_k or 0), "min_p": min_p or 0.0, "stop_token_ids": tuple(stop_token_ids or ()),
+            "ignore_eos": ignore_eos}
 
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     include_obfuscation: bool = Field(False, description="accepted, ignored (no obfuscation padding is sent)")
 
@@ -251,7 +253,6 @@ UNSUPPORTED = ("functions", "function_call", "logit_bias",
 
 
 class ChatCompletionRequest(RequestModel):
-
     model: Text = Field(max_length=MAX_ID)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     # Any length: clamped to the server's max_output_tokens and to what the context leaves.
@@ -289,6 +290,14 @@ class ChatCompletionRequest(RequestModel):
     verbosity: Any = None
     web_search_options: Any = None
     store: Any = None
+    # vLLM's extensions, as its OpenAI server means them
+    top_k: int | None = Field(None, ge=-1, description="sample among the k likeliest tokens; -1 or 0: all")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the "
+                                                                  "likeliest")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = Field(False, description="go on past the end-of-sequence token (to max_tokens)")
+    request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID,
+                                    description="names the reply: its id is chatcmpl-<request_id>")
     # hybridserve extensions
     conversation_id: ConversationId | None = Field(
         None, description="continue this conversation; send only the new messages")
@@ -302,6 +311,11 @@ class ChatCompletionRequest(RequestModel):
         if not _off(value):
             raise _unsupported(info.field_name)
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_and_unknown_fields(cls, data: Any) -> Any:
+        return vllm_fields.screen(cls, data)
 
     @model_validator(mode="after")
     def _tools_fit(self) -> "ChatCompletionRequest":
@@ -341,4 +355,5 @@ class ChatCompletionRequest(RequestModel):
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             "deterministic": self.deterministic,
             "constraint": self.constraint(),
+            **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos),
         }

@@ -24,8 +24,9 @@ from pydantic import Field, field_validator, model_validator
 
 from deployments.errors import APIError
 from deployments.front.chat_format import SSE_DONE, data, usage_of
-from deployments.front.chat_models import (MAX_ID, MAX_STOP, CacheSalt, StopString, StreamOptions, Text, _field_error,
-                                           _off, _unsupported)
+from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, StopString, StreamOptions,
+                                           Text, _field_error, _off, _unsupported, vllm_sampling)
+from deployments.front import vllm_fields
 from deployments.front.request_base import RequestModel
 from deployments.messages import TokenLogprob, TurnDelta, TurnDone
 
@@ -54,6 +55,12 @@ class CompletionRequest(RequestModel):
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
+    # vLLM's extensions (as in chat_models)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID, description="the reply's id: cmpl-<it>")
     # hybridserve extensions
     cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")
     deterministic: bool = Field(False, description="bit-identical output whatever else is batched")
@@ -64,6 +71,11 @@ class CompletionRequest(RequestModel):
         if not _off(value):
             raise _unsupported(info.field_name)
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_and_unknown_fields(cls, data: Any) -> Any:
+        return vllm_fields.screen(cls, data)
 
     @field_validator("prompt")
     @classmethod
@@ -90,7 +102,8 @@ class CompletionRequest(RequestModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {"max_tokens": min(self.max_tokens, max_output_tokens), "temperature": self.temperature,
                 "top_p": self.top_p, "seed": self.seed, "stop": tuple(s for s in stop if s),
-                "logprobs": self.logprobs, "deterministic": self.deterministic, "constraint": None}
+                "logprobs": self.logprobs, "deterministic": self.deterministic, "constraint": None,
+                **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos)}
 
 
 def logprobs_of(entries: Iterable[TokenLogprob], offset: int) -> dict[str, Any]:

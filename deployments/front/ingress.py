@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from cache_service.client import CacheClient, CacheError
 from deployments import errors
 from deployments.errors import APIError
-from deployments.front import conversations, guard, responses_plan
+from deployments.front import conversations, guard, responses_plan, vllm_fields
 from deployments.front.chat_format import ChatFormat
 from deployments.front.chat_models import CacheSalt, ChatCompletionRequest
 from deployments.front.completions import CompletionFormat, CompletionRequest, CompletionStream
@@ -82,6 +82,7 @@ class ChatIngress:
         api.state.api_keys = settings.read_api_keys()
         api.state.rate_limiter = RateLimiter(settings.rate_limit_rpm) if settings.rate_limit_rpm else None
         api.state.cors_allow_origins = settings.cors_allow_origins
+        vllm_fields.Leniency.unknown_fields = settings.unknown_fields
 
     async def _cache(self) -> CacheClient:
         return await self._connection.get()
@@ -116,7 +117,8 @@ class ChatIngress:
             parse_tool_calls=body.calls_tools), arrived)
         assert isinstance(turn, StartedTurn)  # no expect_turn: a chat turn follows whatever the head is
         job = turn.run.job
-        form = ChatFormat(job.request_id, self.model, conv.id if conv else None, bool(body.logprobs))
+        reply_id = f"chatcmpl-{body.request_id}" if body.request_id else job.request_id
+        form = ChatFormat(reply_id, self.model, conv.id if conv else None, bool(body.logprobs))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(ChatStream(form, include_usage)))
@@ -132,7 +134,8 @@ class ChatIngress:
             [], body.sampling(self.settings.max_output_tokens), self._scope(request, body.cache_salt),
             request_id=f"cmpl-{uuid.uuid4().hex}", prompt=body.engine_prompt()), arrived)
         assert isinstance(turn, StartedTurn)
-        form = CompletionFormat(turn.run.job.request_id, self.model, body.logprobs is not None,
+        reply_id = f"cmpl-{body.request_id}" if body.request_id else turn.run.job.request_id
+        form = CompletionFormat(reply_id, self.model, body.logprobs is not None,
                                 body.prompt if body.echo else "")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -28,7 +28,6 @@ ItemId = Annotated[str, Field(max_length=MAX_ID)]
 
 
 class InputText(RequestModel):
-
     type: Literal["input_text", "output_text"]
     text: Text
     annotations: list[Any] | None = None  # what an output_text sent back carries: accepted when empty
@@ -43,7 +42,6 @@ class InputText(RequestModel):
 
 
 class MessageItem(RequestModel):
-
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Text | list[InputText]
@@ -51,11 +49,10 @@ class MessageItem(RequestModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class FunctionCallItem(RequestModel):
-
     type: Literal["function_call"]
     call_id: Text = Field(max_length=MAX_ID)
     name: ToolName
@@ -65,7 +62,6 @@ class FunctionCallItem(RequestModel):
 
 
 class FunctionCallOutputItem(RequestModel):
-
     type: Literal["function_call_output"]
     call_id: Text = Field(max_length=MAX_ID)
     output: Text | list[InputText]
@@ -73,7 +69,7 @@ class FunctionCallOutputItem(RequestModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
 
 
 def _item_kind(value: Any) -> str:
@@ -107,7 +103,6 @@ def engine_messages(items: str | list) -> list[dict[str, Any]]:
 
 
 class FunctionTool(RequestModel):
-
     type: Literal["function"]
     name: ToolName
     description: Text | None = None
@@ -120,13 +115,11 @@ class FunctionTool(RequestModel):
 
 
 class FunctionChoice(RequestModel):
-
     type: Literal["function"]
     name: ToolName
 
 
 class JsonSchemaText(RequestModel):
-
     type: Literal["json_schema"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Text | None = None
@@ -135,12 +128,10 @@ class JsonSchemaText(RequestModel):
 
 
 class PlainText(RequestModel):
-
     type: Literal["text", "json_object"]
 
 
 class TextConfig(RequestModel):
-
     format: Annotated[JsonSchemaText | PlainText, Field(discriminator="type")] | None = None
     verbosity: Any = None
 
@@ -157,7 +148,6 @@ class TextConfig(RequestModel):
 
 
 class ConversationParam(RequestModel):
-
     id: ConversationId
 
 
@@ -167,7 +157,6 @@ UNSUPPORTED = ("reasoning", "include", "background", "top_logprobs", "max_tool_c
 
 
 class ResponsesRequest(RequestModel):
-
     model: Text = Field(max_length=MAX_ID)
     input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: Text | None = None
