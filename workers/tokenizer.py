@@ -68,6 +68,14 @@ class ChatTokenizer:
         except Exception as e:  # jinja raises for malformed messages (missing role, bad content)
             raise InvalidRequestError(f"cannot render messages with the chat template: {e}") from e
 
+    def request_ids(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a raw prompt (as a completion runs it) or of messages rendered by the
+        chat template (as a chat request runs them): what /tokenize answers."""
+        if messages is not None:
+            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
+        return self.encode(prompt or "")
+
     def eos_token_ids(self) -> tuple[int, ...]:
         tok = self._tok
         return () if tok is None or tok.eos_token_id is None else (int(tok.eos_token_id),)

@@ -37,7 +37,8 @@ UNSUPPORTED = ("suffix", "logit_bias", "presence_penalty", "frequency_penalty")
 
 class CompletionRequest(RequestModel):
     model: Text = Field(max_length=MAX_ID)
-    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    prompt: (Text | TokenIds | Annotated[list[Text], Field(min_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1)])
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)  # clamped to max_output_tokens and the context
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -121,7 +121,8 @@ class StartedTurn:
             raise error
 
     async def settle(self, status: int) -> None:
-        self._gate.finished(status, self._running)  # counted out first: a second cancellation may interrupt the await below
+        # counted out first: a second cancellation may interrupt the await below
+        self._gate.finished(status, self._running)
         await self.run.close()
 
     async def collect(self) -> tuple[str, list, TurnDone]:

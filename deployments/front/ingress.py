@@ -10,6 +10,7 @@
     GET    /v1/conversations/{id}      ledger and head (cache_salt query parameter, default "": the
                                        API key's scope, or the default scope, alone)
     DELETE /v1/conversations/{id}      drops the head, the ledger, the tier copy and the owner's local copy
+    POST   /tokenize, /detokenize      vLLM's: a prompt or messages to ids (as they would run), ids to text
     GET    /health, /metrics, /version
 
 With API keys configured every /v1 route wants `Authorization: Bearer KEY`, and the key's
@@ -39,6 +40,7 @@ from deployments.front.rate_limit import RateLimiter
 from deployments.front.responses_format import ResponseStream
 from deployments.front.responses_models import ConversationCreate, ResponsesRequest
 from deployments.front.streams import ChatStream, sse_response
+from deployments.front.tokenize_models import DetokenizeRequest, TokenizeRequest
 from deployments.routing import fleet
 from deployments.service.connection import CacheConnection
 from deployments.settings import AppSettings
@@ -242,6 +244,22 @@ class ChatIngress:
         conv = self._conversation(request, conversation_id, cache_salt)
         await self.forgetting.delete(await self._cache(), conv)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        if body.model is not None:
+            self._check_model(body.model)
+        messages = [m.as_engine_message() for m in body.messages] if body.messages else None
+        ids, error = await self.workers.tokenize.remote(body.prompt, messages, body.add_generation_prompt)
+        if error:
+            raise APIError(400, error, "invalid_request", param="messages")
+        return {"count": len(ids), "max_model_len": await self._model_len(), "tokens": ids, "token_strs": None}
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            self._check_model(body.model)
+        return {"prompt": await self.workers.detokenize.remote(body.tokens)}
 
     @api.get("/version")
     async def version(self) -> dict:

@@ -234,8 +234,8 @@ class ResponsesRequest(RequestModel):
                                 bool(getattr(fmt, "strict", False)))
 
     def sampling(self, max_output_tokens: int) -> dict:
-        return {"max_tokens": min(self.max_output_tokens or max_output_tokens, max_output_tokens), "temperature": self.temperature,
-                "top_p": self.top_p, "seed": None, "stop": (), "logprobs": None,
+        return {"max_tokens": min(self.max_output_tokens or max_output_tokens, max_output_tokens),
+                "temperature": self.temperature, "top_p": self.top_p, "seed": None, "stop": (), "logprobs": None,
                 "deterministic": self.deterministic, "constraint": self.constraint()}
 
     def echo(self) -> dict[str, Any]:

@@ -152,6 +152,14 @@ class EngineSession:  # implements Session (session.py)
     async def kv_cache_usage(self) -> float:
         return await self.aengine.call(lambda e: e.kv_cache_usage())
 
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> list[int]:
+        tokenizer = self.aengine.engine.tokenizer  # not the engine thread's work: off it
+        return await asyncio.to_thread(tokenizer.request_ids, prompt, messages, add_generation_prompt)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await asyncio.to_thread(self.aengine.engine.tokenizer.decode_exact, token_ids)
+
     async def max_model_len(self) -> int:
         return self.aengine.engine.max_model_len
 

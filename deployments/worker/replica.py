@@ -127,6 +127,17 @@ class Worker:
         return {"running_requests": running, "free_kv_blocks": free,
                 "kv_cache_usage": await self.session.kv_cache_usage()}
 
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> tuple[list[int], str]:
+        """(ids, "") or ([], why the messages cannot be rendered): a 400 at the ingress."""
+        try:
+            return await self.session.tokenize(prompt, messages, add_generation_prompt), ""
+        except InvalidRequestError as e:  # a template that refuses the messages
+            return [], str(e)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.session.detokenize(token_ids)
+
     async def max_model_len(self) -> int:
         """The longest prompt + reply this replica's engine takes (GET /v1/models)."""
         return await self.session.max_model_len()

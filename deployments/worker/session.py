@@ -52,6 +52,15 @@ class Session(Protocol):
         """The fraction of KV cache blocks running requests hold (0..1), for routing stats."""
         ...
 
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> list[int]:
+        """/tokenize: a raw prompt's ids, or the chat template's rendering of messages."""
+        ...
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """/detokenize: the ids' text, special tokens kept."""
+        ...
+
     async def max_model_len(self) -> int:
         """The longest prompt + reply the engine takes."""
         ...

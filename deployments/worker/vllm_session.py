@@ -132,6 +132,13 @@ class VllmSession:  # implements Session (session.py)
             return 0.0
         return float((await self.host.call("stats"))["usage"])
 
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.request_ids, prompt, messages, add_generation_prompt)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await asyncio.to_thread(self.tokenizer.decode_exact, token_ids)
+
     async def max_model_len(self) -> int:
         return (await self.host.start())["max_model_len"]
 

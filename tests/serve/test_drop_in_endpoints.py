@@ -1,10 +1,16 @@
 """Endpoints clients call the way their own docs show, with the official SDK unchanged:
-conversations without a cache_salt (the default scope), a response's cancel, /version."""
+conversations without a cache_salt (the default scope), a response's cancel, /version, and
+vLLM's /tokenize and /detokenize."""
 
 from __future__ import annotations
 
+import uuid
+
 import openai
 import pytest
+from transformers import AutoTokenizer
+
+from tests.serve.helpers import user
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,3 +43,18 @@ async def test_version(stack):
     async with stack.http() as http:
         version = await http.get("/version")
     assert version.status_code == 200 and version.json()["version"]
+
+
+async def test_tokenize_and_detokenize_as_vllm_answers(stack):
+    ids = AutoTokenizer.from_pretrained(stack.model_dir).encode("hello there", add_special_tokens=False)
+    reply = await stack.client().chat.completions.create(model=stack.model, messages=[user("hi")], max_tokens=1,
+                                                         extra_body={"cache_salt": uuid.uuid4().hex})
+    async with stack.http() as http:
+        text = (await http.post("/tokenize", json={"model": stack.model, "prompt": "hello there"})).json()
+        assert text["tokens"] == ids and text["count"] == len(ids) and text["max_model_len"] > len(ids)
+        chat = (await http.post("/tokenize", json={"messages": [user("hi")]})).json()
+        assert chat["count"] == reply.usage.prompt_tokens  # what a chat request of them runs
+        assert (await http.post("/detokenize", json={"tokens": ids})).json() == {"prompt": "hello there"}
+        both = await http.post("/tokenize", json={"prompt": "x", "messages": [user("x")]})
+        assert both.status_code == 400 and both.json()["error"]["type"] == "invalid_request_error"
+        assert (await http.post("/detokenize", json={"model": "nope", "tokens": [1]})).status_code == 404
