@@ -23,8 +23,14 @@ from deployments.messages import ErrorKind
 log = logging.getLogger("hybridserve.errors")
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error", 503: "service_unavailable"}
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+          429: "rate_limit_error", 503: "service_unavailable"}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error type of a status: any other 4xx is the request's fault (400, 405, 413, 422...),
+    any 5xx the server's."""
+    return _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
 
 class APIError(Exception):
@@ -35,7 +41,7 @@ class APIError(Exception):
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+        return {"error": {"message": self.message, "type": error_type(self.status),
                           "code": self.code, "param": self.param}}
 
     def response(self) -> JSONResponse:

@@ -9,6 +9,7 @@ Plain dataclasses and enums only: the ingress never imports torch or the engine.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,12 @@ class HeadRef:
             other.version, other.turn, other.committed_tokens, other.tokens_sha256)
 
 
+def prompt_as_messages(prompt: str | tuple[int, ...]) -> list[dict[str, Any]]:
+    """How the prefix index names a legacy completion's prompt (it names message prefixes): one
+    pseudo-message, so a request repeating a prompt is routed where that prompt's state is held."""
+    return [{"role": "prompt", "content": prompt if isinstance(prompt, str) else json.dumps(list(prompt))}]
+
+
 @dataclass(frozen=True)
 class TurnJob:
     request_id: str
@@ -66,6 +73,8 @@ class TurnJob:
     # the chat template renders them; the reply's tool calls are parsed out of its text.
     tools: tuple[dict[str, Any], ...] = ()
     parse_tool_calls: bool = False  # tools given and tool_choice not "none"
+    # A legacy completion's prompt (text or token ids), no chat template; stateless, no messages.
+    prompt: str | tuple[int, ...] | None = None
 
     @property
     def scope(self) -> str:

@@ -19,12 +19,16 @@ from workers.quantization import WeightQuantization
 if TYPE_CHECKING:
     from workers.config import EngineConfig
 
-MAX_OUTPUT_TOKENS = 4096  # max_tokens of one request
-# What one reply adds to its turn's content, beyond the request's messages: MAX_OUTPUT_TOKENS
+# The default of `max_output_tokens`, the longest reply: a request without max_tokens gets what the
+# context leaves up to it. 4,096 keeps `max_body_bytes` up to 3.5 MiB (below); a deployment with
+# long replies (coding agents ask for 8k-32k) raises it and lowers max_body_bytes in exchange.
+MAX_OUTPUT_TOKENS = 4096
+# What one reply adds to its turn's content, beyond the request's messages: max_output_tokens
 # tokens of at most this many bytes of text each (vocabularies' longest tokens are far shorter).
 REPLY_BYTES_PER_TOKEN = 128
 # The request body bounds the turn's messages (their JSON is at least their UTF-8 bytes): with
-# the longest reply they must fit the cache service's limit on one turn's content.
+# the longest reply they must fit the cache service's limit on one turn's content. The largest
+# body at the default max_output_tokens:
 MAX_BODY_BYTES = SERVICE_LIMITS.max_turn_content_bytes - MAX_OUTPUT_TOKENS * REPLY_BYTES_PER_TOKEN
 # Heads a worker keeps per conversation: the latest turn's (older turns are in the tier or the
 # ledger; keeping more would only shrink how many conversations a replica holds).
@@ -55,6 +59,13 @@ class ModelDtype(str, enum.Enum):
         return ModelDtype.BFLOAT16 if device.startswith("cuda") else ModelDtype.FLOAT32
 
 
+class UnknownFields(str, enum.Enum):
+    """What a request field neither OpenAI nor vLLM defines gets (deployments/front/vllm_fields.py)."""
+
+    REFUSE = "refuse"  # a 400 naming it (OpenAI's API)
+    LOG = "log"  # dropped and logged (vLLM's server)
+
+
 class Backend(str, enum.Enum):
     """The engine a worker replica runs."""
 
@@ -81,11 +92,27 @@ class AppSettings(BaseModel):
         0.5, ge=0, le=60, description="async export: how long a conversation must be quiet on its replica before its "
                                       "head goes to the tier (a next turn within it supersedes the head)")
     api_keys: tuple[str, ...] = Field((), description="bearer tokens; empty: no authentication")
+    rate_limit_rpm: int = Field(0, ge=0, description="requests per minute per API key (without keys: per bearer "
+                                "token sent, or none) beyond which /v1 routes answer 429 with Retry-After; 0: off")
+    unknown_fields: UnknownFields = Field(
+        UnknownFields.REFUSE, description="request fields neither OpenAI nor vLLM defines: refuse (400, as OpenAI) "
+                                          "or log (dropped and logged, as vLLM's server); vLLM fields not served "
+                                          "are a 400 either way unless at their default")
+    cors_allow_origins: tuple[str, ...] = Field((), description="origins browsers may call the API from (\"*\": "
+                                                "any); empty: no CORS headers")
     lease_ttl_s: float = Field(30.0, gt=0.05, description="at most the cache service's longest lease")
     busy_wait_s: float = Field(30.0, ge=0, description="longest wait of a turn that asked to wait for its conversation")
     max_inflight: int = Field(64, ge=1, description="turns in flight at the ingress beyond which it answers 503")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies beyond this get 413 (at most "
-                                                              "MAX_BODY_BYTES: a turn must fit the cache service)")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request bodies beyond this get 413 (with the "
+                                "longest reply a turn must fit the cache service: MAX_BODY_BYTES at the default "
+                                "max_output_tokens)")
+    max_output_tokens: int = Field(
+        MAX_OUTPUT_TOKENS, ge=1, description="the longest reply: a request without max_tokens gets what the context "
+                                             "leaves up to this, a larger max_tokens is clamped to it (and to the "
+                                             "context), never refused")
+    served_model_name: tuple[str, ...] = Field(
+        (), description="names clients may use for the model besides the checkpoint's own; the first is the "
+                        "canonical name replies carry (empty: the checkpoint directory's name)")
     forget_timeout_s: float = Field(
         5.0, gt=0, le=300, description="DELETE: longest wait for the owner replica to free its local copy "
                                        "(best effort: the answer is 200 either way, a stale copy is never used)")
@@ -117,11 +144,11 @@ class AppSettings(BaseModel):
     api_keys_file: str = Field("", description="file of bearer tokens, one per line, added to api_keys")
     cache_service_token_file: str = Field("", description="file holding the cache service's shared secret")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "served_model_name", "cors_allow_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):  # `serve run ... api_keys=k1,k2`
-            return tuple(k for k in value.split(",") if k)
+            return tuple(k.strip() for k in value.split(",") if k.strip())
         return value
 
     @model_validator(mode="after")
@@ -131,10 +158,12 @@ class AppSettings(BaseModel):
         if self.lease_ttl_s > longest_lease_s:
             raise ValueError(f"lease_ttl_s={self.lease_ttl_s:g} is over the cache service's longest lease, "
                              f"{longest_lease_s:g} s")
-        if self.max_body_bytes > MAX_BODY_BYTES:
-            raise ValueError(f"max_body_bytes={self.max_body_bytes} is over {MAX_BODY_BYTES}: a turn's messages "
-                             f"and its longest reply must fit the cache service's "
-                             f"{SERVICE_LIMITS.max_turn_content_bytes} bytes of turn content")
+        reply_bytes = self.max_output_tokens * REPLY_BYTES_PER_TOKEN
+        if self.max_body_bytes + reply_bytes > SERVICE_LIMITS.max_turn_content_bytes:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes} is over "
+                             f"{SERVICE_LIMITS.max_turn_content_bytes - reply_bytes}: a turn's messages and its "
+                             f"longest reply (max_output_tokens={self.max_output_tokens}) must fit the cache "
+                             f"service's {SERVICE_LIMITS.max_turn_content_bytes} bytes of turn content")
         return self
 
     @model_validator(mode="after")
@@ -154,6 +183,13 @@ class AppSettings(BaseModel):
         if self.conversation_ttl_s:
             return min(self.replica_copy_ttl_s, self.conversation_ttl_s)
         return self.replica_copy_ttl_s
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names the model answers to: served_model_name's, then the checkpoint's own (its
+        directory's name, or hybridserve-builtin); the first is canonical."""
+        own = Path(self.model).name if self.model else "hybridserve-builtin"
+        return tuple(dict.fromkeys((*self.served_model_name, own)))
 
     @property
     def model_dtype(self) -> ModelDtype:

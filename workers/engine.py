@@ -213,6 +213,12 @@ class LLMEngine:
         """(requests in the engine, free KV blocks), for routing stats and heartbeats."""
         return len(self.scheduler.requests), self.caches.kv.num_free
 
+    def kv_cache_usage(self) -> float:
+        """The fraction of KV blocks requests hold (blocks only heads and prefixes hold are
+        evictable: free for this purpose, as vLLM counts its cached blocks)."""
+        usage = self.caches.kv.usage()
+        return usage.in_use / max(1, usage.total)
+
     def check_integrity(self) -> None:
         """free + cached + in use == total for blocks and slots, and nothing held by a request
         that is not admitted (run after every engine test; for debugging)."""

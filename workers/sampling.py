@@ -26,6 +26,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one (0 disables)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -48,7 +49,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 problems.append(f"{name} must be an integer, got {value!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 problems.append(f"{name} must be a number, got {value!r}")
@@ -62,6 +63,8 @@ class SamplingParams:
             problems.append(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 disables), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -108,6 +111,8 @@ def _draw(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     if params.top_k:
         sorted_logits[params.top_k :] = -torch.inf
     probs = torch.softmax(sorted_logits, dim=-1)
+    if params.min_p > 0.0:  # relative to the likeliest token, probs[0] (sorted)
+        probs = torch.where(probs >= params.min_p * probs[0], probs, torch.zeros_like(probs))
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         before = torch.cumsum(probs, dim=-1) - probs

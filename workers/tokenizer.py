@@ -59,11 +59,22 @@ class ChatTokenizer:
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None) -> str:
         tok = self._require()
+        if "developer" not in (self.chat_template or ""):
+            # OpenAI's newer name of the system role: a template that does not know it gets "system"
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            tools=list(tools) if tools else None)
         except Exception as e:  # jinja raises for malformed messages (missing role, bad content)
             raise InvalidRequestError(f"cannot render messages with the chat template: {e}") from e
+
+    def request_ids(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a raw prompt (as a completion runs it) or of messages rendered by the
+        chat template (as a chat request runs them): what /tokenize answers."""
+        if messages is not None:
+            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
+        return self.encode(prompt or "")
 
     def eos_token_ids(self) -> tuple[int, ...]:
         tok = self._tok

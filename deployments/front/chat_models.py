@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StringConstraints,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, Field, StrictBool, StrictFloat, StrictInt, StringConstraints, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from cache_service.client import SERVICE_LIMITS
-from deployments.settings import MAX_OUTPUT_TOKENS, SCOPE_PREFIX_BYTES
+from deployments.front import vllm_fields
+from deployments.front.request_base import RequestModel
+from deployments.settings import SCOPE_PREFIX_BYTES
 
 MAX_ID = 256  # characters of the fields the cache service never sees (model, name, user)
 MAX_ID_BYTES = SERVICE_LIMITS.max_id_bytes
@@ -32,6 +34,7 @@ MAX_SALT_BYTES = MAX_ID_BYTES - SCOPE_PREFIX_BYTES
 MAX_MESSAGES = SERVICE_LIMITS.max_messages_per_turn - 1
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _unicode(value: str) -> str:
@@ -70,41 +73,36 @@ def _unsupported(field: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", "{field} is not supported by this server", {"field": field})
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextPart(RequestModel):
     type: Literal["text"]
     text: Text
+    cache_control: dict[str, Any] | None = Field(None, description="Anthropic-style prompt caching hint that agent "
+                                                 "frameworks resend: accepted, dropped (caching here is automatic)")
 
 
 ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 MAX_TOOLS = 128
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionCall(RequestModel):
     name: ToolName
     arguments: Text  # JSON text, as the model wrote it
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(RequestModel):
     """A tool call of an assistant message sent back as history."""
-
-    model_config = ConfigDict(extra="forbid")
 
     id: Text = Field(max_length=MAX_ID)
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = Field(None, description="a streamed call's index, resent by agent frameworks: dropped")
 
     def as_engine(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function",
                 "function": {"name": self.function.name, "arguments": self.function.arguments}}
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None  # bounded by the body size limit (413)
     name: Text | None = Field(None, max_length=MAX_ID)
@@ -132,8 +130,8 @@ class ChatMessage(BaseModel):
         return self
 
     def as_engine_message(self) -> dict[str, Any]:
-        if isinstance(self.content, list):
-            text = "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # parts are lines of one text (as vLLM joins them)
+            text = "\n".join(part.text for part in self.content)
         else:
             text = self.content or ""
         message: dict[str, Any] = {"role": self.role, "content": text}
@@ -144,9 +142,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionDefinition(RequestModel):
     name: ToolName
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema (checked when it is compiled)
@@ -160,9 +156,7 @@ class FunctionDefinition(BaseModel):
         return value
 
 
-class ChatTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatTool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -170,31 +164,23 @@ class ChatTool(BaseModel):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NamedFunction(RequestModel):
     name: ToolName
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class JsonSchemaFormat(RequestModel):
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Text | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -249,9 +235,14 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: boo
                       for t in chosen]}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def vllm_sampling(top_k: int | None, min_p: float | None, stop_token_ids: list[int] | None,
+                  ignore_eos: bool) -> dict[str, Any]:
+    """SamplingParams fields of vLLM's request extensions (chat and completions alike)."""
+    return {"top_k": max(0, top_k or 0), "min_p": min_p or 0.0, "stop_token_ids": tuple(stop_token_ids or ()),
+            "ignore_eos": ignore_eos}
 
+
+class StreamOptions(RequestModel):
     include_usage: StrictBool = False
     include_obfuscation: StrictBool = Field(False, description="accepted, ignored (no obfuscation padding is sent)")
 
@@ -262,13 +253,12 @@ UNSUPPORTED = ("functions", "function_call", "logit_bias",
                "verbosity", "web_search_options", "store")
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatCompletionRequest(RequestModel):
     model: Text = Field(max_length=MAX_ID)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    # Any length: clamped to the server's max_output_tokens and to what the context leaves.
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
@@ -301,6 +291,14 @@ class ChatCompletionRequest(BaseModel):
     verbosity: Any = None
     web_search_options: Any = None
     store: Any = None
+    # vLLM's extensions, as its OpenAI server means them
+    top_k: int | None = Field(None, ge=-1, description="sample among the k likeliest tokens; -1 or 0: all")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the "
+                                                                  "likeliest")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = Field(False, description="go on past the end-of-sequence token (to max_tokens)")
+    request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID,
+                                    description="names the reply: its id is chatcmpl-<request_id>")
     # hybridserve extensions
     conversation_id: ConversationId | None = Field(
         None, description="continue this conversation; send only the new messages")
@@ -314,6 +312,11 @@ class ChatCompletionRequest(BaseModel):
         if not _off(value):
             raise _unsupported(info.field_name)
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_and_unknown_fields(cls, data: Any) -> Any:
+        return vllm_fields.screen(cls, data)
 
     @model_validator(mode="after")
     def _tools_fit(self) -> "ChatCompletionRequest":
@@ -340,10 +343,12 @@ class ChatCompletionRequest(BaseModel):
                                 fmt.type if fmt is not None else "text",
                                 schema.schema_ if schema else None, bool(schema and schema.strict))
 
-    def sampling(self, default_max_tokens: int) -> dict:
+    def sampling(self, max_output_tokens: int) -> dict:
+        """The SamplingParams fields (`max_output_tokens`: the server's cap, the default of
+        max_tokens; the worker clamps it further to what the context leaves)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {
-            "max_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens,
+            "max_tokens": min(self.max_completion_tokens or self.max_tokens or max_output_tokens, max_output_tokens),
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
@@ -351,4 +356,5 @@ class ChatCompletionRequest(BaseModel):
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             "deterministic": self.deterministic,
             "constraint": self.constraint(),
+            **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos),
         }

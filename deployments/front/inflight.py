@@ -56,6 +56,7 @@ class InFlight:
             raise errors.overloaded("too many requests in flight")
         self._count += 1
         self.metrics.queue_depth.inc()
+        self.metrics.vllm.waiting.inc()
         try:
             run = await TurnRun.start(self.settings, self.workers, await self._cache(), self._keeper, make())
         except BaseException as e:
@@ -66,14 +67,16 @@ class InFlight:
         if isinstance(run, HeadMoved):  # nothing ran: not a request of its own
             self._count -= 1
             self.metrics.queue_depth.dec()
+            self.metrics.vllm.waiting.dec()
             return run
         turn = StartedTurn(self, run, arrived)
         await turn.begin()
         return turn
 
-    def finished(self, status: int) -> None:
+    def finished(self, status: int, running: bool = False) -> None:
         self._count -= 1
         self.metrics.queue_depth.dec()
+        (self.metrics.vllm.running if running else self.metrics.vllm.waiting).dec()
         self.metrics.requests.labels(str(status)).inc()
 
 
@@ -97,6 +100,8 @@ class StartedTurn:
         self.run, self._gate, self._arrived = run, gate, arrived
         self._first: TurnEvent | None = None
         self._events: AsyncIterator[TurnEvent] = run.events()
+        self._running = False  # streaming tokens (vllm:num_requests_running), else waiting
+        self._first_token: float | None = None
 
     @property
     def head_turn(self) -> int:
@@ -117,7 +122,8 @@ class StartedTurn:
             raise error
 
     async def settle(self, status: int) -> None:
-        self._gate.finished(status)  # counted out first: a second cancellation may interrupt the await below
+        # counted out first: a second cancellation may interrupt the await below
+        self._gate.finished(status, self._running)
         await self.run.close()
 
     async def collect(self) -> tuple[str, list, TurnDone]:
@@ -174,9 +180,17 @@ class StartedTurn:
             now = time.monotonic()
             if last is None:
                 metrics.ttft.observe(now - self._arrived)
+                metrics.vllm.ttft.observe(now - self._arrived)
+                self._first_token = now
+                if not self._running:
+                    self._running = True
+                    metrics.vllm.waiting.dec()
+                    metrics.vllm.running.inc()
             else:
                 metrics.itl.observe(now - last)
+                metrics.vllm.itl.observe(now - last)
             metrics.output_tokens.inc(len(event.token_ids))
+            metrics.vllm.generation_tokens.inc(len(event.token_ids))
             return now
         if isinstance(event, TurnDone):
             metrics.prompt_tokens.inc(event.prompt_tokens)
@@ -185,6 +199,8 @@ class StartedTurn:
     def _done(self, done: TurnDone) -> None:
         if done.recovery is Recovery.REPLAY:  # answered from the ledger: counted when it ran
             return
+        self._gate.metrics.vllm.finished(done, arrived=self._arrived, first_token=self._first_token,
+                                         now=time.monotonic())
         head, messages = self.run.job.head, self.run.job.messages
         self._gate.metrics.turn_done(continued=head is not None, cached_tokens=done.cached_tokens,
                                      recovery=done.recovery, moved=head is not None and head.owner != done.replica,

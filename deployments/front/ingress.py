@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP front (FastAPI through `@serve.ingress`).
 
     POST   /v1/chat/completions        stateless, or a conversation turn (see turn/run.py)
+    POST   /v1/completions             legacy completions: a raw prompt, stateless (see completions.py)
     POST   /v1/responses               OpenAI's Responses API on conversations (see responses_plan.py)
     GET    /v1/responses/{id}[/input_items], DELETE /v1/responses/{id}
     POST   /v1/conversations           a fresh conversation id (stored with its first response)
-    GET    /v1/models
-    GET    /v1/conversations/{id}      ledger and head (cache_salt query parameter required)
+    GET    /v1/models, /v1/models/{id}   every name of served_model_name, then the checkpoint's own
+    POST   /v1/responses/{id}/cancel   400: only background responses (which this server refuses) cancel
+    GET    /v1/conversations/{id}      ledger and head (cache_salt query parameter, default "": the
+                                       API key's scope, or the default scope, alone)
     DELETE /v1/conversations/{id}      drops the head, the ledger, the tier copy and the owner's local copy
-    GET    /health, /metrics
+    POST   /tokenize, /detokenize      vLLM's: a prompt or messages to ids (as they would run), ids to text
+    GET    /health, /metrics, /version
 
 With API keys configured every /v1 route wants `Authorization: Bearer KEY`, and the key's
 scope is prefixed to the cache salt: another key never sees a conversation's state.
@@ -15,7 +19,7 @@ scope is prefixed to the cache salt: another key never sees a conversation's sta
 
 import asyncio
 import time
-from pathlib import Path
+import uuid
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Query, Request
@@ -26,30 +30,30 @@ from ray.serve.handle import DeploymentHandle
 from cache_service.client import CacheClient, CacheError
 from deployments import errors
 from deployments.errors import APIError
-from deployments.front import conversations, guard, responses_plan
+from deployments.front import conversations, guard, responses_plan, vllm_fields
 from deployments.front.chat_format import ChatFormat
 from deployments.front.chat_models import CacheSalt, ChatCompletionRequest
+from deployments.front.completions import CompletionFormat, CompletionRequest, CompletionStream
 from deployments.front.inflight import InFlight, StartedTurn
 from deployments.front.metrics import ServeMetrics
+from deployments.front.rate_limit import RateLimiter
 from deployments.front.responses_format import ResponseStream
 from deployments.front.responses_models import ConversationCreate, ResponsesRequest
 from deployments.front.streams import ChatStream, sse_response
+from deployments.front.tokenize_models import DetokenizeRequest, TokenizeRequest
+from deployments.routing import fleet
 from deployments.service.connection import CacheConnection
 from deployments.settings import AppSettings
 from deployments.turn.outcome import IdempotencyKey
 from deployments.turn.request import TurnRequest
 from proto.contract import ConversationRef
 
-DEFAULT_MAX_TOKENS = 256
 STATS_SCRAPE_S = 0.5  # the longest a /metrics scrape waits for the cache service's index size
+MODEL_LEN_WAIT_S = 30.0  # the longest a model list waits for a worker (one starting loads its model)
 api = FastAPI(title="hybridserve", version="0.1.0",
               description="OpenAI-compatible chat completions with conversation state kept between turns")
 errors.install(api)
 guard.install(api)
-
-
-def _model_name(settings: AppSettings) -> str:
-    return Path(settings.model).name if settings.model else "hybridserve-builtin"
 
 
 def _idempotency(request: Request, body: ChatCompletionRequest) -> IdempotencyKey | None:
@@ -69,13 +73,18 @@ class ChatIngress:
         self.settings = settings
         self.workers = workers
         self.cache_host = cache_host
-        self.model = _model_name(settings)
-        self.metrics = ServeMetrics()
+        self.model_names = settings.model_names
+        self.model = self.model_names[0]  # canonical: what replies carry
+        self._max_model_len: int | None = None  # the workers', asked once
+        self.metrics = ServeMetrics(self.model)
         self.inflight = InFlight(settings, workers, self.metrics, self._cache)
         self.forgetting = conversations.Forgetting(settings, workers)
         self._connection = CacheConnection(settings, cache_host, "ingress", self.inflight.connected)
         api.state.max_body_bytes = settings.max_body_bytes
         api.state.api_keys = settings.read_api_keys()
+        api.state.rate_limiter = RateLimiter(settings.rate_limit_rpm) if settings.rate_limit_rpm else None
+        api.state.cors_allow_origins = settings.cors_allow_origins
+        vllm_fields.Leniency.unknown_fields = settings.unknown_fields
 
     async def _cache(self) -> CacheClient:
         return await self._connection.get()
@@ -92,8 +101,8 @@ class ChatIngress:
         return ConversationRef(conversation_id, self._scope(request, cache_salt))
 
     def _check_model(self, model: str) -> None:
-        if model != self.model:
-            raise APIError(404, f"model {model!r} does not exist; this server has {self.model!r}",
+        if model not in self.model_names:
+            raise APIError(404, f"model {model!r} does not exist; this server has {', '.join(self.model_names)}",
                            "model_not_found", param="model")
 
     # -- chat ------------------------------------------------------------------------------
@@ -104,16 +113,35 @@ class ChatIngress:
                                                                             body.cache_salt)
         self._check_model(body.model)
         turn = await self.inflight.start(lambda: TurnRequest(
-            [m.as_engine_message() for m in body.messages], body.sampling(DEFAULT_MAX_TOKENS),
+            [m.as_engine_message() for m in body.messages], body.sampling(self.settings.max_output_tokens),
             self._scope(request, body.cache_salt), conv, wait_if_busy=body.wait_if_busy,
             idempotency=_idempotency(request, body), tools=body.engine_tools(),
             parse_tool_calls=body.calls_tools), arrived)
         assert isinstance(turn, StartedTurn)  # no expect_turn: a chat turn follows whatever the head is
         job = turn.run.job
-        form = ChatFormat(job.request_id, self.model, conv.id if conv else None, bool(body.logprobs))
+        reply_id = f"chatcmpl-{body.request_id}" if body.request_id else job.request_id
+        form = ChatFormat(reply_id, self.model, conv.id if conv else None, bool(body.logprobs))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(ChatStream(form, include_usage)))
+        text, logprobs, done = await turn.collect()
+        return JSONResponse(form.completion(text, logprobs, done))
+
+    # -- legacy completions -------------------------------------------------------------------
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrived = time.monotonic()
+        self._check_model(body.model)
+        turn = await self.inflight.start(lambda: TurnRequest(
+            [], body.sampling(self.settings.max_output_tokens), self._scope(request, body.cache_salt),
+            request_id=f"cmpl-{uuid.uuid4().hex}", prompt=body.engine_prompt()), arrived)
+        assert isinstance(turn, StartedTurn)
+        reply_id = f"cmpl-{body.request_id}" if body.request_id else turn.run.job.request_id
+        form = CompletionFormat(reply_id, self.model, body.logprobs is not None,
+                                body.prompt if body.echo else "")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return sse_response(turn.relay(CompletionStream(form, include_usage)))
         text, logprobs, done = await turn.collect()
         return JSONResponse(form.completion(text, logprobs, done))
 
@@ -126,7 +154,7 @@ class ChatIngress:
         scope = self._scope(request, body.cache_salt)
         plan = await responses_plan.plan(cache, scope, body)
         plan, turn = await responses_plan.start_turn(cache, plan, lambda plan: self.inflight.start(
-            lambda: plan.turn_request(body, scope, DEFAULT_MAX_TOKENS), arrived))
+            lambda: plan.turn_request(body, scope, self.settings.max_output_tokens), arrived))
         form = responses_plan.response_body(body, plan, self.model, turn.head_turn)
         if body.stream:
             return sse_response(turn.relay(ResponseStream(form)))
@@ -145,6 +173,11 @@ class ChatIngress:
                               order: Literal["asc", "desc"] = "desc") -> dict:
         return await responses_plan.input_items(await self._cache(), self._scope(request, cache_salt), response_id,
                                            order)
+
+    @api.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, request: Request,
+                              cache_salt: Annotated[CacheSalt, Query()] = "") -> dict:
+        raise await responses_plan.cancel_refusal(await self._cache(), self._scope(request, cache_salt), response_id)
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request,
@@ -166,19 +199,39 @@ class ChatIngress:
     # -- models, conversations, health, metrics ------------------------------------------------
     @api.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                            "owned_by": "hybridserve"}]}
+        max_model_len = await self._model_len()
+        return {"object": "list", "data": [self._model_card(name, max_model_len) for name in self.model_names]}
+
+    @api.get("/v1/models/{model_id:path}")  # a Hugging Face id has a slash
+    async def model(self, model_id: str) -> dict:
+        self._check_model(model_id)
+        return self._model_card(model_id, await self._model_len())
+
+    def _model_card(self, name: str, max_model_len: int | None) -> dict:
+        # vLLM's fields besides OpenAI's: max_model_len, root (the checkpoint), parent.
+        return {"id": name, "object": "model", "created": 0, "owned_by": "hybridserve",
+                "root": self.model_names[-1], "parent": None, "max_model_len": max_model_len}
+
+    async def _model_len(self) -> int | None:
+        """The context length the workers serve (prompt + reply), from one of them (every replica
+        of the app runs the same model and settings); None while none answers."""
+        if self._max_model_len is None:
+            try:
+                self._max_model_len = await asyncio.wait_for(self.workers.max_model_len.remote(), MODEL_LEN_WAIT_S)
+            except Exception:  # noqa: BLE001 (a model list is answered without it; the next asks again)
+                return None
+        return self._max_model_len
 
     @api.get("/v1/conversations/{conversation_id}")
     async def get_conversation(self, conversation_id: str, request: Request,
-                               cache_salt: Annotated[CacheSalt, Query()]) -> dict:
+                               cache_salt: Annotated[CacheSalt, Query()] = "") -> dict:
         conversations.check_id(conversation_id)
         conv = self._conversation(request, conversation_id, cache_salt)
         return await conversations.describe(await self._cache(), conv)
 
     @api.get("/v1/conversations/{conversation_id}/items")
     async def conversation_items(self, conversation_id: str, request: Request,
-                                 cache_salt: Annotated[CacheSalt, Query()],
+                                 cache_salt: Annotated[CacheSalt, Query()] = "",
                                  order: Literal["asc", "desc"] = "desc") -> dict:
         conversations.check_id(conversation_id)
         conv = self._conversation(request, conversation_id, cache_salt)
@@ -186,11 +239,31 @@ class ChatIngress:
 
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,
-                                  cache_salt: Annotated[CacheSalt, Query()]) -> dict:
+                                  cache_salt: Annotated[CacheSalt, Query()] = "") -> dict:
         conversations.check_id(conversation_id)
         conv = self._conversation(request, conversation_id, cache_salt)
         await self.forgetting.delete(await self._cache(), conv)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        if body.model is not None:
+            self._check_model(body.model)
+        messages = [m.as_engine_message() for m in body.messages] if body.messages else None
+        ids, error = await self.workers.tokenize.remote(body.prompt, messages, body.add_generation_prompt)
+        if error:
+            raise APIError(400, error, "invalid_request", param="messages")
+        return {"count": len(ids), "max_model_len": await self._model_len(), "tokens": ids, "token_strs": None}
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            self._check_model(body.model)
+        return {"prompt": await self.workers.detokenize.remote(body.tokens)}
+
+    @api.get("/version")
+    async def version(self) -> dict:
+        return {"version": api.version}  # vLLM's shape
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -208,4 +281,5 @@ class ChatIngress:
             self.metrics.prefix_index_names.set(stats.prefix_index_names)
         except Exception:  # noqa: BLE001 (a scrape reports the other metrics whatever the service does)
             pass
+        self.metrics.vllm.kv_cache_usage.set(fleet.kv_cache_usage())
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")

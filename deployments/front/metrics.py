@@ -1,9 +1,11 @@
-"""Prometheus metrics of the ingress (`GET /metrics`), in a registry of their own."""
+"""Prometheus metrics of the ingress (`GET /metrics`), in a registry of their own: ours
+(`hybridserve_*`) and the same measurements under vLLM's names (vllm_metrics.py)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from deployments.front.vllm_metrics import VllmNamedMetrics
 from deployments.messages import Recovery
 from deployments.turn.lease_keeper import Renewal
 
@@ -11,8 +13,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 class ServeMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         r = self.registry = CollectorRegistry()
+        self.vllm = VllmNamedMetrics(r, model_name)
         self._worst_renewal_delay = 0.0
         self.ttft = Histogram("hybridserve_time_to_first_token_seconds", "request arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)

@@ -17,20 +17,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag, field_validator,
-                      model_validator)
+from pydantic import Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag, field_validator, model_validator
 
 from deployments.front.chat_models import (MAX_ID, MAX_MESSAGES, MAX_TOOLS, CacheSalt, ConversationId, Text, ToolName,
                                     _field_error, _off, _unsupported, check_tool_choice,
                                     reply_constraint)
-from deployments.settings import MAX_OUTPUT_TOKENS
+from deployments.front.request_base import RequestModel
 
 ItemId = Annotated[str, Field(max_length=MAX_ID)]
 
 
-class InputText(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class InputText(RequestModel):
     type: Literal["input_text", "output_text"]
     text: Text
     annotations: list[Any] | None = None  # what an output_text sent back carries: accepted when empty
@@ -44,9 +41,7 @@ class InputText(BaseModel):
         return value
 
 
-class MessageItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Text | list[InputText]
@@ -54,12 +49,10 @@ class MessageItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
-class FunctionCallItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionCallItem(RequestModel):
     type: Literal["function_call"]
     call_id: Text = Field(max_length=MAX_ID)
     name: ToolName
@@ -68,9 +61,7 @@ class FunctionCallItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionCallOutputItem(RequestModel):
     type: Literal["function_call_output"]
     call_id: Text = Field(max_length=MAX_ID)
     output: Text | list[InputText]
@@ -78,7 +69,7 @@ class FunctionCallOutputItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
 
 
 def _item_kind(value: Any) -> str:
@@ -111,9 +102,7 @@ def engine_messages(items: str | list) -> list[dict[str, Any]]:
     return messages
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionTool(RequestModel):
     type: Literal["function"]
     name: ToolName
     description: Text | None = None
@@ -125,16 +114,12 @@ class FunctionTool(BaseModel):
         return {"type": "function", "function": function}
 
 
-class FunctionChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionChoice(RequestModel):
     type: Literal["function"]
     name: ToolName
 
 
-class JsonSchemaText(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class JsonSchemaText(RequestModel):
     type: Literal["json_schema"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Text | None = None
@@ -142,15 +127,11 @@ class JsonSchemaText(BaseModel):
     strict: bool | None = None
 
 
-class PlainText(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class PlainText(RequestModel):
     type: Literal["text", "json_object"]
 
 
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextConfig(RequestModel):
     format: Annotated[JsonSchemaText | PlainText, Field(discriminator="type")] | None = None
     verbosity: Any = None
 
@@ -166,9 +147,7 @@ class TextConfig(BaseModel):
         return {"format": fmt, "verbosity": "medium"}
 
 
-class ConversationParam(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ConversationParam(RequestModel):
     id: ConversationId
 
 
@@ -177,9 +156,7 @@ UNSUPPORTED = ("reasoning", "include", "background", "top_logprobs", "max_tool_c
                "prompt_cache_retention", "context_management")
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ResponsesRequest(RequestModel):
     model: Text = Field(max_length=MAX_ID)
     input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: Text | None = None
@@ -190,7 +167,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
-    max_output_tokens: StrictInt | None = Field(None, ge=1, le=MAX_OUTPUT_TOKENS)
+    max_output_tokens: StrictInt | None = Field(None, ge=1)  # clamped as chat's max_tokens
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     stream: StrictBool = False
@@ -256,9 +233,9 @@ class ResponsesRequest(BaseModel):
                                 fmt.schema_ if fmt is not None and fmt.type == "json_schema" else None,
                                 bool(getattr(fmt, "strict", False)))
 
-    def sampling(self, default_max_tokens: int) -> dict:
-        return {"max_tokens": self.max_output_tokens or default_max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "seed": None, "stop": (), "logprobs": None,
+    def sampling(self, max_output_tokens: int) -> dict:
+        return {"max_tokens": min(self.max_output_tokens or max_output_tokens, max_output_tokens),
+                "temperature": self.temperature, "top_p": self.top_p, "seed": None, "stop": (), "logprobs": None,
                 "deterministic": self.deterministic, "constraint": self.constraint()}
 
     def echo(self) -> dict[str, Any]:
@@ -275,11 +252,10 @@ class ResponsesRequest(BaseModel):
         }
 
 
-class ConversationCreate(BaseModel):
+class ConversationCreate(RequestModel):
     """`POST /v1/conversations`. A conversation of this server exists once its first turn is
     committed, so initial items (which would need a turn without a reply) are refused."""
 
-    model_config = ConfigDict(extra="forbid")
 
     items: list[Any] | None = Field(None, description="refused unless empty")
     metadata: dict[str, Text] | None = Field(None, max_length=16)

@@ -208,6 +208,15 @@ async def retrieve(cache: CacheClient, scope: str, response_id: str, model: str)
     return form.done(text, events[-1])
 
 
+async def cancel_refusal(cache: CacheClient, scope: str, response_id: str) -> APIError:
+    """POST /v1/responses/{id}/cancel: as OpenAI's, only a background response can be cancelled,
+    and this server runs none (`background` is refused): a stored response gets a 400, another
+    a 404 (raised)."""
+    await _stored_turn(cache, scope, response_id)
+    return APIError(400, "only background responses can be cancelled; this server runs none (a response in flight "
+                        "stops when its client disconnects)", "invalid_request", param="response_id")
+
+
 async def input_items(cache: CacheClient, scope: str, response_id: str, order: str) -> dict[str, Any]:
     rid, ledger, index = await _stored_turn(cache, scope, response_id)
     messages = list(ledger.turns[index].messages)[:-1]  # the reply is the turn's last message

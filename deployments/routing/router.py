@@ -52,6 +52,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.messages import ReplicaCall, TurnJob
+from deployments.routing import fleet
 
 # A choice no request was sent for (cancelled while probing, or sent to a later rank) stops
 # counting after this.
@@ -91,6 +92,7 @@ def load_key(queue_len: int | None, chosen: int, stats: dict[str, Any]) -> tuple
 class StickyConversationRouter(RequestRouter):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        fleet.register(self)  # /metrics reads the replicas' routing stats through it
         # internal request id -> (replica of its first rank, when chosen): not yet counted by Serve
         self._chosen: dict[str, tuple[ReplicaID, float]] = {}
 

@@ -34,6 +34,9 @@ class TurnRequest:
     # The head turn the conversation must be at under the turn's lease (0: a new conversation),
     # else the turn does not run (HeadMoved). None: whatever the head is.
     expect_turn: int | None = None
+    # A legacy completion's prompt (text or token ids), run as is, without the chat template
+    # (stateless, `messages` empty). None: a chat request.
+    prompt: str | tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

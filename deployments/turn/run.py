@@ -40,7 +40,8 @@ from deployments.turn import outcome
 from deployments.errors import APIError
 from deployments.turn.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
 from deployments.routing.prefix_hints import find_holders
-from deployments.messages import ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob
+from deployments.messages import (ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob,
+                                   prompt_as_messages)
 from deployments.settings import AppSettings
 from deployments.turn.outcome import IdempotencyKey
 from deployments.turn.request import HeadMoved, TurnRequest
@@ -89,10 +90,12 @@ class TurnRun:
         request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         messages, tools, conversation = request.messages, request.tools, request.conversation
         if conversation is None:  # nothing is committed: a retry is harmless, no key needed
-            holders = await find_holders(cache, tools_scope(request.scope, tools), messages)
+            named = messages if request.prompt is None else prompt_as_messages(request.prompt)
+            holders = await find_holders(cache, tools_scope(request.scope, tools), named)
             return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
                                                          prefix_holders=holders, stateless_scope=request.scope,
-                                                         tools=tools, parse_tool_calls=request.parse_tool_calls),
+                                                         tools=tools, parse_tool_calls=request.parse_tool_calls,
+                                                         prompt=request.prompt),
                        None)
         granted = await _acquire(settings, cache, conversation, request_id, request.wait_if_busy)
         head = granted.head  # the head at the time of the acquire; version 0: a new conversation

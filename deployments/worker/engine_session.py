@@ -149,6 +149,20 @@ class EngineSession:  # implements Session (session.py)
         await self.aengine.call(lambda _e: self.cache.remember_chunks(snapshot, exported))
         return snapshot.meta["version"], pack_export(exported)
 
+    async def kv_cache_usage(self) -> float:
+        return await self.aengine.call(lambda e: e.kv_cache_usage())
+
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> list[int]:
+        tokenizer = self.aengine.engine.tokenizer  # not the engine thread's work: off it
+        return await asyncio.to_thread(tokenizer.request_ids, prompt, messages, add_generation_prompt)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await asyncio.to_thread(self.aengine.engine.tokenizer.decode_exact, token_ids)
+
+    async def max_model_len(self) -> int:
+        return self.aengine.engine.max_model_len
+
     async def load(self) -> tuple[int, int]:
         """(requests in the engine, free KV blocks), for routing stats and heartbeats."""
         return await self.aengine.call(lambda e: e.load())
@@ -192,6 +206,11 @@ class EngineSession:  # implements Session (session.py)
 
         start = lambda _e: self.cache.begin_stateless(  # noqa: E731
             messages, params, request_id, cache_salt, tools)
+        return self.aengine.stream(request_id, start)
+
+    def stream_completion(self, prompt: str | tuple[int, ...], params: SamplingParams, request_id: str,
+                          cache_salt: str) -> AsyncIterator[RequestOutput]:
+        start = lambda _e: self.cache.begin_completion(prompt, params, request_id, cache_salt)  # noqa: E731
         return self.aengine.stream(request_id, start)
 
     # Each verdict also drops the ledgers that hold no head here: O(ledgers + heads) on the

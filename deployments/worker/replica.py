@@ -47,6 +47,7 @@ from deployments.messages import (
     TurnEvent,
     TurnFailed,
     TurnJob,
+    prompt_as_messages,
 )
 from deployments.worker.recovery_ladder import attach
 from deployments.routing.router import StickyConversationRouter
@@ -123,7 +124,24 @@ class Worker:
     async def record_routing_stats(self) -> dict[str, Any]:
         await self._cache()  # Serve calls this every period from the start: connect before the first turn
         running, free = await self.session.load()
-        return {"running_requests": running, "free_kv_blocks": free}
+        # kv_cache_usage: read by the ingress's /metrics (vllm:kv_cache_usage_perc, routing/fleet.py)
+        return {"running_requests": running, "free_kv_blocks": free,
+                "kv_cache_usage": await self.session.kv_cache_usage()}
+
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> tuple[list[int], str]:
+        """(ids, "") or ([], why the messages cannot be rendered): a 400 at the ingress."""
+        try:
+            return await self.session.tokenize(prompt, messages, add_generation_prompt), ""
+        except InvalidRequestError as e:  # a template that refuses the messages
+            return [], str(e)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.session.detokenize(token_ids)
+
+    async def max_model_len(self) -> int:
+        """The longest prompt + reply this replica's engine takes (GET /v1/models)."""
+        return await self.session.max_model_len()
 
     # -- state of deleted conversations ---------------------------------------------------------
     async def forget(self, call: ReplicaCall, conv: ConversationRef, deleted: HeadRef) -> str:
@@ -172,7 +190,10 @@ class Worker:
             yield TurnFailed(ErrorKind.INVALID, str(e))
             return
         try:
-            if job.conversation is None:
+            if job.prompt is not None:
+                stream = self.session.stream_completion(job.prompt, params, job.request_id, job.scope)
+                recovery = Recovery.NEW
+            elif job.conversation is None:
                 stream = self.session.stream_stateless(job.messages, params, job.request_id, job.scope,
                                                        list(job.tools))
                 recovery = Recovery.NEW
@@ -235,7 +256,8 @@ class Worker:
                             recovery, self.replica_id, reused_from=last.reused_from.value, tool_calls=calls.calls)
             hint_scope = tools_scope(job.scope, job.tools)
             if job.conversation is None:
-                await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(), last.checkpoints)
+                named = job.messages if job.prompt is None else prompt_as_messages(job.prompt)
+                await self.announcer.after_turn_awaited(hint_scope, named, calls.reply_message(), last.checkpoints)
                 yield done
                 return
             if last.turn_commit is None:

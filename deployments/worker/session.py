@@ -48,6 +48,23 @@ class Session(Protocol):
         """(requests in the engine, free KV blocks), for routing stats."""
         ...
 
+    async def kv_cache_usage(self) -> float:
+        """The fraction of KV cache blocks running requests hold (0..1), for routing stats."""
+        ...
+
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> list[int]:
+        """/tokenize: a raw prompt's ids, or the chat template's rendering of messages."""
+        ...
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """/detokenize: the ids' text, special tokens kept."""
+        ...
+
+    async def max_model_len(self) -> int:
+        """The longest prompt + reply the engine takes."""
+        ...
+
     # -- what this engine holds (the recovery ladder) ---------------------------------------
     async def holds(self, ref: ConversationRef, head: HeadRef) -> bool:
         """Whether this engine holds exactly `head`: its ledger at that version and its state."""
@@ -88,6 +105,13 @@ class Session(Protocol):
     def stream_stateless(self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str,
                          cache_salt: str, tools: list[dict[str, Any]] | None = None
                          ) -> AsyncIterator[RequestOutput]: ...
+
+    def stream_completion(self, prompt: str | tuple[int, ...], params: SamplingParams, request_id: str,
+                          cache_salt: str) -> AsyncIterator[RequestOutput]:
+        """A legacy completion: the prompt's text tokenized as is (no chat template, no special
+        tokens added) or its token ids; reuses the longest prefix held here under `cache_salt`
+        and keeps its end, as a stateless chat request."""
+        ...
 
     async def commit(self, record: TurnCommit) -> HeadInfo:
         """The prepared turn becomes the conversation's head (the service accepted it)."""

@@ -30,7 +30,7 @@ from workers.conversation.export_format import unpack_export
 from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
-from workers.errors import CorruptStateError
+from workers.errors import CorruptStateError, InvalidRequestError
 from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import ToolFormat, plain_message, tool_format_for
@@ -127,6 +127,21 @@ class VllmSession:  # implements Session (session.py)
         await self.start()
         return await self.conversations.export(ref, self.identity, self.layout)
 
+    async def kv_cache_usage(self) -> float:
+        if not self.host.ready:
+            return 0.0
+        return float((await self.host.call("stats"))["usage"])
+
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.request_ids, prompt, messages, add_generation_prompt)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await asyncio.to_thread(self.tokenizer.decode_exact, token_ids)
+
+    async def max_model_len(self) -> int:
+        return (await self.host.start())["max_model_len"]
+
     async def load(self) -> tuple[int, int]:
         """(requests in the engine, free KV blocks), for routing stats; (0, 0) while the engine
         host starts (Serve asks from the replica's start: the first ask begins the host's)."""
@@ -163,6 +178,14 @@ class VllmSession:  # implements Session (session.py)
         prompt = build_turn_prompt(self.tokenizer, [], [], messages, tools).token_ids  # no committed ids
         return self.streams.stateless(len(messages), prompt, self._system_end(messages, prompt, tools), params,
                                       request_id, cache_salt)
+
+    def stream_completion(self, prompt: str | tuple[int, ...], params: SamplingParams, request_id: str,
+                          cache_salt: str) -> AsyncIterator[RequestOutput]:
+        params = backend_params(params)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return self.streams.stateless(1, ids, 0, params, request_id, cache_salt)  # one pseudo-message
 
     async def commit(self, record: TurnCommit) -> HeadInfo:
         return await self.conversations.commit(record)

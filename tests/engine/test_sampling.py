@@ -82,6 +82,16 @@ def test_top_k_and_top_p_restrict_the_support():
     assert {sample(logits, [_seeded(1, top_k=1)], [p])[0].token_id for p in range(50)} == {0}
 
 
+def test_min_p_keeps_the_tokens_at_least_that_fraction_of_the_likeliest():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.5, 0.0]])
+    probs = torch.softmax(logits[0], -1)  # relative to the first: 1, 0.61, 0.37, 0.14, ...
+    assert probs[2] < 0.4 * probs[0] < probs[1]
+    kept = {sample(logits, [_seeded(1, min_p=0.4)], [p])[0].token_id for p in range(300)}
+    assert kept == {0, 1}
+    assert {sample(logits, [_seeded(1, min_p=1.0)], [p])[0].token_id for p in range(50)} == {0}
+    assert len({sample(logits, [_seeded(1, min_p=0.0)], [p])[0].token_id for p in range(300)}) == 6
+
+
 def test_banned_ids_are_never_sampled():
     logits = torch.zeros(1, 10)
     logits[0, 3] = 50.0  # the model's favourite is banned

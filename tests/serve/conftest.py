@@ -33,6 +33,12 @@ from workers.checkpoint import Arch, Preset, make_model
 
 APP = "hybridserve"
 NOTIER_APP = "hybridserve-notier"
+# Names the session's app serves its model under besides the checkpoint's (served_model_name);
+# the first is the canonical one its replies carry.
+SERVED_NAMES = ("hybridserve-test/tiny-bamba", "tiny")
+# The model never ends a reply (never_ending): a request without max_tokens runs to this cap or
+# to the context's end, whichever comes first (max_output_tokens).
+MAX_OUTPUT_TOKENS = 4000
 
 
 def _free_port() -> int:
@@ -114,7 +120,8 @@ def stack(tmp_path_factory):
                   runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
         cleanup.callback(serve.shutdown)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_args(str(model_dir), service, tier_export="async")), name=APP, route_prefix="/")
+        serve.run(build_app(app_args(str(model_dir), service, tier_export="async", served_model_name=SERVED_NAMES,
+                                     max_output_tokens=MAX_OUTPUT_TOKENS)), name=APP, route_prefix="/")
         yield ServeStack(f"http://127.0.0.1:{port}", model_dir.name, str(model_dir), redis, service)
 
 

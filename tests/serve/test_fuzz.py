@@ -17,7 +17,7 @@ MAX_FUZZ_TOKENS = 8
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_server_errors(case, stack):
     fields = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
-              "/v1/responses": ("max_output_tokens",)}.get(case.path, ())
+              "/v1/completions": ("max_tokens",), "/v1/responses": ("max_output_tokens",)}.get(case.path, ())
     if isinstance(case.body, dict) and fields:
         # Mostly the served model, so requests get past the model check and reach the workers.
         case.body["model"] = stack.model

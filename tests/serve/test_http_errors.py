@@ -40,7 +40,7 @@ async def test_malformed_json_and_unknown_routes(stack):
                               headers={"content-type": "application/json"})
         assert_error(bad, 400)
         assert_error(await http.get("/v1/nothing-here"), 404)
-        assert_error(await http.get("/v1/conversations/abc"), 400)  # cache_salt is required
+        assert_error(await http.get("/v1/conversations/abc"), 404)  # no cache_salt: the default scope
         assert_error(await http.get("/v1/conversations/abc", params={"cache_salt": "s"}), 404,
                      "conversation_not_found")
         assert_error(await http.delete("/v1/conversations/abc", params={"cache_salt": "s"}), 404)

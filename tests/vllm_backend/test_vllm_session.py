@@ -463,3 +463,25 @@ async def test_a_stuck_engine_host_is_killed_and_its_turns_fail(vllm_models):
         assert len(session.conversations.ledgers[ref.key].turns) == 1 and not session.conversations.prepared
     finally:
         await session.aclose()
+
+
+async def test_completions_max_tokens_past_the_context_min_p_and_kv_usage(dense_session):
+    """Issue 41's surface on this backend: a completion's raw prompt is vLLM's own run of it; a
+    max_tokens past the context is clamped to what it leaves (vLLM would refuse it); min_p 1 is
+    greedy; the KV usage routing stats report is a fraction."""
+    session = dense_session
+    ids = session.tokenizer.encode(QUESTIONS[0])
+    outs = [o async for o in session.stream_completion(QUESTIONS[0], SamplingParams(**GREEDY), "cmpl-1", "salt-c")]
+    reply = [t for o in outs for t in o.new_token_ids]
+    assert reply == await stateless_tokens(session, ids, "cmpl-ref-1")
+    sampled = SamplingParams(temperature=1.0, seed=5, min_p=1.0, max_tokens=12)
+    outs = [o async for o in session.stream_completion(tuple(ids), sampled, "cmpl-2", "salt-c2")]
+    assert [t for o in outs for t in o.new_token_ids] == reply
+    limit = await session.max_model_len()
+    long = ids * ((limit - 8) // len(ids))
+    outs = [o async for o in session.stream_completion(tuple(long), SamplingParams(temperature=0.0, max_tokens=10**6),
+                                                       "cmpl-3", "salt-c3")]
+    assert outs[-1].finish_reason.value == "length"
+    assert len(long) + sum(len(o.new_token_ids) for o in outs) == limit
+    assert 0.0 <= await session.kv_cache_usage() <= 1.0
+    await host_is_clean(session)

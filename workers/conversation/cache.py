@@ -17,7 +17,7 @@ the API is documented in API.md next to this file.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from proto.contract import ConversationRef, ModelIdentity
@@ -33,7 +33,7 @@ from workers.conversation.retention import HeadRetention
 from workers.conversation.turn_lifecycle import TurnLifecycle
 from workers.engine import LLMEngine
 from workers.grammar.constraint import Constraint
-from workers.request import KeepState, Request
+from workers.request import CheckpointMark, KeepState, Request
 from workers.sampling import SamplingParams
 from workers.state_names import HolderKind
 from workers.tools.formats import ToolFormat
@@ -90,6 +90,17 @@ class ConversationCache:
         return self._engine.add_request(
             request_id, prompt, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT,
             marks=message_marks(tokenizer, messages, prompt, tools), final_label=reply_label(messages))
+
+    def begin_completion(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
+                         cache_salt: str) -> Request:
+        """A legacy completion's raw prompt (its text tokenized as is, no template): like a
+        stateless request it attaches the longest prefix held under `cache_salt`, and keeps the
+        state before its last token (label 1: the prompt, which a repeat of it reuses) and its
+        end (label 2: the prompt and the reply, which a prompt extending both reuses)."""
+        ids = self._engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        marks = (CheckpointMark(len(ids) - 1, label=1),) if len(ids) > 1 else ()
+        return self._engine.add_request(request_id, ids, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT,
+                                        marks=marks, final_label=2)
 
     # -- turns (see turn_lifecycle.py) ------------------------------------------------------------
     def begin_turn(

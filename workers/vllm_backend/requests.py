@@ -54,6 +54,7 @@ def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None) -
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k or -1,
+        "min_p": params.min_p,
         "seed": params.resolved_seed if params.temperature > 0 else None,
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,

@@ -5,6 +5,7 @@ prefix checkpoint loaded, its end kept as one, prefixes.py), streamed from the e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,7 +35,7 @@ class HostStreams:
                    ) -> AsyncIterator[RequestOutput]:
         prepared, base = False, None
         try:
-            await self.check_length(prompt)
+            params = await self.fit(prompt, params)
             if system_end:
                 base = await self.prefixes.attach(conv.ref.salt, prompt, system_end)
                 load = (base.head_id, len(base.tokens)) if base is not None else None
@@ -59,15 +60,19 @@ class HostStreams:
             if not prepared:
                 self.conversations.end_turn(conv)
 
-    async def check_length(self, prompt: list[int]) -> None:
-        """As our engine: a prompt must leave room for one token (vLLM would refuse it)."""
+    async def fit(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
+        """As our engine: a prompt must leave room for one token (vLLM would refuse it), and the
+        reply ends where the context does (max_tokens clamped to what it leaves, never refused)."""
         limit = (await self.host.start())["max_model_len"]
         if len(prompt) >= limit:
             raise PromptTooLongError(f"the prompt has {len(prompt)} tokens; this model takes at most {limit - 1}")
+        if len(prompt) + params.max_tokens > limit:
+            return dataclasses.replace(params, max_tokens=limit - len(prompt))
+        return params
 
     async def stateless(self, num_messages: int, prompt: list[int], system_end: int, params: SamplingParams,
                         request_id: str, salt: str) -> AsyncIterator[RequestOutput]:
-        await self.check_length(prompt)
+        params = await self.fit(prompt, params)
         base: PrefixCheckpoint | None = await self.prefixes.attach(salt, prompt, system_end)
         try:
             outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))

@@ -159,7 +159,8 @@ class Host:
             return self.store.install(message["head"], message["tokens"], message["blocks"], message["state"])
         if fn == "stats":
             scheduler = self.engine.engine_core.engine_core.scheduler
-            return {"running": len(self.running), "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            pool = scheduler.kv_cache_manager.block_pool
+            return {"running": len(self.running), "free_blocks": pool.get_num_free_blocks(), "usage": pool.get_usage(),
                     "prepared": len(self.store.prepared), "heads": len(self.store.committed)}
         raise ValueError(f"unknown call {fn!r}")
 

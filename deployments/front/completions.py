@@ -1,0 +1,180 @@
+"""OpenAI's legacy completions (`POST /v1/completions`): a raw prompt, no chat template.
+
+    request     prompt: text, token ids, or a list holding one of either; max_tokens (default 16,
+                as OpenAI's and vLLM's), temperature, top_p, seed, stop, stream, stream_options,
+                logprobs (k: the sampled token's and the top k), echo, cache_salt, deterministic
+    answer      {"object": "text_completion", choices: [{text, index, logprobs, finish_reason}], usage}
+    streaming   data: chunk(text)* data: chunk("", finish_reason) [data: chunk([], usage)] data: [DONE]
+
+It runs as a stateless chat request does (workers' stream_completion): the longest prefix of its
+prompt held on the replica under its cache_salt is reused, and its end is kept for the next.
+Refused by name (400): more than one prompt, `n` or `best_of` above 1, `suffix`, penalties and
+`logit_bias` (as in chat), and `echo` with token ids or with logprobs (the engine computes no
+logprobs of prompt tokens: what lm-eval's log-likelihood tasks need is not served yet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+
+from deployments.errors import APIError
+from deployments.front.chat_format import SSE_DONE, data, usage_of
+from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, StopString, StreamOptions,
+                                           Text, _field_error, _off, _unsupported, vllm_sampling)
+from deployments.front import vllm_fields
+from deployments.front.request_base import RequestModel
+from deployments.messages import TokenLogprob, TurnDelta, TurnDone
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions (chat's is what the context leaves)
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+UNSUPPORTED = ("suffix", "logit_bias", "presence_penalty", "frequency_penalty")
+
+
+class CompletionRequest(RequestModel):
+    model: Text = Field(max_length=MAX_ID)
+    prompt: (Text | TokenIds | Annotated[list[Text], Field(min_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)  # clamped to max_output_tokens and the context
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    best_of: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    user: Text | None = Field(None, max_length=MAX_ID)
+    # Not implemented: a 400 unless off.
+    suffix: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    # vLLM's extensions (as in chat_models)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID, description="the reply's id: cmpl-<it>")
+    # hybridserve extensions
+    cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")
+    deterministic: bool = Field(False, description="bit-identical output whatever else is batched")
+
+    @field_validator(*UNSUPPORTED, mode="before")
+    @classmethod
+    def _refuse(cls, value: Any, info) -> Any:
+        if not _off(value):
+            raise _unsupported(info.field_name)
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_and_unknown_fields(cls, data: Any) -> Any:
+        return vllm_fields.screen(cls, data)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) > 1:
+                raise _field_error("prompt", "one prompt per request (send a request per prompt)")
+            return value[0]
+        return value
+
+    @model_validator(mode="after")
+    def _echo_fits(self) -> "CompletionRequest":
+        if self.echo and not isinstance(self.prompt, str):
+            raise _field_error("echo", "echo takes a text prompt (this server does not detokenize token ids back)")
+        if self.echo and self.logprobs is not None:
+            raise _field_error("echo", "echo with logprobs needs the prompt's logprobs, which this server does "
+                                       "not compute")
+        return self
+
+    def engine_prompt(self) -> str | tuple[int, ...]:
+        return self.prompt if isinstance(self.prompt, str) else tuple(self.prompt)
+
+    def sampling(self, max_output_tokens: int) -> dict:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return {"max_tokens": min(self.max_tokens, max_output_tokens), "temperature": self.temperature,
+                "top_p": self.top_p, "seed": self.seed, "stop": tuple(s for s in stop if s),
+                "logprobs": self.logprobs, "deterministic": self.deterministic, "constraint": None,
+                **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos)}
+
+
+def logprobs_of(entries: Iterable[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy shape: parallel lists, `text_offset` the position of each token in the text."""
+    tokens, offsets = [], []
+    entries = list(entries)
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(e.token)
+        offset += len(e.token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+
+
+@dataclass
+class CompletionFormat:
+    """The bodies of one completion (`echo`: the prompt text the reply's text follows)."""
+
+    request_id: str
+    model: str
+    with_logprobs: bool
+    echo: str = ""
+    _offset: int = 0  # streamed: where the next delta's text starts
+
+    def completion(self, text: str, entries: list[TokenLogprob], done: TurnDone) -> dict[str, Any]:
+        choice = {"index": 0, "text": self.echo + text, "finish_reason": done.finish_reason,
+                  "logprobs": logprobs_of(entries, len(self.echo)) if self.with_logprobs else None}
+        return self.envelope([choice], usage_of(done))
+
+    def start(self) -> Iterable[str]:
+        self._offset = len(self.echo)
+        return [data(self.envelope([self._choice(self.echo)]))] if self.echo else []
+
+    def delta(self, delta: TurnDelta) -> Iterable[str]:
+        choice = self._choice(delta.text)
+        if self.with_logprobs:
+            choice["logprobs"] = logprobs_of(delta.logprobs or (), self._offset)
+        self._offset += len(delta.text)
+        return [data(self.envelope([choice]))]
+
+    def end(self, done: TurnDone, include_usage: bool) -> Iterator[str]:
+        yield data(self.envelope([{**self._choice(""), "finish_reason": done.finish_reason}]))
+        if include_usage:
+            yield data(self.envelope([], usage_of(done)))
+        yield SSE_DONE
+
+    @staticmethod
+    def _choice(text: str) -> dict[str, Any]:
+        return {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
+
+    def envelope(self, choices: list, usage: dict | None = None) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": choices, "usage": usage}
+
+
+@dataclass
+class CompletionStream:
+    """A completion's chunks as an EventStream (streams.py)."""
+
+    form: CompletionFormat
+    include_usage: bool
+
+    def start(self) -> Iterable[str]:
+        return self.form.start()
+
+    def delta(self, delta: TurnDelta) -> Iterable[str]:
+        return self.form.delta(delta)
+
+    def end(self, done: TurnDone) -> Iterable[str]:
+        return self.form.end(done, self.include_usage)
+
+    def error(self, error: APIError) -> Iterable[str]:
+        return [data(error.body())]
