@@ -8,6 +8,7 @@
     GET    /v1/conversations/{id}      ledger and head (cache_salt query parameter required)
     DELETE /v1/conversations/{id}      drops the head, the ledger, the tier copy and the owner's local copy
     GET    /health, /metrics
+    GET    /                           the playground page (playground_page.py), its files under /playground/
 
 With API keys configured every /v1 route wants `Authorization: Bearer KEY`, and the key's
 scope is prefixed to the cache salt: another key never sees a conversation's state.
@@ -19,14 +20,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cache_service.client import CacheClient, CacheError
 from deployments import errors
 from deployments.errors import APIError
-from deployments.front import conversations, guard, responses_plan
+from deployments.front import conversations, guard, playground_page, responses_plan
 from deployments.front.chat_format import ChatFormat
 from deployments.front.chat_models import CacheSalt, ChatCompletionRequest
 from deployments.front.inflight import InFlight, StartedTurn
@@ -46,6 +47,7 @@ api = FastAPI(title="hybridserve", version="0.1.0",
               description="OpenAI-compatible chat completions with conversation state kept between turns")
 errors.install(api)
 guard.install(api)
+playground_page.install(api)
 
 
 def _model_name(settings: AppSettings) -> str:
@@ -110,7 +112,7 @@ class ChatIngress:
             parse_tool_calls=body.calls_tools), arrived)
         assert isinstance(turn, StartedTurn)  # no expect_turn: a chat turn follows whatever the head is
         job = turn.run.job
-        form = ChatFormat(job.request_id, self.model, conv.id if conv else None, bool(body.logprobs))
+        form = ChatFormat(job.request_id, self.model, conv.id if conv else None, bool(body.logprobs), job.publish_name)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(ChatStream(form, include_usage)))
@@ -191,6 +193,10 @@ class ChatIngress:
         conv = self._conversation(request, conversation_id, cache_salt)
         await self.forgetting.delete(await self._cache(), conv)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+
+    @api.get("/", include_in_schema=False)
+    async def playground(self, request: Request) -> HTMLResponse:
+        return HTMLResponse(playground_page.index(request.scope.get("root_path", "")))
 
     @api.get("/health")
     async def health(self) -> Response:
