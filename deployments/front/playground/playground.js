@@ -149,7 +149,8 @@ async function forkTurn(b, text, onText) {
 async function send(text) {
   if (state.busy || !text.trim()) return;
   const b = branch();
-  const turn = { user: text, reply: "", chunks: 0, state: "streaming", n: b.turns.length + 1 };
+  const turn = { user: text, reply: "", chunks: 0, state: "streaming", n: b.turns.length + 1,
+    deterministic: $("deterministic").checked };
   b.turns.push(turn);
   setBusy(true);
   hideError();
@@ -222,6 +223,7 @@ function turnStats(turn, index, last) {
   stats.append(el("span", "stat turn-no", `turn ${turn.n}`), cached, stat("source", "from", source),
     stat("ttft", "TTFT", ms(turn.ttft)), stat("replica", "replica", (served.replica || "—").slice(-6),
       served.replica ? `Serve replica ${served.replica} (${served.recovery})` : ""));
+  if (turn.deterministic) stats.append(el("span", "stat stat-deterministic", "deterministic"));
   const actions = el("span", "actions");
   const again = el("button", "link regen-btn", "↻ Regenerate");
   again.onclick = () => fork(index + 1, true);
@@ -286,7 +288,7 @@ function renderChart(turns) {
   // Bars: TTFT measured here; dashed line: what computing the whole prompt would take, at
   // turn 1's rate (its TTFT per prompt token it computed).
   const svg = $("chart");
-  const W = 300, H = 170, left = 40, bottom = 22, top = 10, right = 8;
+  const W = 300, H = 170, left = 48, bottom = 22, top = 10, right = 8;
   const first = turns[0];
   const rate = first ? first.ttft / Math.max(1, first.prompt - first.cached) : 0;
   const estimates = turns.map((t) => t.prompt * rate);
