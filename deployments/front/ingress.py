@@ -112,7 +112,8 @@ class ChatIngress:
             parse_tool_calls=body.calls_tools), arrived)
         assert isinstance(turn, StartedTurn)  # no expect_turn: a chat turn follows whatever the head is
         job = turn.run.job
-        form = ChatFormat(job.request_id, self.model, conv.id if conv else None, bool(body.logprobs), job.publish_name)
+        form = ChatFormat(job.request_id, self.model, conv.id if conv else None, bool(body.logprobs),
+                          job.publish_name)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(ChatStream(form, include_usage)))

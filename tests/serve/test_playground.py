@@ -5,19 +5,25 @@ README's (docs/playground.png)."""
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import shutil
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
+
+from deployments.front import playground_page
 
 pytestmark = pytest.mark.timeout(300)
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
@@ -39,7 +45,10 @@ def browser() -> Iterator[WebDriver]:
 
 
 def wait(browser: WebDriver, condition, what: str):
-    return WebDriverWait(browser, WAIT_S, poll_frequency=0.05).until(lambda b: condition(b), what)
+    # The page renders a branch anew when a turn starts and ends: an element found just before
+    # may be gone by the time it is read, and is looked up again on the next poll.
+    return WebDriverWait(browser, WAIT_S, poll_frequency=0.05, ignored_exceptions=(
+        StaleElementReferenceException,)).until(lambda b: condition(b), what)
 
 
 def turns(browser: WebDriver) -> list[WebElement]:
@@ -122,6 +131,24 @@ def test_a_conversation_shows_its_reuse_and_forks_from_turn_1(stack, browser):
     assert [t.find_element(By.CSS_SELECTOR, ".user").text for t in turns(browser)] == messages
 
 
+def test_stateless_mode_reuses_a_prefix_and_regenerating_gives_the_same_greedy_reply(stack, browser):
+    open_page(browser, f"{stack.base_url}/")
+    wait(browser, lambda b: b.find_element(By.ID, "model-name").text == stack.model, "the model's name")
+    browser.find_element(By.ID, "mode-stateless").click()
+    set_max_tokens(browser, 8)
+    send(browser, "Hello!")
+    second = send(browser, "And then?")  # the whole history again: the first request's end is reused
+    assert cached(second) > 0 and stat(second, "source") == "prefix"
+    assert browser.find_element(By.ID, "conversation-id").text == "stateless"
+    reply = second.find_element(By.CSS_SELECTOR, ".reply").text
+    second.find_element(By.CSS_SELECTOR, ".regen-btn").click()
+    wait(browser, lambda b: len(turns(b)) == 2 and turns(b)[-1].get_attribute("data-state") == "done",
+         "the regenerated turn")
+    assert turns(browser)[-1].find_element(By.CSS_SELECTOR, ".reply").text == reply  # temperature 0
+    assert [t.text for t in browser.find_elements(By.CSS_SELECTOR, ".branch-tab")] == [
+        "main · 2", "regenerate turn 2 · 2"]
+
+
 def test_with_api_keys_it_asks_for_one_and_shows_the_apis_refusal(stack, notier, browser):
     with httpx.Client(base_url=stack.base_url + notier, timeout=30) as http:
         refusal = http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).json()["error"]["message"]
@@ -141,3 +168,18 @@ def test_with_api_keys_it_asks_for_one_and_shows_the_apis_refusal(stack, notier,
     set_max_tokens(browser, 4)
     turn = send(browser, "Hello!")
     assert turn.find_element(By.CSS_SELECTOR, ".reply").text and not banner.is_displayed()
+
+
+def test_the_page_resolves_its_files_under_any_route_prefix():
+    """The <base> is the app's root, so the page's relative URLs (its files, the /v1 API) resolve
+    under a Serve route prefix whether it is opened as `/prefix` or `/prefix/`; every file it
+    names is there, and is package data (pyproject.toml)."""
+    assert '<base href="/">' in playground_page.index("")
+    assert '<base href="/notier/">' in playground_page.index("/notier")
+    named = re.findall(r'(?:src|href)="playground/([^"]+)"', playground_page.index(""))
+    assert sorted(named) == ["playground.css", "playground.js"]
+    packaged = tomllib.loads((SCREENSHOT.parents[1] / "pyproject.toml").read_text())
+    patterns = packaged["tool"]["setuptools"]["package-data"]["deployments"]
+    for name in named + ["index.html"]:
+        assert (playground_page.FILES / name).is_file()
+        assert any(fnmatch.fnmatch(f"front/playground/{name}", p) for p in patterns), name
