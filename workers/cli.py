@@ -1,4 +1,4 @@
-"""`hybridserve` command line: make-model, generate."""
+"""`hybridserve` command line: make-model, generate, chat."""
 
 from __future__ import annotations
 
@@ -100,6 +100,13 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="same seed, same bytes")
 
 
+def _run_chat(args: argparse.Namespace) -> None:
+    from workers import terminal_chat
+
+    if terminal_chat.run(args):
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="one-shot generation on a checkpoint")
     _add_generate_arguments(generate)
     generate.set_defaults(run=run_generate)
+    from workers import terminal_chat  # its arguments only: the openai client is imported when it runs
+
+    chat = sub.add_parser("chat", help="a terminal chat with a running server (streamed replies, a footer "
+                                       "per turn: cached/prompt tokens, TTFT)")
+    terminal_chat.add_arguments(chat)
+    chat.set_defaults(run=_run_chat)
     return parser
 
 

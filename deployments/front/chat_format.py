@@ -3,7 +3,10 @@
     non-streaming:  {"object": "chat.completion", choices: [message], usage}
     streaming:      data: chunk(role)  data: chunk(delta)*  data: chunk(finish_reason)
                     [data: chunk([], usage)]  data: [DONE]
-    conversation turns add "conversation_id" to every body and "turn" once the turn is done.
+    conversation turns add "conversation_id" to every body, and "turn" and "response_id" (the
+    turn as the Responses API names it: `previous_response_id` forks from it) once the turn is done;
+    the body that ends a turn (the last chunk before [DONE] in a stream) adds "hybridserve":
+    {"replica", "cached_from", "recovery"} (served_by below).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.errors import APIError
+from deployments.front.extensions import served_by
+from deployments.front.responses_format import ResponseId
 from deployments.messages import TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -50,12 +55,14 @@ def tool_call_delta(delta: ToolCallDelta) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """The bodies of one chat completion (request id, model, conversation, logprobs wanted)."""
+    """The bodies of one chat completion (request id, model, conversation, logprobs wanted, and
+    the publish id the turn is committed under: its response id's last part)."""
 
     request_id: str
     model: str
     conversation_id: str | None
     with_logprobs: bool
+    publish_id: str = ""
 
     def completion(self, text: str, entries: list[TokenLogprob], done: TurnDone) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -65,7 +72,7 @@ class ChatFormat:
         choice = {"index": 0, "message": message,
                   "finish_reason": done.finish_reason,
                   "logprobs": logprobs_of(entries) if self.with_logprobs else None}
-        return self.envelope("chat.completion", [choice], usage=usage_of(done), done=done)
+        return self.envelope("chat.completion", [choice], usage=usage_of(done), done=done, last=True)
 
     def sse_start(self) -> str:
         return data(self.envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -81,9 +88,9 @@ class ChatFormat:
 
     def sse_end(self, done: TurnDone, include_usage: bool) -> Iterator[str]:
         final = {"index": 0, "delta": {}, "finish_reason": done.finish_reason, "logprobs": None}
-        yield data(self.envelope("chat.completion.chunk", [final], done=done))
+        yield data(self.envelope("chat.completion.chunk", [final], done=done, last=not include_usage))
         if include_usage:
-            yield data(self.envelope("chat.completion.chunk", [], usage=usage_of(done), done=done))
+            yield data(self.envelope("chat.completion.chunk", [], usage=usage_of(done), done=done, last=True))
         yield SSE_DONE
 
     @staticmethod
@@ -91,7 +98,7 @@ class ChatFormat:
         return data(error.body())
 
     def envelope(self, kind: str, choices: list, *, usage: dict | None = None,
-                 done: TurnDone | None = None) -> dict[str, Any]:
+                 done: TurnDone | None = None, last: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.request_id, "object": kind, "created": int(time.time()),
                                 "model": self.model, "choices": choices}
         if kind == "chat.completion" or usage is not None:
@@ -100,4 +107,8 @@ class ChatFormat:
             body["conversation_id"] = self.conversation_id
             if done is not None:
                 body["turn"] = done.turn
+                body["response_id"] = str(ResponseId(self.conversation_id, done.turn,
+                                                     self.publish_id or self.request_id))
+        if last and done is not None:
+            body["hybridserve"] = served_by(done)
         return body

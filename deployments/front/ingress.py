@@ -12,6 +12,7 @@
     DELETE /v1/conversations/{id}      drops the head, the ledger, the tier copy and the owner's local copy
     POST   /tokenize, /detokenize      vLLM's: a prompt or messages to ids (as they would run), ids to text
     GET    /health, /metrics, /version
+    GET    /                           the playground page (playground_page.py), its files under /playground/
 
 With API keys configured every /v1 route wants `Authorization: Bearer KEY`, and the key's
 scope is prefixed to the cache salt: another key never sees a conversation's state.
@@ -23,14 +24,14 @@ import uuid
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cache_service.client import CacheClient, CacheError
 from deployments import errors
 from deployments.errors import APIError
-from deployments.front import conversations, guard, responses_plan, vllm_fields
+from deployments.front import conversations, guard, playground_page, responses_plan, vllm_fields
 from deployments.front.chat_format import ChatFormat
 from deployments.front.chat_models import CacheSalt, ChatCompletionRequest
 from deployments.front.completions import CompletionFormat, CompletionRequest, CompletionStream
@@ -54,6 +55,7 @@ api = FastAPI(title="hybridserve", version="0.1.0",
               description="OpenAI-compatible chat completions with conversation state kept between turns")
 errors.install(api)
 guard.install(api)
+playground_page.install(api)
 
 
 def _idempotency(request: Request, body: ChatCompletionRequest) -> IdempotencyKey | None:
@@ -120,7 +122,7 @@ class ChatIngress:
         assert isinstance(turn, StartedTurn)  # no expect_turn: a chat turn follows whatever the head is
         job = turn.run.job
         reply_id = f"chatcmpl-{body.request_id}" if body.request_id else job.request_id
-        form = ChatFormat(reply_id, self.model, conv.id if conv else None, bool(body.logprobs))
+        form = ChatFormat(reply_id, self.model, conv.id if conv else None, bool(body.logprobs), job.publish_name)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(ChatStream(form, include_usage)))
@@ -264,6 +266,10 @@ class ChatIngress:
     @api.get("/version")
     async def version(self) -> dict:
         return {"version": api.version}  # vLLM's shape
+
+    @api.get("/", include_in_schema=False)
+    async def playground(self, request: Request) -> HTMLResponse:
+        return HTMLResponse(playground_page.index(request.scope.get("root_path", "")))
 
     @api.get("/health")
     async def health(self) -> Response:

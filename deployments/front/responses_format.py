@@ -31,9 +31,14 @@ from typing import Any
 
 from deployments.front.chat_models import MAX_ID_BYTES
 from deployments.errors import APIError
+from deployments.front.extensions import served_by
 from deployments.messages import ToolCall, TurnDelta, TurnDone
 
 PREFIX = "resp_"
+# The publish ids a committed turn can have: a Responses API turn's, a chat completion's (its
+# request id), an idempotent chat completion's (turn/outcome.IdempotencyKey). A chat completion's
+# conversation turn is a stored response too: its body carries the id (chat_format.py).
+PUBLISH_PREFIXES = ("resp-", "chatcmpl-", "idem-")
 MAX_TURN = (1 << 32) - 1  # the ledger's turn numbers are uint32
 
 
@@ -62,7 +67,7 @@ class ResponseId:
         except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
             return None
         if not (isinstance(conv, str) and isinstance(turn, int) and not isinstance(turn, bool)
-                and 1 <= turn <= MAX_TURN and isinstance(publish, str) and publish.startswith("resp-")):
+                and 1 <= turn <= MAX_TURN and isinstance(publish, str) and publish.startswith(PUBLISH_PREFIXES)):
             return None
         try:
             size = len(conv.encode())
@@ -140,8 +145,9 @@ class ResponseBody:
                          usage_=usage(prompt, completion, cached), incomplete=incomplete)
 
     def done(self, text: str, done: TurnDone) -> dict[str, Any]:
-        return self.finished(text, done.tool_calls, done.finish_reason, done.prompt_tokens, done.completion_tokens,
+        body = self.finished(text, done.tool_calls, done.finish_reason, done.prompt_tokens, done.completion_tokens,
                              done.cached_tokens)
+        return {**body, "hybridserve": served_by(done)}
 
 
 def sse(payload: dict[str, Any]) -> str:

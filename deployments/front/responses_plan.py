@@ -39,7 +39,7 @@ from deployments import errors
 from deployments.turn import outcome
 from deployments.errors import APIError
 from deployments.messages import HeadRef, TurnDelta
-from deployments.front.responses_format import ResponseBody, ResponseId, not_found
+from deployments.front.responses_format import PUBLISH_PREFIXES, ResponseBody, ResponseId, not_found
 from deployments.front.responses_models import ResponsesRequest, engine_messages
 from deployments.turn.request import HeadMoved, TurnRequest
 from proto.contract import ConversationRef
@@ -200,7 +200,7 @@ async def retrieve(cache: CacheClient, scope: str, response_id: str, model: str)
     rid, ledger, index = await _stored_turn(cache, scope, response_id, with_previous=True)
     turn = ledger.turns[index]
     previous = None
-    if index and ledger.turns[0].publish_id.startswith("resp-"):
+    if index and ledger.turns[0].publish_id.startswith(PUBLISH_PREFIXES):
         previous = str(ResponseId(rid.conversation_id, rid.turn - 1, ledger.turns[0].publish_id))
     events = outcome.replay(turn)  # the reply's text and, parsed back out of it, its tool calls
     text = "".join(e.text for e in events if isinstance(e, TurnDelta))

@@ -85,6 +85,34 @@ async def test_an_older_response_is_continued_in_a_fork(stack):
                                                                       "and then?"]
 
 
+async def test_a_chat_conversations_turn_is_a_response_to_fork_from(stack, conv_id):
+    """A chat completion's conversation turn carries its response id, so the Responses API forks
+    a chat conversation; the body that ends a turn says where it ran and what it reused."""
+    client, salt = stack.client(), _salt()
+    body = {"conversation_id": conv_id, "cache_salt": salt}
+    first = await client.chat.completions.create(model=stack.model, messages=[user("a story about a cat")],
+                                                 max_tokens=MAX_TOKENS, temperature=0, extra_body=body)
+    chunks = await client.chat.completions.create(model=stack.model, messages=[user("go on")], max_tokens=MAX_TOKENS,
+                                                  temperature=0, extra_body=body, stream=True,
+                                                  stream_options={"include_usage": True})
+    last = [chunk async for chunk in chunks][-1]
+    assert first.model_extra["hybridserve"]["cached_from"] is None and first.model_extra["hybridserve"]["replica"]
+    assert last.usage.prompt_tokens_details.cached_tokens > 0 and last.model_extra["turn"] == 2
+    assert last.model_extra["hybridserve"]["cached_from"] == "head"
+    assert last.model_extra["hybridserve"]["recovery"] in ("local", "tier_import")
+    stored = await client.responses.retrieve(first.model_extra["response_id"], extra_query={"cache_salt": salt})
+    assert stored.output_text == first.choices[0].message.content and stored.conversation.id == conv_id
+    branch = await respond(client, stack.model, "make it a dog", salt,
+                           previous_response_id=first.model_extra["response_id"])
+    assert branch.conversation.id != conv_id and branch.model_extra["hybridserve"]["replica"]
+    reference = await stateless_reference(client, stack.model, [
+        user("a story about a cat"), {"role": "assistant", "content": first.choices[0].message.content},
+        user("make it a dog")])
+    assert branch.output_text == reference.text
+    async with stack.http() as http:
+        assert (await conversation(http, conv_id, salt))["turn"] == 2  # the original is untouched
+
+
 async def test_another_salt_finds_no_response(stack):
     client, salt = stack.client(), _salt()
     mine = await respond(client, stack.model, "a secret: 4711", salt)

@@ -27,9 +27,11 @@ def test_ids_round_trip_and_anything_else_names_nothing():
     rid = ResponseId("conv_1", 3, PUBLISH)
     assert ResponseId.parse(str(rid)) == rid
     assert ResponseId.parse(str(ResponseId(None, 0, PUBLISH))) is None  # store=false
+    for publish in ["chatcmpl-1", "idem-ab-cd"]:  # chat completions' conversation turns are stored responses too
+        assert ResponseId.parse(str(ResponseId("c", 1, publish))) == ResponseId("c", 1, publish)
     for bad in ["", "resp_", "resp_!!", "chatcmpl-1", _raw(["c", 0, PUBLISH]), _raw(["c", True, PUBLISH]),
                 _raw(["c", 1 << 32, PUBLISH]), _raw(["", 1, PUBLISH]), _raw(["c" * 257, 1, PUBLISH]),
-                _raw(["c", 1, "chatcmpl-1"]), _raw(["\ud800", 1, PUBLISH]), _raw({"c": 1}), _raw(["c", 1])]:
+                _raw(["c", 1, "other-1"]), _raw(["c", 1, ""]), _raw(["\ud800", 1, PUBLISH]), _raw({"c": 1}), _raw(["c", 1])]:
         assert ResponseId.parse(bad) is None, bad
 
 
