@@ -1,4 +1,4 @@
-"""`hybridserve` command line: make-model, generate."""
+"""`hybridserve` command line: make-model, train-builtin, generate."""
 
 from __future__ import annotations
 
@@ -100,12 +100,31 @@ def _add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="same seed, same bytes")
 
 
+def _run_train_builtin(args: argparse.Namespace) -> None:
+    from workers.checkpoint.train_cli import run_train_builtin  # imports transformers: only when asked
+
+    run_train_builtin(args)
+
+
+def _add_train_builtin_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, help="directory to write the trained checkpoint into")
+    parser.add_argument("--seed", type=int, default=0, help="same seed and threads, same weights")
+    parser.add_argument("--epochs", type=int, default=None, help="passes over the training conversations")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    parser.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per optimizer step")
+    parser.add_argument("--max-sequence", type=int, default=None, help="longer conversations are cut")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (part of what fixes the bits)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-model", help="write a random-weight checkpoint with tokenizer and chat template")
     _add_make_model_arguments(make)
     make.set_defaults(run=_run_make_model)
+    train = sub.add_parser("train-builtin", help="train the built-in model on chatterbot-corpus (CPU, minutes)")
+    _add_train_builtin_arguments(train)
+    train.set_defaults(run=_run_train_builtin)
     generate = sub.add_parser("generate", help="one-shot generation on a checkpoint")
     _add_generate_arguments(generate)
     generate.set_defaults(run=run_generate)
