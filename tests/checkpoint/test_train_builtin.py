@@ -1,4 +1,4 @@
-"""`hybridserve train-builtin` on a budget of two short steps: it writes a checkpoint our loader,
+"""`hybridserve train-builtin` on a budget of two short steps a stage: it writes a checkpoint our loader,
 engine and transformers load, that records its corpus, and the same seed gives the same bytes.
 """
 
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from workers.checkpoint.dialogue_corpus import CORPUS_LICENSE, CORPUS_PACKAGE, corpus_version
 from workers.checkpoint.metadata import ServingMetadata
 from workers.checkpoint.tokens import EOS_TOKEN_ID
-from workers.checkpoint.train_builtin import TRAINING_FILE, TrainSettings, train_builtin
+from workers.checkpoint.train_builtin import TRAINING_FILE, TrainSettings, answer_mask, train_builtin
 from workers.cli import main
 from workers.model.config import ModelFamily
 from workers.model.loader import load_model
@@ -46,7 +46,7 @@ def test_records_corpus_settings_and_losses(trained):
     assert record["corpus"]["package"] == CORPUS_PACKAGE and record["corpus"]["version"] == corpus_version()
     assert record["corpus"]["license"] == CORPUS_LICENSE
     assert record["settings"] == {**TrainSettings().__dict__, **TINY_BUDGET.__dict__}
-    assert record["result"]["steps"] == 2
+    assert record["result"]["steps"] == 4  # two stages (all tokens, then answers only) of two steps
     assert record["result"]["held_out_loss"] > 0 and record["result"]["unigram_held_out_loss"] > 0
 
 
@@ -54,3 +54,9 @@ def test_same_seed_same_weights(trained, tmp_path):
     again = train_builtin(tmp_path / "again", TINY_BUDGET, progress=False).out_dir
     assert (again / "model.safetensors").read_bytes() == (trained / "model.safetensors").read_bytes()
     assert (again / "tokenizer.json").read_bytes() == (trained / "tokenizer.json").read_bytes()
+
+
+def test_answer_tuning_scores_the_assistants_replies_only():
+    header = [4, 90, 5]  # <|start_of_role|> assistant <|end_of_role|>
+    seq = [4, 80, 5, 11, 12, 2, 4, 90, 5, 21, 22, 2, 4, 80, 5, 13, 2, 4, 90, 5, 23]
+    assert [t for t, keep in zip(seq, answer_mask(seq, header)) if keep] == [21, 22, 2, 23]

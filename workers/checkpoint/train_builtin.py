@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from workers.checkpoint.chat_template import GENERATION_PROMPT
 from workers.checkpoint.bpe_tokenizer import never_sample_ids, train_bpe, wrap_bpe
 from workers.checkpoint.configs import build_config
 from workers.checkpoint.dialogue_corpus import (
@@ -74,8 +75,13 @@ IGNORE = -100  # transformers' label for "no loss here"
 class TrainSettings:
     seed: int = 0
     vocab_size: int = 2048
-    epochs: int = 6
-    max_steps: int = 0  # > 0: stop after this many optimizer steps (quick checks)
+    epochs: int = 8
+    # Stage 2, answer tuning: the loss on the assistant's replies only. After stage 1 the model
+    # spoke English but barely looked at the prompt (its first reply token was "I" whatever the
+    # user said: most of the loss is in long answers, little in choosing one).
+    answer_epochs: int = 2
+    answer_lr: float = 2e-3
+    max_steps: int = 0  # > 0: stop each stage after this many optimizer steps (quick checks)
     batch_tokens: int = 2048  # padded tokens per step
     max_sequence: int = 256  # longer conversations are cut
     lr: float = 4e-3
@@ -89,8 +95,8 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if self.vocab_size % 8 or self.vocab_size < 512:
             raise ValueError("vocab_size must be a multiple of 8, at least 512")
-        if self.epochs < 1 or self.max_steps < 0 or self.threads < 1:
-            raise ValueError("epochs and threads must be >= 1, max_steps >= 0")
+        if self.epochs < 1 or self.answer_epochs < 0 or self.max_steps < 0 or self.threads < 1:
+            raise ValueError("epochs and threads must be >= 1, answer_epochs and max_steps >= 0")
         if self.batch_tokens < self.max_sequence:
             raise ValueError("batch_tokens must hold one sequence of max_sequence tokens")
 
@@ -131,9 +137,22 @@ def make_batches(sequences: list[list[int]], batch_tokens: int) -> list[list[int
     return batches + [current] if current else batches
 
 
-def _tensors(sequences: list[list[int]], batch: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids and labels (IGNORE on the padding); causal, so padding after a sequence
-    never changes its own positions."""
+def answer_mask(seq: list[int], header: list[int]) -> list[bool]:
+    """True on the tokens of the assistant's replies: after each `header` (the generation prompt,
+    <|start_of_role|>assistant<|end_of_role|>) up to and including its <|end_of_turn|>."""
+    mask, inside, n = [False] * len(seq), False, len(header)
+    for i, token in enumerate(seq):
+        if inside:
+            mask[i] = True
+            inside = token != EOS_TOKEN_ID
+        elif i + 1 >= n and seq[i + 1 - n : i + 1] == header:
+            inside = True
+    return mask
+
+
+def _tensors(sequences: list[list[int]], batch: list[int], header: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and labels (IGNORE on the padding, and with `header` off the assistant's
+    replies); causal, so padding after a sequence never changes its own positions."""
     width = max(len(sequences[i]) for i in batch)
     ids = torch.full((len(batch), width), PAD_TOKEN_ID, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
@@ -141,6 +160,8 @@ def _tensors(sequences: list[list[int]], batch: list[int]) -> tuple[torch.Tensor
         seq = torch.tensor(sequences[i])
         ids[row, : len(seq)] = seq
         labels[row, : len(seq)] = seq
+        if header is not None:
+            labels[row, : len(seq)][~torch.tensor(answer_mask(sequences[i], header))] = IGNORE
     return ids, labels
 
 
@@ -156,12 +177,14 @@ def new_model(vocab_size: int, seed: int) -> PreTrainedModel:
 
 
 @torch.no_grad()
-def mean_loss(model: PreTrainedModel, sequences: list[list[int]], batch_tokens: int) -> float:
-    """Mean next-token cross-entropy (nats) over every predicted token of `sequences`."""
+def mean_loss(model: PreTrainedModel, sequences: list[list[int]], batch_tokens: int,
+              header: list[int] | None = None) -> float:
+    """Mean next-token cross-entropy (nats) over every predicted token of `sequences` (with
+    `header`: over the assistant's replies only)."""
     model.eval()
     total, count = 0.0, 0
     for batch in make_batches(sequences, batch_tokens):
-        ids, labels = _tensors(sequences, batch)
+        ids, labels = _tensors(sequences, batch, header)
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
         target = labels[:, 1:]
         total += float(torch.nn.functional.cross_entropy(
@@ -170,47 +193,62 @@ def mean_loss(model: PreTrainedModel, sequences: list[list[int]], batch_tokens: 
     return total / count
 
 
-def unigram_loss(train: list[list[int]], held_out: list[list[int]], vocab_size: int) -> float:
-    """Cross-entropy of held-out predicted tokens under the training tokens' frequencies
-    (add-one smoothing): the baseline a model that ignores context reaches."""
-    counts = torch.ones(vocab_size, dtype=torch.float64)
-    for seq in train:
-        counts += torch.bincount(torch.tensor(seq[1:], dtype=torch.long), minlength=vocab_size)
+def unigram_loss(train: list[list[int]], held_out: list[list[int]], vocab_size: int,
+                 header: list[int] | None = None) -> float:
+    """Cross-entropy of held-out predicted tokens (with `header`: of the replies) under the
+    frequencies of the same kind of training tokens (add-one smoothing): the baseline a model
+    that ignores context reaches."""
+
+    def targets(seqs: list[list[int]]) -> torch.Tensor:
+        picked = [t for s in seqs for t, keep in zip(s[1:], answer_mask(s, header)[1:] if header else [True] * len(s))
+                  if keep]
+        return torch.tensor(picked, dtype=torch.long)
+
+    counts = torch.ones(vocab_size, dtype=torch.float64) + torch.bincount(targets(train), minlength=vocab_size)
     logp = torch.log(counts / counts.sum())
-    targets = torch.tensor([t for seq in held_out for t in seq[1:]], dtype=torch.long)
-    return float(-logp[targets].mean())
+    return float(-logp[targets(held_out)].mean())
 
 
-def _lr_at(step: int, total: int, settings: TrainSettings) -> float:
+def _lr_at(step: int, total: int, lr: float, warmup: int) -> float:
     """Linear warm-up, then cosine decay to a tenth."""
-    if step < settings.warmup_steps:
-        return settings.lr * (step + 1) / settings.warmup_steps
-    progress = (step - settings.warmup_steps) / max(1, total - settings.warmup_steps)
-    return settings.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def _train_loop(model: PreTrainedModel, sequences: list[list[int]], settings: TrainSettings, progress: bool) -> tuple[int, float]:
+@dataclass(frozen=True)
+class _Stage:
+    name: str
+    epochs: int
+    lr: float
+    seed: int  # of its own shuffle: a stage started from saved weights replays exactly
+    header: list[int] | None  # set: the loss on the assistant's replies only
+
+
+def _train_stage(model: PreTrainedModel, sequences: list[list[int]], stage: _Stage, settings: TrainSettings,
+                 progress: bool) -> tuple[int, float]:
     batches = make_batches(sequences, settings.batch_tokens)
-    total = settings.epochs * len(batches)
+    total = stage.epochs * len(batches)
     if settings.max_steps:
         total = min(total, settings.max_steps)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.lr, betas=(0.9, 0.95),
+        lr=stage.lr, betas=(0.9, 0.95),
     )
-    order_rng = random.Random(settings.seed)
+    order_rng = random.Random(stage.seed)
     model.train()
     step, smoothed = 0, float("nan")
-    with tqdm(total=total, desc="train-builtin", unit="step", disable=not progress) as bar:
+    with tqdm(total=total, desc=stage.name, unit="step", disable=not progress) as bar:
         while step < total:
             epoch = batches[:]
             order_rng.shuffle(epoch)
             for batch in epoch[: total - step]:
                 for group in optimizer.param_groups:
-                    group["lr"] = _lr_at(step, total, settings)
-                ids, labels = _tensors(sequences, batch)
+                    group["lr"] = _lr_at(step, total, stage.lr, settings.warmup_steps)
+                ids, labels = _tensors(sequences, batch, stage.header)
                 loss = model(input_ids=ids, labels=labels, use_cache=False).loss
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -225,6 +263,12 @@ def _train_loop(model: PreTrainedModel, sequences: list[list[int]], settings: Tr
     return step, smoothed
 
 
+def stages(settings: TrainSettings, tokenizer: Tokenizer) -> tuple[_Stage, _Stage]:
+    header = tokenizer.encode(GENERATION_PROMPT).ids
+    return (_Stage("train-builtin", settings.epochs, settings.lr, settings.seed, None),
+            _Stage("answer-tuning", settings.answer_epochs, settings.answer_lr, settings.seed + 1, header))
+
+
 def train_builtin(out_dir: str | Path, settings: TrainSettings = TrainSettings(), progress: bool = True) -> TrainResult:
     """Trains tokenizer and model from the corpus and writes the checkpoint into out_dir."""
     out = Path(out_dir)
@@ -237,7 +281,10 @@ def train_builtin(out_dir: str | Path, settings: TrainSettings = TrainSettings()
         held_out = encode_all(tokenizer, split.held_out, settings.max_sequence)
         model = new_model(tokenizer.get_vocab_size(), settings.seed)
         started = time.perf_counter()
-        steps, train_loss = _train_loop(model, train, settings, progress)
+        steps, train_loss = 0, float("nan")
+        for stage in stages(settings, tokenizer):
+            done, train_loss = _train_stage(model, train, stage, settings, progress)
+            steps += done
         seconds = time.perf_counter() - started
         held_loss = mean_loss(model, held_out, settings.batch_tokens)
     finally:
