@@ -11,7 +11,7 @@ from workers.errors import EngineError
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in small model)")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in trained model)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="user message, rendered with the model's chat template")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, used as they are")
@@ -51,9 +51,9 @@ def run_generate(args: argparse.Namespace) -> None:
         logprobs=args.logprobs,
         deterministic=args.deterministic,
     )
-    from workers.checkpoint.builtin import builtin_model_dir
+    from workers.checkpoint.builtin import default_model_dir
 
-    engine = LLMEngine(EngineConfig(model=str(args.model or builtin_model_dir())))
+    engine = LLMEngine(EngineConfig(model=str(args.model or default_model_dir())))
     if args.prompt_ids is not None:
         prompt = _parse_ids(args.prompt_ids)
     else:
