@@ -142,7 +142,10 @@ def markdown(data: dict) -> str:
                        [[s["prompt"], s["reply"].replace("|", "\\|").replace("\n", " "), str(s["stops"])] for s in rep["samples"]],
                        align="llc"),
         "",
-        f"Reproducibility: two runs of {repro['steps']} steps with seed {repro['seed']} "
+        f"{len({r['reply'] for r in rep['held_out']})} distinct replies to {rep['prompts']} prompts: the model "
+        "answers in corpus lines and stops, but conditions weakly on the prompt (*on topic* is the rate "
+        "that says so; *sensible* and *an answer* only say the reply is well-formed corpus English).", "",
+        f"Reproducibility: two runs of {repro['steps']} steps a stage with seed {repro['seed']} "
         f"({repro['threads']} thread): weights {'bit-identical' if repro['identical'] else 'DIFFERENT'} "
         f"(sha256 {repro['sha256_first'][:16]}…); another seed gives "
         f"{'other' if repro['other_seed_differs'] else 'THE SAME'} weights.",
