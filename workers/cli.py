@@ -1,4 +1,4 @@
-"""`hybridserve` command line: make-model, generate, chat."""
+"""`hybridserve` command line: make-model, train-builtin, generate, chat."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from workers.errors import EngineError
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in small model)")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in trained model)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="user message, rendered with the model's chat template")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, used as they are")
@@ -51,9 +51,9 @@ def run_generate(args: argparse.Namespace) -> None:
         logprobs=args.logprobs,
         deterministic=args.deterministic,
     )
-    from workers.checkpoint.builtin import builtin_model_dir
+    from workers.checkpoint.builtin import default_model_dir
 
-    engine = LLMEngine(EngineConfig(model=str(args.model or builtin_model_dir())))
+    engine = LLMEngine(EngineConfig(model=str(args.model or default_model_dir())))
     if args.prompt_ids is not None:
         prompt = _parse_ids(args.prompt_ids)
     else:
@@ -107,12 +107,31 @@ def _run_chat(args: argparse.Namespace) -> None:
         raise SystemExit(2)
 
 
+def _run_train_builtin(args: argparse.Namespace) -> None:
+    from workers.checkpoint.train_cli import run_train_builtin  # imports transformers: only when asked
+
+    run_train_builtin(args)
+
+
+def _add_train_builtin_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, help="directory to write the trained checkpoint into")
+    parser.add_argument("--seed", type=int, default=0, help="same seed and threads, same weights")
+    parser.add_argument("--epochs", type=int, default=None, help="passes over the training conversations")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    parser.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per optimizer step")
+    parser.add_argument("--max-sequence", type=int, default=None, help="longer conversations are cut")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (part of what fixes the bits)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("make-model", help="write a random-weight checkpoint with tokenizer and chat template")
     _add_make_model_arguments(make)
     make.set_defaults(run=_run_make_model)
+    train = sub.add_parser("train-builtin", help="train the built-in model on chatterbot-corpus (CPU, minutes)")
+    _add_train_builtin_arguments(train)
+    train.set_defaults(run=_run_train_builtin)
     generate = sub.add_parser("generate", help="one-shot generation on a checkpoint")
     _add_generate_arguments(generate)
     generate.set_defaults(run=run_generate)

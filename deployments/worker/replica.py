@@ -71,13 +71,23 @@ from workers.tools.formats import ToolFormat
 log = logging.getLogger("hybridserve.worker")
 
 
+def model_dir_of(settings: AppSettings) -> str:
+    """The checkpoint the workers load: `model`, or when empty the backend's built-in one (our
+    engine: the trained model shipped in the package)."""
+    from workers.checkpoint.builtin import VLLM_BUILTIN_ARCH, builtin_model_dir, default_model_dir
+
+    if settings.model:
+        return settings.model
+    if settings.backend is Backend.VLLM:
+        return str(builtin_model_dir(arch=VLLM_BUILTIN_ARCH))
+    return str(default_model_dir())
+
+
 def open_session(settings: AppSettings) -> Session:
     """The engine session of the app's backend, on its model (empty: the built-in one)."""
-    from workers.checkpoint.builtin import VLLM_BUILTIN_ARCH, builtin_model_dir
-
     if settings.backend is Backend.VLLM:
-        return VllmSession(settings.model or str(builtin_model_dir(arch=VLLM_BUILTIN_ARCH)), settings)
-    return EngineSession(settings.model or str(builtin_model_dir()), settings)
+        return VllmSession(model_dir_of(settings), settings)
+    return EngineSession(model_dir_of(settings), settings)
 
 # A publish unanswered this long is answered "outcome unknown" (the ingress then asks the
 # ledger); the replica keeps resending it for up to PUBLISH_RESOLVE_S to settle its own copy.

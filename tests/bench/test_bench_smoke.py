@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cache_service, decode_step, grammar_cost, kernel_speed, linear_speed
+from bench import builtin_model, cache_service, decode_step, grammar_cost, kernel_speed, linear_speed
 from bench.agent import report as agent_report
 from bench.chaos import run as chaos
 from bench.conversation import report as conversation_report
@@ -64,6 +64,14 @@ def _agent_reuse(data: dict) -> None:
                 assert rec["cached_tokens"] > 0, (side, rec)
 
 
+def _builtin_model_judged(data: dict) -> None:
+    """The shipped model beats the unigram baseline, its replies were judged, and two runs of the
+    same seed trained the same bytes (another seed other ones)."""
+    assert data["loss"]["held_out_loss"] < data["loss"]["unigram_held_out_loss"]
+    assert data["replies"]["prompts"] == 8 and len(data["replies"]["held_out"]) == 8
+    assert data["reproducibility"]["identical"] and data["reproducibility"]["other_seed_differs"]
+
+
 def _vllm_backend_sides(data: dict) -> None:
     """Both sides answered every turn after warming both replicas of our app; from turn 2 our app
     reuses the committed head. The smoke runs (v) and vLLM's server (d): our engine's app (a) and
@@ -94,6 +102,7 @@ def _soak_expired(data: dict) -> None:
 
 SMOKES = {
     "agent": Smoke(("--smoke", "--skip-vllm"), "agent.smoke", agent_report.markdown, check=_agent_reuse),
+    "builtin_model": Smoke(("--smoke",), "builtin_model.smoke", builtin_model.markdown, check=_builtin_model_judged),
     "cache_service": Smoke(("--smoke",), "cache_service.smoke", cache_service.markdown),
     "chaos": Smoke(("--smoke",), "chaos.smoke", chaos.markdown),
     "conversation": Smoke(("--smoke", *NO_VLLM), "conversation.smoke", conversation_report.markdown),

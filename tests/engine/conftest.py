@@ -135,7 +135,10 @@ class Checkpoint:
 
     @property
     def banned(self) -> tuple[int, ...]:
-        return NEVER_SAMPLE_TOKEN_IDS if self.with_tokenizer else ()
+        """The ids the engine never samples: hybridserve.json's (the trained model's BPE has its
+        own), none without a tokenizer."""
+        meta = ServingMetadata.read(self.path) if self.with_tokenizer else None
+        return meta.never_sample_token_ids if meta else ()
 
     @property
     def vocab_size(self) -> int:

@@ -37,15 +37,17 @@ def build_backend_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The transformers wrapper, with the special-token roles and the chat template set."""
+def build_tokenizer(backend: Tokenizer | None = None) -> PreTrainedTokenizerFast:
+    """The transformers wrapper, with the special-token roles and the chat template set;
+    backend: another `tokenizers.Tokenizer` with the same special tokens (the trained BPE one of
+    `bpe_tokenizer.py`), default the character-level one."""
     extra = [
         t.value
         for t in SpecialToken
         if t not in (SpecialToken.PAD, SpecialToken.BOS, SpecialToken.END_OF_TURN, SpecialToken.UNK)
     ]
     return PreTrainedTokenizerFast(
-        tokenizer_object=build_backend_tokenizer(),
+        tokenizer_object=backend or build_backend_tokenizer(),
         pad_token=SpecialToken.PAD.value,
         bos_token=SpecialToken.BOS.value,
         eos_token=SpecialToken.END_OF_TURN.value,
