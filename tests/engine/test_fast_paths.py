@@ -298,6 +298,24 @@ def test_the_build_folder_follows_every_source_and_the_headers_beside_them(tmp_p
     assert len(folders) == 3
     assert cpp_build.build_dir("k", sources[:1]) not in folders  # a module of fewer sources
     assert (extensions.CSRC / "vector_math.h").exists()  # what the real sources include
+
+
+def test_two_checkouts_of_the_same_sources_build_from_one_copy(tmp_path):
+    """Torch's build file names its sources by absolute path: a second checkout (a worktree,
+    CI's fresh clone) sharing the build folder would rewrite it and rebuild every time. The
+    build compiles copies inside its folder instead, written once: the same paths, untouched."""
+    checkouts = [tmp_path / "one" / "csrc", tmp_path / "two" / "csrc"]
+    for checkout in checkouts:
+        checkout.mkdir(parents=True)
+        (checkout / "kernel.cpp").write_text('#include "shared.h"\n')
+        (checkout / "shared.h").write_text("inline int f() { return 1; }\n")
+    out = tmp_path / "build"
+    first = cpp_build._sources_in(out, (checkouts[0] / "kernel.cpp",))
+    written = [(p, p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()]
+    second = cpp_build._sources_in(out, (checkouts[1] / "kernel.cpp",))
+    assert first == second and first[0].is_relative_to(out)
+    assert (first[0].parent / "shared.h").read_text() == "inline int f() { return 1; }\n"
+    assert [(p, p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()] == written
     for ext in (extensions.decode_kernels, extensions.scan_kernels, extensions.panel_kernels):
         assert all(s.parent == extensions.CSRC and s.exists() for s in ext.sources)
 

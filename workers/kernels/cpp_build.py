@@ -73,7 +73,7 @@ def build_cpu_extension(
             with _one_builder(out):
                 module = load(
                     name=name,
-                    sources=[str(s) for s in sources],
+                    sources=[str(s) for s in _sources_in(out, sources)],
                     build_directory=str(out),
                     extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
                     extra_ldflags=["-fopenmp"],
@@ -86,6 +86,22 @@ def build_cpu_extension(
     _failures[name] = failure
     log.warning("%s unavailable (%s); running %s", name, failure, fallback)
     return None
+
+
+def _sources_in(out: Path, sources: tuple[Path, ...]) -> list[Path]:
+    """The sources (and the headers beside them) copied into the build folder, which the build
+    then compiles: torch's build file names its sources by absolute path, so two checkouts of the
+    same code (a second worktree, CI's fresh clone) would rewrite it in turn and rebuild each
+    time. A copy is written only when missing or different: its age tells ninja nothing changed."""
+    folders = {folder: out / "src" / str(i) for i, folder in enumerate(sorted({s.parent for s in sources}))}
+    for folder, copy in folders.items():
+        copy.mkdir(parents=True, exist_ok=True)
+        for original in [*(s for s in sources if s.parent == folder), *folder.glob("*.h")]:
+            target = copy / original.name
+            text = original.read_bytes()
+            if not target.is_file() or target.read_bytes() != text:
+                target.write_bytes(text)
+    return [folders[s.parent] / s.name for s in sources]
 
 
 @contextlib.contextmanager
