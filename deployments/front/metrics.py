@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from deployments.messages import Recovery
+from deployments.routing.decisions import ROUTING_REGISTRY
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -81,7 +82,8 @@ class ServeMetrics:
             self.migrations.inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        # The router's decisions are counted where it runs: in this process, in its own registry.
+        return generate_latest(self.registry) + generate_latest(ROUTING_REGISTRY)
 
     def lease_renewal_delay(self, seconds: float) -> None:
         """Called from the lease keeper's thread (prometheus_client's metrics are thread-safe)."""

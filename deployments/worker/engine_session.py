@@ -39,6 +39,7 @@ from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
+from workers.loop.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
 
@@ -149,8 +150,8 @@ class EngineSession:  # implements Session (session.py)
         await self.aengine.call(lambda _e: self.cache.remember_chunks(snapshot, exported))
         return snapshot.meta["version"], pack_export(exported)
 
-    async def load(self) -> tuple[int, int]:
-        """(requests in the engine, free KV blocks), for routing stats and heartbeats."""
+    async def load(self) -> EngineLoad:
+        """Its queue and measured speeds, for routing stats."""
         return await self.aengine.call(lambda e: e.load())
 
     # -- turns ------------------------------------------------------------------------------
