@@ -125,7 +125,8 @@ class LLMEngine:
 
         With a `prefix_scope` (the cache salt) its states are named by their token prefixes in
         that scope: without a `head`, it attaches the longest prefix of its prompt held when it
-        is admitted (a burst sharing a system prompt: the first one's mark serves the rest); it
+        is admitted (a burst sharing a system prompt: the first one's mark serves the rest, the
+        others waiting for it while it is not reached: cache/prefix_wait.py); it
         checkpoints its state at `marks`; a kept state (prepared turn, keep=CHECKPOINT, labelled
         `final_label`) is named too. Deterministic requests neither look up nor mark: no
         checkpoint is canonical (they recompute in tiles, as on a miss)."""
