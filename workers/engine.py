@@ -35,7 +35,7 @@ from workers.grammar.guide import TokenGuide
 from workers.identity import model_identity
 from workers.loop.admission import check_prompt, check_request_id, keyed_marks, seeded
 from workers.loop.fast_step import FastStep
-from workers.loop.load import EngineLoad, Mean
+from workers.load import EngineLoad
 from workers.loop.finishing import Finisher
 from workers.loop.outputs import RequestOutput
 from workers.loop.verify_step import VerifyStep
@@ -103,7 +103,6 @@ class LLMEngine:
         )
         self._fast_step = FastStep(self.scheduler, self.runner, self.verifier, self._finisher, self.banned_token_ids)
         self._verify_step = VerifyStep(self.scheduler, self.verifier, self._finisher, config.deterministic.rows)
-        self._prompt_tokens = Mean()
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(
@@ -160,7 +159,6 @@ class LLMEngine:
             guide.prefetch(())  # the first mask, while the prompt runs
         self._finisher.start(request)
         self.scheduler.add(request)
-        self._prompt_tokens.observe(len(prompt_token_ids))
         return request
 
     def abort(self, request_id: str) -> None:
@@ -218,7 +216,7 @@ class LLMEngine:
         requests = self.scheduler.requests.values()
         waiting = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests)
         return EngineLoad(len(requests), self.caches.kv.num_free, waiting, self._fast_step.prefill_rate.value,
-                          self._prompt_tokens.value)
+                          self.scheduler.prefill_per_request.value)
 
     def check_integrity(self) -> None:
         """free + cached + in use == total for blocks and slots, and nothing held by a request

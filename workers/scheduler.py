@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from workers.cache.coordinator import CacheCoordinator, PendingCopies
 from workers.cache.prefix_wait import awaited_prefix
 from workers.config import SchedulerConfig
+from workers.load import Mean
 from workers.request import FinishReason, Request, RequestStatus
 
 
@@ -72,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since the engine started (requests count their own too)
+        self.prefill_per_request = Mean()  # tokens an admitted request computes: a queued request's cost (routing)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -119,6 +121,7 @@ class Scheduler:
                     continue
                 break  # no room now; FCFS keeps the queue order
             self.waiting.popleft()
+            self.prefill_per_request.observe(request.num_tokens - start)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.deterministic:  # its prefill runs in verify tiles, outside the token budget

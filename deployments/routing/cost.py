@@ -3,7 +3,8 @@
     expected_ttft(r) = (ahead(r) + lacking(r)) / prefill_speed(r)          [+ import(r) for a head]
 
     ahead(r)    prefill tokens queued on r before this request: the waiting prompt tokens r last
-                reported, plus a mean prompt for each request sent to r since that report
+                reported, plus its mean prefill (prompt less what was attached) for each request
+                sent to r since that report
     lacking(r)  the tokens of this request r must compute that the best-placed replica would not:
                 a stateless request or a first turn -> longest held prefix - the prefix r holds;
                 a conversation's turn               -> 0 on its owner; elsewhere the import of
@@ -33,7 +34,7 @@ from statistics import median
 DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 # A tier import moves bytes, not FLOPs: taken as this many times faster than prefill until measured.
 DEFAULT_IMPORT_SPEEDUP = 10.0
-DEFAULT_MEAN_PROMPT_TOKENS = 256.0
+DEFAULT_MEAN_PREFILL_TOKENS = 256.0  # until measured
 
 
 class RouteReason(enum.Enum):
@@ -56,7 +57,7 @@ class ReplicaLoad:
     sent_since_report: int = 0  # requests routed to it since (Serve's live queue minus reported)
     prefill_tokens_per_s: float = 0.0  # 0: not measured yet
     import_tokens_per_s: float = 0.0  # head tokens imported from the tier per second; 0: not measured
-    mean_prompt_tokens: float = 0.0  # 0: not measured yet
+    mean_prefill_tokens: float = 0.0  # 0: not measured yet
 
     @classmethod
     def of(cls, stats: Mapping, live_requests: int) -> "ReplicaLoad":
@@ -65,7 +66,7 @@ class ReplicaLoad:
         reported = int(stats.get("running_requests", 0))
         return cls(reported, int(stats.get("waiting_prefill_tokens", 0)), max(0, live_requests - reported),
                    float(stats.get("prefill_tokens_per_s", 0.0)), float(stats.get("import_tokens_per_s", 0.0)),
-                   float(stats.get("mean_prompt_tokens", 0.0)))
+                   float(stats.get("mean_prefill_tokens", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,10 @@ class Speeds:
     def __init__(self, loads: Mapping[str, ReplicaLoad]):
         prefill = [x.prefill_tokens_per_s for x in loads.values() if x.prefill_tokens_per_s > 0]
         imports = [x.import_tokens_per_s for x in loads.values() if x.import_tokens_per_s > 0]
-        prompts = [x.mean_prompt_tokens for x in loads.values() if x.mean_prompt_tokens > 0]
+        prompts = [x.mean_prefill_tokens for x in loads.values() if x.mean_prefill_tokens > 0]
         self._prefill = median(prefill) if prefill else DEFAULT_PREFILL_TOKENS_PER_S
         self._import = median(imports) if imports else self._prefill * DEFAULT_IMPORT_SPEEDUP
-        self._prompt = median(prompts) if prompts else DEFAULT_MEAN_PROMPT_TOKENS
+        self._prompt = median(prompts) if prompts else DEFAULT_MEAN_PREFILL_TOKENS
         self._loads = loads
 
     def prefill(self, replica: str) -> float:
@@ -105,7 +106,7 @@ class Speeds:
 
     def queue_s(self, replica: str) -> float:
         load = self._loads[replica]
-        ahead = load.waiting_prefill_tokens + load.sent_since_report * (load.mean_prompt_tokens or self._prompt)
+        ahead = load.waiting_prefill_tokens + load.sent_since_report * (load.mean_prefill_tokens or self._prompt)
         return ahead / self.prefill(replica)
 
 

@@ -39,7 +39,7 @@ from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
-from workers.loop.load import EngineLoad
+from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
 

@@ -63,7 +63,7 @@ from workers.errors import (
     PromptTooLongError,
     TurnResolvedError,
 )
-from workers.loop.load import Rate
+from workers.load import Rate
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
@@ -129,7 +129,7 @@ class Worker:
         load = await self.session.load()
         return {"running_requests": load.requests, "free_kv_blocks": load.free_kv_blocks,
                 "waiting_prefill_tokens": load.waiting_prefill_tokens,
-                "prefill_tokens_per_s": load.prefill_tokens_per_s, "mean_prompt_tokens": load.mean_prompt_tokens,
+                "prefill_tokens_per_s": load.prefill_tokens_per_s, "mean_prefill_tokens": load.mean_prefill_tokens,
                 "import_tokens_per_s": self.import_rate.value}
 
     # -- state of deleted conversations ---------------------------------------------------------

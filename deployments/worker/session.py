@@ -24,7 +24,7 @@ from deployments.worker.turns_here import ConversationUse
 from proto.contract import ConversationRef
 from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
-from workers.loop.load import EngineLoad
+from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
 

@@ -31,7 +31,7 @@ from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
 from workers.errors import CorruptStateError
-from workers.loop.load import EngineLoad
+from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import ToolFormat, plain_message, tool_format_for

@@ -17,11 +17,13 @@ def test_load_reports_waiting_prompt_tokens_then_the_measured_prefill_speed(tiny
     engine.add_request("a", prompt_of(100, seed=1), params)
     engine.add_request("b", prompt_of(60, seed=2), params)
     queued = engine.load()
-    assert (queued.requests, queued.waiting_prefill_tokens, queued.mean_prompt_tokens) == (2, 160, 100 * 0.9 + 60 * 0.1)
-    assert queued.prefill_tokens_per_s == 0.0  # nothing ran yet: not measured
-    engine.step()  # 64 prompt tokens of the budget
-    assert engine.load().waiting_prefill_tokens == 160 - 64
+    assert (queued.requests, queued.waiting_prefill_tokens) == (2, 160)
+    assert queued.prefill_tokens_per_s == 0.0 and queued.mean_prefill_tokens == 0.0  # nothing ran yet
+    engine.step()  # 64 prompt tokens of the budget: a admitted
+    running = engine.load()
+    assert running.waiting_prefill_tokens == 160 - 64 and running.mean_prefill_tokens == 100
     while engine.has_unfinished():
         engine.step()
     done = engine.load()
     assert done.requests == 0 and done.waiting_prefill_tokens == 0 and done.prefill_tokens_per_s > 0
+    assert done.mean_prefill_tokens == 100 * 0.9 + 60 * 0.1  # b admitted after a

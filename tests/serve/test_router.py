@@ -66,7 +66,7 @@ def _router(**stats: dict[str, Any]) -> tuple[StickyConversationRouter, list[Can
     router = StickyConversationRouter(deployment, DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
     replicas = []
     for name, given in stats.items():
-        replica = Candidate(ReplicaID(name, deployment), {"prefill_tokens_per_s": 1000.0, "mean_prompt_tokens": 100.0,
+        replica = Candidate(ReplicaID(name, deployment), {"prefill_tokens_per_s": 1000.0, "mean_prefill_tokens": 100.0,
                                                           **given})
         router.on_new_queue_len_info(replica.replica_id, int(given.get("running_requests", 0)))
         replicas.append(replica)

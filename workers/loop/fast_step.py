@@ -12,7 +12,7 @@ import torch
 from workers.deterministic.verifier import Verifier
 from workers.loop.finishing import Finisher
 from workers.loop.grammar_masks import grammar_masks, prefetch_mask
-from workers.loop.load import MIN_PREFILL_TOKENS, Rate
+from workers.load import MIN_PREFILL_TOKENS, Rate
 from workers.loop.outputs import RequestOutput, output_of
 from workers.request import FinishReason
 from workers.runner import ModelRunner

@@ -21,7 +21,7 @@ class EngineLoad:
     free_kv_blocks: int
     waiting_prefill_tokens: int = 0  # prompt tokens its requests have not computed yet
     prefill_tokens_per_s: float = 0.0  # 0: not measured yet
-    mean_prompt_tokens: float = 0.0  # 0: not measured yet
+    mean_prefill_tokens: float = 0.0  # tokens a request computes once admitted (after what it attached); 0: not measured yet
 
 
 class Rate:
