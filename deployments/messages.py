@@ -63,9 +63,10 @@ class TurnJob:
     # Names the turn's publish: the ingress finds the turn in the ledger by it when the publish's
     # outcome is unknown, and an idempotent retry (same Idempotency-Key and body) by its prefix.
     publish_id: str = ""
-    # Replicas (Serve replica unique ids) the prefix index names as holding the longest message
-    # prefix of a stateless request or a new conversation: the router prefers them. A hint.
-    prefix_holders: tuple[str, ...] = ()
+    # (replica, tokens held) of the replicas (Serve replica unique ids) the prefix index names as
+    # holding the longest message prefix of a stateless request or a new conversation: the router
+    # prices the prefill each one saves (routing/cost.py). A hint.
+    prefix_holders: tuple[tuple[str, int], ...] = ()
     # A stateless request's cache scope (its salt, scoped to the API key if auth is on): the
     # prefixes it reuses and keeps are named in it. A conversation's scope is its ref's salt.
     stateless_scope: str = ""

@@ -35,6 +35,7 @@ from workers.grammar.guide import TokenGuide
 from workers.identity import model_identity
 from workers.loop.admission import check_prompt, check_request_id, keyed_marks, seeded
 from workers.loop.fast_step import FastStep
+from workers.load import EngineLoad
 from workers.loop.finishing import Finisher
 from workers.loop.outputs import RequestOutput
 from workers.loop.verify_step import VerifyStep
@@ -123,7 +124,8 @@ class LLMEngine:
 
         With a `prefix_scope` (the cache salt) its states are named by their token prefixes in
         that scope: without a `head`, it attaches the longest prefix of its prompt held when it
-        is admitted (a burst sharing a system prompt: the first one's mark serves the rest); it
+        is admitted (a burst sharing a system prompt: the first one's mark serves the rest, the
+        others waiting for it while it is not reached: cache/prefix_wait.py); it
         checkpoints its state at `marks`; a kept state (prepared turn, keep=CHECKPOINT, labelled
         `final_label`) is named too. Deterministic requests neither look up nor mark: no
         checkpoint is canonical (they recompute in tiles, as on a miss)."""
@@ -209,9 +211,12 @@ class LLMEngine:
         config = self.config
         return model_identity(config.model, config.dtype, config.device, config.weight_quantization)
 
-    def load(self) -> tuple[int, int]:
-        """(requests in the engine, free KV blocks), for routing stats and heartbeats."""
-        return len(self.scheduler.requests), self.caches.kv.num_free
+    def load(self) -> EngineLoad:
+        """Its queue and measured speeds, for routing stats and heartbeats."""
+        requests = self.scheduler.requests.values()
+        waiting = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests)
+        return EngineLoad(len(requests), self.caches.kv.num_free, waiting, self._fast_step.prefill_rate.value,
+                          self.scheduler.prefill_per_request.value)
 
     def kv_cache_usage(self) -> float:
         """The fraction of KV blocks requests hold (blocks only heads and prefixes hold are

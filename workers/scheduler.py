@@ -13,7 +13,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from workers.cache.coordinator import CacheCoordinator, PendingCopies
+from workers.cache.prefix_wait import awaited_prefix
 from workers.config import SchedulerConfig
+from workers.load import Mean
 from workers.request import FinishReason, Request, RequestStatus
 
 
@@ -71,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since the engine started (requests count their own too)
+        self.prefill_per_request = Mean()  # tokens an admitted request computes: a queued request's cost (routing)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -101,9 +104,13 @@ class Scheduler:
                 table = self.caches.block_table(request)
             out.chunks.append(self._chunk(request, n, table))
             budget -= n
+        waiting_for_a_prefix: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             self.caches.attach_prefix(request)
+            if awaited_prefix(request, self.running):  # a running request is about to checkpoint it
+                waiting_for_a_prefix.append(self.waiting.popleft())
+                continue
             start = request.head.state_len if request.head else request.num_computed_tokens
             n = request.num_tokens - start if request.deterministic else min(request.num_tokens - start, budget)
             idle = not self.running and not out.chunks and not out.preempted
@@ -114,6 +121,7 @@ class Scheduler:
                     continue
                 break  # no room now; FCFS keeps the queue order
             self.waiting.popleft()
+            self.prefill_per_request.observe(request.num_tokens - start)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.deterministic:  # its prefill runs in verify tiles, outside the token budget
@@ -121,6 +129,7 @@ class Scheduler:
                 continue
             out.chunks.append(self._chunk(request, n, self.caches.block_table(request)))
             budget -= n
+        self.waiting.extendleft(reversed(waiting_for_a_prefix))  # still first in the queue
         out.copies = self.caches.pending.take()
         return out
 

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from deployments.front.vllm_metrics import VllmNamedMetrics
 from deployments.messages import Recovery
 from deployments.turn.lease_keeper import Renewal
+from deployments.routing.decisions import ROUTING_REGISTRY
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -89,7 +90,8 @@ class ServeMetrics:
             self.migrations.inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        # The router's decisions are counted where it runs: in this process, in its own registry.
+        return generate_latest(self.registry) + generate_latest(ROUTING_REGISTRY)
 
     def lease_renewal_rpc(self, seconds: float, outcome: Renewal) -> None:
         """Called from the lease keeper's thread, as below."""

@@ -64,9 +64,9 @@ _HINT_ERRORS = (CacheError, grpc.RpcError, TimeoutError, OSError)
 
 
 async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict], *,
-                       timeout_s: float = PREFIX_LOOKUP_S) -> tuple[str, ...]:
-    """The replicas holding the longest prefix of `messages` in `scope` (the request's cache
-    salt), () when none does or the lookup failed."""
+                       timeout_s: float = PREFIX_LOOKUP_S) -> tuple[tuple[str, int], ...]:
+    """(replica, tokens held) of the replicas holding the longest prefix of `messages` in
+    `scope` (the request's cache salt), () when none does or the lookup failed."""
     # The index bounds one lookup; the longest prefixes are the ones worth finding.
     names = message_prefix_digests(scope, list(messages))[-SERVICE_LIMITS.max_prefix_names:]
     try:
@@ -74,7 +74,7 @@ async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict],
     except _HINT_ERRORS as e:
         LOOKUP_FAILURES.failed(e)
         return ()
-    return () if match is None else tuple(replica for replica, _ in match.holders)
+    return () if match is None else match.holders
 
 
 def announcement(scope: str, messages: Sequence[dict], reply: dict,

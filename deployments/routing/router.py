@@ -5,21 +5,23 @@ names as the holder of the conversation's head. Serve calls `choose_replicas` wi
 replicas and tries the returned ranks in order, probing queue lengths; a rank whose replicas
 are all full (`max_ongoing_requests`) is skipped:
 
-    owner alive:         [[owner], [least loaded], [next], ...]   owner full -> the next rank takes it
-    else, holders alive: [[least loaded holder], [next holder], ..., [least loaded other], [next], ...]
-    else:                [[least loaded], [next], ...]
-
-    owner gone = not a candidate; holder = a candidate the job's `prefix_holders` names that
-    runs at most PREFIX_SLACK requests more than the least loaded candidate
+    [[cheapest], [next cheapest], ...]   by expected time to first token (cost.py): its queue
+                                         plus the prefill (or head import) it needs
+    a conversation's owner without a tier copy of its head goes first whatever its queue (a move
+    would recompute the history); with a tier copy it competes: the head moves when that is cheaper
 
 Prefix holders: for a stateless request or a new conversation the ingress asks the cache
 service's prefix index which replicas hold the longest prefix of its messages (a shared system
-prompt, the history of a stateless chat resent in full): `TurnJob.prefix_holders`. There the
-prompt's start is a local hit; elsewhere it is recomputed once, and then held there too.
+prompt, the history of a stateless chat resent in full) and how many tokens:
+`TurnJob.prefix_holders`. There the prompt's start is a local hit; elsewhere it is recomputed
+once, and then held there too. A holder is preferred exactly while the prefill it saves
+outweighs its longer queue.
 
-Load = requests this router sent (Serve's queue-length cache) plus the choices it made that
-Serve has not counted yet, then the worker's routing stats (`record_routing_stats`: running
-requests, free KV blocks) to break ties and to see what other routers sent. A replica that
+Queue = the worker's routing stats (`record_routing_stats`, every second: requests in its engine,
+prompt tokens waiting, measured speeds) plus the requests sent since: this router's live count
+(Serve's queue-length cache, and the choices it made that Serve has not counted yet) beyond the
+reported requests. Equal costs go to the less loaded replica (fewer requests, then more free
+blocks, then at random). A replica that
 takes a conversation it does not own gets the head by the recovery ladder (tier import, else
 ledger recompute); see worker/replica.py.
 
@@ -53,33 +55,35 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from deployments.messages import ReplicaCall, TurnJob
 from deployments.routing import fleet
+from deployments.routing.cost import Need, ReplicaLoad, rank
+from deployments.routing.decisions import count_decision
 
 # A choice no request was sent for (cancelled while probing, or sent to a later rank) stops
 # counting after this.
 CHOICE_TTL_S = 2.0
-# A prefix holder is preferred while it runs at most this many more requests than the least
-# loaded replica. Without a bound, one hot system prompt would pin every new conversation on the
-# replica that computed it first; past it, another replica computes the prefix once and from
-# then on holds it too, so the load spreads over the holders.
-PREFIX_SLACK = 2
 
 
-def requested_owner(pending_request: PendingRequest | None) -> str:
+def requested_call(pending_request: PendingRequest | None) -> TurnJob | ReplicaCall | None:
+    """The request's turn or replica call (None: a call with no preference, e.g. a health check:
+    the least loaded replica takes it)."""
     if pending_request is None:
-        return ""
+        return None
     for arg in [*pending_request.args, *pending_request.kwargs.values()]:
         if isinstance(arg, (TurnJob, ReplicaCall)):
-            return arg.owner
-    return ""
+            return arg
+    return None
 
 
-def requested_prefix_holders(pending_request: PendingRequest | None) -> tuple[str, ...]:
-    if pending_request is None:
-        return ()
-    for arg in [*pending_request.args, *pending_request.kwargs.values()]:
-        if isinstance(arg, TurnJob):
-            return arg.prefix_holders
-    return ()
+def need_of(call: TurnJob | ReplicaCall) -> Need:
+    if isinstance(call, ReplicaCall):
+        return Need({}, owner=call.owner)
+    head = call.head
+    if head is None:  # stateless, or a conversation's first turn: where its prefix is held
+        return Need(dict(call.prefix_holders))
+    if not head.owner:  # nobody holds the head: any replica imports or recomputes it
+        return Need({})
+    return Need({head.owner: head.committed_tokens}, owner=head.owner, head_tokens=head.committed_tokens,
+                tier_has_head=head.tier_version == head.version)
 
 
 def load_key(queue_len: int | None, chosen: int, stats: dict[str, Any]) -> tuple[int, int, int, float]:
@@ -107,18 +111,19 @@ class StickyConversationRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
             self._chosen.pop(request_id, None)  # a retry chooses again
         chosen = self._chosen_counts()
-        owner = requested_owner(pending_request)
         cache = self.replica_queue_len_cache
         loads = {r.replica_id: load_key(cache.get(r.replica_id), chosen[r.replica_id], r.routing_stats)
                  for r in candidate_replicas}
         by_load = sorted(candidate_replicas, key=lambda r: loads[r.replica_id])
-        first = [r for r in by_load if owner and r.replica_id.unique_id == owner]
-        if not first and by_load:
-            holders = requested_prefix_holders(pending_request)
-            least = loads[by_load[0].replica_id][0]  # load_key's first element: requests sent or chosen
-            first = [r for r in by_load
-                     if r.replica_id.unique_id in holders and loads[r.replica_id][0] - least <= PREFIX_SLACK]
-        ranks = first + [r for r in by_load if r not in first]
+        call = requested_call(pending_request)
+        ranks = by_load
+        if call is not None and by_load:
+            by_name = {r.replica_id.unique_id: r for r in by_load}
+            queues = {name: ReplicaLoad.of(r.routing_stats, loads[r.replica_id][0]) for name, r in by_name.items()}
+            choices = rank(list(by_name), queues, need_of(call))
+            ranks = [by_name[c.replica] for c in choices]
+            if isinstance(call, TurnJob):
+                count_decision(choices[0].reason)
         if request_id is not None and ranks:
             self._chosen[request_id] = (ranks[0].replica_id, time.monotonic())
         return [[r] for r in ranks]

@@ -39,6 +39,7 @@ from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
+from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
 
@@ -163,8 +164,8 @@ class EngineSession:  # implements Session (session.py)
     async def max_model_len(self) -> int:
         return self.aengine.engine.max_model_len
 
-    async def load(self) -> tuple[int, int]:
-        """(requests in the engine, free KV blocks), for routing stats and heartbeats."""
+    async def load(self) -> EngineLoad:
+        """Its queue and measured speeds, for routing stats."""
         return await self.aengine.call(lambda e: e.load())
 
     # -- turns ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -64,6 +65,7 @@ from workers.errors import (
     PromptTooLongError,
     TurnResolvedError,
 )
+from workers.load import Rate
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
@@ -117,6 +119,9 @@ class Worker:
         self._expiring = False  # the sweep of idle copies, started with the first turn
         self.exporter = TierExporter(self.session, settings, self._cache, self._spawn)
         self.announcer = Announcer(self.replica_id, self._cache, self._spawn)
+        # Head tokens/s of its tier imports (ledger read, state fetch, install): what the router
+        # prices moving a conversation here at.
+        self.import_rate = Rate()
 
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
@@ -133,9 +138,12 @@ class Worker:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         await self._cache()  # Serve calls this every period from the start: connect before the first turn
-        running, free = await self.session.load()
-        # kv_cache_usage: read by the ingress's /metrics (vllm:kv_cache_usage_perc, routing/fleet.py)
-        return {"running_requests": running, "free_kv_blocks": free,
+        load = await self.session.load()
+        return {"running_requests": load.requests, "free_kv_blocks": load.free_kv_blocks,
+                "waiting_prefill_tokens": load.waiting_prefill_tokens,
+                "prefill_tokens_per_s": load.prefill_tokens_per_s, "mean_prefill_tokens": load.mean_prefill_tokens,
+                "import_tokens_per_s": self.import_rate.value,
+                # read by the ingress's /metrics (vllm:kv_cache_usage_perc, routing/fleet.py)
                 "kv_cache_usage": await self.session.kv_cache_usage()}
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
@@ -212,7 +220,10 @@ class Worker:
                     self._expiring = True
                     self._spawn(self._expire_idle_copies())
                 self.session.turn_started(job.conversation)
+                started = time.perf_counter()
                 recovery = await attach(self.session, self.settings, self._cache, job)
+                if recovery is Recovery.TIER_IMPORT:
+                    self.import_rate.observe(job.head.committed_tokens, time.perf_counter() - started)
                 stream = self.session.stream_turn(job.conversation, job.messages, params, job.request_id,
                                                   list(job.tools))
             async for event in self._run(job, params, stream, recovery):

@@ -24,6 +24,7 @@ from deployments.worker.turns_here import ConversationUse
 from proto.contract import ConversationRef
 from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
+from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.tools.formats import ToolFormat
 
@@ -44,8 +45,8 @@ class Session(Protocol):
         """Raises once the engine can no longer serve (Serve replaces the replica)."""
         ...
 
-    async def load(self) -> tuple[int, int]:
-        """(requests in the engine, free KV blocks), for routing stats."""
+    async def load(self) -> EngineLoad:
+        """Its queue and measured speeds, for routing stats (what the backend cannot tell: 0)."""
         ...
 
     async def kv_cache_usage(self) -> float:

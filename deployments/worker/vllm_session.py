@@ -31,6 +31,7 @@ from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
 from workers.errors import CorruptStateError, InvalidRequestError
+from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import ToolFormat, plain_message, tool_format_for
@@ -142,15 +143,16 @@ class VllmSession:  # implements Session (session.py)
     async def max_model_len(self) -> int:
         return (await self.host.start())["max_model_len"]
 
-    async def load(self) -> tuple[int, int]:
-        """(requests in the engine, free KV blocks), for routing stats; (0, 0) while the engine
-        host starts (Serve asks from the replica's start: the first ask begins the host's)."""
+    async def load(self) -> EngineLoad:
+        """Requests in the engine and free KV blocks, for routing stats (the router takes the
+        fleet's measured speeds for this backend's); nothing while the engine host starts (Serve
+        asks from the replica's start: the first ask begins the host's)."""
         if not self.host.ready:
             self.host.start_soon()
             self.host.check_alive()
-            return 0, 0
+            return EngineLoad(0, 0)
         stats = await self.host.call("stats")
-        return stats["running"], stats["free_blocks"]
+        return EngineLoad(stats["running"], stats["free_blocks"])
 
     # -- turns ------------------------------------------------------------------------------
     async def prepare_grammar(self, params: SamplingParams) -> None:

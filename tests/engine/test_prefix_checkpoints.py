@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.conftest import GREEDY, LogitRecorder, assert_logits_close, kv_bytes_for_blocks, new_engine, prompt_of
+from workers.cache.prefix_wait import MIN_SHARED_TOKENS
 from workers.checkpoint import Arch
 from workers.engine import LLMEngine, RequestOutput
 from workers.request import CheckpointMark, KeepState, ReuseSource
@@ -210,3 +211,42 @@ def test_a_burst_sharing_a_system_prompt_attaches_the_first_ones_mark_at_admissi
     assert [out.num_cached_tokens for _, out in results] == [0, 40, 40, 40]
     for prompt, (tokens, _) in zip(prompts, results):
         assert tokens == plain.run(prompt)[0]
+
+
+@pytest.mark.parametrize("budget", [2048, 48])
+def test_requests_arriving_together_wait_for_the_first_ones_checkpoint(tiny, budget):
+    """The budget fits all four in one step: without waiting, each would compute the shared
+    40 tokens. The later ones wait while the first one's prefill has not passed its mark, then
+    attach it; the tokens are those of a run without any reuse. A shorter shared prefix (under
+    MIN_SHARED_TOKENS) is not waited for, and another scope never waits on it."""
+    path = tiny[Arch.BAMBA].path
+    ours = Driver(new_engine(path, max_num_batched_tokens=budget))
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    system = prompt_of(40, seed=13)
+    prompts = [system + prompt_of(20, seed=60 + i) for i in range(4)]
+    mark = CheckpointMark(40, label=1, source=ReuseSource.SYSTEM)
+    results = ours.run_all(prompts, keep=KeepState.FREE, marks=[mark])
+    assert [out.num_cached_tokens for _, out in results] == [0, 40, 40, 40]
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == plain.run(prompt)[0]
+
+    short = [prompt_of(MIN_SHARED_TOKENS - 2, seed=14) + prompt_of(20, seed=70 + i) for i in range(2)]
+    short_mark = CheckpointMark(MIN_SHARED_TOKENS - 2, label=1, source=ReuseSource.SYSTEM)
+    assert [out.num_cached_tokens for _, out in ours.run_all(short, keep=KeepState.FREE, marks=[short_mark])] == (
+        [0, 0] if budget >= 100 else [0, MIN_SHARED_TOKENS - 2])
+
+
+def test_a_waiting_request_never_waits_on_another_scope(tiny):
+    path = tiny[Arch.BAMBA].path
+    engine = new_engine(path)
+    system = prompt_of(40, seed=15)
+    mark = (CheckpointMark(40, label=1, source=ReuseSource.SYSTEM),)
+    first = engine.add_request("a", system + prompt_of(20, seed=1), GREEDY, prefix_scope="one", marks=mark)
+    other = engine.add_request("b", system + prompt_of(20, seed=2), GREEDY, prefix_scope="two", marks=mark)
+    same = engine.add_request("c", system + prompt_of(20, seed=3), GREEDY, prefix_scope="one", marks=mark)
+    engine.step()
+    assert first.num_computed_tokens > 0 and other.num_computed_tokens > 0  # admitted together
+    assert same.num_computed_tokens == 0  # waits for a's checkpoint
+    while engine.has_unfinished():
+        engine.step()
+    assert same.num_cached_tokens == 40

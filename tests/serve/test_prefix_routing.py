@@ -71,7 +71,7 @@ async def test_a_stateless_request_carries_the_holders_of_its_longest_prefix(ser
         assert run.job.prefix_holders == () and run.job.scope == salt
         await cache.announce_prefixes("replica-a", [(names[0], 12)])
         await cache.announce_prefixes("replica-b", [(names[2], 30)])
-        assert (await start(cache, salt)).job.prefix_holders == ("replica-b",)
+        assert (await start(cache, salt)).job.prefix_holders == (("replica-b", 30),)
         assert (await start(cache, f"other-{salt}")).job.prefix_holders == ()  # another scope
 
 
@@ -84,7 +84,7 @@ async def test_a_new_conversation_carries_them_a_continued_one_does_not(service)
             await cache.announce_prefixes("replica-a", [(names[1], 20)])
             run = await start(cache, salt, conversation_id=conversation_id, keeper=keeper)
             try:
-                assert run.job.head is None and run.job.prefix_holders == ("replica-a",)
+                assert run.job.head is None and run.job.prefix_holders == (("replica-a", 20),)
             finally:
                 await run.close()  # discards the lease
         finally:

@@ -7,12 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 # Serve has no public constructor of a router's deployment id, handle source or request metadata.
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from deployments.messages import HeadRef, TurnJob
-from deployments.routing.router import PREFIX_SLACK, StickyConversationRouter
+from deployments.routing.decisions import ROUTING_REGISTRY
+from deployments.routing.router import StickyConversationRouter
 
 
 @dataclass
@@ -47,21 +50,26 @@ async def test_a_request_sent_without_strict_routing_counts_once():
     assert (await router.choose_replicas([a, b], _pending(3)))[0] == [b]
 
 
-def _job_request(n: int, *, owner: str = "", holders: tuple[str, ...] = ()) -> PendingRequest:
-    head = HeadRef(1, 1, 10, "0" * 64, owner, 0) if owner else None
+def _job_request(n: int, *, owner: str = "", holders: tuple[tuple[str, int], ...] = (), head_tokens: int = 1000,
+                 tier_copy: bool = False) -> PendingRequest:
+    head = HeadRef(3, 3, head_tokens, "0" * 64, owner, 3 if tier_copy else 0) if owner else None
     job = TurnJob(f"req-{n}", [{"role": "user", "content": "hi"}], {}, "conv" if owner else None, head=head,
                   prefix_holders=holders)
     return PendingRequest(args=[job], kwargs={},
                           metadata=RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}"))
 
 
-def _router_with_loads(**queue_lens: int) -> tuple[StickyConversationRouter, dict[str, Candidate]]:
+def _router(**stats: dict[str, Any]) -> tuple[StickyConversationRouter, list[Candidate]]:
+    """A router over replicas with the given routing stats, each as measured by its worker
+    (speeds default to 1,000 prefill tokens/s), nothing sent to any yet."""
     deployment = DeploymentID(name="Worker", app_name="router-test")
     router = StickyConversationRouter(deployment, DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
-    replicas = {}
-    for name, queue_len in queue_lens.items():
-        replicas[name] = Candidate(ReplicaID(name, deployment))
-        router.on_new_queue_len_info(replicas[name].replica_id, queue_len)
+    replicas = []
+    for name, given in stats.items():
+        replica = Candidate(ReplicaID(name, deployment), {"prefill_tokens_per_s": 1000.0, "mean_prefill_tokens": 100.0,
+                                                          **given})
+        router.on_new_queue_len_info(replica.replica_id, int(given.get("running_requests", 0)))
+        replicas.append(replica)
     return router, replicas
 
 
@@ -70,36 +78,68 @@ def _names(ranks) -> list[str]:
     return [rank[0].replica_id.unique_id for rank in ranks]
 
 
-async def test_prefix_holders_come_first_least_loaded_of_them_first():
-    router, r = _router_with_loads(a=0, b=1, c=2, d=3)
-    ranks = await router.choose_replicas(list(r.values()), _job_request(1, holders=("c", "b", "gone")))
-    assert _names(ranks) == ["b", "c", "a", "d"]
+def _decisions(reason: str) -> float:
+    return ROUTING_REGISTRY.get_sample_value("hybridserve_route_decisions_total", {"reason": reason})
 
 
-async def test_a_holder_busier_than_the_slack_allows_is_ranked_by_load():
-    router, r = _router_with_loads(a=0, b=PREFIX_SLACK, c=PREFIX_SLACK + 1)
-    assert _names(await router.choose_replicas(list(r.values()), _job_request(1, holders=("b",))))[0] == "b"
-    router, r = _router_with_loads(a=0, b=PREFIX_SLACK, c=PREFIX_SLACK + 1)
-    assert _names(await router.choose_replicas(list(r.values()), _job_request(1, holders=("c",)))) == ["a", "b", "c"]
-    router, r = _router_with_loads(a=0, b=PREFIX_SLACK, c=PREFIX_SLACK + 1)
-    # only the holders within the slack go first
-    assert _names(await router.choose_replicas(list(r.values()), _job_request(1, holders=("b", "c")))) == [
-        "b", "a", "c"]
+async def _first(router, replicas, request) -> str:
+    return _names(await router.choose_replicas(replicas, request))[0]
 
 
-async def test_choices_count_towards_the_slack():
-    """One hot prompt, many new conversations arriving at once: the holder takes them until it
-    is PREFIX_SLACK choices ahead, then the others do (and hold the prefix from then on)."""
-    router, r = _router_with_loads(a=0, b=0)
-    firsts = [_names(await router.choose_replicas(list(r.values()), _job_request(n, holders=("a",))))[0]
-              for n in range(PREFIX_SLACK + 2)]
-    assert firsts == ["a"] * (PREFIX_SLACK + 1) + ["b"]
+@pytest.mark.parametrize("queued, expected", [(400, "a"), (600, "b")])
+async def test_a_holder_is_worth_waiting_for_exactly_while_its_saved_prefill_exceeds_its_extra_queue(queued, expected):
+    """a holds 500 tokens of the prompt with `queued` prompt tokens ahead; b is idle and holds
+    nothing. At equal speeds a wins while 500 > queued."""
+    reason = "prefix_holder" if expected == "a" else "prefix_holder_busy"
+    before = _decisions(reason)
+    router, replicas = _router(a={"running_requests": 1, "waiting_prefill_tokens": queued}, b={})
+    assert await _first(router, replicas, _job_request(1, holders=(("a", 500),))) == expected
+    assert _decisions(reason) == before + 1
 
 
-async def test_the_owner_still_wins_over_prefix_holders():
-    router, r = _router_with_loads(a=0, b=5, c=1)
-    ranks = await router.choose_replicas(list(r.values()), _job_request(1, owner="b", holders=("c",)))
-    assert _names(ranks) == ["b", "a", "c"]  # holders only matter without an owner
-    router, r = _router_with_loads(a=0, b=5, c=1)
-    ranks = await router.choose_replicas([r["a"], r["c"]], _job_request(2, owner="b", holders=("c",)))
-    assert _names(ranks) == ["c", "a"]  # the owner is gone: the holder goes first
+async def test_each_replica_is_priced_at_its_own_measured_speed():
+    """A slow holder (100 tokens/s) with 100 tokens queued (1 s) loses to a fast replica
+    recomputing the 500-token prefix (0.5 s); with nothing queued it wins (0 s)."""
+    slow = {"prefill_tokens_per_s": 100.0}
+    router, replicas = _router(a={**slow, "running_requests": 1, "waiting_prefill_tokens": 100}, b={})
+    assert await _first(router, replicas, _job_request(1, holders=(("a", 500),))) == "b"
+    router, replicas = _router(a=slow, b={})
+    assert await _first(router, replicas, _job_request(2, holders=(("a", 500),))) == "a"
+
+
+async def test_the_longer_held_prefix_wins_at_equal_queues():
+    router, replicas = _router(a={}, b={}, c={})
+    ranks = await router.choose_replicas(replicas, _job_request(1, holders=(("c", 300), ("b", 800), ("gone", 900))))
+    assert _names(ranks) == ["b", "c", "a"]
+
+
+async def test_requests_sent_since_the_last_report_count_as_queue():
+    """One hot prefix, requests arriving together (no new report between them): the holder
+    takes them while its added queue (a mean prompt each) costs less than recomputing the
+    prefix elsewhere, then the other replica does (and holds the prefix from then on)."""
+    router, replicas = _router(a={}, b={})
+    firsts = [await _first(router, replicas, _job_request(n, holders=(("a", 250),))) for n in range(4)]
+    assert firsts == ["a", "a", "a", "b"]  # a's queue: 0, 100, 200 tokens < 250; then 300 > 250
+
+
+async def test_a_busy_owner_keeps_its_turn_unless_the_tier_holds_the_head():
+    """The owner a has 5,000 tokens queued (5 s). Without a tier copy the turn waits for it (a
+    move would recompute the history); with one, b imports the 1,000-token head (at a measured
+    10,000 tokens/s: 0.1 s) and takes the turn."""
+    busy = {"running_requests": 4, "waiting_prefill_tokens": 5000}
+    router, replicas = _router(a=busy, b={"import_tokens_per_s": 10_000.0})
+    before = _decisions("owner_busy_moved")
+    assert await _first(router, replicas, _job_request(1, owner="a")) == "a"
+    assert await _first(router, replicas, _job_request(2, owner="a", tier_copy=True)) == "b"
+    assert _decisions("owner_busy_moved") == before + 1
+    router, replicas = _router(a={"running_requests": 1, "waiting_prefill_tokens": 50}, b={})
+    assert await _first(router, replicas, _job_request(3, owner="a", tier_copy=True)) == "a"  # 0.05 s < 0.1 s
+
+
+async def test_the_owner_wins_over_prefix_holders_and_when_gone_the_holders_count_for_nothing():
+    router, replicas = _router(a={}, b={"running_requests": 5, "waiting_prefill_tokens": 500}, c={})
+    ranks = await router.choose_replicas(replicas, _job_request(1, owner="b", holders=(("c", 900),)))
+    assert _names(ranks)[0] == "b"  # holders only matter without a head
+    before = _decisions("owner_gone")
+    ranks = await router.choose_replicas([replicas[0], replicas[2]], _job_request(2, owner="b"))
+    assert _decisions("owner_gone") == before + 1 and len(ranks) == 2

@@ -5,12 +5,14 @@ requests, to the verifier as candidates."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from workers.deterministic.verifier import Verifier
 from workers.loop.finishing import Finisher
 from workers.loop.grammar_masks import grammar_masks, prefetch_mask
+from workers.load import MIN_PREFILL_TOKENS, Rate
 from workers.loop.outputs import RequestOutput, output_of
 from workers.request import FinishReason
 from workers.runner import ModelRunner
@@ -34,6 +36,8 @@ class FastStep:
         self.verifier = verifier
         self.finisher = finisher
         self.banned_token_ids = banned_token_ids
+        # Tokens/s of steps that prefill: what the router prices a replica's missing prefix at.
+        self.prefill_rate = Rate()
 
     @torch.inference_mode()  # the step's logits are masked in place before sampling
     def run(self) -> list[RequestOutput]:
@@ -49,6 +53,7 @@ class FastStep:
         rows = [i for i, c in enumerate(ending) if not c.request.prefill_only]
         sampling = [ending[i] for i in rows]
         masks, grammar_failed = grammar_masks([c.request for c in sampling], self.banned_token_ids)
+        started = time.perf_counter()
         try:
             logits = self.runner.execute(step)
             sampled = sample(
@@ -62,6 +67,9 @@ class FastStep:
         except Exception as e:  # a failing step fails its requests; the engine keeps serving
             log.exception("model step failed")
             return outputs + [finisher.fail(c.request, f"model step failed: {e}") for c in step.chunks]
+        tokens = sum(c.num_tokens for c in step.chunks)
+        if tokens - len(step.chunks) >= MIN_PREFILL_TOKENS:  # more than one token per row: a prefill ran
+            self.prefill_rate.observe(tokens, time.perf_counter() - started)
         self.scheduler.advance(step)
         for chunk, token in zip(sampling, sampled):
             if chunk.request.request_id in grammar_failed:

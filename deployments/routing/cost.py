@@ -1,0 +1,151 @@
+"""Where a request is served soonest: each candidate replica's expected time to first token.
+
+    expected_ttft(r) = (ahead(r) + lacking(r)) / prefill_speed(r)          [+ import(r) for a head]
+
+    ahead(r)    prefill tokens queued on r before this request: the waiting prompt tokens r last
+                reported, plus its mean prefill (prompt less what was attached) for each request
+                sent to r since that report
+    lacking(r)  the tokens of this request r must compute that the best-placed replica would not:
+                a stateless request or a first turn -> longest held prefix - the prefix r holds;
+                a conversation's turn               -> 0 on its owner; elsewhere the import of
+                                                       its head from the tier, or, without a tier
+                                                       copy, its recompute from the ledger (then
+                                                       only when the owner is gone: see `rank`)
+    speeds      measured by each replica (prefill tokens/s of its engine steps, head tokens/s of
+                its tier imports) and reported with its routing stats; a replica that has not
+                measured yet is taken to run at the fleet's median
+
+The part of the prompt nobody holds (a turn's new messages) costs every replica the same and is
+left out: it cannot change which one is cheapest at equal speeds, and the router does not
+tokenize. So a holder is worth waiting for exactly while the prefill it saves exceeds its extra
+queue; past that the request goes elsewhere and computes the prefix once, and from then on that
+replica holds it too.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from statistics import median
+
+# Until a replica has measured its speeds (no prefill yet): an order of magnitude of a small
+# model on two CPU cores. Only ratios between replicas matter while all of them use it.
+DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
+# A tier import moves bytes, not FLOPs: taken as this many times faster than prefill until measured.
+DEFAULT_IMPORT_SPEEDUP = 10.0
+DEFAULT_MEAN_PREFILL_TOKENS = 256.0  # until measured
+
+
+class RouteReason(enum.Enum):
+    """Why a request went where it went (`hybridserve_route_decisions_total{reason}`)."""
+
+    OWNER = "owner"  # a conversation's turn on the replica holding its head
+    OWNER_BUSY_MOVED = "owner_busy_moved"  # the owner's queue cost more than moving the head
+    OWNER_GONE = "owner_gone"  # the owner is no longer a candidate: the head moves
+    PREFIX_HOLDER = "prefix_holder"  # a replica holding the request's longest known prefix
+    PREFIX_HOLDER_BUSY = "prefix_holder_busy"  # holders' queues cost more than recomputing it
+    LEAST_LOADED = "least_loaded"  # nobody holds anything of it: the shortest queue
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What the router knows of one candidate's queue and speeds."""
+
+    reported_requests: int = 0  # requests in its engine at its last report
+    waiting_prefill_tokens: int = 0  # prompt tokens not yet computed at its last report
+    sent_since_report: int = 0  # requests routed to it since (Serve's live queue minus reported)
+    prefill_tokens_per_s: float = 0.0  # 0: not measured yet
+    import_tokens_per_s: float = 0.0  # head tokens imported from the tier per second; 0: not measured
+    mean_prefill_tokens: float = 0.0  # 0: not measured yet
+
+    @classmethod
+    def of(cls, stats: Mapping, live_requests: int) -> "ReplicaLoad":
+        """From a replica's routing stats (Worker.record_routing_stats) and the requests Serve
+        and this router count against it now."""
+        reported = int(stats.get("running_requests", 0))
+        return cls(reported, int(stats.get("waiting_prefill_tokens", 0)), max(0, live_requests - reported),
+                   float(stats.get("prefill_tokens_per_s", 0.0)), float(stats.get("import_tokens_per_s", 0.0)),
+                   float(stats.get("mean_prefill_tokens", 0.0)))
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one request needs of a replica, as far as the router can tell."""
+
+    held: Mapping[str, int]  # replica -> prompt tokens it holds (its prefix, or the owner's head)
+    owner: str = ""  # a conversation's owner ("" for stateless requests and first turns)
+    head_tokens: int = 0  # a conversation's committed tokens (what a non-owner lacks)
+    tier_has_head: bool = False  # the tier holds the current head: a non-owner imports it
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: str
+    expected_ttft_s: float
+    reason: RouteReason
+
+
+class Speeds:
+    """Each replica's measured speeds, with the fleet's median standing in for one not measured."""
+
+    def __init__(self, loads: Mapping[str, ReplicaLoad]):
+        prefill = [x.prefill_tokens_per_s for x in loads.values() if x.prefill_tokens_per_s > 0]
+        imports = [x.import_tokens_per_s for x in loads.values() if x.import_tokens_per_s > 0]
+        prompts = [x.mean_prefill_tokens for x in loads.values() if x.mean_prefill_tokens > 0]
+        self._prefill = median(prefill) if prefill else DEFAULT_PREFILL_TOKENS_PER_S
+        self._import = median(imports) if imports else self._prefill * DEFAULT_IMPORT_SPEEDUP
+        self._prompt = median(prompts) if prompts else DEFAULT_MEAN_PREFILL_TOKENS
+        self._loads = loads
+
+    def prefill(self, replica: str) -> float:
+        return self._loads[replica].prefill_tokens_per_s or self._prefill
+
+    def imports(self, replica: str) -> float:
+        return self._loads[replica].import_tokens_per_s or self._import
+
+    def queue_s(self, replica: str) -> float:
+        load = self._loads[replica]
+        ahead = load.waiting_prefill_tokens + load.sent_since_report * (load.mean_prefill_tokens or self._prompt)
+        return ahead / self.prefill(replica)
+
+
+def expected_ttft(replica: str, need: Need, speeds: Speeds) -> float:
+    """This request's time to first token on `replica`, less the part every replica shares."""
+    queue = speeds.queue_s(replica)
+    if need.owner:  # a conversation's turn: the owner has the head, anyone else must get it
+        if replica == need.owner:
+            return queue
+        if need.tier_has_head:
+            return queue + need.head_tokens / speeds.imports(replica)
+        return queue + need.head_tokens / speeds.prefill(replica)
+    best = max(need.held.values(), default=0)
+    return queue + (best - need.held.get(replica, 0)) / speeds.prefill(replica)
+
+
+def rank(candidates: Sequence[str], loads: Mapping[str, ReplicaLoad], need: Need) -> list[Choice]:
+    """Candidates cheapest first (ties keep the given order: the caller shuffles equals), each
+    with the reason the first one won. An empty list for no candidates."""
+    speeds = Speeds(loads)
+    costs = sorted(((expected_ttft(r, need, speeds), i, r) for i, r in enumerate(candidates)))
+    if not costs:
+        return []
+    if need.owner in candidates and not need.tier_has_head:
+        # Without a tier copy a move recomputes the whole history from the ledger and leaves the
+        # owner's copy stale: the turn waits for its owner (Serve skips it only when it is full).
+        costs.sort(key=lambda c: c[2] != need.owner)
+    first = costs[0][2]
+    reason = _reason(first, candidates, need)
+    return [Choice(r, cost, reason) for cost, _, r in costs]
+
+
+def _reason(first: str, candidates: Sequence[str], need: Need) -> RouteReason:
+    if need.owner:
+        if first == need.owner:
+            return RouteReason.OWNER
+        return RouteReason.OWNER_BUSY_MOVED if need.owner in candidates else RouteReason.OWNER_GONE
+    holders = [r for r in candidates if need.held.get(r, 0) > 0]
+    if not holders:
+        return RouteReason.LEAST_LOADED
+    return RouteReason.PREFIX_HOLDER if need.held.get(first, 0) == max(need.held.values()) else (
+        RouteReason.PREFIX_HOLDER_BUSY)
