@@ -297,6 +297,10 @@ function renderChart(turns) {
   const y = (v) => H - bottom - (v / peak) * (H - bottom - top);
   const band = ((W - left - right) / Math.max(turns.length, 4)) * 0.55;
   const parts = [];
+  if (!turns.length) {
+    svg.innerHTML = `<text class="axis" x="${W / 2}" y="${H / 2}" text-anchor="middle">no turns yet</text>`;
+    return;
+  }
   for (const f of [0, 0.5, 1]) {
     parts.push(`<line class="grid" x1="${left}" x2="${W - right}" y1="${y(peak * f)}" y2="${y(peak * f)}"/>`,
       `<text class="axis" x="${left - 4}" y="${y(peak * f) + 3}" text-anchor="end">${ms(peak * f)}</text>`);
@@ -305,13 +309,9 @@ function renderChart(turns) {
     parts.push(`<rect class="bar" x="${x(i) - band / 2}" y="${y(t.ttft)}" width="${band}" height="${H - bottom - y(t.ttft)}"><title>turn ${t.n}: ${ms(t.ttft)}</title></rect>`,
       `<text class="axis" x="${x(i)}" y="${H - 8}" text-anchor="middle">${t.n}</text>`);
   });
-  if (turns.length) {
-    const points = estimates.map((v, i) => `${x(i)},${y(v)}`).join(" ");
-    parts.push(`<polyline class="estimate" points="${points}"/>`);
-    estimates.forEach((v, i) => parts.push(`<circle class="estimate-dot" cx="${x(i)}" cy="${y(v)}" r="2.5"/>`));
-  } else {
-    parts.push(`<text class="axis" x="${W / 2}" y="${H / 2}" text-anchor="middle">no turns yet</text>`);
-  }
+  const points = estimates.map((v, i) => `${x(i)},${y(v)}`).join(" ");
+  parts.push(`<polyline class="estimate" points="${points}"/>`);
+  estimates.forEach((v, i) => parts.push(`<circle class="estimate-dot" cx="${x(i)}" cy="${y(v)}" r="2.5"/>`));
   svg.innerHTML = parts.join("");
 }
 
