@@ -3,6 +3,7 @@
     chatterbot-corpus (English YAML)  --split by seed-->  train / held-out conversations
         train texts  --tokenizers BpeTrainer-->  byte-level BPE (tokenizer.json)
         train chats  --transformers GraniteMoeHybridForCausalLM, AdamW-->  model.safetensors
+                     stage 1: every token, `epochs`; stage 2: the assistant's replies only, `answer_epochs`
     out_dir/ = the layout `writer.py` writes (config.json, tokenizer files, chat template,
                hybridserve.json) + training.json (corpus, version, licence, settings, losses)
 
