@@ -8,11 +8,14 @@ the TTL (hundreds of streams, a replica loading beside it on the same cores); he
 wait before a renewal is the OS scheduling a thread.
 
 The renewals run on a clock, not one after another: a tick sends a renewal whatever the
-earlier ones are doing, so one slow reply cannot hold the next back. Each is one attempt
-bounded by the period (TTL/4), without the client's retries: the next tick is the retry.
+earlier ones are doing, so one slow reply cannot hold the next back. Each is one attempt,
+without the client's retries (the next tick is the retry), bounded by when the lease would
+lapse if it is not renewed: an answer after that is worth nothing, and one before it, however
+slow, is not thrown away (cut at TTL/4, a service answering every renewal in TTL/3 would lose
+every lease it in fact renewed).
 
     t:       0      T/4     T/2     3T/4     T
-    sent:    ·──────x (slow, cut at T/4)
+    sent:    ·───────────────────────────────x (slow: cut when the lease would lapse)
                     ·──ok   (renewed: the lease now lasts until T/4 + T at least)
                             ·──err  (UNKNOWN, INTERNAL ...: kept, logged, counted)
 
@@ -138,7 +141,9 @@ class _Renewals:
     async def _renew_once(self) -> None:
         sent = time.monotonic()
         try:
-            await self.keeper.client.renew_lease(self.conv, self.granted, self.ttl_ms, timeout_s=self.period_s)
+            # At least a period: a renewal sent late (the keeper's thread starved) still gets a try.
+            deadline_s = max(self.period_s, self.renewed_at + self.ttl_s - sent)
+            await self.keeper.client.renew_lease(self.conv, self.granted, self.ttl_ms, timeout_s=deadline_s)
         except LeaseLost as e:
             self.keeper.on_renewal(time.monotonic() - sent, Renewal.LOST)
             self._lose(e)
