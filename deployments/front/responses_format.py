@@ -40,6 +40,9 @@ PREFIX = "resp_"
 # conversation turn is a stored response too: its body carries the id (chat_format.py).
 PUBLISH_PREFIXES = ("resp-", "chatcmpl-", "idem-")
 MAX_TURN = (1 << 32) - 1  # the ledger's turn numbers are uint32
+# The longest id one of ours can be: base64 of [a conversation id of MAX_ID_BYTES (JSON may escape
+# each byte as six characters), a turn, a publish id]. Longer text is nobody's id, and is not decoded.
+MAX_RESPONSE_ID = len(PREFIX) + 4 * (6 * MAX_ID_BYTES + 512) // 3
 
 
 @dataclass(frozen=True)
@@ -59,12 +62,12 @@ class ResponseId:
     @classmethod
     def parse(cls, text: str) -> "ResponseId | None":
         """None when `text` is no stored response's id."""
-        if not text.startswith(PREFIX):
+        if not text.startswith(PREFIX) or len(text) > MAX_RESPONSE_ID:
             return None
         body = text[len(PREFIX):]
         try:
             conv, turn, publish = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
-        except (binascii.Error, ValueError, TypeError, UnicodeDecodeError):
+        except (binascii.Error, ValueError, TypeError, UnicodeDecodeError, RecursionError):  # nested [[[...]]]
             return None
         if not (isinstance(conv, str) and isinstance(turn, int) and not isinstance(turn, bool)
                 and 1 <= turn <= MAX_TURN and isinstance(publish, str) and publish.startswith(PUBLISH_PREFIXES)):

@@ -35,6 +35,16 @@ def test_ids_round_trip_and_anything_else_names_nothing():
         assert ResponseId.parse(bad) is None, bad
 
 
+def test_a_deeply_nested_or_overlong_id_names_nothing():
+    """JSON nested past Python's recursion limit raised RecursionError (a 500 on GET
+    /v1/responses/{id}); an id far longer than any of ours is not decoded at all."""
+    nested = "resp_" + base64.urlsafe_b64encode(b"[" * 100_000).decode().rstrip("=")
+    assert ResponseId.parse(nested) is None
+    longest = ResponseId("\u0001" * 256, 1 << 31, "idem-" + "f" * 64)  # escaped: six JSON characters a byte
+    assert ResponseId.parse(str(longest)) == longest
+    assert ResponseId.parse(_raw(["c", 1, PUBLISH + "0" * 100_000])) is None
+
+
 def _request(**fields) -> ResponsesRequest:
     return ResponsesRequest(model="m", input="hi", **fields)
 
