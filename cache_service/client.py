@@ -35,24 +35,10 @@ from typing import Any
 import grpc
 
 from cache_service import hashing, state_chunks
-from cache_service.errors import (  # noqa: F401
-    AlreadyExists,
-    CacheError,
-    DataLoss,
-    DeadlineExceeded,
-    Interrupted,
-    InvalidArgument,
-    LeaseHeld,
-    LeaseLost,
-    MissingChunks,
-    NotFound,
-    ResourceExhausted,
-    StaleFence,
-    StorageFull,
-    Unauthenticated,
-    Unavailable,
-    VersionConflict,
-    from_status,
+from cache_service.errors import (  # noqa: F401 (the client's face: callers catch these from here)
+    AlreadyExists, CacheError, DataLoss, DeadlineExceeded, Interrupted, InvalidArgument, LeaseHeld, LeaseLost,
+    MissingChunks, NotFound, ResourceExhausted, StaleFence, StorageFull, Unauthenticated, Unavailable,
+    VersionConflict, from_status,
 )
 from cache_service.client_config import SERVICE_LIMITS, ClientConfig, RetryPolicy  # noqa: F401 (the client's face)
 from cache_service.wire import bearer
