@@ -39,6 +39,9 @@ class SoakPlan:
     responses: int  # stateless Responses calls: each stores a one-turn conversation (store defaults to true)
     conversations: int  # two-turn chat conversations, never used again
     live: int  # conversations kept alive by a turn every ttl_s / 4 for the whole run
+    # A live conversation moves on to a new one after this many turns (the old one then expires):
+    # a chat that outgrows the model's context is refused, not stored.
+    live_turns_each: int = 30
     ttl_s: float  # the conversation TTL of the run (the prefix index's too, so it is bounded alike)
     builtin_model: bool = True  # the built-in model; False: the tiny test checkpoint
     concurrency: int = 8
@@ -70,6 +73,7 @@ class Observed:
     errors: dict[str, int] = field(default_factory=dict)
     live_turns: list[dict] = field(default_factory=list)  # {conversation, turn, expected, cached_tokens}
     live_ledgers: dict[str, int] = field(default_factory=dict)  # GET /v1/conversations at the end: turns
+    live_bytes_max: int = 0  # the most the live conversations' own keys held at once (their ledgers grow)
     load_end_s: float = 0.0
     end_s: float = 0.0
 
@@ -101,6 +105,8 @@ class Soak:
         self.t0 = time.monotonic() + 2 * self.plan.sample_every_s  # the baseline is sampled first
         sampler = asyncio.create_task(self._sample(stop))
         await asyncio.sleep(max(0.0, -self.now()))
+        self.live_now = [f"live-{k}-0" for k in range(self.plan.live)]  # each live conversation's current id
+        self.live_bytes = [0] * self.plan.live
         live = [asyncio.create_task(self._live(k, stop)) for k in range(self.plan.live)]
         await self._load()
         self.seen.load_end_s = self.now()
@@ -110,9 +116,9 @@ class Soak:
         await asyncio.gather(sampler, *live)
         self.seen.end_s = self.now()
         async with httpx.AsyncClient(base_url=self.base_url, timeout=60) as http:
-            for k in range(self.plan.live):
-                got = await http.get(f"/v1/conversations/live-{k}", params={"cache_salt": SALT})
-                self.seen.live_ledgers[f"live-{k}"] = got.json()["turn"] if got.status_code == 200 else 0
+            for conv in self.live_now:
+                got = await http.get(f"/v1/conversations/{conv}", params={"cache_salt": SALT})
+                self.seen.live_ledgers[conv] = got.json()["turn"] if got.status_code == 200 else 0
         await self.redis.aclose()
         await self.cache.close()
         return self.seen
@@ -168,13 +174,22 @@ class Soak:
         return conv
 
     async def _live(self, k: int, stop: asyncio.Event) -> None:
-        """A conversation in use all along: each turn must continue the ledger (nothing expired)."""
-        conv, expected = f"live-{k}", 1
+        """A conversation in use all along: each turn must continue the ledger (nothing expired).
+        After `live_turns_each` turns it moves on to a new conversation, as a chat that outgrew
+        the context would."""
+        generation, expected = 0, 1
         while True:
+            if expected > self.plan.live_turns_each:  # the old one is stored, unused from now: it expires
+                self.seen.last_use[self.live_now[k]] = self.now()
+                generation, expected = generation + 1, 1
+                self.live_now[k] = f"live-{k}-{generation}"
+            conv = self.live_now[k]
             try:
                 turn = await self._turn(conv, self._text(f"l{k}"))
                 self.seen.live_turns.append({"conversation": conv, "expected": expected, **turn})
                 expected = turn["turn"] + 1
+                self.live_bytes[k] = await self._bytes_of(conv)
+                self.seen.live_bytes_max = max(self.seen.live_bytes_max, sum(self.live_bytes))
             except (openai.APIError, httpx.HTTPError) as e:
                 self.seen.error(f"live: {type(e).__name__} {getattr(e, 'status_code', '')}".strip())
             try:
@@ -182,6 +197,11 @@ class Soak:
                 return
             except TimeoutError:
                 pass
+
+    async def _bytes_of(self, conv: str) -> int:
+        keys = ConversationKeys.of(ConversationRef(conv, salt=SALT))
+        return sum([await self.redis.memory_usage(key, samples=0) or 0
+                    for key in (keys.head, keys.ledger, keys.marks, keys.fence)])
 
     async def _measure(self, conv: str) -> None:
         keys = ConversationKeys.of(ConversationRef(conv, salt=SALT))
