@@ -34,7 +34,7 @@ from bench.kit.results import RESULTS_DIR, write_results
 from bench.kit.stats import nearest_rank
 from cache_service import scripts
 from cache_service.client import CacheClient
-from cache_service.config import FsyncPolicy
+from cache_service.config import FsyncPolicy, ServerConfig
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from cache_service.keys import ConversationKeys
 from cache_service.launch import CacheServiceChild
@@ -45,6 +45,8 @@ from proto.contract import ConversationRef, tokens_digest
 
 TOKENS_PER_TURN = 64
 MESSAGE = "x" * 400  # a short chat message
+# The service runs with its default retention: the floor's scripts set the same TTLs.
+CONVERSATION_TTL_MS = int(ServerConfig.conversation_ttl_s * 1000)
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,9 @@ def redis_cycle_factory(r: aioredis.Redis):
         async def cycle() -> None:
             holder = uuid.uuid4().hex
             attempt = hashlib.sha256(os.urandom(16)).hexdigest()
-            reply = await acquire(keys=[keys.lease, keys.fence, keys.head],
-                                  args=[holder, 30_000, attempt, new_incarnation(), 30_000 + 3_600_000])
+            reply = await acquire(keys=[keys.lease, keys.fence, keys.head, keys.ledger, keys.marks],
+                                  args=[holder, 30_000, attempt, new_incarnation(), 30_000 + 3_600_000,
+                                        str(CONVERSATION_TTL_MS + 30_000)])
             token, incarnation, head = reply[1], reply[2], reply[4]
             version = int(head[0] or 0)
             state["tokens"] += TOKENS_PER_TURN
@@ -156,7 +159,7 @@ def redis_cycle_factory(r: aioredis.Redis):
             reply = await publish(keys=[keys.head, keys.lease, keys.ledger, keys.marks],
                                   args=[token, incarnation, version, entry.SerializeToString(),
                                         state["tokens"], sha, "r0", entry.committed_at_ms, 1, holder,
-                                        TOKENS_PER_TURN, attempt, new_incarnation()])
+                                        TOKENS_PER_TURN, attempt, new_incarnation(), str(CONVERSATION_TTL_MS)])
             assert reply[0] == b"OK", reply
         return cycle
     return make
