@@ -56,6 +56,15 @@ class ChatTokenizer:
         """Text of ids with special tokens kept: the inverse of `encode` for the template."""
         return self._require().decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def decode_request_ids(self, ids: list[int]) -> str:
+        """`decode_exact` of ids a client sent (/detokenize): ids outside the vocabulary are
+        refused (InvalidRequestError), not handed to the tokenizer."""
+        size = len(self._require())
+        outside = [i for i in ids if not 0 <= i < size]
+        if outside:
+            raise InvalidRequestError(f"token ids outside the vocabulary (0..{size - 1}): {outside[:5]}")
+        return self.decode_exact(ids)
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None) -> str:
         tok = self._require()

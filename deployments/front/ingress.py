@@ -261,7 +261,10 @@ class ChatIngress:
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         if body.model is not None:
             self._check_model(body.model)
-        return {"prompt": await self.workers.detokenize.remote(body.tokens)}
+        text, error = await self.workers.detokenize.remote(body.tokens)
+        if error:
+            raise APIError(400, error, "invalid_request", param="tokens")
+        return {"prompt": text}
 
     @api.get("/version")
     async def version(self) -> dict:

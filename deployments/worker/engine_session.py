@@ -159,7 +159,7 @@ class EngineSession:  # implements Session (session.py)
         return await asyncio.to_thread(tokenizer.request_ids, prompt, messages, add_generation_prompt)
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return await asyncio.to_thread(self.aengine.engine.tokenizer.decode_exact, token_ids)
+        return await asyncio.to_thread(self.aengine.engine.tokenizer.decode_request_ids, token_ids)
 
     async def max_model_len(self) -> int:
         return self.aengine.engine.max_model_len

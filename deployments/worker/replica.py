@@ -154,8 +154,12 @@ class Worker:
         except InvalidRequestError as e:  # a template that refuses the messages
             return [], str(e)
 
-    async def detokenize(self, token_ids: list[int]) -> str:
-        return await self.session.detokenize(token_ids)
+    async def detokenize(self, token_ids: list[int]) -> tuple[str, str]:
+        """(text, "") or ("", why these are not token ids of the model): a 400 at the ingress."""
+        try:
+            return await self.session.detokenize(token_ids), ""
+        except InvalidRequestError as e:
+            return "", str(e)
 
     async def max_model_len(self) -> int:
         """The longest prompt + reply this replica's engine takes (GET /v1/models)."""

@@ -138,7 +138,7 @@ class VllmSession:  # implements Session (session.py)
         return await asyncio.to_thread(self.tokenizer.request_ids, prompt, messages, add_generation_prompt)
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return await asyncio.to_thread(self.tokenizer.decode_exact, token_ids)
+        return await asyncio.to_thread(self.tokenizer.decode_request_ids, token_ids)
 
     async def max_model_len(self) -> int:
         return (await self.host.start())["max_model_len"]

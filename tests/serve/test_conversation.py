@@ -10,7 +10,7 @@ import pytest
 from ray import serve
 
 from deployments.messages import TurnDone, TurnJob
-from tests.serve.conftest import APP
+from tests.serve.conftest import APP, SERVED_NAMES
 from tests.serve.helpers import chat_turn, conversation, stateless_reference, user
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,7 +55,7 @@ async def test_another_salt_never_sees_the_state(stack, conv_id):
 async def test_stateless_request_and_models(stack):
     client = stack.client()
     models = await client.models.list()
-    assert [m.id for m in models.data] == [stack.model]
+    assert [m.id for m in models.data] == [*SERVED_NAMES, stack.model]  # served_model_name, then the checkpoint's
     reply = await client.chat.completions.create(model=stack.model, messages=[user("hello")], max_tokens=5,
                                                  temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length")

@@ -58,3 +58,5 @@ async def test_tokenize_and_detokenize_as_vllm_answers(stack):
         both = await http.post("/tokenize", json={"prompt": "x", "messages": [user("x")]})
         assert both.status_code == 400 and both.json()["error"]["type"] == "invalid_request_error"
         assert (await http.post("/detokenize", json={"model": "nope", "tokens": [1]})).status_code == 404
+        outside = await http.post("/detokenize", json={"tokens": [1, 10**9]})  # the fuzzer's 500
+        assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"

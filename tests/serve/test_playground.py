@@ -24,6 +24,7 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
 from deployments.front import playground_page
+from tests.serve.conftest import SERVED_NAMES
 
 pytestmark = pytest.mark.timeout(300)
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
@@ -87,7 +88,7 @@ def set_max_tokens(browser: WebDriver, count: int) -> None:
 
 def test_a_conversation_shows_its_reuse_and_forks_from_turn_1(stack, browser):
     open_page(browser, f"{stack.base_url}/")
-    wait(browser, lambda b: b.find_element(By.ID, "model-name").text == stack.model, "the model's name")
+    wait(browser, lambda b: b.find_element(By.ID, "model-name").text == SERVED_NAMES[0], "the model's name")
     set_max_tokens(browser, 16)
     messages = ["Hello! Who are you?", "What can you do?", "Tell me more."]
     for number, text in enumerate(messages, start=1):
@@ -133,7 +134,7 @@ def test_a_conversation_shows_its_reuse_and_forks_from_turn_1(stack, browser):
 
 def test_stateless_mode_reuses_a_prefix_and_regenerating_gives_the_same_greedy_reply(stack, browser):
     open_page(browser, f"{stack.base_url}/")
-    wait(browser, lambda b: b.find_element(By.ID, "model-name").text == stack.model, "the model's name")
+    wait(browser, lambda b: b.find_element(By.ID, "model-name").text == SERVED_NAMES[0], "the model's name")
     browser.find_element(By.ID, "mode-stateless").click()
     set_max_tokens(browser, 8)
     send(browser, "Hello!")
