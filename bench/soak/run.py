@@ -39,9 +39,6 @@ class SoakPlan:
     responses: int  # stateless Responses calls: each stores a one-turn conversation (store defaults to true)
     conversations: int  # two-turn chat conversations, never used again
     live: int  # conversations kept alive by a turn every ttl_s / 4 for the whole run
-    # A live conversation moves on to a new one after this many turns (the old one then expires):
-    # a chat that outgrows the model's context is refused, not stored.
-    live_turns_each: int = 30
     ttl_s: float  # the conversation TTL of the run (the prefix index's too, so it is bounded alike)
     builtin_model: bool = True  # the built-in model; False: the tiny test checkpoint
     concurrency: int = 8
@@ -50,11 +47,14 @@ class SoakPlan:
     sample_every_s: float = 0.5
     measure_every: int = 50  # the MEMORY USAGE of every n-th stored conversation's keys is measured
     seed: int = 0
+    # A live conversation moves on to a new one after this many turns (the old one then expires):
+    # a chat that outgrows the model's context is refused, not stored.
+    live_turns_each: int = 30
 
 
 FULL = SoakPlan(responses=5000, conversations=2000, live=8, ttl_s=20.0)
 SMOKE = SoakPlan(responses=24, conversations=12, live=2, ttl_s=3.0, builtin_model=False, lease_ttl_s=2.0,
-                 measure_every=6)
+                 measure_every=6, live_turns_each=3)
 
 
 @dataclass

