@@ -35,6 +35,33 @@ async def owned_by(http, client, model, owner: str, count: int) -> list[str]:
     raise AssertionError(f"only {len(owned)} of {count} new conversations landed on {owner}")
 
 
+async def routed_to_owner(http) -> float:
+    text = (await http.get("/metrics")).text
+    line = 'hybridserve_route_decisions_total{reason="owner"} '
+    return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+
+async def fill(http, client, model, fillers: list[str]) -> list:
+    """A long turn of each of `fillers` (conversations one replica owns) running on that replica.
+    The router moves a turn when its owner's queue, as last reported, costs more than importing
+    the head, as it may while these turns arrive one after another: such a turn is closed (nothing
+    commits) and sent again until it is routed to its owner."""
+    streams = []
+    for conv in fillers:
+        for _ in range(20):
+            before = await routed_to_owner(http)
+            stream = await client.chat.completions.create(  # returns once the turn has run its first step
+                model=model, messages=[user("go on")], max_tokens=1500, temperature=0, stream=True,
+                extra_body={"conversation_id": conv, "cache_salt": "f"})
+            if await routed_to_owner(http) > before:
+                streams.append(stream)
+                break
+            await stream.close()
+        else:
+            raise AssertionError(f"{conv}'s turns never went to its owner")
+    return streams
+
+
 async def test_full_owner_hands_the_turn_to_another_replica(stack, conv_id):
     client = stack.client()
     history = [user("the first question")]
@@ -43,13 +70,9 @@ async def test_full_owner_hands_the_turn_to_another_replica(stack, conv_id):
     async with stack.http() as http:
         owner = (await tier_copy(http, conv_id, "m"))["head"]["owner"]
         fillers = await owned_by(http, client, stack.model, owner, WORKER_MAX_ONGOING)
-        migrations = await metric(http, "hybridserve_migrations_total")
         # Every slot of the owner busy with a long turn of a conversation it owns...
-        streams = [await client.chat.completions.create(
-            model=stack.model, messages=[user("go on")], max_tokens=1500, temperature=0, stream=True,
-            extra_body={"conversation_id": c, "cache_salt": "f"}) for c in fillers]
-        for s in streams:
-            await s.__anext__()
+        streams = await fill(http, client, stack.model, fillers)
+        migrations = await metric(http, "hybridserve_migrations_total")
         # ... so the next turn of conv_id goes elsewhere and gets the head by the recovery ladder.
         message = user("the second question")
         reply = await chat_turn(client, stack.model, [message], conversation_id=conv_id, cache_salt="m")
