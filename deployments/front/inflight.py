@@ -21,7 +21,7 @@ from ray.serve.handle import DeploymentHandle
 from cache_service.client import CacheClient
 from deployments import errors
 from deployments.errors import APIError
-from deployments.front.metrics import ServeMetrics
+from deployments.front.metrics import ServeMetrics, turn_range
 from deployments.front.streams import EventStream
 from deployments.messages import Recovery, TurnDelta, TurnDone, TurnEvent, TurnFailed
 from deployments.settings import AppSettings
@@ -104,6 +104,11 @@ class StartedTurn:
         self._first_token: float | None = None
 
     @property
+    def turn(self) -> int | None:
+        """This turn's number in its conversation (None: a stateless request)."""
+        return self.head_turn + 1 if self.run.job.conversation is not None else None
+
+    @property
     def head_turn(self) -> int:
         """The conversation's head turn the turn follows (0: a new conversation, or stateless)."""
         head = self.run.job.head
@@ -179,7 +184,7 @@ class StartedTurn:
         if isinstance(event, TurnDelta) and event.token_ids:
             now = time.monotonic()
             if last is None:
-                metrics.ttft.observe(now - self._arrived)
+                metrics.ttft.labels(turn_range(self.turn)).observe(now - self._arrived)
                 metrics.vllm.ttft.observe(now - self._arrived)
                 self._first_token = now
                 if not self._running:

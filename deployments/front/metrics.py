@@ -11,6 +11,18 @@ from deployments.turn.lease_keeper import Renewal
 from deployments.routing.decisions import ROUTING_REGISTRY
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# TTFT's `turn` label: the turn of a conversation, in doubling ranges (a bounded set of series
+# however long conversations grow), or "stateless" for requests without a conversation.
+TURN_RANGES = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"), (32, "17-32"))
+LONGER = "33+"
+STATELESS = "stateless"
+
+
+def turn_range(turn: int | None) -> str:
+    """The `turn` label of a conversation's turn (1-based), or of a stateless request (None)."""
+    if turn is None:
+        return STATELESS
+    return next((name for last, name in TURN_RANGES if turn <= last), LONGER)
 
 
 class ServeMetrics:
@@ -18,8 +30,11 @@ class ServeMetrics:
         r = self.registry = CollectorRegistry()
         self.vllm = VllmNamedMetrics(r, model_name)
         self._worst_renewal_delay = 0.0
-        self.ttft = Histogram("hybridserve_time_to_first_token_seconds", "request arrival to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("hybridserve_time_to_first_token_seconds", "request arrival to first token, by the "
+                              "conversation's turn (ranges: 1, 2, 3-4, ..., 33+) or stateless: with its head reused, "
+                              "a later turn's TTFT stays flat", ["turn"], buckets=_LATENCY_BUCKETS, registry=r)
+        for name in [name for _, name in TURN_RANGES] + [LONGER, STATELESS]:
+            self.ttft.labels(name)  # exported from the start
         self.itl = Histogram("hybridserve_inter_token_latency_seconds", "between streamed token deltas",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.output_tokens = Counter("hybridserve_output_tokens", "generated tokens (rate() = tokens/s)", registry=r)

@@ -55,8 +55,23 @@ def load_all() -> list[Manifest]:
 
 
 def objects() -> list[Manifest]:
-    """The Kubernetes objects (the kustomization file is build input, not an object)."""
-    return [m for m in load_all() if m.kind != "Kustomization"]
+    """The Kubernetes objects (the kustomization file is build input, not an object), and the
+    ConfigMaps its configMapGenerator makes."""
+    return [m for m in load_all() if m.kind != "Kustomization"] + generated_config_maps()
+
+
+def generated_config_maps() -> list[Manifest]:
+    """What kustomize's configMapGenerator makes of k8s/kustomization.yaml (files only: a key per
+    file, named by its basename; labels from its options; the name as given, no hash suffix)."""
+    path = K8S_DIR / "kustomization.yaml"
+    made = []
+    for generator in yaml.safe_load(path.read_text()).get("configMapGenerator", []):
+        assert generator.keys() <= {"name", "files", "options"}, generator.keys()
+        assert generator["options"].get("disableNameSuffixHash"), "the tests name generated objects as given"
+        data = {Path(f).name: (K8S_DIR / f).read_text() for f in generator["files"]}
+        made.append(Manifest(path, {"apiVersion": "v1", "kind": "ConfigMap", "data": data, "metadata": {
+            "name": generator["name"], "labels": generator["options"].get("labels", {})}}))
+    return made
 
 
 def one(kind: str, name: str | None = None) -> dict[str, Any]:

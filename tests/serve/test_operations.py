@@ -76,6 +76,28 @@ async def test_metrics_under_vllm_names(stack):
             assert seen["vllm:kv_cache_usage_perc"]["vllm:kv_cache_usage_perc"] > 0
 
 
+def ttft_counts(text: str) -> dict[str, float]:
+    """{turn label: observations} of hybridserve_time_to_first_token_seconds."""
+    return {sample.labels["turn"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "hybridserve_time_to_first_token_seconds_count"}
+
+
+async def test_ttft_is_counted_by_the_turn_of_its_conversation(stack, conv_id):
+    client = stack.client()
+    history = [user("time my turns")]
+    async with stack.http() as http:
+        before = ttft_counts((await http.get("/metrics")).text)
+        for _ in range(3):
+            reply = await chat_turn(client, stack.model, history[-1:], conversation_id=conv_id, cache_salt="ttft",
+                                    stream=True, max_tokens=4)
+            history += [{"role": "assistant", "content": reply.text}, user("and again")]
+        await chat_turn(client, stack.model, history[:1], conversation_id=None, cache_salt="ttft", stream=True,
+                        max_tokens=4)
+        after = ttft_counts((await http.get("/metrics")).text)
+    grew = {turn: after[turn] - before.get(turn, 0) for turn in after}
+    assert grew == {"1": 1, "2": 1, "3-4": 1, "5-8": 0, "9-16": 0, "17-32": 0, "33+": 0, "stateless": 1}
+
+
 def guarded_app(**state) -> FastAPI:
     """The real error handlers and guard around one route per method of interest."""
     app = FastAPI()
