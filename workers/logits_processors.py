@@ -19,12 +19,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # sampling.py calls this module
-    from workers.sampling import SamplingParams
+
+class ProcessorParams(Protocol):
+    """The fields of SamplingParams (sampling.py, which calls this module) the processors read."""
+
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
+    min_tokens: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+    @property
+    def processes(self) -> bool: ...
+
+    @property
+    def penalized(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +52,7 @@ class TokenHistory:
 
 def apply_processors(
     logits: torch.Tensor,  # [B, V] float32, the caller's to modify in place
-    params: list[SamplingParams],
+    params: list[ProcessorParams],
     histories: list[TokenHistory | None],
     eos_token_ids: frozenset[int],
     allowed: list[torch.Tensor | None] | None = None,  # the grammar masks already applied, per row
@@ -61,7 +76,7 @@ def apply_processors(
                                       [histories[i] for i in penalized])
 
 
-def _hold_back_ends(row: torch.Tensor, p: SamplingParams, eos_token_ids: frozenset[int], vocab: int,
+def _hold_back_ends(row: torch.Tensor, p: ProcessorParams, eos_token_ids: frozenset[int], vocab: int,
                     grammar: torch.Tensor | None) -> None:
     """min_tokens: the ids that would end the request cannot be drawn yet. A grammar that allows
     nothing else (its reply is complete) wins, as in vLLM: its end ids are given back."""
@@ -88,7 +103,7 @@ def _counts(sequences: list[Sequence[int]], vocab: int, device: torch.device) ->
     return counts[:, :vocab]
 
 
-def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory]) -> torch.Tensor:
+def _penalize(logits: torch.Tensor, params: list[ProcessorParams], histories: list[TokenHistory]) -> torch.Tensor:
     """vLLM's apply_penalties on the rows that ask for a penalty ([R, V] in, [R, V] out)."""
     vocab, device = logits.shape[1], logits.device
     output_counts = _counts([h.output for h in histories], vocab, device)
