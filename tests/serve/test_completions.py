@@ -69,4 +69,4 @@ async def test_echo_and_the_default_length(stack):
 async def test_what_is_not_served_is_a_400_naming_it(stack, fields, param):
     with pytest.raises(openai.BadRequestError) as refused:
         await stack.client().completions.create(**{"model": stack.model, "prompt": PROMPT, "max_tokens": 2, **fields})
-    assert refused.value.body["param"] == param
+    assert refused.value.body["param"].split(".")[0] == param  # logit_bias.<id>: the entry
