@@ -28,19 +28,25 @@ _INCOMPLETE = "\ufffd"
 
 
 class _StopAndHold:
-    """The emission rules over the output's text so far (shared by both detokenizers)."""
+    """The emission rules over the output's text so far (shared by both detokenizers). With
+    `min_tokens` (vLLM's), no stop string ends the output within its first min_tokens tokens: the
+    first one searched for is one that completes in the text of token min_tokens + 1."""
 
-    def __init__(self, stop: tuple[str, ...]):
+    def __init__(self, stop: tuple[str, ...], min_tokens: int = 0):
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.min_tokens = min_tokens
+        self.tokens = 0
         self.text = ""
         self._sent = 0
 
     def _advance(self, text: str) -> tuple[str, bool]:
         """`text` is the output's whole text now; returns (delta to emit, whether a stop string matched)."""
-        if self.stop:
-            search_from = max(0, len(self.text) - self.hold)
-            cut = min((i for i in (text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
+        self.tokens += 1
+        if self.stop and self.tokens > self.min_tokens:
+            # Each stop string is searched where it would end in the new text (as vLLM does).
+            found = (text.find(s, max(0, len(self.text) - len(s) + 1)) for s in self.stop)
+            cut = min((i for i in found if i >= 0), default=-1)
             if cut >= 0:
                 self.text = text[:cut]
                 return self.flush(), True
@@ -59,8 +65,8 @@ class _StopAndHold:
 
 
 class Detokenizer(_StopAndHold):
-    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...]):
-        super().__init__(stop)
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], min_tokens: int = 0):
+        super().__init__(stop, min_tokens)
         self.tokenizer = tokenizer
         self._ids: list[int] = []
         self._prefix = 0
@@ -91,8 +97,8 @@ class Detokenizer(_StopAndHold):
 class FullDecodeDetokenizer(_StopAndHold):
     """The reference: decodes the whole output on every token."""
 
-    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...]):
-        super().__init__(stop)
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], min_tokens: int = 0):
+        super().__init__(stop, min_tokens)
         self.tokenizer = tokenizer
         self._ids: list[int] = []
 

@@ -42,7 +42,7 @@ from workers.loop.verify_step import VerifyStep
 from workers.model.loader import load_model
 from workers.request import CheckpointMark, FinishReason, HeadAttachment, KeepState, Request
 from workers.runner import ModelRunner
-from workers.sampling import SampledToken, SamplingParams
+from workers.sampling import SampledToken, SamplingParams, check_logit_bias
 from workers.scheduler import Scheduler
 from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import tool_format_for
@@ -95,7 +95,8 @@ class LLMEngine:
         self.caches = CacheCoordinator(kv, states, heads, self.runner.copy_slots)
         self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)
         self.verifier = Verifier(
-            config.deterministic, self.model, self.runner.caches, self.caches, self.banned_token_ids
+            config.deterministic, self.model, self.runner.caches, self.caches, self.banned_token_ids,
+            self.eos_token_ids,
         )
         # The step's parts (workers/loop): calls go engine -> steps -> finisher -> scheduler.
         self._finisher = Finisher(
@@ -131,6 +132,7 @@ class LLMEngine:
         checkpoint is canonical (they recompute in tiles, as on a miss)."""
         check_request_id(request_id, self.scheduler, self.caches.heads)
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len, self.kv_layout)
+        check_logit_bias(params, self.model_config.vocab_size)
         guide = None
         if params.constraint is not None:  # a bad schema is refused here, before anything runs
             guide = TokenGuide(self.grammars.matcher(params.constraint), self.model_config.vocab_size,

@@ -8,6 +8,7 @@ deterministic mode, another replica) therefore draws the same token from the sam
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field
 
@@ -15,8 +16,11 @@ import torch
 
 from workers.errors import InvalidRequestError
 from workers.grammar.constraint import Constraint
+from workers.logits_processors import TokenHistory, apply_processors
 
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency: OpenAI's range [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
 _MASK64 = (1 << 64) - 1
 
 
@@ -36,6 +40,12 @@ class SamplingParams:
     deterministic: bool = False
     # The grammar the reply must follow (workers/grammar): a Constraint, or its wire dict.
     constraint: Constraint | None = None
+    # Logits processors (logits_processors.py), as vLLM's fields of the same names mean them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 disables
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is taken too
+    min_tokens: int = 0  # EOS and stop_token_ids held back (and stop strings not matched) until then
     resolved_seed: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -44,15 +54,20 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         problems = []
-        for name in ("max_tokens", "top_k", "logprobs", "seed"):
+        for name in ("max_tokens", "top_k", "logprobs", "seed", "min_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 problems.append(f"{name} must be an integer, got {value!r}")
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 problems.append(f"{name} must be a number, got {value!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or isinstance(b, bool) or not isinstance(b, (int, float))
+               for t, b in self.logit_bias):
+            problems.append("logit_bias maps integer token ids to numbers")
         if not isinstance(self.deterministic, bool):
             problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
         if problems:
@@ -69,6 +84,17 @@ class SamplingParams:
             problems.append(f"top_k must be >= 0 (0 disables), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                problems.append(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            problems.append(f"repetition_penalty must be a finite number > 0 (1 disables), got {self.repetition_penalty!r}")
+        if any(t < 0 for t, _ in self.logit_bias):
+            problems.append("logit_bias token ids must be >= 0")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
+            problems.append(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            problems.append(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             problems.append(f"seed must be in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -87,6 +113,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes(self) -> bool:
+        """Whether a logits processor changes this request's logits (it then needs its TokenHistory)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+
+def check_logit_bias(params: SamplingParams, vocab: int) -> None:
+    """logit_bias names tokens of this model's vocabulary (known only where the model is)."""
+    outside = [t for t, _ in params.logit_bias if t >= vocab]
+    if outside:
+        raise InvalidRequestError(f"logit_bias: token ids outside the vocabulary (0..{vocab - 1}): {outside[:5]}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +174,8 @@ def sample(
     banned_token_ids: torch.Tensor | None = None,
     overwrite: bool = False,  # the caller's logits may be masked in place (no copy of [B, V])
     allowed: list[torch.Tensor | None] | None = None,  # per row: bool [V] of a grammar, or None
+    histories: list[TokenHistory | None] | None = None,  # per row whose params process (else None)
+    eos_token_ids: frozenset[int] = frozenset(),  # what min_tokens holds back (with stop_token_ids)
 ) -> list[SampledToken]:
     if logits.dtype != torch.float32:
         logits, overwrite = logits.float(), True
@@ -143,15 +187,20 @@ def sample(
             logits, overwrite = logits.index_fill(1, banned_token_ids, -torch.inf), True
     if allowed is not None and any(m is not None for m in allowed):
         if not overwrite:
-            logits = logits.clone()
+            logits, overwrite = logits.clone(), True
         for row, mask in enumerate(allowed):
             if mask is not None:  # grammars make masks on the host
                 logits[row].masked_fill_(~mask.to(logits.device), -torch.inf)
+    want_logprobs = any(p.logprobs is not None for p in params)
+    # Logprobs are the model's (masked) distribution, before the processors: vLLM's raw logprobs.
+    logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    if any(p.processes for p in params):
+        if not overwrite:
+            logits = logits.clone()
+        apply_processors(logits, params, histories or [None] * len(params), eos_token_ids, allowed)
     greedy_ids = torch.argmax(logits, dim=-1).tolist()
     if all(p.greedy and p.logprobs is None for p in params):  # the common decode batch: one argmax
         return [SampledToken(token, None, None) for token in greedy_ids]
-    want_logprobs = any(p.logprobs is not None for p in params)
-    logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     out = []
     for row, (p, pos) in enumerate(zip(params, positions)):
         # A seeded draw runs on the host whatever the logits' device: its generator is the

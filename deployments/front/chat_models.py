@@ -11,7 +11,7 @@ runs (a turn refused at its publish would fail after its whole reply streamed):
 
 Fields of OpenAI's request that this server does not implement are refused with a 400 naming
 the field (`code: unsupported_parameter`) unless their value means "off" (`tools: []`,
-`presence_penalty: 0`, ...); fields nobody reads (`user`, `metadata`, `service_tier`, ...)
+`store: false`, ...); fields nobody reads (`user`, `metadata`, `service_tier`, ...)
 are accepted and ignored; anything else unknown is refused.
 """
 
@@ -35,6 +35,7 @@ MAX_MESSAGES = SERVICE_LIMITS.max_messages_per_turn - 1
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (each a token of the vocabulary)
 
 
 def _unicode(value: str) -> str:
@@ -59,6 +60,11 @@ ConversationId = Annotated[str, StringConstraints(min_length=1), AfterValidator(
                            AfterValidator(_bytes_at_most(MAX_ID_BYTES))]
 CacheSalt = Annotated[str, AfterValidator(_unicode), AfterValidator(_bytes_at_most(MAX_SALT_BYTES))]
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
+# OpenAI's and vLLM's sampling processors (workers/logits_processors.py); JSON keys are strings.
+Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
+LogitBias = Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")],
+                           Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)]
+RepetitionPenalty = Annotated[StrictFloat, Field(gt=0.0, allow_inf_nan=False)]
 
 
 def _off(value: Any) -> bool:
@@ -242,14 +248,27 @@ def vllm_sampling(top_k: int | None, min_p: float | None, stop_token_ids: list[i
             "ignore_eos": ignore_eos}
 
 
+def processor_sampling(request: Any) -> dict[str, Any]:
+    """SamplingParams fields of the logits processors (chat and completions alike): the penalties,
+    logit_bias (its string keys as token ids; ids outside the vocabulary are refused where the
+    model is) and min_tokens."""
+    return {"presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
+            "repetition_penalty": request.repetition_penalty, "min_tokens": request.min_tokens,
+            "logit_bias": {int(token): bias for token, bias in (request.logit_bias or {}).items()}}
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise _field_error("min_tokens", f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
+
+
 class StreamOptions(RequestModel):
     include_usage: StrictBool = False
     include_obfuscation: StrictBool = Field(False, description="accepted, ignored (no obfuscation padding is sent)")
 
 
 # OpenAI request fields this server does not implement: refused unless their value means "off".
-UNSUPPORTED = ("functions", "function_call", "logit_bias",
-               "presence_penalty", "frequency_penalty", "audio", "modalities", "prediction", "reasoning_effort",
+UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
                "verbosity", "web_search_options", "store")
 
 
@@ -278,12 +297,12 @@ class ChatCompletionRequest(RequestModel):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
+    presence_penalty: Penalty = Field(0.0, description="minus this for each token the reply already has")
+    frequency_penalty: Penalty = Field(0.0, description="minus this times each token's count in the reply")
+    logit_bias: LogitBias | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
     # Not implemented: a 400 unless off (null, false, 0, empty, "none", "text", ["text"]).
     functions: Any = None
     function_call: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -297,6 +316,9 @@ class ChatCompletionRequest(RequestModel):
                                                                   "likeliest")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token (to max_tokens)")
+    repetition_penalty: RepetitionPenalty = Field(1.0, description="tokens of the prompt or reply: logit / p if "
+                                                                   "positive, else x p (1: off)")
+    min_tokens: StrictInt = Field(0, ge=0, description="no EOS, stop token or stop string ends the reply before")
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID,
                                     description="names the reply: its id is chatcmpl-<request_id>")
     # hybridserve extensions
@@ -320,6 +342,7 @@ class ChatCompletionRequest(RequestModel):
 
     @model_validator(mode="after")
     def _tools_fit(self) -> "ChatCompletionRequest":
+        check_min_tokens(self.min_tokens, self.max_completion_tokens or self.max_tokens)
         choice = self.tool_choice
         check_tool_choice([t.function.name for t in self.tools or ()], choice,
                           choice.function.name if isinstance(choice, NamedToolChoice) else None,
@@ -357,4 +380,5 @@ class ChatCompletionRequest(RequestModel):
             "deterministic": self.deterministic,
             "constraint": self.constraint(),
             **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos),
+            **processor_sampling(self),
         }

@@ -8,8 +8,7 @@
 
 It runs as a stateless chat request does (workers' stream_completion): the longest prefix of its
 prompt held on the replica under its cache_salt is reused, and its end is kept for the next.
-Refused by name (400): more than one prompt, `n` or `best_of` above 1, `suffix`, penalties and
-`logit_bias` (as in chat), and `echo` with token ids or with logprobs (the engine computes no
+Refused by name (400): more than one prompt, `n` or `best_of` above 1, `suffix`, and `echo` with token ids or with logprobs (the engine computes no
 logprobs of prompt tokens: what lm-eval's log-likelihood tasks need is not served yet).
 """
 
@@ -24,15 +23,16 @@ from pydantic import Field, field_validator, model_validator
 
 from deployments.errors import APIError
 from deployments.front.chat_format import SSE_DONE, data, usage_of
-from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, StopString, StreamOptions,
-                                           Text, _field_error, _off, _unsupported, vllm_sampling)
+from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, LogitBias, Penalty,
+                                           RepetitionPenalty, StopString, StreamOptions, Text, _field_error, _off,
+                                           _unsupported, check_min_tokens, processor_sampling, vllm_sampling)
 from deployments.front import vllm_fields
 from deployments.front.request_base import RequestModel
 from deployments.messages import TokenLogprob, TurnDelta, TurnDone
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions (chat's is what the context leaves)
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-UNSUPPORTED = ("suffix", "logit_bias", "presence_penalty", "frequency_penalty")
+UNSUPPORTED = ("suffix",)
 
 
 class CompletionRequest(RequestModel):
@@ -51,16 +51,18 @@ class CompletionRequest(RequestModel):
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     best_of: int = Field(1, ge=1, le=1, description="only 1 is supported")
     user: Text | None = Field(None, max_length=MAX_ID)
+    presence_penalty: Penalty = 0.0  # (as in chat_models)
+    frequency_penalty: Penalty = 0.0
+    logit_bias: LogitBias | None = None
     # Not implemented: a 400 unless off.
     suffix: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
     # vLLM's extensions (as in chat_models)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_tokens: int = Field(0, ge=0)
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID, description="the reply's id: cmpl-<it>")
     # hybridserve extensions
     cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")
@@ -89,6 +91,7 @@ class CompletionRequest(RequestModel):
 
     @model_validator(mode="after")
     def _echo_fits(self) -> "CompletionRequest":
+        check_min_tokens(self.min_tokens, self.max_tokens)
         if self.echo and not isinstance(self.prompt, str):
             raise _field_error("echo", "echo takes a text prompt (this server does not detokenize token ids back)")
         if self.echo and self.logprobs is not None:
@@ -104,7 +107,8 @@ class CompletionRequest(RequestModel):
         return {"max_tokens": min(self.max_tokens, max_output_tokens), "temperature": self.temperature,
                 "top_p": self.top_p, "seed": self.seed, "stop": tuple(s for s in stop if s),
                 "logprobs": self.logprobs, "deterministic": self.deterministic, "constraint": None,
-                **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos)}
+                **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos),
+                **processor_sampling(self)}
 
 
 def logprobs_of(entries: Iterable[TokenLogprob], offset: int) -> dict[str, Any]:

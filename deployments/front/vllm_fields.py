@@ -2,7 +2,7 @@
 
 A vLLM field at its default (or null) is accepted: it asks for nothing. Any other value is a 400
 naming the field (`unsupported_parameter`), never silently ignored, whatever `unknown_fields`
-says: a client sending `repetition_penalty: 1.2` must learn that it was not applied.
+says: a client sending `length_penalty: 1.2` must learn that it was not applied.
 
 Fields neither OpenAI nor vLLM define are refused (400, OpenAI's behaviour) unless the
 deployment sets `unknown_fields: log`: then they are dropped and logged, as vLLM's server does.
@@ -21,7 +21,7 @@ log = logging.getLogger("hybridserve.ingress")
 
 # vLLM's OpenAI-server extensions not served here, with the value that asks for nothing.
 NOT_SERVED: dict[str, Any] = {
-    "repetition_penalty": 1.0, "length_penalty": 1.0, "min_tokens": 0, "use_beam_search": False,
+    "length_penalty": 1.0, "use_beam_search": False,
     "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
     "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False,

@@ -50,7 +50,7 @@ class VllmSession:  # implements Session (session.py)
         self.model_dir = model_dir
         self.tokenizer = ChatTokenizer(Path(model_dir))
         self._tool_format = tool_format_for(self.tokenizer.chat_template)
-        self.allowed_ids, eos_token_ids = vocabulary(self.tokenizer, model_dir)
+        self.vocab_size, self.allowed_ids, eos_token_ids = vocabulary(self.tokenizer, model_dir)
         self.host = EngineHost(HostSettings(
             model=model_dir, python=settings.vllm_python, device=settings.device,
             max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
@@ -156,11 +156,11 @@ class VllmSession:  # implements Session (session.py)
 
     # -- turns ------------------------------------------------------------------------------
     async def prepare_grammar(self, params: SamplingParams) -> None:
-        backend_params(params)  # refuses what this backend does not do
+        backend_params(params, self.vocab_size)  # refuses what this backend does not do
 
     def stream_turn(self, ref: ConversationRef, suffix: list[dict[str, Any]], params: SamplingParams,
                     request_id: str, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[RequestOutput]:
-        params = backend_params(params)
+        params = backend_params(params, self.vocab_size)
         conv = self.conversations.ledger_for_turn(ref)
         suffix = [plain_message(m, self.tool_format) for m in suffix]
         prompt = build_turn_prompt(self.tokenizer, list(conv.token_ids), conv.messages, suffix, tools).token_ids
@@ -176,14 +176,14 @@ class VllmSession:  # implements Session (session.py)
 
     def stream_stateless(self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str,
                          cache_salt: str, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[RequestOutput]:
-        params = backend_params(params)
+        params = backend_params(params, self.vocab_size)
         prompt = build_turn_prompt(self.tokenizer, [], [], messages, tools).token_ids  # no committed ids
         return self.streams.stateless(len(messages), prompt, self._system_end(messages, prompt, tools), params,
                                       request_id, cache_salt)
 
     def stream_completion(self, prompt: str | tuple[int, ...], params: SamplingParams, request_id: str,
                           cache_salt: str) -> AsyncIterator[RequestOutput]:
-        params = backend_params(params)
+        params = backend_params(params, self.vocab_size)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty")

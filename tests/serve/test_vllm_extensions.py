@@ -68,7 +68,7 @@ async def test_resent_tool_call_index_is_accepted(stack):
     assert (await _reply(stack, history, temperature=0)).finish_reason == "length"
 
 
-@pytest.mark.parametrize("field", [{"repetition_penalty": 1.2}, {"min_tokens": 4}, {"guided_json": {}}],
+@pytest.mark.parametrize("field", [{"length_penalty": 1.2}, {"use_beam_search": True}, {"guided_json": {}}],
                          ids=lambda f: next(iter(f)))
 async def test_a_vllm_field_not_served_is_a_400_naming_it(stack, field):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -89,5 +89,5 @@ def test_unknown_fields_are_refused_unless_the_deployment_follows_vllm(monkeypat
         ChatCompletionRequest.model_validate(body)
     monkeypatch.setattr(vllm_fields.Leniency, "unknown_fields", UnknownFields.LOG)
     assert "no_such_field" not in ChatCompletionRequest.model_validate(body).model_dump()
-    with pytest.raises(ValidationError, match="repetition_penalty"):  # a vLLM field not served: still refused
-        ChatCompletionRequest.model_validate({**body, "repetition_penalty": 1.2})
+    with pytest.raises(ValidationError, match="length_penalty"):  # a vLLM field not served: still refused
+        ChatCompletionRequest.model_validate({**body, "length_penalty": 1.2})

@@ -37,6 +37,7 @@ from workers.deterministic.tile_model import TileBatch, TileModel, TileResult
 from workers.deterministic.tile_ssd import state_at
 from workers.model.forward_batch import ModelCaches
 from workers.model.hybrid_lm import HybridLM
+from workers.logits_processors import TokenHistory
 from workers.request import Request
 from workers.sampling import SampledToken, sample
 
@@ -76,6 +77,15 @@ def _grammar_masks(request: Request, positions: list[int]) -> list[torch.Tensor 
     return request.guide.masks_after(request.reply_ids, counts)
 
 
+def _histories(request: Request, positions: list[int]) -> list[TokenHistory | None] | None:
+    """What each drawn position's processors see: the tokens before it (the candidates before a
+    taken position all matched, so they are the tokens the fast path drew it after)."""
+    if not request.params.processes:
+        return None
+    prompt = request.prompt_token_ids
+    return [TokenHistory(prompt, request.token_ids[len(prompt) : max(p, len(prompt))]) for p in positions]
+
+
 class Verifier:
     def __init__(
         self,
@@ -84,12 +94,14 @@ class Verifier:
         caches: ModelCaches,
         coordinator: CacheCoordinator,
         banned_token_ids: torch.Tensor,
+        eos_token_ids: frozenset[int],
     ):
         self.config = config
         self.tiles = TileModel(model, caches, config.ssd_chunk)
         self.caches = caches
         self.coordinator = coordinator
         self.banned = banned_token_ids
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back
         self.vocab = model.config.vocab_size
         self.d_conv = model.config.mamba.d_conv
         self.metrics = DeterministicMetrics()
@@ -121,7 +133,8 @@ class Verifier:
             for row, (request, tile_start, end) in enumerate(jobs):
                 positions = list(range(tile_start + 1, tile_start + t + 1))
                 drawn = sample(self._result.logits[row], [request.params] * t, positions, self.banned,
-                               allowed=_grammar_masks(request, positions))
+                               allowed=_grammar_masks(request, positions),
+                               histories=_histories(request, positions), eos_token_ids=self.eos_token_ids)
                 verdicts.append(self._walk(request, row, tile_start, end, drawn))
         self.metrics.passes += 1
         self.metrics.windows_verified += len(jobs)

@@ -16,6 +16,7 @@ from workers.load import MIN_PREFILL_TOKENS, Rate
 from workers.loop.outputs import RequestOutput, output_of
 from workers.request import FinishReason
 from workers.runner import ModelRunner
+from workers.logits_processors import TokenHistory
 from workers.sampling import sample
 from workers.scheduler import Scheduler
 
@@ -63,6 +64,9 @@ class FastStep:
                 self.banned_token_ids,
                 overwrite=True,  # the step's own logits: mask the never-sampled ids in place
                 allowed=masks,
+                histories=[TokenHistory(c.request.prompt_token_ids, c.request.output_token_ids)
+                           if c.request.params.processes else None for c in sampling],
+                eos_token_ids=finisher.eos_token_ids,
             )
         except Exception as e:  # a failing step fails its requests; the engine keeps serving
             log.exception("model step failed")

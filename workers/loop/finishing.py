@@ -51,7 +51,7 @@ class Finisher:
         self._detok: dict[str, Detokenizer] = {}
 
     def start(self, request: Request) -> None:
-        self._detok[request.request_id] = Detokenizer(self.tokenizer, request.params.stop)
+        self._detok[request.request_id] = Detokenizer(self.tokenizer, request.params.stop, request.params.min_tokens)
 
     # -- tokens -------------------------------------------------------------------------------
     def on_token(self, request: Request, token: SampledToken) -> RequestOutput:
@@ -79,7 +79,8 @@ class Finisher:
     def finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
         """For the last token of request.token_ids (verified or a candidate)."""
         params = request.params
-        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+        ends_here = token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
+        if ends_here and request.num_tokens - request.num_prompt_tokens >= params.min_tokens:  # vLLM's check_stop
             return FinishReason.STOP
         if request.guide is not None and request.guide.ended_after(request.reply_ids):
             return FinishReason.STOP  # the grammar is complete: nothing may follow

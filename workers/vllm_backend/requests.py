@@ -14,27 +14,28 @@ from workers.engine import RequestOutput
 from workers.errors import InvalidRequestError
 from workers.grammar.constraint import ConstraintKind
 from workers.request import FinishReason, ReuseSource
-from workers.sampling import SampledToken, SamplingParams
+from workers.sampling import SampledToken, SamplingParams, check_logit_bias
 from workers.tokenizer import ChatTokenizer
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
-def vocabulary(tokenizer: ChatTokenizer, model_dir: str) -> tuple[list[int] | None, frozenset[int]]:
-    """(the ids vLLM may sample: all but the control ids, None if there are none; the ids that
-    end a turn, the config's and the tokenizer's)."""
+def vocabulary(tokenizer: ChatTokenizer, model_dir: str) -> tuple[int, list[int] | None, frozenset[int]]:
+    """(the vocabulary's size; the ids vLLM may sample: all but the control ids, None if there
+    are none; the ids that end a turn, the config's and the tokenizer's)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     banned = set(tokenizer.never_sample_ids)
     allowed = [i for i in range(config["vocab_size"]) if i not in banned] if banned else None
     eos = config.get("eos_token_id")
-    return allowed, frozenset((eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return config["vocab_size"], allowed, frozenset((eos if isinstance(eos, list) else [eos] if eos is not None else [])
                               + list(tokenizer.eos_token_ids()))
 
 
-def backend_params(params: SamplingParams) -> SamplingParams:
+def backend_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """`params` as this backend runs them; what it does not do is refused before anything runs
     (a 400). `tool_choice: "auto"` runs unconstrained: the model's calls are parsed from its text
     as on our engine, but a malformed one is not prevented."""
+    check_logit_bias(params, vocab_size)
     if params.deterministic:
         raise InvalidRequestError("deterministic mode is not available on the vllm backend (run backend: ours)")
     constraint = params.constraint
@@ -59,7 +60,14 @@ def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None) -
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
         "skip_special_tokens": False,
+        # vLLM's own logits processors mean these as ours do (workers/logits_processors.py).
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "min_tokens": params.min_tokens,
     }
+    if params.logit_bias:
+        args["logit_bias"] = dict(params.logit_bias)
     if params.stop:  # vLLM ends the request where the stop string completes (its detokenizer runs)
         args.update(stop=list(params.stop), detokenize=True)
     else:
@@ -79,7 +87,7 @@ class OutputStream:
         self.params = params
         self.num_prompt_tokens = num_prompt_tokens
         self.output_ids: list[int] = []
-        self._detok = Detokenizer(tokenizer, params.stop)
+        self._detok = Detokenizer(tokenizer, params.stop, params.min_tokens)
         self._stopped = False
 
     def output(self, frame: dict[str, Any], turn_commit: Any = None, *, reused: ReuseSource = ReuseSource.HEAD,

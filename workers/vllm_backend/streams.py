@@ -67,7 +67,8 @@ class HostStreams:
         if len(prompt) >= limit:
             raise PromptTooLongError(f"the prompt has {len(prompt)} tokens; this model takes at most {limit - 1}")
         if len(prompt) + params.max_tokens > limit:
-            return dataclasses.replace(params, max_tokens=limit - len(prompt))
+            room = limit - len(prompt)
+            return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         return params
 
     async def stateless(self, num_messages: int, prompt: list[int], system_end: int, params: SamplingParams,
