@@ -110,9 +110,9 @@ class StartedTurn:
 
     @property
     def head_turn(self) -> int:
-        """The conversation's head turn the turn follows (0: a new conversation, or stateless)."""
-        head = self.run.job.head
-        return head.turn if head else 0
+        """The conversation's head turn the turn follows (0: a new conversation, or stateless; an
+        answered retry's: the one its first run followed)."""
+        return self.run.base_turn
 
     async def begin(self) -> None:
         """Wait for the first event; a failure is raised, the turn settled."""

@@ -58,10 +58,12 @@ guard.install(api)
 playground_page.install(api)
 
 
-def _idempotency(request: Request, body: ChatCompletionRequest) -> IdempotencyKey | None:
-    """The request's Idempotency-Key, bound to its body (the parts that change the turn)."""
+def _idempotency(request: Request, body: ChatCompletionRequest | ResponsesRequest) -> IdempotencyKey | None:
+    """The request's Idempotency-Key, bound to its body (the parts that change the turn); only
+    where a turn is stored (a conversation's chat completion, a stored response)."""
     key = request.headers.get("idempotency-key")
-    if key is None or body.conversation_id is None:
+    stored = body.store if isinstance(body, ResponsesRequest) else body.conversation_id is not None
+    if key is None or not stored:
         return None
     if not 0 < len(key.encode()) <= 256:
         raise APIError(400, "Idempotency-Key must be 1..256 bytes", "invalid_request", param="Idempotency-Key")
@@ -154,7 +156,7 @@ class ChatIngress:
         self._check_model(body.model)
         cache = await self._cache()
         scope = self._scope(request, body.cache_salt)
-        plan = await responses_plan.plan(cache, scope, body)
+        plan = await responses_plan.plan(cache, scope, body, _idempotency(request, body))
         plan, turn = await responses_plan.start_turn(cache, plan, lambda plan: self.inflight.start(
             lambda: plan.turn_request(body, scope, self.settings.max_output_tokens), arrived))
         form = responses_plan.response_body(body, plan, self.model, turn.head_turn)

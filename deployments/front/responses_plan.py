@@ -19,29 +19,41 @@ them (the committed history is what the model saw): it sends the same instructio
 otherwise 400. Whichever the caller scope (cache_salt, API key), a response of another scope is
 not found (404).
 
-The head is checked under the turn's lease (TurnRequest.expect_turn): a continuation whose
-response stopped being the latest meanwhile (a concurrent continuation of the same response
-committed first) forks instead, a planned step of start_turn:
+The head is checked under the turn's lease (TurnRequest.expect_turn and expect_publish_id): a
+continuation whose response stopped being the latest meanwhile (a concurrent continuation of the
+same response committed first) forks instead, a planned step of start_turn; one whose response
+was deleted meanwhile (another turn may have taken its number) is a 404, on the fork too:
 
     plan -> start (HeadMoved?) -> fork -> start again on the fork
+
+A fork is made for its turn alone: if that turn does not commit (refused, failed, cut short),
+the fork is deleted (turn/run.drop_unpublished), so no copy is left that nobody can name.
+
+With an Idempotency-Key (store=true), the turn is named by the key and the body (as an
+idempotent chat completion's), and a new conversation's or a fork's id is derived from the key:
+a retry finds the same conversation, whose turn is then answered from the ledger, not run again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from cache_service.client import CacheClient, CacheError, InvalidArgument, LeaseHeld, NotFound, pb
+from cache_service.client import AlreadyExists, CacheClient, CacheError, InvalidArgument, LeaseHeld, NotFound, pb
 from deployments import errors
 from deployments.turn import outcome
 from deployments.errors import APIError
 from deployments.messages import HeadRef, TurnDelta
 from deployments.front.responses_format import PUBLISH_PREFIXES, ResponseBody, ResponseId, not_found
 from deployments.front.responses_models import ResponsesRequest, engine_messages
+from deployments.turn.outcome import IdempotencyKey
 from deployments.turn.request import HeadMoved, TurnRequest
+from deployments.turn.run import drop_unpublished
 from proto.contract import ConversationRef
 
 Started = TypeVar("Started")
@@ -63,7 +75,10 @@ class Plan:
     conversation: ConversationRef | None
     expect_turn: int | None  # None: whatever the head is (appending to a named conversation)
     previous: ResponseId | None = None
-    publish_id: str = ""
+    publish_id: str = ""  # what names the turn in the ledger (and in its response id)
+    request_id: str = ""  # the worker's name for this run
+    idempotency: IdempotencyKey | None = None
+    fork_version: int = 0  # a fork made for this turn: its head version (dropped unless the turn commits)
 
     def fork_source(self) -> tuple[ConversationRef, int] | None:
         if self.previous is None or self.conversation is None:
@@ -71,13 +86,24 @@ class Plan:
         return ConversationRef(self.previous.conversation_id, self.conversation.salt), self.previous.turn
 
     def turn_request(self, body: ResponsesRequest, scope: str, default_max_tokens: int) -> TurnRequest:
+        planned_on = self.previous.publish_id if self.previous is not None and self.conversation else ""
         return TurnRequest(self.messages, body.sampling(default_max_tokens), scope, self.conversation,
-                           wait_if_busy=True, tools=body.engine_tools(), parse_tool_calls=body.calls_tools,
-                           request_id=self.publish_id, expect_turn=self.expect_turn)
+                           wait_if_busy=True, idempotency=self.idempotency, tools=body.engine_tools(),
+                           parse_tool_calls=body.calls_tools, request_id=self.request_id,
+                           expect_turn=self.expect_turn, expect_publish_id=planned_on,
+                           drop_if_uncommitted=self.fork_version > 0)
 
 
 def new_conversation_id() -> str:
     return f"conv_{uuid.uuid4().hex}"
+
+
+def _conversation_id(idempotency: IdempotencyKey | None, *seed: object) -> str:
+    """A new conversation's id; an idempotent request's is the same on every retry."""
+    if idempotency is None:
+        return new_conversation_id()
+    text = "\0".join([idempotency.key_digest, *map(str, seed)])
+    return f"conv_{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 
 
 def _unavailable(e: CacheError) -> APIError:
@@ -129,8 +155,13 @@ async def _check_instructions(cache: CacheClient, conv: ConversationRef, instruc
                             "instructions or none", "invalid_request", param="instructions")
 
 
-async def plan(cache: CacheClient, scope: str, body: ResponsesRequest) -> Plan:
-    publish_id = ResponseId.new_publish_id()
+async def plan(cache: CacheClient, scope: str, body: ResponsesRequest,
+               idempotency: IdempotencyKey | None = None) -> Plan:
+    """`idempotency`: the request's Idempotency-Key (only a stored response's is kept)."""
+    idempotency = idempotency if body.store else None
+    request_id = ResponseId.new_publish_id()
+    publish_id = idempotency.publish_id if idempotency else request_id
+    named = {"publish_id": publish_id, "request_id": request_id, "idempotency": idempotency}
     suffix = engine_messages(body.input)
     if body.previous_response_id is not None:
         rid, ledger, _ = await _stored_turn(cache, scope, body.previous_response_id)
@@ -140,9 +171,9 @@ async def plan(cache: CacheClient, scope: str, body: ResponsesRequest) -> Plan:
             if history is None or len(history.turns) < rid.turn:
                 raise not_found(body.previous_response_id)
             await _check_instructions(cache, conv, body.instructions, history.turns[0])
-            return Plan(_ledger_messages(history.turns[:rid.turn]) + suffix, None, None, rid, publish_id)
+            return Plan(_ledger_messages(history.turns[:rid.turn]) + suffix, None, None, rid, **named)
         await _check_instructions(cache, conv, body.instructions)
-        return Plan(suffix, conv, rid.turn, rid, publish_id)
+        return Plan(suffix, conv, rid.turn, rid, **named)
     if body.conversation_id is not None:
         conv = ConversationRef(body.conversation_id, scope)
         try:
@@ -150,26 +181,32 @@ async def plan(cache: CacheClient, scope: str, body: ResponsesRequest) -> Plan:
         except CacheError as e:
             raise _unavailable(e) from e
         if head is None or not head.version:
-            return Plan(_instructions(body.instructions) + suffix, conv, None, publish_id=publish_id)
+            return Plan(_instructions(body.instructions) + suffix, conv, None, **named)
         await _check_instructions(cache, conv, body.instructions)
-        return Plan(suffix, conv, None, publish_id=publish_id)
+        return Plan(suffix, conv, None, **named)
     messages = _instructions(body.instructions) + suffix
     if not body.store:
-        return Plan(messages, None, None, publish_id=publish_id)
-    return Plan(messages, ConversationRef(new_conversation_id(), scope), 0, publish_id=publish_id)
+        return Plan(messages, None, None, **named)
+    return Plan(messages, ConversationRef(_conversation_id(idempotency), scope), 0, **named)
 
 
 async def fork(cache: CacheClient, plan: Plan) -> Plan:
-    """The plan continued from a copy of its conversation's turns up to the previous response."""
+    """The plan continued from a copy of its conversation's turns up to the previous response
+    (whether that turn is still the previous response is checked under the fork's lease)."""
     source, turn = plan.fork_source()
-    target = new_conversation_id()
+    target = _conversation_id(plan.idempotency, source.id, turn)
+    version = 0  # an idempotent retry's fork exists already: not made for this run, not dropped by it
     try:
-        await cache.fork_conversation(source, target, turn=turn)
+        version = (await cache.fork_conversation(source, target, turn=turn)).version
+    except AlreadyExists:
+        if plan.idempotency is None:
+            raise errors.busy(target) from None
     except (NotFound, InvalidArgument):  # gone, or rewound before its turn meanwhile
         raise not_found(str(plan.previous)) from None
     except CacheError as e:
         raise _unavailable(e) from e
-    return Plan(plan.messages, source.fork(target), turn, plan.previous, plan.publish_id)
+    return Plan(plan.messages, source.fork(target), turn, plan.previous, plan.publish_id, plan.request_id,
+                plan.idempotency, version)
 
 
 async def start_turn(cache: CacheClient, plan: Plan,
@@ -179,12 +216,21 @@ async def start_turn(cache: CacheClient, plan: Plan,
     started = await start(plan)
     if not isinstance(started, HeadMoved):
         return plan, started
+    if started.replaced:  # the previous response was deleted, another turn took its number
+        raise not_found(str(plan.previous))
     if plan.fork_source() is None:  # a new conversation's id taken meanwhile, or a rewound one
         raise errors.busy(plan.conversation.id)
     plan = await fork(cache, plan)
-    started = await start(plan)
-    if isinstance(started, HeadMoved):  # a fork nobody else has named yet moved: as busy as the first
-        raise errors.busy(plan.conversation.id)
+    try:
+        started = await start(plan)
+    except BaseException:  # refused before its turn ran (in flight limit, busy): the fork goes
+        if plan.fork_version:
+            await asyncio.shield(drop_unpublished(cache, plan.conversation, plan.fork_version))
+        raise
+    if isinstance(started, HeadMoved):  # the run dropped its fork already
+        if started.replaced:  # the fork copied the turn that replaced the previous response
+            raise not_found(str(plan.previous))
+        raise errors.busy(plan.conversation.id)  # a fork nobody else has named yet moved: as busy as the first
     return plan, started
 
 

@@ -3,8 +3,9 @@ turn: the conversation's head was not the turn the request was planned on (HeadM
 
     front/ (a chat completion, a Responses plan) --TurnRequest--> TurnRun.start
         -> TurnRun            the lease is held (a conversation), the job made
-        -> HeadMoved          expect_turn given and the head found elsewhere under the lease;
-                              the lease is already discarded, nothing ran
+        -> HeadMoved          expect_turn given and the head found elsewhere under the lease, or
+                              at it with another turn than expect_publish_id (replaced); the
+                              lease is already discarded, nothing ran
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class TurnRequest:
     # The head turn the conversation must be at under the turn's lease (0: a new conversation),
     # else the turn does not run (HeadMoved). None: whatever the head is.
     expect_turn: int | None = None
+    # The publish id the turn at expect_turn must have under the lease ("": any): the turn the
+    # request was planned on, not one that took its place after a rewind.
+    expect_publish_id: str = ""
+    # A fork nobody has been told of yet: deleted if this, its first turn, does not commit.
+    drop_if_uncommitted: bool = False
     # A legacy completion's prompt (text or token ids), run as is, without the chat template
     # (stateless, `messages` empty). None: a chat request.
     prompt: str | tuple[int, ...] | None = None
@@ -41,6 +47,8 @@ class TurnRequest:
 
 @dataclass(frozen=True)
 class HeadMoved:
-    """The conversation's head was at `found`, not at the request's expect_turn."""
+    """The conversation's head was at `found`, not at the request's expect_turn; or `replaced`:
+    at it, but its turn is not the one the request was planned on (that one was deleted)."""
 
     found: int
+    replaced: bool = False

@@ -80,6 +80,8 @@ class TurnRun:
         self._response = None
         self._fenced = False  # the lease was discarded to learn the turn's outcome: nothing to settle
         self._base_turn = job.head.turn if job.head is not None else 0  # the turn can only land after it
+        self._base_version = job.head.version if job.head is not None else 0
+        self.drop_if_uncommitted = False  # TurnRequest.drop_if_uncommitted
         self._lease_lost: asyncio.Future = asyncio.get_running_loop().create_future()
 
     @classmethod
@@ -105,28 +107,51 @@ class TurnRun:
                       publish_id=idempotency.publish_id if idempotency else "", tools=tools,
                       parse_tool_calls=request.parse_tool_calls)
         run = cls(settings, workers, cache, job, Lease(conversation, granted), keeper)
-        if request.expect_turn is not None and run._base_turn != request.expect_turn:
+        run.drop_if_uncommitted = request.drop_if_uncommitted
+        try:
+            # A retry first: its turn committed is answered wherever the head has moved since.
+            if idempotency is not None and head.version:
+                await run._find_earlier_run(idempotency, head.turn)
+                if run.replayed is not None:
+                    return run
+            moved = await run._planned_head(request, head.version)
+        except BaseException:
+            await run.close()
+            raise
+        if moved is not None:
             await run.close()  # discards the lease: nothing ran
-            return HeadMoved(run._base_turn)
+            return moved
+        run._keep_lease()  # first: the lookup below must not eat into the lease
         if not head.version:  # a new conversation: where is its prefix held (a hint)?
-            run._keep_lease()  # first: the lookup must not eat into the lease
             try:
                 holders = await find_holders(cache, tools_scope(conversation.salt, tools), messages)
                 run.job = replace(job, prefix_holders=holders)
             except BaseException:
                 await run.close()  # cancelled meanwhile: the lease is settled, as after any failure
                 raise
-            return run
-        if idempotency is not None:
-            try:
-                await run._find_earlier_run(idempotency, head.turn)
-            except BaseException:
-                await run.close()
-                raise
-            if run.replayed is not None:
-                return run
-        run._keep_lease()
         return run
+
+    @property
+    def base_turn(self) -> int:
+        """The head turn the turn follows (an answered retry's: the one its first run followed)."""
+        return self._base_turn
+
+    async def _planned_head(self, request: TurnRequest, head_version: int) -> HeadMoved | None:
+        """Under the lease: None if the head is where the request was planned (expect_turn, and
+        there the turn expect_publish_id names), else HeadMoved."""
+        if request.expect_turn is None:
+            return None
+        if self._base_turn != request.expect_turn:
+            return HeadMoved(self._base_turn)
+        if not request.expect_publish_id or not head_version:
+            return None
+        try:
+            ledger = await self.cache.read_ledger(self.lease.conv, from_turn=request.expect_turn, max_turns=1)
+        except CacheError as e:
+            raise errors.cache_failed(e) from e
+        if ledger.turns and ledger.turns[0].publish_id == request.expect_publish_id:
+            return None
+        return HeadMoved(self._base_turn, replaced=True)
 
     async def _find_earlier_run(self, idempotency: IdempotencyKey, head_turn: int) -> None:
         """A turn with this key among the latest ones: the same body is answered from the
@@ -142,6 +167,7 @@ class TurnRun:
         if earlier.publish_id != idempotency.publish_id:
             raise APIError(422, "this Idempotency-Key was used with a different request", "idempotency_key_reused")
         self.replayed = outcome.replay(earlier)
+        self._base_turn = earlier.turn - 1
 
     def _keep_lease(self) -> None:
         loop, lease = asyncio.get_running_loop(), self.lease
@@ -322,6 +348,8 @@ class TurnRun:
                             self._renewer.worst_delay_s)
         if self.lease is not None and not self._fenced:
             await asyncio.shield(_settle(self.cache, self.lease, committed=self.done is not None))
+        if self.drop_if_uncommitted and self.lease is not None and self.done is None and self.replayed is None:
+            await asyncio.shield(drop_unpublished(self.cache, self.lease.conv, self._base_version))
 
 
 async def _acquire(settings: AppSettings, cache: CacheClient, conv: ConversationRef, request_id: str,
@@ -333,6 +361,17 @@ async def _acquire(settings: AppSettings, cache: CacheClient, conv: Conversation
         raise errors.busy(conv.id) from None
     except CacheError as e:
         raise errors.cache_failed(e) from e
+
+
+async def drop_unpublished(cache: CacheClient, conv: ConversationRef, version: int) -> None:
+    """Delete a fork whose first turn did not commit, if its head is still the copy's (`version`).
+    Called once the turn's lease is settled: no run of that turn can publish after the check."""
+    try:
+        head = await cache.get_head_or_none(conv)
+        if head is not None and head.version == version:
+            await cache.delete_conversation(conv)
+    except CacheError as e:  # left to the conversation TTL
+        log.warning("could not drop the uncommitted fork %s: %s", conv.id, e)
 
 
 async def _settle(cache: CacheClient, lease: Lease, *, committed: bool) -> None:
