@@ -58,8 +58,9 @@ LeaseArg = int | pb.Lease
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """The longest of a chat's prefixes some replica holds: `index` into the names asked for
-    (entry k names messages[:k + 1]) and its holders as (replica, tokens)."""
+    """Who holds a chat's prefixes: `index` into the names asked for (entry k names
+    messages[:k + 1]) of the longest any replica holds, and every holder as (replica, tokens of
+    its longest)."""
 
     index: int
     holders: tuple[tuple[str, int], ...]

@@ -283,16 +283,30 @@ return redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[1])
 
 # -- the prefix index (keys.PrefixKeys); hints, so no fencing -------------------------------
 
+# A name's hash: field replica -> "tokens:expires_ms". Each replica's entry expires on its own
+# (the key's TTL is only the latest of them): another replica announcing the same name must not
+# keep a dead replica's entry alive. Entries written before expiries were kept ("tokens") count
+# as live until their key expires.
+
 # KEYS: live, then one name key per entry
 # ARGV: replica, now_ms, ttl_ms, then (name, tokens) per entry
 # Names expired since the last announce leave the live set here, so it stays bounded by the
-# live names plus those expired since.
+# live names plus those expired since; entries of other replicas past their expiry leave the
+# hashes announced to, so a hash holds the replicas that announced it within the TTL.
 ANNOUNCE_PREFIXES = """
-local now, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
+local replica, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local expires = now + ttl
 for i = 2, #KEYS do
-  redis.call('HSET', KEYS[i], ARGV[1], ARGV[2 * i + 1])
+  redis.call('HSET', KEYS[i], replica, ARGV[2 * i + 1] .. ':' .. expires)
+  local fields = redis.call('HGETALL', KEYS[i])
+  for j = 1, #fields, 2 do
+    local at = string.find(fields[j + 1], ':', 1, true)
+    if at and tonumber(string.sub(fields[j + 1], at + 1)) <= now then
+      redis.call('HDEL', KEYS[i], fields[j])
+    end
+  end
   redis.call('PEXPIRE', KEYS[i], ttl)
-  redis.call('ZADD', KEYS[1], now + ttl, ARGV[2 * i])
+  redis.call('ZADD', KEYS[1], expires, ARGV[2 * i])
 end
 -- after the HSETs (the first write must be the one a full Redis refuses); the entries just
 -- added score now + ttl, so they stay
@@ -310,13 +324,26 @@ end
 return {'OK'}
 """
 
-# KEYS: the name keys of a chat's prefixes, shortest first
-# Reply: {index (0-based, -1 = none), {replica, tokens, ...}}: the longest prefix held, looked
-# up from the longest down, so a hit near the end (the usual case) reads few keys.
+# KEYS: the name keys of a chat's prefixes, shortest first   ARGV: now_ms
+# Reply: {index (0-based, -1 = none), {replica, tokens, ...}}: each replica with a live entry for
+# one of the names, with the tokens of its longest; index: the longest name anyone holds. Read
+# from the longest down to the shortest: a replica that died (or forgot) holding a long prefix
+# must not hide another holding a shorter one.
 FIND_PREFIX = """
+local now = tonumber(ARGV[1])
+local seen, found, index = {}, {}, -1
 for i = #KEYS, 1, -1 do
   local holders = redis.call('HGETALL', KEYS[i])
-  if #holders > 0 then return {i - 1, holders} end
+  for j = 1, #holders, 2 do
+    local replica, value = holders[j], holders[j + 1]
+    local at = string.find(value, ':', 1, true)
+    if not seen[replica] and (not at or tonumber(string.sub(value, at + 1)) > now) then
+      seen[replica] = true
+      if index < 0 then index = i - 1 end
+      found[#found + 1] = replica
+      found[#found + 1] = at and string.sub(value, 1, at - 1) or value
+    end
+  end
 end
-return {-1, {}}
+return {index, found}
 """

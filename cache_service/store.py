@@ -245,10 +245,11 @@ class MetadataStore:
         await self._forget_prefixes(keys=[PrefixKeys.live, *map(PrefixKeys.name, names)], args=[replica, *names])
 
     async def find_prefix(self, names: list[str]) -> tuple[int, list[tuple[str, int]]]:
-        """(the highest index whose name has holders, [(replica, tokens)]); (-1, []) if none."""
+        """(the highest index whose name has a live holder, [(replica, tokens of its longest
+        prefix among names)]); (-1, []) if none."""
         if not names:
             return -1, []
-        index, flat = await self._find_prefix(keys=list(map(PrefixKeys.name, names)))
+        index, flat = await self._find_prefix(keys=list(map(PrefixKeys.name, names)), args=[now_ms()])
         return int(index), [(_s(flat[i]), _i(flat[i + 1])) for i in range(0, len(flat), 2)]
 
     async def prefix_names(self) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 
 # Until a replica has measured its speeds (no prefill yet): an order of magnitude of a small
@@ -126,6 +126,8 @@ def expected_ttft(replica: str, need: Need, speeds: Speeds) -> float:
 def rank(candidates: Sequence[str], loads: Mapping[str, ReplicaLoad], need: Need) -> list[Choice]:
     """Candidates cheapest first (ties keep the given order: the caller shuffles equals), each
     with the reason the first one won. An empty list for no candidates."""
+    # A holder that is no candidate (gone, or not of this deployment) saves nobody anything.
+    need = replace(need, held={r: tokens for r, tokens in need.held.items() if r in candidates})
     speeds = Speeds(loads)
     costs = sorted(((expected_ttft(r, need, speeds), i, r) for i, r in enumerate(candidates)))
     if not costs:

@@ -65,8 +65,8 @@ _HINT_ERRORS = (CacheError, grpc.RpcError, TimeoutError, OSError)
 
 async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict], *,
                        timeout_s: float = PREFIX_LOOKUP_S) -> tuple[tuple[str, int], ...]:
-    """(replica, tokens held) of the replicas holding the longest prefix of `messages` in
-    `scope` (the request's cache salt), () when none does or the lookup failed."""
+    """(replica, tokens held) of every replica holding a prefix of `messages` in `scope` (the
+    request's cache salt), each with its longest; () when none does or the lookup failed."""
     # The index bounds one lookup; the longest prefixes are the ones worth finding.
     names = message_prefix_digests(scope, list(messages))[-SERVICE_LIMITS.max_prefix_names:]
     try:

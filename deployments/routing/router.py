@@ -11,9 +11,9 @@ are all full (`max_ongoing_requests`) is skipped:
     would recompute the history); with a tier copy it competes: the head moves when that is cheaper
 
 Prefix holders: for a stateless request or a new conversation the ingress asks the cache
-service's prefix index which replicas hold the longest prefix of its messages (a shared system
-prompt, the history of a stateless chat resent in full) and how many tokens:
-`TurnJob.prefix_holders`. There the prompt's start is a local hit; elsewhere it is recomputed
+service's prefix index which replicas hold a prefix of its messages (a shared system prompt,
+the history of a stateless chat resent in full) and how many tokens each, its longest:
+`TurnJob.prefix_holders` (a holder that is no longer a candidate counts for nothing). There the prompt's start is a local hit; elsewhere it is recomputed
 once, and then held there too. A holder is preferred exactly while the prefill it saves
 outweighs its longer queue.
 

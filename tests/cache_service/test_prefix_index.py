@@ -37,7 +37,8 @@ async def test_the_longest_held_prefix_is_found_with_its_holders(client):
     assert await client.find_prefix(names) is None
     await client.announce_prefixes("replica-a", [(names[0], 40), (names[2], 130)])
     await client.announce_prefixes("replica-b", [(names[2], 130), (names[3], 170)])
-    assert await client.find_prefix(names) == PrefixMatch(3, (("replica-b", 170),))
+    # Each holder with its longest: replica-a's 130 tokens are worth having where replica-b is busy.
+    assert held(await client.find_prefix(names)) == (3, [("replica-a", 130), ("replica-b", 170)])
     assert held(await client.find_prefix(names[:3])) == (2, [("replica-a", 130), ("replica-b", 130)])
     assert await client.find_prefix(names[:1]) == PrefixMatch(0, (("replica-a", 40),))
     assert await client.find_prefix(names[4:]) is None  # only prefixes nobody holds
@@ -99,11 +100,41 @@ async def test_entries_expire_after_the_configured_ttl(redis_server, tmp_path):
         proc.close()
 
 
+async def test_a_holder_of_a_long_prefix_does_not_hide_a_holder_of_a_shorter_one(client):
+    # replica-a may have died holding the long one: the router, which knows the live replicas,
+    # must still see replica-b.
+    names = message_prefix_digests(scope(), chat(5))
+    await client.announce_prefixes("replica-a", [(names[1], 20), (names[4], 90)])
+    await client.announce_prefixes("replica-b", [(names[0], 10), (names[2], 45)])
+    assert held(await client.find_prefix(names)) == (4, [("replica-a", 90), ("replica-b", 45)])
+
+
+async def test_each_replica_s_entry_expires_whoever_else_announces_the_name(redis_server, tmp_path):
+    proc = ServiceProcess(data_dir=tmp_path, redis_url=redis_server.url, extra_env={"CACHE_PREFIX_TTL_S": "2"})
+    proc.start()
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        async with fast_client(proc.target) as c:
+            names = message_prefix_digests(scope(), chat(2))
+            await c.announce_prefixes("replica-dead", [(names[1], 9)])  # expires at t + 2 s
+            await asyncio.sleep(1.2)
+            await c.announce_prefixes("replica-live", [(names[1], 9)])  # the name's key: to t + 3.2 s
+            await asyncio.sleep(1.0)  # past replica-dead's expiry, within replica-live's
+            assert await c.find_prefix(names) == PrefixMatch(1, (("replica-live", 9),))
+            # and an announce drops the expired entries: the hash holds what replicas announced within the TTL
+            await c.announce_prefixes("replica-live", [(names[1], 9)])
+            assert r.hkeys(PrefixKeys.name(names[1])) == [b"replica-live"]
+    finally:
+        r.close()
+        assert proc.terminate() == 0
+        proc.close()
+
+
 def commandstats(r: redis.Redis) -> dict[str, int]:
     return {name: stats["calls"] for name, stats in r.info("commandstats").items()}
 
 
-async def test_find_is_one_script_call_reading_from_the_longest_down(client, redis_server):
+async def test_find_is_one_script_call_reading_every_name_from_the_longest_down(client, redis_server):
     names = message_prefix_digests(scope(), chat(20))
     await client.announce_prefixes("replica-a", [(names[3], 33)])
     await client.find_prefix(names)  # the script is loaded now
@@ -117,7 +148,7 @@ async def test_find_is_one_script_call_reading_from_the_longest_down(client, red
     delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
     delta.pop("cmdstat_ping", None)  # the service's health probe
     delta.pop("cmdstat_info", None)  # this test's own first read
-    assert delta == {"cmdstat_evalsha": 1, "cmdstat_hgetall": 17}  # names[19] down to names[3]
+    assert delta == {"cmdstat_evalsha": 1, "cmdstat_hgetall": 20}  # names[19] down to names[0]
 
 
 async def test_an_empty_request_is_a_miss_without_a_write(client, stub):

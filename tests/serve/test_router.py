@@ -109,8 +109,11 @@ async def test_each_replica_is_priced_at_its_own_measured_speed():
 
 async def test_the_longer_held_prefix_wins_at_equal_queues():
     router, replicas = _router(a={}, b={}, c={})
+    before = _decisions("prefix_holder")
+    # "gone" (a replica that died holding more) is no candidate: b holds the longest prefix there is
     ranks = await router.choose_replicas(replicas, _job_request(1, holders=(("c", 300), ("b", 800), ("gone", 900))))
     assert _names(ranks) == ["b", "c", "a"]
+    assert _decisions("prefix_holder") == before + 1
 
 
 async def test_requests_sent_since_the_last_report_count_as_queue():
