@@ -99,7 +99,8 @@ async def prefix_holders(cache: CacheClient, names: list[str], timeout_s: float 
         while True:
             match = await cache.find_prefix(names)
             if match is not None and match.index == len(names) - 1:
-                return tuple(replica for replica, _ in match.holders)
+                longest = max(tokens for _, tokens in match.holders)
+                return tuple(replica for replica, tokens in match.holders if tokens == longest)
             await asyncio.sleep(0.1)
 
     return await asyncio.wait_for(poll(), timeout_s)
