@@ -44,6 +44,7 @@ from workers.request import CheckpointMark, FinishReason, HeadAttachment, KeepSt
 from workers.runner import ModelRunner
 from workers.sampling import SampledToken, SamplingParams, check_logit_bias
 from workers.scheduler import Scheduler
+from workers.state_names import PrefixKey
 from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import tool_format_for
 
@@ -219,6 +220,12 @@ class LLMEngine:
         waiting = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests)
         return EngineLoad(len(requests), self.caches.kv.num_free, waiting, self._fast_step.prefill_rate.value,
                           self.scheduler.prefill_per_request.value)
+
+    def withdrawn_prefixes(self) -> list[PrefixKey]:
+        """Names of checkpoints evicted (or dropped) since the last call, no state holding them any
+        more. Safe from any thread: it drains a deque the engine thread appends to."""
+        withdrawn = self.caches.heads.withdrawn
+        return [withdrawn.popleft() for _ in range(len(withdrawn))]
 
     def kv_cache_usage(self) -> float:
         """The fraction of KV blocks requests hold (blocks only heads and prefixes hold are

@@ -126,6 +126,7 @@ class Request:
     prefix_lookup: bool = False  # attach the longest held prefix when admitted without a head
     prefixes_seen: int = -1  # the prefix index's version at its last lookup (a miss is not redone)
     checkpoints_made: list[tuple[int, int]] = field(default_factory=list)  # (label, tokens)
+    checkpoint_keys: list[PrefixKey] = field(default_factory=list)  # their names, in the same order
     # A constrained reply's TokenGuide (workers/grammar/guide.py): the tokens it may sample next.
     guide: Any = None
     awaiting_tool: bool = False  # it stopped right after a tool call (its kept state waits for the results)

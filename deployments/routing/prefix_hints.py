@@ -6,6 +6,8 @@
     worker:   final RequestOutput.checkpoints [(k, tokens)] -> names of messages[:k] (k past the
               messages: + the reply) -> AnnouncePrefixes, awaited at most ANNOUNCE_WAIT_S before
               the answer ends (the next request of an agent loop follows at once)
+              engine evicts a checkpoint -> its `withdrawn_prefixes` -> ForgetPrefixes of the
+              names it was announced under (after each turn), so the index names what is held
 
 Both are hints: a lookup that fails or is slow routes by load, an announce that fails is logged
 and counted; neither fails or holds up a turn. The worker reuses a prefix only where the token
@@ -17,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 
 import grpc
 
@@ -37,6 +40,9 @@ WARN_EVERY_S = 60.0
 MAX_ANNOUNCES_IN_FLIGHT = 64
 # How long a worker holds a stateless request's (or first turn's) end for its announce to land.
 ANNOUNCE_WAIT_S = 0.05
+# Engine checkpoint names a worker remembers the announces of (far more than its prefix budget
+# holds checkpoints of a small model; the oldest are the likeliest evicted already).
+NAMES_KEPT = 16384
 
 
 class FailureLog:
@@ -82,26 +88,40 @@ def announcement(scope: str, messages: Sequence[dict], reply: dict,
     """(prefix name, tokens) per engine checkpoint (k messages covered, tokens): k names
     messages[:k]; k == len(messages) + 1 the messages plus the reply (the assistant message as
     the client will send it back: its content, and its tool calls if it made any)."""
+    return [(name, tokens) for _, name, tokens in _named(scope, messages, reply, checkpoints)]
+
+
+def _named(scope: str, messages: Sequence[dict], reply: dict,
+           checkpoints: Sequence[tuple[int, int]]) -> list[tuple[int, str, int]]:
+    """(position in checkpoints, prefix name, tokens) of the checkpoints that name a prefix."""
     if not checkpoints:
         return []
     chat = [*messages, reply]
     names = message_prefix_digests(scope, chat)
-    return [(names[k - 1], tokens) for k, tokens in checkpoints if 1 <= k <= len(chat) and tokens > 0]
+    return [(i, names[k - 1], tokens) for i, (k, tokens) in enumerate(checkpoints) if 1 <= k <= len(chat) and tokens > 0]
 
 
 class Announcer:
-    """A worker's announces, each in a task of its own (`spawn`): the turn never waits for one."""
+    """A worker's announces, each in a task of its own (`spawn`): the turn never waits for one;
+    and their withdrawal once the engine no longer holds the checkpoint (`withdraw`).
+
+    The engine names a checkpoint by its tokens (PrefixKey), the index by its messages: the
+    announcer remembers which index names each engine name was announced under (the latest
+    NAMES_KEPT; one forgotten leaves a hint that expires with the index's TTL)."""
 
     def __init__(self, replica: str, cache: Callable[[], Awaitable[CacheClient]],
                  spawn: Callable[[Awaitable[None]], None]):
         self.replica, self._cache, self._spawn = replica, cache, spawn
         self.failures = FailureLog("prefix announce")
         self.announced = 0  # names announced (a name announced again counts again)
+        self.withdrawn = 0  # names withdrawn
         self.in_flight = 0
+        self._names: OrderedDict[Hashable, set[str]] = OrderedDict()  # engine name -> index names
 
     def after_turn(self, scope: str, messages: Sequence[dict], reply: dict,
-                   checkpoints: Sequence[tuple[int, int]]) -> asyncio.Event:
-        """Start the announce; the event is set once it is done (landed, failed or dropped)."""
+                   checkpoints: Sequence[tuple[int, int]], keys: Sequence[Hashable] = ()) -> asyncio.Event:
+        """Start the announce; the event is set once it is done (landed, failed or dropped).
+        `keys`: the engine's names of the checkpoints, in their order (RequestOutput.checkpoint_keys)."""
         done = asyncio.Event()
         if not checkpoints:
             done.set()
@@ -110,25 +130,47 @@ class Announcer:
             self.failures.failed(OverflowError(f"{self.in_flight} announces already in flight; dropped"))
             done.set()
             return done
+        named = _named(scope, messages, reply, checkpoints)
+        self._remember(tuple(keys), named)  # now: a withdrawal may follow before the announce lands
         self.in_flight += 1
-        self._spawn(self._announce(scope, list(messages), reply, tuple(checkpoints), done))
+        self._spawn(self._announce([(name, tokens) for _, name, tokens in named], done))
         return done
 
+    def withdraw(self, keys: Sequence[Hashable]) -> None:
+        """The engine no longer holds these checkpoints: their index names go (in a task)."""
+        names = sorted({name for key in keys for name in self._names.pop(key, ())})
+        if names:
+            self._spawn(self._forget(names))
+
+    async def _forget(self, names: list[str]) -> None:
+        try:
+            await (await self._cache()).forget_prefixes(self.replica, names)
+            self.withdrawn += len(names)
+        except _HINT_ERRORS as e:
+            self.failures.failed(e)
+
+    def _remember(self, keys: tuple[Hashable, ...], named: list[tuple[int, str, int]]) -> None:
+        for i, name, _ in named:
+            if i < len(keys):
+                self._names.setdefault(keys[i], set()).add(name)
+                self._names.move_to_end(keys[i])
+        while len(self._names) > NAMES_KEPT:
+            self._names.popitem(last=False)
+
     async def after_turn_awaited(self, scope: str, messages: Sequence[dict], reply: dict,
-                                 checkpoints: Sequence[tuple[int, int]], wait_s: float = ANNOUNCE_WAIT_S) -> None:
+                                 checkpoints: Sequence[tuple[int, int]], keys: Sequence[Hashable] = (),
+                                 wait_s: float = ANNOUNCE_WAIT_S) -> None:
         """Announce, and wait up to `wait_s` for it to land: an agent loop's next request follows
         the answer at once, and its routing hint must already name this replica (one Redis round
         trip, about a millisecond; a slow service only delays the answer's end by `wait_s`)."""
-        done = self.after_turn(scope, messages, reply, checkpoints)
+        done = self.after_turn(scope, messages, reply, checkpoints, keys)
         try:
             await asyncio.wait_for(done.wait(), wait_s)
         except TimeoutError:
             pass  # it lands later, or fails and is counted: a hint either way
 
-    async def _announce(self, scope: str, messages: list[dict], reply: dict,
-                        checkpoints: tuple[tuple[int, int], ...], done: asyncio.Event) -> None:
+    async def _announce(self, entries: list[tuple[str, int]], done: asyncio.Event) -> None:
         try:
-            entries = announcement(scope, messages, reply, checkpoints)
             if entries:
                 await (await self._cache()).announce_prefixes(self.replica, entries)
                 self.announced += len(entries)

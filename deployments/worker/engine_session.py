@@ -37,6 +37,7 @@ from workers.conversation import export as head_export
 from workers.conversation.cache import ConversationCache
 from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
+from workers.state_names import PrefixKey
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
 from workers.load import EngineLoad
@@ -152,6 +153,9 @@ class EngineSession:  # implements Session (session.py)
 
     async def kv_cache_usage(self) -> float:
         return await self.aengine.call(lambda e: e.kv_cache_usage())
+
+    def withdrawn_prefixes(self) -> list[PrefixKey]:
+        return self.aengine.engine.withdrawn_prefixes()  # thread-safe: no engine-thread call needed
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
                        add_generation_prompt: bool) -> list[int]:

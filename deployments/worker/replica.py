@@ -282,7 +282,8 @@ class Worker:
             hint_scope = tools_scope(job.scope, job.tools)
             if job.conversation is None:
                 named = job.messages if job.prompt is None else prompt_as_messages(job.prompt)
-                await self.announcer.after_turn_awaited(hint_scope, named, calls.reply_message(), last.checkpoints)
+                await self.announcer.after_turn_awaited(hint_scope, named, calls.reply_message(), last.checkpoints,
+                                                        last.checkpoint_keys)
                 yield done
                 return
             if last.turn_commit is None:
@@ -292,9 +293,10 @@ class Worker:
             outcome = await self._commit(job, done, last.turn_commit, calls.form)
             if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
                 await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(),
-                                                        last.checkpoints)
+                                                        last.checkpoints, last.checkpoint_keys)
             yield outcome
         finally:
+            self.announcer.withdraw(self.session.withdrawn_prefixes())  # evicted since the last turn ended
             prepared = last.turn_commit if last is not None else None
             if prepared is not None and not handed:
                 self._spawn(self._abandon(prepared))  # not awaited: this stream may be closing or cancelled

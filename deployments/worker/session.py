@@ -53,6 +53,11 @@ class Session(Protocol):
         """The fraction of KV cache blocks running requests hold (0..1), for routing stats."""
         ...
 
+    def withdrawn_prefixes(self) -> list[Any]:
+        """The engine's names (RequestOutput.checkpoint_keys) of checkpoints it no longer holds,
+        since the last call: their announces are withdrawn from the prefix index."""
+        ...
+
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
                        add_generation_prompt: bool) -> list[int]:
         """/tokenize: a raw prompt's ids, or the chat template's rendering of messages."""

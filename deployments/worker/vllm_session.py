@@ -128,6 +128,11 @@ class VllmSession:  # implements Session (session.py)
         await self.start()
         return await self.conversations.export(ref, self.identity, self.layout)
 
+    def withdrawn_prefixes(self) -> list:
+        """None: this backend's checkpoints are vLLM's prefix cache, which evicts without telling;
+        their announces expire with the prefix index's TTL."""
+        return []
+
     async def kv_cache_usage(self) -> float:
         if not self.host.ready:
             return 0.0

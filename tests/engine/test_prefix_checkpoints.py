@@ -198,6 +198,24 @@ def test_a_small_budget_evicts_spent_chains_first_and_never_returns_a_wrong_stat
     assert heads.bytes_used(kept[0].holder.kind) <= heads.checkpoint_budget_bytes
 
 
+def test_evicted_checkpoints_are_withdrawn_by_the_names_their_outputs_gave(tiny):
+    # The worker withdraws a checkpoint's announce from the prefix index by the name its output gave.
+    path = tiny[Arch.BAMBA].path
+    probe = new_engine(path, prefix_cache_bytes=0)
+    slot, block = probe.state_layout.slot_bytes, probe.kv_layout.block_bytes
+    ours = Driver(new_engine(path, prefix_cache_bytes=2 * slot + 8 * block))
+    made = []
+    for i in range(6):  # unrelated stateless requests: each end is a checkpoint, the budget keeps about two
+        _, out = ours.run(prompt_of(20 + i, seed=60 + i))
+        assert len(out.checkpoint_keys) == len(out.checkpoints) == 1
+        made += out.checkpoint_keys
+    held = {c.prefix for c in ours.engine.caches.heads.checkpoints.values()}
+    withdrawn = ours.engine.withdrawn_prefixes()
+    assert withdrawn and held and len(withdrawn) == len(set(withdrawn))
+    assert set(withdrawn) | held == set(made) and not set(withdrawn) & held
+    assert ours.engine.withdrawn_prefixes() == []  # each reported once
+
+
 def test_a_burst_sharing_a_system_prompt_attaches_the_first_ones_mark_at_admission(tiny):
     """Four requests arrive together; the token budget admits one per step: each later one is
     admitted after the first one's prefill passed its mark, and attaches it then."""

@@ -137,6 +137,33 @@ def test_checkpoints_name_the_prefixes_they_cover():
     assert tools_scope(salt, [{"a": 1}]) != tools_scope(salt, [{"a": 2}]) != salt
 
 
+async def test_a_worker_withdraws_what_its_engine_no_longer_holds(service):
+    salt = f"salt-{uuid.uuid4().hex}"
+    tasks: set[asyncio.Task] = set()
+
+    def spawn(coro) -> None:
+        tasks.add(asyncio.create_task(coro))
+
+    reply = {"role": "assistant", "content": "hello"}
+    names = message_prefix_digests(salt, [*CHAT[:2], reply])
+    async with app_client(service.target) as cache:
+        async def live() -> CacheClient:
+            return cache
+
+        announcer = Announcer("replica-w", live, spawn)
+        await cache.announce_prefixes("replica-x", [(names[0], 9)])  # another replica holds the first
+        announcer.after_turn(salt, CHAT[:2], reply, [(1, 9), (3, 21)], keys=["system-key", "end-key"])
+        await asyncio.gather(*tasks)
+        assert sorted((await cache.find_prefix(names)).holders) == [("replica-w", 21), ("replica-x", 9)]
+        announcer.withdraw(["end-key", "never-announced"])  # the engine evicted the request's end
+        await asyncio.gather(*tasks)
+        assert sorted((await cache.find_prefix(names)).holders) == [("replica-w", 9), ("replica-x", 9)]
+        announcer.withdraw(["system-key", "end-key"])  # the end's again: nothing left to withdraw
+        await asyncio.gather(*tasks)
+        assert (await cache.find_prefix(names)).holders == (("replica-x", 9),)
+        assert announcer.withdrawn == 2 and announcer.failures.count == 0
+
+
 async def test_a_worker_announces_off_the_turn_and_survives_a_dead_service(service):
     salt = f"salt-{uuid.uuid4().hex}"
     tasks: set[asyncio.Task] = set()

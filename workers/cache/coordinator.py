@@ -182,7 +182,9 @@ class CacheCoordinator:
         if not made:
             return
         self.heads.enforce_checkpoint_budget()
-        request.checkpoints_made += [(label, c.state_len) for label, c in made if self.heads.holds(c)]
+        kept = [(label, c) for label, c in made if self.heads.holds(c)]
+        request.checkpoints_made += [(label, c.state_len) for label, c in kept]
+        request.checkpoint_keys += [c.prefix for _, c in kept]
 
     def _final_prefix(self, request: Request) -> PrefixKey | None:
         """The name of a finished request's state (prompt + generated tokens but the last)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +44,7 @@ from workers.errors import HeadExistsError
 from workers.request import CheckpointMark, HeadAttachment, Request, RequestStatus, ReuseSource
 
 log = logging.getLogger(__name__)
+WITHDRAWN_KEPT = 4096  # withdrawals not yet drained by the worker
 
 
 @dataclass
@@ -122,6 +123,10 @@ class HeadManager:
         self.checkpoints: OrderedDict[Holder, CommittedHead] = OrderedDict()  # LRU first
         self.index: PrefixIndex[CommittedHead] = PrefixIndex()
         self.index_version = 0  # bumped whenever a state is named: a lookup that missed may now hit
+        # Checkpoints' names no state holds any more, for the worker to withdraw from the prefix
+        # index (drained from its own thread: a deque's append and popleft are thread-safe). Bounded:
+        # a withdrawal lost to it leaves a hint that expires with the index's TTL.
+        self.withdrawn: deque[PrefixKey] = deque(maxlen=WITHDRAWN_KEPT)
         self.marking: dict[str, list[PendingMark]] = {}  # request id -> its marks, by position
         self._by_turn: dict[tuple[str, int], CommittedHead] = {}
         self.prepared: dict[Holder, PreparedState] = {}
@@ -198,6 +203,8 @@ class HeadManager:
             del self._by_turn[head.conversation_key, head.turn]
         if head.prefix is not None:
             self.index.remove(head.prefix, head)
+            if head.holder.kind is HolderKind.CHECKPOINT and head.prefix not in self.index:
+                self.withdrawn.append(head.prefix)
         self.kv.free(head.holder)
         self.states.free(head.holder)
 

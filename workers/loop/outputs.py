@@ -8,6 +8,7 @@ from typing import Any
 
 from workers.request import FinishReason, Request, ReuseSource
 from workers.sampling import SampledToken
+from workers.state_names import PrefixKey
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class RequestOutput:
     # (len(messages) + 1: the messages and the reply), and announces them to the prefix index
     # (deployments/routing/prefix_hints.py) — and where its reused state came from.
     checkpoints: tuple[tuple[int, int], ...] = ()
+    # The engine's names of those checkpoints, in the same order (empty where a backend has none):
+    # when one is evicted, the engine's `withdrawn` names it, and the worker withdraws its announce.
+    checkpoint_keys: tuple[PrefixKey, ...] = ()
     reused_from: ReuseSource = ReuseSource.NONE
 
     @property
@@ -52,5 +56,6 @@ def output_of(request: Request, tokens: Iterable[SampledToken], delta: str, erro
         seed=request.params.resolved_seed,
         turn_commit=request.finish_record if request.is_finished else None,
         checkpoints=tuple(request.checkpoints_made) if request.is_finished else (),
+        checkpoint_keys=tuple(request.checkpoint_keys) if request.is_finished else (),
         reused_from=request.reused_from,
     )
