@@ -46,6 +46,9 @@ from workers.request import FinishReason
 from workers.sampling import SamplingParams
 
 MAX_TOKENS = 64
+# What other commands measured (the full training command's reproduction, the serving benchmark
+# on this model) is written below this line by hand; a new run of this benchmark keeps it.
+KEPT_MARK = "<!-- Below: measured by other commands; kept when bench.builtin_model rewrites this file. -->"
 SAMPLE_PROMPTS = ["Hello!", "How are you?", "What is your name?", "Tell me a joke.", "What do you like to eat?"]
 
 
@@ -153,6 +156,11 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kept_part(md_path: Path) -> str:
+    text = md_path.read_text() if md_path.is_file() else ""
+    return "\n" + text[text.index(KEPT_MARK):] if KEPT_MARK in text else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: the shipped built-in one)")
@@ -173,8 +181,9 @@ def main() -> None:
         "reproducibility": check_reproducible(repro),
         "environment": environment_info(),
     }
-    json_path, md_path = write_results("builtin_model.smoke" if args.smoke else "builtin_model", data,
-                                       markdown(data), args.results_dir)
+    stem = "builtin_model.smoke" if args.smoke else "builtin_model"
+    kept = kept_part(args.results_dir / f"{stem}.md")
+    json_path, md_path = write_results(stem, data, markdown(data) + kept, args.results_dir)
     print(f"wrote {json_path} and {md_path}")
 
 

@@ -46,4 +46,6 @@ Targets: (a) TTFT p50 >= 5x lower than (b) and than vLLM at the last turn of a >
 conversation; overhead <= 1.3x at a 500-token history.
 Writes bench/results/serve.{json,md,png} (the quick run: serve.quick.*; --smoke, the tiny
 checkpoint and one short conversation: serve.smoke.*; --results-dir elsewhere).
+`--model DIR` serves that checkpoint instead of the random preset (the built-in trained one, or a
+random-weight copy of it, to see that trained weights leave the timings alone).
 """

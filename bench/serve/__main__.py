@@ -23,6 +23,8 @@ def main() -> None:
     parser.add_argument("--vllm-results", type=Path, help="take (c), (d) from an earlier run's JSON (same plan)")
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoint, one short conversation: proves it runs")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--model", type=Path, help="serve this checkpoint instead of the random GraniteMoeHybrid "
+                                                   "preset (e.g. workers/checkpoint/builtin_trained); vLLM too")
     parser.add_argument("--backend", choices=("ours", "vllm"), default="ours",
                         help="vllm: the multi-turn workload on our app's vLLM backend, vLLM's server and our "
                              "engine (bench/serve/vllm_backend.py)")
@@ -31,13 +33,14 @@ def main() -> None:
     args = parser.parse_args()
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.backend == "vllm":
-        if args.skip_app or args.vllm_results:
-            parser.error("--backend vllm runs every side itself: no --skip-app or --vllm-results")
+        if args.skip_app or args.vllm_results or args.model:
+            parser.error("--backend vllm runs every side itself on its own models: no --skip-app, --vllm-results "
+                         "or --model")
         if not args.sides or set(args.sides) - set("vadc"):
             parser.error(f"--sides takes letters of vadc, not {args.sides!r}")
         main_vllm_backend(plan, args)
         return
-    res = run(plan, args.quick or args.smoke, args.skip_vllm, args.skip_app, args.vllm_results)
+    res = run(plan, args.quick or args.smoke, args.skip_vllm, args.skip_app, args.vllm_results, args.model)
     stem = "serve.smoke" if args.smoke else "serve.quick" if args.quick else "serve"
     md = markdown(res)
     write_results(stem, res, md, args.results_dir)

@@ -95,17 +95,22 @@ def measure_vllm(plan: Plan, model_dir: Path, scripts: list[Script], tmp: Path) 
     return out, prefix
 
 
-def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool, vllm_results: Path | None) -> dict:
+def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool, vllm_results: Path | None,
+        model: Path | None = None) -> dict:
+    """`model`: a checkpoint to serve instead of the plan's random preset (its tokenizer may not be
+    one token per character: the plan's lengths are then characters)."""
     from workers.checkpoint import make_model
 
     env = environment_info() | {"cpu": cpu_flags()}
-    res: dict = {"quick": quick, "plan": asdict(plan), "env": env, "modes": {}, "overhead": {}, "not_run": [],
+    res: dict = {"quick": quick, "plan": asdict(plan), "model": str(model) if model else None, "env": env,
+                 "modes": {}, "overhead": {}, "not_run": [],
                  "prefix": {w: {} for w in serve_prefix.WORKLOADS}, "labels": MODES,
                  "method": benchmark.__doc__ + "\n" + serve_prefix.__doc__}
     scripts = make_scripts(plan)
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp_name:
         tmp = Path(tmp_name)
-        model_dir = make_model(tmp / f"granitemoehybrid-{plan.preset}", "granitemoehybrid", plan.preset, seed=0)
+        model_dir = model or make_model(tmp / f"granitemoehybrid-{plan.preset}", "granitemoehybrid", plan.preset,
+                                        seed=0)
         # Our app first: its numbers are the point; vLLM's engine may hang or die.
         if skip_app:
             res["not_run"].append("(a), (b), overhead: --skip-app")
@@ -118,7 +123,7 @@ def run(plan: Plan, quick: bool, skip_vllm: bool, skip_app: bool, vllm_results: 
             res["app"] = app
         if vllm_results is not None:
             earlier = json.loads(vllm_results.read_text())
-            if earlier["plan"] != json.loads(json.dumps(res["plan"])):
+            if earlier["plan"] != json.loads(json.dumps(res["plan"])) or earlier.get("model") != res["model"]:
                 raise SystemExit(f"{vllm_results} measured another plan")
             res["modes"] |= {m: earlier["modes"][m] for m in ("c", "d") if m in earlier["modes"]}
             for w, sides in earlier.get("prefix", {}).items():

@@ -52,11 +52,17 @@ def last_turn_table(lt: dict, labels: dict[str, str], ref: str = "a") -> str:
     return markdown_table(["mode", "TTFT p50 ms", f"over ({ref})"], rows)
 
 
+def checkpoint_words(res: dict) -> str:
+    if res.get("model"):
+        return f"checkpoint `{res['model']}`"
+    return f"GraniteMoeHybrid `{res['plan'].get('preset', 'bench')}` checkpoint"
+
+
 def markdown(res: dict) -> str:
     modes, h = res["modes"], res["headline"]
     lines = [f"# Serving benchmark{' (quick)' if res['quick'] else ''}", "",
              f"{res['plan']['conversations']} concurrent conversations x {res['plan']['turns']} turns, "
-             f"GraniteMoeHybrid `{res['plan'].get('preset', 'bench')}` checkpoint, greedy, streamed over HTTP with `openai`. "
+             f"{checkpoint_words(res)}, greedy, streamed over HTTP with `openai`. "
              f"CPU: {res['env']['cpu']['model']} ({res['env']['cpu_count']} cores), load average at start "
              f"{res['env']['load_average_1_5_15m']}. The machine was shared with other work.", ""]
     lines += mode_tables(modes, MODES)

@@ -27,12 +27,14 @@ from ray import serve
 
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
-from deployments.app import build_app
+from deployments.app import ChatIngress, Worker, build_app
+from deployments.settings import AppSettings
 from tests.cache_service.cs_helpers import ServiceProcess
 from workers.checkpoint import Arch, Preset, make_model
 
 APP = "hybridserve"
 NOTIER_APP = "hybridserve-notier"
+BUILTIN_APP = "hybridserve-builtin"
 # Names the session's app serves its model under besides the checkpoint's (served_model_name);
 # the first is the canonical one its replies carry.
 SERVED_NAMES = ("hybridserve-test/tiny-bamba", "tiny")
@@ -97,6 +99,15 @@ class ServeStack:
         return httpx.AsyncClient(base_url=self.base_url, timeout=120)
 
 
+@dataclass
+class BuiltinApp:
+    url: str  # the app's root: its page, and the API under /v1
+    model: str
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 def app_args(stack_model: str, service: ServiceProcess, **extra) -> dict:
     return {"model": stack_model, "cache_service": service.target, "kv_cache_mb": 16, "head_cache_mb": 8,
             "max_num_seqs": 8, "lease_ttl_s": 10, "busy_wait_s": 20, **extra}
@@ -134,6 +145,19 @@ def notier(stack):
     serve.run(build_app(args), name=NOTIER_APP, route_prefix="/notier")
     yield "/notier"
     serve.delete(NOTIER_APP)
+
+
+@pytest.fixture(scope="module")
+def builtin(stack):
+    """An app on the default model (`model` empty, as config.yaml has it: the trained built-in
+    checkpoint), whose replies are English and end, on the session's cache service. One worker
+    replica, and only for the module that asks: its Ray CPU is back for the next module (the
+    session's apps and the replacement replicas of the recovery tests share 4)."""
+    settings = AppSettings.model_validate(app_args("", stack.service))
+    serve.run(ChatIngress.bind(settings, Worker.options(num_replicas=1).bind(settings, None), None),
+              name=BUILTIN_APP, route_prefix="/builtin")
+    yield BuiltinApp(f"{stack.base_url}/builtin", settings.model_names[0])
+    serve.delete(BUILTIN_APP)
 
 
 @pytest.fixture

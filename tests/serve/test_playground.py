@@ -1,7 +1,8 @@
 """The playground page (`/`) in a real headless browser (Debian's chromium and chromedriver,
-driven by selenium) against the session's app: streamed turns, what each reused, a fork, and
-an API key's refusal as the API words it. The screenshot it takes mid-conversation is the
-README's (docs/playground.png)."""
+driven by selenium): streamed turns, what each reused, a fork, and an API key's refusal as the
+API words it. The conversations run on an app of the default model (the trained built-in one),
+so the screenshot taken mid-conversation, the README's (docs/playground.png), shows the English
+replies `serve run config.yaml` gives."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.ui import WebDriverWait
 
 from deployments.front import playground_page
-from tests.serve.conftest import SERVED_NAMES
+from workers.checkpoint.dialogue_corpus import load_conversations, vocabulary, words_of
 
 pytestmark = pytest.mark.timeout(300)
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
@@ -86,16 +87,18 @@ def set_max_tokens(browser: WebDriver, count: int) -> None:
     field.send_keys(str(count))
 
 
-def test_a_conversation_shows_its_reuse_and_forks_from_turn_1(stack, browser):
-    open_page(browser, f"{stack.base_url}/")
-    wait(browser, lambda b: b.find_element(By.ID, "model-name").text == SERVED_NAMES[0], "the model's name")
-    set_max_tokens(browser, 16)
+def test_a_conversation_shows_its_reuse_and_forks_from_turn_1(builtin, browser):
+    open_page(browser, f"{builtin.url}/")
+    wait(browser, lambda b: b.find_element(By.ID, "model-name").text == builtin.model, "the model's name")
+    set_max_tokens(browser, 32)
+    corpus_words = vocabulary(load_conversations())
     messages = ["Hello! Who are you?", "What can you do?", "Tell me more."]
     for number, text in enumerate(messages, start=1):
         turn = send(browser, text)
         reply = turn.find_element(By.CSS_SELECTOR, ".reply")
         assert turn.get_attribute("data-turn") == str(number)
         assert reply.text and int(reply.get_attribute("data-chunks")) > 1  # it arrived in pieces
+        assert set(words_of(reply.text)) <= corpus_words, reply.text  # the trained model's English
         assert stat(turn, "ttft").endswith(("ms", " s")) and stat(turn, "replica") != "—"
         if number == 1:
             assert cached(turn) == 0 and stat(turn, "source") == "none"
@@ -118,7 +121,7 @@ def test_a_conversation_shows_its_reuse_and_forks_from_turn_1(stack, browser):
     assert shown[0] == (messages[0], first_reply) and shown[1][0] == "Something else, then."
     forked = browser.find_element(By.ID, "conversation-id").text
     assert forked != original
-    with httpx.Client(base_url=stack.base_url, timeout=30) as http:
+    with httpx.Client(base_url=builtin.url, timeout=30) as http:
         def history(conversation_id: str) -> list[str]:
             response = http.get(f"/v1/conversations/{conversation_id}", params={"cache_salt": salt})
             assert response.status_code == 200, response.text
@@ -132,9 +135,9 @@ def test_a_conversation_shows_its_reuse_and_forks_from_turn_1(stack, browser):
     assert [t.find_element(By.CSS_SELECTOR, ".user").text for t in turns(browser)] == messages
 
 
-def test_stateless_mode_reuses_a_prefix_and_regenerating_gives_the_same_greedy_reply(stack, browser):
-    open_page(browser, f"{stack.base_url}/")
-    wait(browser, lambda b: b.find_element(By.ID, "model-name").text == SERVED_NAMES[0], "the model's name")
+def test_stateless_mode_reuses_a_prefix_and_regenerating_gives_the_same_greedy_reply(builtin, browser):
+    open_page(browser, f"{builtin.url}/")
+    wait(browser, lambda b: b.find_element(By.ID, "model-name").text == builtin.model, "the model's name")
     browser.find_element(By.ID, "mode-stateless").click()
     set_max_tokens(browser, 8)
     send(browser, "Hello!")
