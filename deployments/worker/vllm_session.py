@@ -194,11 +194,21 @@ class VllmSession:  # implements Session (session.py)
             raise InvalidRequestError("the prompt is empty")
         return self.streams.stateless(1, ids, 0, params, request_id, cache_salt)  # one pseudo-message
 
+    # Each verdict also drops the ledgers that hold no head here (as the engine session does):
+    # ledgers stay those with a head, within head_cache_mb, and those of turns running here.
     async def commit(self, record: TurnCommit) -> HeadInfo:
-        return await self.conversations.commit(record)
+        keep = self.use.in_use()  # now, before a later turn's recovery adopts a ledger
+        try:
+            return await self.conversations.commit(record)
+        finally:
+            self.conversations.drop_headless_ledgers(keep)
 
     async def abandon(self, record: TurnCommit) -> None:
-        await self.conversations.abandon(record)
+        keep = self.use.in_use()
+        try:
+            await self.conversations.abandon(record)
+        finally:
+            self.conversations.drop_headless_ledgers(keep)
 
     @property
     def tool_format(self) -> ToolFormat:

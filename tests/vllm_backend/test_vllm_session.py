@@ -182,6 +182,28 @@ async def test_what_the_backend_does_not_do_is_refused(dense_session):
     await dense_session.prepare_grammar(auto_calls)  # tool_choice "auto": runs, unconstrained
 
 
+async def test_a_ledger_is_kept_only_while_its_head_or_a_turn_of_it_is(dense_session):
+    """Ledgers are a cache of the service's: one whose head went (head_cache_mb) goes at the next
+    verdict unless a turn of it runs here; they do not pile up for every conversation seen."""
+    session, heads = dense_session, dense_session.conversations.heads
+    first, second, running = (ConversationRef(f"bound-{n}", "s") for n in ("first", "second", "running"))
+    for ref in (first, running):
+        _, record = await run_turn(session, ref, QUESTIONS[0], f"{ref.id}-1")
+        await session.commit(record)
+    session.turn_started(running)  # its next turn is being recovered here (e.g. a ledger adopted)
+    budget = heads.budget_bytes
+    heads.budget_bytes = 1  # every idle head goes at the next commit
+    try:
+        _, record = await run_turn(session, second, QUESTIONS[0], "bound-second-1")
+        await session.commit(record)
+    finally:
+        heads.budget_bytes = budget
+        session.turn_ended(running)
+    assert first.key not in heads and first.key not in session.conversations.ledgers
+    assert second.key not in heads and second.key not in session.conversations.ledgers
+    assert running.key not in heads and running.key in session.conversations.ledgers
+
+
 async def test_a_worker_without_the_head_recomputes_from_the_ledger_with_the_same_tokens(
         dense_session, second_dense_session):
     """The recovery ladder's last rung on this backend: the ledger adopted, no state imported;

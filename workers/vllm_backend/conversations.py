@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,17 @@ class HostedConversations:
         """Forget the conversation here: its ledger and its head."""
         await self._drop_head(key)
         self.ledgers.pop(key, None)
+
+    def drop_headless_ledgers(self, keep: Iterable[ConversationRef] = ()) -> int:
+        """Forget the ledgers of conversations with no head held here and no turn in flight, but
+        those in `keep` (a turn of theirs runs here, from its recovery to its verdict), as our
+        engine does (workers/conversation/cache.py): the cache service's ledger is the record,
+        read again when a turn needs it. Returns how many went."""
+        kept = {key for key in self.ledgers if key in self.heads} | {ref.key for ref in keep}
+        gone = [key for key, conv in self.ledgers.items() if conv.in_flight is None and key not in kept]
+        for key in gone:
+            del self.ledgers[key]
+        return len(gone)
 
     async def forget_idle(self, refs: list[ConversationRef]) -> tuple[int, list[ConversationRef]]:
         """Drop these conversations but those with a turn awaiting its verdict: (dropped, busy)."""
