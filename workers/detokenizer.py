@@ -2,7 +2,8 @@
 
 Text is emitted as deltas. While a request runs, the last (longest stop string - 1)
 characters are held back, so a stop string that completes over several tokens is never
-partly streamed; nothing past a matched stop string is ever emitted. A trailing incomplete
+partly streamed; nothing past a matched stop string is ever emitted (the stop string itself is
+when the request asks for it: vLLM's `include_stop_str_in_output`). A trailing incomplete
 UTF-8 sequence (decoded as U+FFFD) is held back while the request runs, since the next token
 may complete it, and emitted as decoded at the finish: the deltas always add up to the text.
 
@@ -30,8 +31,9 @@ _INCOMPLETE = "\ufffd"
 class _StopAndHold:
     """The emission rules over the output's text so far (shared by both detokenizers)."""
 
-    def __init__(self, stop: tuple[str, ...]):
+    def __init__(self, stop: tuple[str, ...], include_stop: bool = False):
         self.stop = stop
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._sent = 0
@@ -40,9 +42,10 @@ class _StopAndHold:
         """`text` is the output's whole text now; returns (delta to emit, whether a stop string matched)."""
         if self.stop:
             search_from = max(0, len(self.text) - self.hold)
-            cut = min((i for i in (text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                self.text = text[:cut]
+            found = [(i, s) for s in self.stop if (i := text.find(s, search_from)) >= 0]
+            if found:
+                cut, matched = min(found, key=lambda f: f[0])  # the earliest; at a tie, the first listed
+                self.text = text[: cut + len(matched)] if self.include_stop else text[:cut]
                 return self.flush(), True
         self.text = text
         upto = min(len(text) - self.hold, len(text.rstrip(_INCOMPLETE)))
@@ -59,8 +62,8 @@ class _StopAndHold:
 
 
 class Detokenizer(_StopAndHold):
-    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...]):
-        super().__init__(stop)
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], include_stop: bool = False):
+        super().__init__(stop, include_stop)
         self.tokenizer = tokenizer
         self._ids: list[int] = []
         self._prefix = 0
@@ -91,8 +94,8 @@ class Detokenizer(_StopAndHold):
 class FullDecodeDetokenizer(_StopAndHold):
     """The reference: decodes the whole output on every token."""
 
-    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...]):
-        super().__init__(stop)
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], include_stop: bool = False):
+        super().__init__(stop, include_stop)
         self.tokenizer = tokenizer
         self._ids: list[int] = []
 

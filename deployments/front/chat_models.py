@@ -236,10 +236,10 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: boo
 
 
 def vllm_sampling(top_k: int | None, min_p: float | None, stop_token_ids: list[int] | None,
-                  ignore_eos: bool) -> dict[str, Any]:
+                  ignore_eos: bool, include_stop_str_in_output: bool) -> dict[str, Any]:
     """SamplingParams fields of vLLM's request extensions (chat and completions alike)."""
     return {"top_k": max(0, top_k or 0), "min_p": min_p or 0.0, "stop_token_ids": tuple(stop_token_ids or ()),
-            "ignore_eos": ignore_eos}
+            "ignore_eos": ignore_eos, "include_stop_str_in_output": include_stop_str_in_output}
 
 
 class StreamOptions(RequestModel):
@@ -297,6 +297,8 @@ class ChatCompletionRequest(RequestModel):
                                                                   "likeliest")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = Field(False, description="go on past the end-of-sequence token (to max_tokens)")
+    include_stop_str_in_output: StrictBool = Field(False, description="end the reply with the stop string it "
+                                                                      "matched (else cut before it)")
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID,
                                     description="names the reply: its id is chatcmpl-<request_id>")
     # hybridserve extensions
@@ -356,5 +358,6 @@ class ChatCompletionRequest(RequestModel):
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             "deterministic": self.deterministic,
             "constraint": self.constraint(),
-            **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos),
+            **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
+                            self.include_stop_str_in_output),
         }
