@@ -163,10 +163,13 @@ async def test_a_reply_cut_by_a_stop_string_replays_as_it_was_sent(stack, conv_i
     assert entry.messages[-1].content.startswith(text[: cut + len(stop)])
 
 
-async def test_tool_calls_replay_as_they_were_sent(stack, conv_id):
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-call", "parallel-calls"])
+async def test_tool_calls_replay_as_they_were_sent(stack, conv_id, parallel):
+    """With parallel calls allowed, the stop string (kept) ends the reply after its first call."""
     live, replays = await _live_then_replays(stack, "", conv_id, {
-        "messages": [user("weather in Paris?")], **CALL})
-    assert live.finish_reason == "tool_calls" and live.calls, live.fields()
+        "messages": [user("weather in Paris?")], **CALL, "parallel_tool_calls": parallel,
+        "stop": ["</tool_call>"], "include_stop_str_in_output": True})
+    assert live.finish_reason == "tool_calls" and len(live.calls) == 1, live.fields()
     await _assert_replays_equal_live(stack, conv_id, live, replays)
 
 
