@@ -47,6 +47,7 @@ from proto import cache_pb2_grpc
 from proto.contract import ConversationRef
 
 TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(result=...))
+SentReply, SentToolCall = pb.SentReply, pb.SentToolCall  # its reply as the client was sent it
 
 def key_message(conv: ConversationRef) -> pb.ConversationKey:
     """The conversation as the wire names it: its id and salt, never its key (the service hashes)."""

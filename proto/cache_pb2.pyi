@@ -117,18 +117,38 @@ class LedgerTurn(_message.Message):
     def __init__(self, turn: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., publish_id: _Optional[str] = ..., committed_at_ms: _Optional[int] = ..., result: _Optional[_Union[TurnResult, _Mapping]] = ...) -> None: ...
 
 class TurnResult(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "tool_format")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "tool_format", "sent")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     tool_format: str
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tool_format: _Optional[str] = ...) -> None: ...
+    sent: SentReply
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tool_format: _Optional[str] = ..., sent: _Optional[_Union[SentReply, _Mapping]] = ...) -> None: ...
+
+class SentReply(_message.Message):
+    __slots__ = ("content", "tool_calls")
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[SentToolCall]
+    def __init__(self, content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[SentToolCall, _Mapping]]] = ...) -> None: ...
+
+class SentToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class PublishTurnRequest(_message.Message):
     __slots__ = ("key", "lease_token", "expected_version", "turn", "committed_tokens", "tokens_sha256", "owner_replica", "release_lease", "publish_id", "lease_proof")

@@ -2,7 +2,8 @@
 
 Text is emitted as deltas. While a request runs, the last (longest stop string - 1)
 characters are held back, so a stop string that completes over several tokens is never
-partly streamed; nothing past a matched stop string is ever emitted. A trailing incomplete
+partly streamed; nothing past a matched stop string is ever emitted (the stop string itself is
+when the request asks for it: vLLM's `include_stop_str_in_output`). A trailing incomplete
 UTF-8 sequence (decoded as U+FFFD) is held back while the request runs, since the next token
 may complete it, and emitted as decoded at the finish: the deltas always add up to the text.
 
@@ -32,8 +33,9 @@ class _StopAndHold:
     `min_tokens` (vLLM's), no stop string ends the output within its first min_tokens tokens: the
     first one searched for is one that completes in the text of token min_tokens + 1."""
 
-    def __init__(self, stop: tuple[str, ...], min_tokens: int = 0):
+    def __init__(self, stop: tuple[str, ...], min_tokens: int = 0, include_stop: bool = False):
         self.stop = stop
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.min_tokens = min_tokens
         self.tokens = 0
@@ -44,11 +46,12 @@ class _StopAndHold:
         """`text` is the output's whole text now; returns (delta to emit, whether a stop string matched)."""
         self.tokens += 1
         if self.stop and self.tokens > self.min_tokens:
-            # Each stop string is searched where it would end in the new text (as vLLM does).
-            found = (text.find(s, max(0, len(self.text) - len(s) + 1)) for s in self.stop)
-            cut = min((i for i in found if i >= 0), default=-1)
-            if cut >= 0:
-                self.text = text[:cut]
+            # Each stop string is searched where it would end in the new text (as vLLM does); the
+            # earliest match wins, at a tie the first listed.
+            found = [(i, s) for s in self.stop if (i := text.find(s, max(0, len(self.text) - len(s) + 1))) >= 0]
+            if found:
+                cut, matched = min(found, key=lambda f: f[0])
+                self.text = text[: cut + len(matched)] if self.include_stop else text[:cut]
                 return self.flush(), True
         self.text = text
         upto = min(len(text) - self.hold, len(text.rstrip(_INCOMPLETE)))
@@ -65,8 +68,9 @@ class _StopAndHold:
 
 
 class Detokenizer(_StopAndHold):
-    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], min_tokens: int = 0):
-        super().__init__(stop, min_tokens)
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], min_tokens: int = 0,
+                 include_stop: bool = False):
+        super().__init__(stop, min_tokens, include_stop)
         self.tokenizer = tokenizer
         self._ids: list[int] = []
         self._prefix = 0
@@ -97,8 +101,9 @@ class Detokenizer(_StopAndHold):
 class FullDecodeDetokenizer(_StopAndHold):
     """The reference: decodes the whole output on every token."""
 
-    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], min_tokens: int = 0):
-        super().__init__(stop, min_tokens)
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], min_tokens: int = 0,
+                 include_stop: bool = False):
+        super().__init__(stop, min_tokens, include_stop)
         self.tokenizer = tokenizer
         self._ids: list[int] = []
 

@@ -33,6 +33,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest one (0 disables)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: the reply ends with the stop string it matched
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
@@ -68,8 +69,9 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or isinstance(b, bool) or not isinstance(b, (int, float))
                for t, b in self.logit_bias):
             problems.append("logit_bias maps integer token ids to numbers")
-        if not isinstance(self.deterministic, bool):
-            problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
+        for name in ("deterministic", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if problems:
             raise InvalidRequestError("; ".join(problems))
         if self.max_tokens < 1:

@@ -242,10 +242,10 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: boo
 
 
 def vllm_sampling(top_k: int | None, min_p: float | None, stop_token_ids: list[int] | None,
-                  ignore_eos: bool) -> dict[str, Any]:
+                  ignore_eos: bool, include_stop_str_in_output: bool) -> dict[str, Any]:
     """SamplingParams fields of vLLM's request extensions (chat and completions alike)."""
     return {"top_k": max(0, top_k or 0), "min_p": min_p or 0.0, "stop_token_ids": tuple(stop_token_ids or ()),
-            "ignore_eos": ignore_eos}
+            "ignore_eos": ignore_eos, "include_stop_str_in_output": include_stop_str_in_output}
 
 
 def processor_sampling(request: Any) -> dict[str, Any]:
@@ -319,6 +319,8 @@ class ChatCompletionRequest(RequestModel):
     repetition_penalty: RepetitionPenalty = Field(1.0, description="tokens of the prompt or reply: logit / p if "
                                                                    "positive, else x p (1: off)")
     min_tokens: StrictInt = Field(0, ge=0, description="no EOS, stop token or stop string ends the reply before")
+    include_stop_str_in_output: StrictBool = Field(False, description="end the reply with the stop string it "
+                                                                      "matched (else cut before it)")
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID,
                                     description="names the reply: its id is chatcmpl-<request_id>")
     # hybridserve extensions
@@ -379,6 +381,7 @@ class ChatCompletionRequest(RequestModel):
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             "deterministic": self.deterministic,
             "constraint": self.constraint(),
-            **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos),
+            **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
+                            self.include_stop_str_in_output),
             **processor_sampling(self),
         }

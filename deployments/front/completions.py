@@ -63,6 +63,7 @@ class CompletionRequest(RequestModel):
     ignore_eos: bool = False
     repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID, description="the reply's id: cmpl-<it>")
     # hybridserve extensions
     cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")
@@ -107,7 +108,8 @@ class CompletionRequest(RequestModel):
         return {"max_tokens": min(self.max_tokens, max_output_tokens), "temperature": self.temperature,
                 "top_p": self.top_p, "seed": self.seed, "stop": tuple(s for s in stop if s),
                 "logprobs": self.logprobs, "deterministic": self.deterministic, "constraint": None,
-                **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos),
+                **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
+                                self.include_stop_str_in_output),
                 **processor_sampling(self)}
 
 

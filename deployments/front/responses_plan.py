@@ -248,7 +248,7 @@ async def retrieve(cache: CacheClient, scope: str, response_id: str, model: str)
     previous = None
     if index and ledger.turns[0].publish_id.startswith(PUBLISH_PREFIXES):
         previous = str(ResponseId(rid.conversation_id, rid.turn - 1, ledger.turns[0].publish_id))
-    events = outcome.replay(turn)  # the reply's text and, parsed back out of it, its tool calls
+    events = outcome.replay(turn)  # the reply's text and tool calls, as they were first sent
     text = "".join(e.text for e in events if isinstance(e, TurnDelta))
     form = ResponseBody(rid, model, STORED_ECHO, previous, created_at=turn.committed_at_ms // 1000)
     return form.done(text, events[-1])

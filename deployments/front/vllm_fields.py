@@ -22,7 +22,7 @@ log = logging.getLogger("hybridserve.ingress")
 # vLLM's OpenAI-server extensions not served here, with the value that asks for nothing.
 NOT_SERVED: dict[str, Any] = {
     "length_penalty": 1.0, "use_beam_search": False,
-    "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
     "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False,
     "documents": None, "chat_template": None, "chat_template_kwargs": {}, "mm_processor_kwargs": None,

@@ -83,16 +83,29 @@ class Streamed:
             self.call_arguments[piece.index] = self.call_arguments.get(piece.index, 0) + len(piece.arguments)
 
 
+def sent_reply(turn: pb.LedgerTurn) -> tuple[str, tuple[ToolCall, ...]]:
+    """The reply's content and tool calls as the turn's live answer sent them.
+
+    The ledger's last message is the model's side (every generated token decoded: a matched
+    stop string, the text after it in the last token, special tokens), which the next turn's
+    prompt re-renders; the client was sent `result.sent`. A turn published before `sent`
+    existed is read from its message (the calls parsed back out of its text)."""
+    result = turn.result
+    if result.HasField("sent"):
+        return result.sent.content, tuple(ToolCall(c.id, c.name, c.arguments) for c in result.sent.tool_calls)
+    reply = next((m.content for m in reversed(turn.messages) if m.role == "assistant"), "")
+    if not result.tool_format:
+        return reply, ()
+    reply, parsed = format_named(result.tool_format).parse(reply)
+    return reply, tuple(ToolCall(call_id(turn.publish_id, i), c.name, c.arguments) for i, c in enumerate(parsed))
+
+
 def replay(turn: pb.LedgerTurn, streamed: Streamed | None = None) -> list[TurnEvent]:
     """The events of a committed turn, read back from its ledger entry: the reply's text and
     tool calls (what the client has not been sent yet of them) and its result."""
     streamed = streamed or Streamed()
-    reply = next((m.content for m in reversed(turn.messages) if m.role == "assistant"), "")
+    reply, calls = sent_reply(turn)
     result = turn.result
-    calls: tuple[ToolCall, ...] = ()
-    if result.tool_format:  # the request parsed tool calls: they are read back out of the text
-        reply, parsed = format_named(result.tool_format).parse(reply)
-        calls = tuple(ToolCall(call_id(turn.publish_id, i), c.name, c.arguments) for i, c in enumerate(parsed))
     rest = reply[len(streamed.text):] if reply.startswith(streamed.text) else reply
     done = TurnDone(result.finish_reason or "stop", result.prompt_tokens, result.completion_tokens,
                     result.cached_tokens, Recovery.REPLAY, replica="", turn=turn.turn, tool_calls=calls)

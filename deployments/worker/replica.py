@@ -29,6 +29,8 @@ from cache_service.client import (
     CacheError,
     InvalidArgument,
     LeaseLost,
+    SentReply,
+    SentToolCall,
     StorageFull,
     TurnResult,
     VersionConflict,
@@ -68,7 +70,6 @@ from workers.errors import (
 from workers.load import Rate
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
-from workers.tools.formats import ToolFormat
 
 log = logging.getLogger("hybridserve.worker")
 
@@ -290,7 +291,7 @@ class Worker:
                 yield TurnFailed(ErrorKind.INTERNAL, "the engine finished the turn without preparing it")
                 return
             handed = True  # from here `_commit` owns the prepared turn, whatever happens to this stream
-            outcome = await self._commit(job, done, last.turn_commit, calls.form)
+            outcome = await self._commit(job, done, last.turn_commit, calls)
             if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
                 await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(),
                                                         last.checkpoints, last.checkpoint_keys)
@@ -301,15 +302,14 @@ class Worker:
             if prepared is not None and not handed:
                 self._spawn(self._abandon(prepared))  # not awaited: this stream may be closing or cancelled
 
-    async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit,
-                      tool_format: ToolFormat | None) -> TurnEvent:
+    async def _commit(self, job: TurnJob, done: TurnDone, prepared: TurnCommit, calls: ReplyCalls) -> TurnEvent:
         """Publish the prepared turn, then commit or abandon it here as the service decided.
 
         Runs to its end even when the turn is cancelled (the client left mid-publish): the
         publish may land, and this replica's copy must follow the service's verdict. A publish
         whose outcome is unknown is sent again, unchanged (the service answers a resent
         publish with the head it made, or refuses it): the first definite answer decides."""
-        resolution = asyncio.ensure_future(self._publish_and_resolve(job, done, prepared, tool_format))
+        resolution = asyncio.ensure_future(self._publish_and_resolve(job, done, prepared, calls))
         try:
             return await asyncio.wait_for(asyncio.shield(resolution), PUBLISH_ANSWER_S)
         except TimeoutError:  # still unknown: the ingress asks the ledger; the copy waits for the verdict
@@ -318,11 +318,15 @@ class Worker:
             return TurnFailed(ErrorKind.OUTCOME_UNKNOWN, "the cache service did not answer the publish")
 
     async def _publish_and_resolve(self, job: TurnJob, done: TurnDone, prepared: TurnCommit,
-                                   tool_format: ToolFormat | None) -> TurnEvent:
+                                   calls: ReplyCalls) -> TurnEvent:
         client, conv = await self._cache(), job.conversation
+        # The ledger keeps both faces of the reply: the prepared turn's message (every token, for
+        # the next turn's prompt) and, in `sent`, what this stream gave the client (a replay's).
+        sent = SentReply(content=calls.content, tool_calls=[
+            SentToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in done.tool_calls])
         result = TurnResult(finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                             completion_tokens=done.completion_tokens, cached_tokens=done.cached_tokens,
-                            tool_format=tool_format.name if tool_format is not None else "")
+                            tool_format=calls.form.name if calls.form is not None else "", sent=sent)
         deadline = asyncio.get_running_loop().time() + PUBLISH_RESOLVE_S
         while True:
             try:

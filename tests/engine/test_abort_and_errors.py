@@ -115,6 +115,7 @@ INVALID_PARAMS = [
     dict(seed=-1),
     dict(seed=2**63),
     dict(stop=("",)),
+    dict(include_stop_str_in_output="yes"),
 ]
 
 

@@ -201,6 +201,21 @@ def test_stop_strings(ckpt, greedy_tokens):
     assert "".join(streamed) == full[:cut]
 
 
+def test_include_stop_str_in_output_ends_the_reply_with_the_matched_stop_string(ckpt, greedy_tokens):
+    """vLLM's field: the same tokens as without it, the text cut after the stop string, not before."""
+    engine = new_engine(ckpt.path)
+    full = engine.tokenizer.decode(greedy_tokens)
+    stop = full[9:11]
+    cut = full.find(stop)
+    params = dict(max_tokens=24, temperature=0.0, ignore_eos=True, stop=("never-in-output-~~~", stop))
+    without = run_engine(engine, {"s": PROMPT}, SamplingParams(**params))
+    run = run_engine(engine, {"s": PROMPT}, SamplingParams(**params, include_stop_str_in_output=True))
+    assert run.requests["s"].finish_reason is FinishReason.STOP
+    assert run.text["s"] == full[: cut + len(stop)] and run.text["s"].endswith(stop)
+    assert "".join(o.text_delta for o in run.outputs["s"]) == run.text["s"]
+    assert run.tokens["s"] == without.tokens["s"]  # it changes the text, never where generation ends
+
+
 def test_earliest_stop_string_wins_and_absent_ones_do_nothing(ckpt, greedy_tokens):
     engine = new_engine(ckpt.path)
     full = engine.tokenizer.decode(greedy_tokens)

@@ -51,7 +51,9 @@ class Finisher:
         self._detok: dict[str, Detokenizer] = {}
 
     def start(self, request: Request) -> None:
-        self._detok[request.request_id] = Detokenizer(self.tokenizer, request.params.stop, request.params.min_tokens)
+        params = request.params
+        self._detok[request.request_id] = Detokenizer(self.tokenizer, params.stop, params.min_tokens,
+                                                      params.include_stop_str_in_output)
 
     # -- tokens -------------------------------------------------------------------------------
     def on_token(self, request: Request, token: SampledToken) -> RequestOutput:

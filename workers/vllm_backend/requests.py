@@ -87,7 +87,7 @@ class OutputStream:
         self.params = params
         self.num_prompt_tokens = num_prompt_tokens
         self.output_ids: list[int] = []
-        self._detok = Detokenizer(tokenizer, params.stop, params.min_tokens)
+        self._detok = Detokenizer(tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output)
         self._stopped = False
 
     def output(self, frame: dict[str, Any], turn_commit: Any = None, *, reused: ReuseSource = ReuseSource.HEAD,
