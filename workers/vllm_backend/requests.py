@@ -50,12 +50,15 @@ def backend_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
 
 
 # The request fields that ask for each kind of constraint, for the refusal above.
-_STRUCTURED = "structured_outputs or guided_"
-_FIELDS = {ConstraintKind.JSON_OBJECT: "response_format json_object, structured_outputs.json_object",
-           ConstraintKind.JSON_SCHEMA: f"response_format json_schema, {_STRUCTURED}json",
+def _structured(kind: str) -> str:
+    return f"structured_outputs.{kind} or guided_{kind}"
+
+
+_FIELDS = {ConstraintKind.JSON_OBJECT: "response_format json_object or structured_outputs.json_object",
+           ConstraintKind.JSON_SCHEMA: f"response_format json_schema, {_structured('json')}",
            ConstraintKind.TOOL_CALLS: "tool_choice \"required\" or a named function",
-           ConstraintKind.REGEX: f"{_STRUCTURED}regex", ConstraintKind.CHOICE: f"{_STRUCTURED}choice",
-           ConstraintKind.GRAMMAR: f"{_STRUCTURED}grammar"}
+           ConstraintKind.REGEX: _structured("regex"), ConstraintKind.CHOICE: _structured("choice"),
+           ConstraintKind.GRAMMAR: _structured("grammar")}
 
 
 def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None) -> dict[str, Any]:
