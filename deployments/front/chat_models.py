@@ -349,8 +349,8 @@ class ChatCompletionRequest(StructuredOutputFields):
         check_tool_choice([t.function.name for t in self.tools or ()], choice,
                           choice.function.name if isinstance(choice, NamedToolChoice) else None,
                           formatted, "response_format")
-        self.check_beside({"response_format": formatted,
-                           "tool_choice": bool(self.tools) and (choice == "required" or isinstance(choice, NamedToolChoice))})
+        forced = bool(self.tools) and (choice == "required" or isinstance(choice, NamedToolChoice))
+        self.check_beside({"response_format": formatted, "tool_choice": forced})
         return self
 
     def engine_tools(self) -> tuple[dict[str, Any], ...]:

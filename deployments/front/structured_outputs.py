@@ -122,7 +122,8 @@ class StructuredOutputFields(RequestModel):
     def structured_kinds(self) -> list[str]:
         """The fields that ask for a kind of structured output (one at most may be given)."""
         so = self.structured_outputs
-        named = [f"guided_{k}" for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None]
+        named = [f"guided_{k}" for k in ("json", "regex", "choice", "grammar")
+                 if getattr(self, f"guided_{k}") is not None]
         if so is not None:
             named += [f"structured_outputs.{k}" for k in ("json", "regex", "choice", "grammar", "json_object")
                       if getattr(so, "json_" if k == "json" else k) is not None]
@@ -165,7 +166,10 @@ class StructuredOutputFields(RequestModel):
         so = self.structured_outputs
         field = kinds[0]
         name = field.removeprefix("guided_").removeprefix("structured_outputs.")
-        value = getattr(self, field) if field.startswith("guided_") else getattr(so, "json_" if name == "json" else name)
+        if field.startswith("guided_"):
+            value = getattr(self, field)
+        else:
+            value = getattr(so, "json_" if name == "json" else name)
         whitespace = self._whitespace_pattern() or ""
         if name == "json_object":
             return {"type": "json_object", "whitespace_pattern": whitespace}

@@ -81,7 +81,8 @@ async def test_priority_is_served_and_changes_nothing_alone(stack):
     plain = await stack.client().chat.completions.create(**kwargs)
     urgent = await stack.client().chat.completions.create(**kwargs, extra_body={"priority": -10})
     assert urgent.choices[0].message.content == plain.choices[0].message.content
-    late = await stack.client().completions.create(model=stack.model, prompt="x", max_tokens=3, extra_body={"priority": 7})
+    late = await stack.client().completions.create(model=stack.model, prompt="x", max_tokens=3,
+                                                   extra_body={"priority": 7})
     assert late.choices[0].finish_reason == "length"
 
 
