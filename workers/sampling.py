@@ -47,6 +47,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 disables
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is taken too
     min_tokens: int = 0  # EOS and stop_token_ids held back (and stop strings not matched) until then
+    # Not sampling but scheduling (vLLM passes it beside its SamplingParams; here it rides with
+    # them over the wire): lower is admitted earlier (workers/scheduler.py).
+    priority: int = 0
     resolved_seed: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -58,7 +61,7 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         problems = []
-        for name in ("max_tokens", "top_k", "logprobs", "seed", "min_tokens"):
+        for name in ("max_tokens", "top_k", "logprobs", "seed", "min_tokens", "priority"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 problems.append(f"{name} must be an integer, got {value!r}")

@@ -1,10 +1,16 @@
 """Continuous batching on plain Python state: which tokens of which requests run next.
 
 Each step spends a token budget: running requests first (a decode costs 1 token, an
-unfinished prefill continues in chunks), then waiting requests in arrival order (FCFS).
-When KV blocks run out the most recently arrived running request is preempted: its
-cache is freed and it re-enters the queue to be recomputed later (a Mamba state cannot
-be partially un-done, so recompute is the only preemption mode).
+unfinished prefill continues in chunks), then waiting requests in queue order: by priority
+(vLLM's `priority`, lower first), ties in arrival order (FCFS; with every priority at 0, the
+default, the queue is plain FCFS). When KV blocks run out the most recently admitted running
+request is preempted: its cache is freed and it re-enters the queue at the head of its
+priority class, to be recomputed later (a Mamba state cannot be partially un-done, so
+recompute is the only preemption mode).
+
+Priority orders admission only, as vLLM's priority policy does: a running request is not
+preempted for a waiting one of lower priority value, and, as in vLLM, nothing ages a waiting
+request: a steady stream of lower values can keep a higher one waiting.
 """
 
 from __future__ import annotations
@@ -78,7 +84,17 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.caches.register(request)
-        self.waiting.append(request)
+        self._enqueue(request, ahead_of_equals=False)
+
+    def _enqueue(self, request: Request, *, ahead_of_equals: bool) -> None:
+        """Into the waiting queue, kept sorted by priority: behind the requests of its priority
+        (a new arrival) or ahead of them (a preempted request, which arrived before them)."""
+        priority = request.params.priority
+        place = len(self.waiting)
+        while place > 0 and (self.waiting[place - 1].params.priority > priority or (
+                ahead_of_equals and self.waiting[place - 1].params.priority == priority)):
+            place -= 1
+        self.waiting.insert(place, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -119,7 +135,7 @@ class Scheduler:
                     # Nothing runs, nothing was preempted, evictable heads are gone: it never fits.
                     out.unfittable.append(self.waiting.popleft())
                     continue
-                break  # no room now; FCFS keeps the queue order
+                break  # no room now; the queue keeps its order
             self.waiting.popleft()
             self.prefill_per_request.observe(request.num_tokens - start)
             request.status = RequestStatus.RUNNING
@@ -170,7 +186,7 @@ class Scheduler:
         request.drop_unverified()
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, ahead_of_equals=True)
 
     def advance(self, output: SchedulerOutput) -> None:
         """Move the counters of everything that just ran (before new tokens are appended)."""

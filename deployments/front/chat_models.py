@@ -26,6 +26,7 @@ from pydantic_core import PydanticCustomError
 from cache_service.client import SERVICE_LIMITS
 from deployments.front import vllm_fields
 from deployments.front.request_base import RequestModel
+from deployments.front.structured_outputs import StructuredOutputFields
 from deployments.settings import SCOPE_PREFIX_BYTES
 
 MAX_ID = 256  # characters of the fields the cache service never sees (model, name, user)
@@ -272,7 +273,7 @@ UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction"
                "verbosity", "web_search_options", "store")
 
 
-class ChatCompletionRequest(RequestModel):
+class ChatCompletionRequest(StructuredOutputFields):
     model: Text = Field(max_length=MAX_ID)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     # Any length: clamped to the server's max_output_tokens and to what the context leaves.
@@ -346,9 +347,12 @@ class ChatCompletionRequest(RequestModel):
     def _tools_fit(self) -> "ChatCompletionRequest":
         check_min_tokens(self.min_tokens, self.max_completion_tokens or self.max_tokens)
         choice = self.tool_choice
+        formatted = self.response_format is not None and self.response_format.type != "text"
         check_tool_choice([t.function.name for t in self.tools or ()], choice,
                           choice.function.name if isinstance(choice, NamedToolChoice) else None,
-                          self.response_format is not None and self.response_format.type != "text", "response_format")
+                          formatted, "response_format")
+        forced = bool(self.tools) and (choice == "required" or isinstance(choice, NamedToolChoice))
+        self.check_beside({"response_format": formatted, "tool_choice": forced})
         return self
 
     def engine_tools(self) -> tuple[dict[str, Any], ...]:
@@ -364,8 +368,12 @@ class ChatCompletionRequest(RequestModel):
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         fmt = self.response_format
         schema = fmt.json_schema if fmt is not None and fmt.type == "json_schema" else None
-        return reply_constraint(list(self.engine_tools()), choice, self.parallel_tool_calls is not False,
-                                fmt.type if fmt is not None else "text",
+        tools = list(self.engine_tools())
+        parallel = self.parallel_tool_calls is not False
+        structured = self.structured_constraint()  # alone, or beside tool_choice "auto": it wins
+        if structured is not None:
+            return structured
+        return reply_constraint(tools, choice, parallel, fmt.type if fmt is not None else "text",
                                 schema.schema_ if schema else None, bool(schema and schema.strict))
 
     def sampling(self, max_output_tokens: int) -> dict:
@@ -381,6 +389,7 @@ class ChatCompletionRequest(RequestModel):
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             "deterministic": self.deterministic,
             "constraint": self.constraint(),
+            "priority": self.priority,
             **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
                             self.include_stop_str_in_output),
             **processor_sampling(self),

@@ -2,7 +2,8 @@
 
     request     prompt: text, token ids, or a list holding one of either; max_tokens (default 16,
                 as OpenAI's and vLLM's), temperature, top_p, seed, stop, stream, stream_options,
-                logprobs (k: the sampled token's and the top k), echo, cache_salt, deterministic
+                logprobs (k: the sampled token's and the top k), echo, cache_salt, deterministic,
+                vLLM's structured outputs and priority (structured_outputs.py)
     answer      {"object": "text_completion", choices: [{text, index, logprobs, finish_reason}], usage}
     streaming   data: chunk(text)* data: chunk("", finish_reason) [data: chunk([], usage)] data: [DONE]
 
@@ -27,7 +28,7 @@ from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS,
                                            RepetitionPenalty, StopString, StreamOptions, Text, _field_error, _off,
                                            _unsupported, check_min_tokens, processor_sampling, vllm_sampling)
 from deployments.front import vllm_fields
-from deployments.front.request_base import RequestModel
+from deployments.front.structured_outputs import StructuredOutputFields
 from deployments.messages import TokenLogprob, TurnDelta, TurnDone
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions (chat's is what the context leaves)
@@ -35,7 +36,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 UNSUPPORTED = ("suffix",)
 
 
-class CompletionRequest(RequestModel):
+class CompletionRequest(StructuredOutputFields):
     model: Text = Field(max_length=MAX_ID)
     prompt: (Text | TokenIds | Annotated[list[Text], Field(min_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1)])
@@ -107,7 +108,8 @@ class CompletionRequest(RequestModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {"max_tokens": min(self.max_tokens, max_output_tokens), "temperature": self.temperature,
                 "top_p": self.top_p, "seed": self.seed, "stop": tuple(s for s in stop if s),
-                "logprobs": self.logprobs, "deterministic": self.deterministic, "constraint": None,
+                "logprobs": self.logprobs, "deterministic": self.deterministic,
+                "constraint": self.structured_constraint(), "priority": self.priority,
                 **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
                                 self.include_stop_str_in_output),
                 **processor_sampling(self)}

@@ -76,7 +76,7 @@ async def test_resent_tool_call_index_is_accepted(stack):
     assert (await _reply(stack, history, temperature=0)).finish_reason == "length"
 
 
-@pytest.mark.parametrize("field", [{"length_penalty": 1.2}, {"use_beam_search": True}, {"guided_json": {}}],
+@pytest.mark.parametrize("field", [{"length_penalty": 1.2}, {"use_beam_search": True}, {"bad_words": ["x"]}],
                          ids=lambda f: next(iter(f)))
 async def test_a_vllm_field_not_served_is_a_400_naming_it(stack, field):
     with pytest.raises(openai.BadRequestError) as refused:

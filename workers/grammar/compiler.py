@@ -22,10 +22,17 @@ log = logging.getLogger(__name__)
 GRAMMAR_CACHE = 256  # distinct constraints whose checked grammar text is kept
 
 
-def _json_grammar(schema: dict) -> str:
+def _json_grammar(schema: dict, whitespace_pattern: str = "") -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=dict(JSON_STYLE))
+    style = dict(JSON_STYLE, whitespace_pattern=whitespace_pattern) if whitespace_pattern else dict(JSON_STYLE)
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=style)
+
+
+# What a constraint of each kind is called in the API, for its errors.
+_WHAT = {ConstraintKind.JSON_OBJECT: "the JSON object format", ConstraintKind.JSON_SCHEMA: "the schema",
+         ConstraintKind.TOOL_CALLS: "the tools' parameters", ConstraintKind.REGEX: "the regex",
+         ConstraintKind.CHOICE: "the choices", ConstraintKind.GRAMMAR: "the grammar"}
 
 
 class GrammarCompiler:
@@ -53,19 +60,24 @@ class GrammarCompiler:
     def _grammar_text(self, constraint: Constraint) -> str:
         import llguidance
 
-        if constraint.kind is ConstraintKind.JSON_OBJECT:
-            text = _json_grammar({"type": "object"})
-        elif constraint.kind is ConstraintKind.JSON_SCHEMA:
-            text = _json_grammar(constraint.value())
-        else:
-            build = self.tool_format.auto_grammar if constraint.auto else self.tool_format.grammar
-            text = llguidance.LLMatcher.grammar_from_lark(build(constraint.value(), constraint.parallel))
+        kind = constraint.kind
+        try:
+            if kind is ConstraintKind.JSON_OBJECT:
+                text = _json_grammar({"type": "object"}, constraint.whitespace_pattern)
+            elif kind is ConstraintKind.JSON_SCHEMA:
+                text = _json_grammar(constraint.value(), constraint.whitespace_pattern)
+            elif kind is ConstraintKind.TOOL_CALLS:
+                build = self.tool_format.auto_grammar if constraint.auto else self.tool_format.grammar
+                text = llguidance.LLMatcher.grammar_from_lark(build(constraint.value(), constraint.parallel))
+            else:  # regex, choice (an alternation of literals), grammar (Lark, or GBNF turned into Lark)
+                text = llguidance.grammar_from(kind.value, constraint.value())
+        except ValueError as error:  # a GBNF grammar that cannot be turned into Lark
+            raise InvalidRequestError(f"{_WHAT[kind]} cannot be compiled into a grammar: {error}") from None
         with self._lock:
             tokenizer = self.ll_tokenizer
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if failed:
-            where = "the tools' parameters" if constraint.kind is ConstraintKind.TOOL_CALLS else "the schema"
-            raise InvalidRequestError(f"{where} cannot be compiled into a grammar: {messages[0]}")
+            raise InvalidRequestError(f"{_WHAT[kind]} cannot be compiled into a grammar: {messages[0]}")
         for warning in messages:
             log.info("grammar warning: %s", warning)
         return text

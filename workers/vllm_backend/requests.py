@@ -38,14 +38,27 @@ def backend_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
     check_logit_bias(params, vocab_size)
     if params.deterministic:
         raise InvalidRequestError("deterministic mode is not available on the vllm backend (run backend: ours)")
+    if params.priority != 0:  # the host's vLLM engine schedules FCFS, where vLLM itself refuses a priority
+        raise InvalidRequestError("priority is not available on the vllm backend (run backend: ours)")
     constraint = params.constraint
     if constraint is None:
         return params
     if constraint.kind is ConstraintKind.TOOL_CALLS and constraint.auto:
         return dataclasses.replace(params, constraint=None, seed=params.resolved_seed)
     raise InvalidRequestError(
-        "constrained decoding (response_format, tool_choice \"required\" or a named function) is not available "
-        "on the vllm backend (run backend: ours)")
+        f"constrained decoding ({_FIELDS[constraint.kind]}) is not available on the vllm backend (run backend: ours)")
+
+
+# The request fields that ask for each kind of constraint, for the refusal above.
+def _structured(kind: str) -> str:
+    return f"structured_outputs.{kind} or guided_{kind}"
+
+
+_FIELDS = {ConstraintKind.JSON_OBJECT: "response_format json_object or structured_outputs.json_object",
+           ConstraintKind.JSON_SCHEMA: f"response_format json_schema, {_structured('json')}",
+           ConstraintKind.TOOL_CALLS: "tool_choice \"required\" or a named function",
+           ConstraintKind.REGEX: _structured("regex"), ConstraintKind.CHOICE: _structured("choice"),
+           ConstraintKind.GRAMMAR: _structured("grammar")}
 
 
 def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None) -> dict[str, Any]:
