@@ -47,7 +47,7 @@ async def test_text_and_token_ids_prompts_stream_and_logprobs(stack):
     streamed = [c.choices[0] for c in chunks if c.choices]
     assert "".join(c.text for c in streamed) == choice.text
     assert [lp for c in streamed if c.logprobs for lp in c.logprobs.token_logprobs] == \
-        pytest.approx(choice.logprobs.token_logprobs)
+        pytest.approx(choice.logprobs.token_logprobs, abs=1e-4)  # float rounding: a neighbour changes chunks
     assert streamed[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 5
 
 
