@@ -46,6 +46,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 disables
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is taken too
     min_tokens: int = 0  # EOS and stop_token_ids held back (and stop strings not matched) until then
+    # How the reply's text reads its special tokens (vLLM's; the detokenizer's, not the sampler's).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     resolved_seed: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -68,8 +71,9 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or isinstance(b, bool) or not isinstance(b, (int, float))
                for t, b in self.logit_bias):
             problems.append("logit_bias maps integer token ids to numbers")
-        if not isinstance(self.deterministic, bool):
-            problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
+        for name in ("deterministic", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if problems:
             raise InvalidRequestError("; ".join(problems))
         if self.max_tokens < 1:

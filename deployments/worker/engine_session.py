@@ -41,6 +41,7 @@ from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
 from workers.load import EngineLoad
 from workers.sampling import SamplingParams
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 from workers.tools.formats import ToolFormat
 
 
@@ -182,13 +183,14 @@ class EngineSession:  # implements Session (session.py)
         params: SamplingParams,
         request_id: str,
         tools: list[dict[str, Any]] | None = None,
+        template: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> AsyncIterator[RequestOutput]:
         """The final output's `turn_commit` is the prepared turn (None if it was discarded). A
         stream left before its final output was read leaves nothing prepared: a turn that
         finished as it was left is abandoned at once, not held (and its conversation busy)
         until it expires."""
         start = lambda _e: self.cache.begin_turn(  # noqa: E731
-            ref, suffix, params, request_id, commit=CommitMode.PREPARE, tools=tools)
+            ref, suffix, params, request_id, commit=CommitMode.PREPARE, tools=tools, template=template)
         return self.aengine.stream(request_id, start, on_left=lambda _e: self._abandon_unowned(request_id))
 
     def _abandon_unowned(self, request_id: str) -> None:
@@ -199,14 +201,14 @@ class EngineSession:  # implements Session (session.py)
 
     def stream_stateless(
         self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str, cache_salt: str,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, template: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> AsyncIterator[RequestOutput]:
         """A full-history request: it attaches the longest prefix of its prompt held here under
         its salt, checkpoints its message boundaries and its end (the final output's
         `checkpoints`, labelled by the messages they cover, see workers/conversation/boundaries.py)."""
 
         start = lambda _e: self.cache.begin_stateless(  # noqa: E731
-            messages, params, request_id, cache_salt, tools)
+            messages, params, request_id, cache_salt, tools, template)
         return self.aengine.stream(request_id, start)
 
     def stream_completion(self, prompt: str | tuple[int, ...], params: SamplingParams, request_id: str,

@@ -217,7 +217,7 @@ class Worker:
                 recovery = Recovery.NEW
             elif job.conversation is None:
                 stream = self.session.stream_stateless(job.messages, params, job.request_id, job.scope,
-                                                       list(job.tools))
+                                                       list(job.tools), job.template)
                 recovery = Recovery.NEW
             else:
                 if not self._expiring:
@@ -229,7 +229,7 @@ class Worker:
                 if recovery is Recovery.TIER_IMPORT:
                     self.import_rate.observe(job.head.committed_tokens, time.perf_counter() - started)
                 stream = self.session.stream_turn(job.conversation, job.messages, params, job.request_id,
-                                                  list(job.tools))
+                                                  list(job.tools), job.template)
             async for event in self._run(job, params, stream, recovery):
                 yield event
         except InvalidRequestError as e:
