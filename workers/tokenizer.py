@@ -89,12 +89,11 @@ class ChatTokenizer:
             raise InvalidRequestError(f"cannot render messages with the chat template: {e}") from e
 
     def request_ids(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                    add_generation_prompt: bool = True, template: TemplateOptions | None = None) -> list[int]:
+                    template: TemplateOptions = DEFAULT_TEMPLATE) -> list[int]:
         """The token ids of a raw prompt (as a completion runs it) or of messages rendered by the
-        chat template (as a chat request runs them; `template` wins over add_generation_prompt):
-        what /tokenize answers."""
+        chat template (as a chat request of them with these `template` options runs them): what
+        /tokenize answers."""
         if messages is not None:
-            template = template or TemplateOptions(add_generation_prompt=add_generation_prompt)
             return self.encode(self.render(messages, template=template))
         return self.encode(prompt or "")
 

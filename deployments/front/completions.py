@@ -19,13 +19,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from deployments.errors import APIError
 from deployments.front.chat_format import SSE_DONE, data, usage_of
 from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, LogitBias, Penalty,
                                            RepetitionPenalty, StopString, StreamOptions, Text, _field_error, _off,
-                                           _unsupported, check_min_tokens, processor_sampling, vllm_sampling)
+                                           _unsupported, check_min_tokens, processor_sampling,
+                                           special_tokens_sampling, vllm_sampling)
 from deployments.front import vllm_fields
 from deployments.front.request_base import RequestModel
 from deployments.messages import TokenLogprob, TurnDelta, TurnDone
@@ -63,6 +64,8 @@ class CompletionRequest(RequestModel):
     ignore_eos: bool = False
     repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID, description="the reply's id: cmpl-<it>")
     # hybridserve extensions
     cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")
@@ -108,7 +111,7 @@ class CompletionRequest(RequestModel):
                 "top_p": self.top_p, "seed": self.seed, "stop": tuple(s for s in stop if s),
                 "logprobs": self.logprobs, "deterministic": self.deterministic, "constraint": None,
                 **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos),
-                **processor_sampling(self)}
+                **processor_sampling(self), **special_tokens_sampling(self)}
 
 
 def logprobs_of(entries: Iterable[TokenLogprob], offset: int) -> dict[str, Any]:

@@ -155,9 +155,9 @@ class EngineSession:  # implements Session (session.py)
         return await self.aengine.call(lambda e: e.kv_cache_usage())
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> list[int]:
+                       template: TemplateOptions) -> list[int]:
         tokenizer = self.aengine.engine.tokenizer  # not the engine thread's work: off it
-        return await asyncio.to_thread(tokenizer.request_ids, prompt, messages, add_generation_prompt)
+        return await asyncio.to_thread(tokenizer.request_ids, prompt, messages, template=template)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await asyncio.to_thread(self.aengine.engine.tokenizer.decode_request_ids, token_ids)

@@ -68,6 +68,7 @@ from workers.errors import (
 from workers.load import Rate
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
+from workers.template_options import TemplateOptions
 from workers.tools.formats import ToolFormat
 
 log = logging.getLogger("hybridserve.worker")
@@ -147,10 +148,10 @@ class Worker:
                 "kv_cache_usage": await self.session.kv_cache_usage()}
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> tuple[list[int], str]:
+                       template: TemplateOptions) -> tuple[list[int], str]:
         """(ids, "") or ([], why the messages cannot be rendered): a 400 at the ingress."""
         try:
-            return await self.session.tokenize(prompt, messages, add_generation_prompt), ""
+            return await self.session.tokenize(prompt, messages, template), ""
         except InvalidRequestError as e:  # a template that refuses the messages
             return [], str(e)
 

@@ -55,7 +55,7 @@ class Session(Protocol):
         ...
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> list[int]:
+                       template: TemplateOptions) -> list[int]:
         """/tokenize: a raw prompt's ids, or the chat template's rendering of messages."""
         ...
 

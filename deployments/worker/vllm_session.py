@@ -135,8 +135,8 @@ class VllmSession:  # implements Session (session.py)
         return float((await self.host.call("stats"))["usage"])
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> list[int]:
-        return await asyncio.to_thread(self.tokenizer.request_ids, prompt, messages, add_generation_prompt)
+                       template: TemplateOptions) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.request_ids, prompt, messages, template=template)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await asyncio.to_thread(self.tokenizer.decode_request_ids, token_ids)
