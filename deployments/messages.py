@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proto.contract import ConversationRef, tokens_digest
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class TurnJob:
     # the chat template renders them; the reply's tool calls are parsed out of its text.
     tools: tuple[dict[str, Any], ...] = ()
     parse_tool_calls: bool = False  # tools given and tool_choice not "none"
+    # How the chat template renders the messages (vLLM's chat_template_kwargs, add_generation_prompt,
+    # continue_final_message); a conversation turn's always opens the reply.
+    template: TemplateOptions = DEFAULT_TEMPLATE
     # A legacy completion's prompt (text or token ids), no chat template; stateless, no messages.
     prompt: str | tuple[int, ...] | None = None
 

@@ -19,10 +19,14 @@ first token it sees (strip a leading space, garble a byte sequence cut in half) 
 decodes alike and cancels. New tokens are folded into `stable` once their text is non-empty and
 does not end in U+FFFD (a complete character). `FullDecodeDetokenizer` is the reference: it
 decodes the whole output every step.
+
+A request's `skip_special_tokens=False` keeps the special tokens in the text (an
+<|end_of_turn|> the model writes is read as such), as vLLM's detokenizer does.
 """
 
 from __future__ import annotations
 
+from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
 
 _INCOMPLETE = "\ufffd"
@@ -67,11 +71,25 @@ class _StopAndHold:
         return delta
 
 
+class _Decode:
+    """The tokenizer's decode as a request's `skip_special_tokens` / `spaces_between_special_tokens` ask."""
+
+    def __init__(self, tokenizer: ChatTokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.kwargs = {name: value for name, value in (("skip_special_tokens", skip_special_tokens),
+                                                       ("spaces_between_special_tokens", spaces_between_special_tokens))
+                       if not value}  # the defaults are the decode's own
+
+    def __call__(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self.kwargs)
+
+
 class Detokenizer(_StopAndHold):
     def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], min_tokens: int = 0,
-                 include_stop: bool = False):
+                 include_stop: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         super().__init__(stop, min_tokens, include_stop)
-        self.tokenizer = tokenizer
+        self.decode = _Decode(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -82,19 +100,19 @@ class Detokenizer(_StopAndHold):
         """One more output token; returns (text delta to emit, whether a stop string matched)."""
         ids = self._ids
         ids.append(token_id)
-        window = self.tokenizer.decode(ids[self._prefix :])
+        window = self.decode(ids[self._prefix :])
         if window.startswith(self._prefix_text):
             tail = window[len(self._prefix_text) :]
             text, fold = self._stable + tail, tail and not tail.endswith(_INCOMPLETE)
         else:  # a decoder whose windows are not prefix-stable: the whole output, then fold from here
-            text = self.tokenizer.decode(ids)
+            text = self.decode(ids)
             fold = text and not text.endswith(_INCOMPLETE)
             if fold:
                 self._read = len(ids) - 1  # the next window starts at the last token
         if fold:
             self._stable = text
             self._prefix, self._read = self._read, len(ids)
-            self._prefix_text = self.tokenizer.decode(ids[self._prefix : self._read])
+            self._prefix_text = self.decode(ids[self._prefix : self._read])
         return self._advance(text)
 
 
@@ -102,11 +120,18 @@ class FullDecodeDetokenizer(_StopAndHold):
     """The reference: decodes the whole output on every token."""
 
     def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...], min_tokens: int = 0,
-                 include_stop: bool = False):
+                 include_stop: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         super().__init__(stop, min_tokens, include_stop)
-        self.tokenizer = tokenizer
+        self.decode = _Decode(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._ids: list[int] = []
 
     def update(self, token_id: int) -> tuple[str, bool]:
         self._ids.append(token_id)
-        return self._advance(self.tokenizer.decode(self._ids))
+        return self._advance(self.decode(self._ids))
+
+
+def detokenizer_for(tokenizer: ChatTokenizer, params: SamplingParams) -> Detokenizer:
+    """A request's detokenizer, as its SamplingParams ask."""
+    return Detokenizer(tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
+                       params.skip_special_tokens, params.spaces_between_special_tokens)

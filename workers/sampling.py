@@ -50,6 +50,9 @@ class SamplingParams:
     # Not sampling but scheduling (vLLM passes it beside its SamplingParams; here it rides with
     # them over the wire): lower is admitted earlier (workers/scheduler.py).
     priority: int = 0
+    # How the reply's text reads its special tokens (vLLM's; the detokenizer's, not the sampler's).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     resolved_seed: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,7 +75,8 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or isinstance(b, bool) or not isinstance(b, (int, float))
                for t, b in self.logit_bias):
             problems.append("logit_bias maps integer token ids to numbers")
-        for name in ("deterministic", "include_stop_str_in_output"):
+        for name in ("deterministic", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if problems:

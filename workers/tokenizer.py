@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.errors import InvalidRequestError
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 
 
 class ChatTokenizer:
@@ -45,12 +46,18 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._require().encode(text, add_special_tokens=False))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+               ) -> str:
+        """A reply's text (vLLM's two fields: special tokens dropped unless `skip_special_tokens` is
+        false; `spaces_between_special_tokens` is a slow tokenizer's, as in transformers: a fast
+        tokenizer's decoder decides the spacing itself)."""
         if self._backend is not None:  # the same text without the wrapper's per-call Python (~10 us)
-            return self._backend.decode(ids, skip_special_tokens=True)
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         if self._tok is None:
             return ""
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        extra = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False,
+                                **extra)
 
     def decode_exact(self, ids: list[int]) -> str:
         """Text of ids with special tokens kept: the inverse of `encode` for the template."""
@@ -66,24 +73,35 @@ class ChatTokenizer:
         return self.decode_exact(ids)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None, *, kwargs: dict[str, Any] | None = None,
+                    continue_final_message: bool = False) -> str:
+        """`kwargs`: the request's chat_template_kwargs; `continue_final_message`: the last
+        message is left open (transformers cuts the render after its content)."""
         tok = self._require()
         if "developer" not in (self.chat_template or ""):
             # OpenAI's newer name of the system role: a template that does not know it gets "system"
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           tools=list(tools) if tools else None)
+                                           tools=list(tools) if tools else None,
+                                           continue_final_message=continue_final_message, **(kwargs or {}))
         except Exception as e:  # jinja raises for malformed messages (missing role, bad content)
             raise InvalidRequestError(f"cannot render messages with the chat template: {e}") from e
 
     def request_ids(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    template: TemplateOptions = DEFAULT_TEMPLATE) -> list[int]:
         """The token ids of a raw prompt (as a completion runs it) or of messages rendered by the
-        chat template (as a chat request runs them): what /tokenize answers."""
+        chat template (as a chat request of them with these `template` options runs them): what
+        /tokenize answers."""
         if messages is not None:
-            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
+            return self.encode(self.render(messages, template=template))
         return self.encode(prompt or "")
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               template: TemplateOptions = DEFAULT_TEMPLATE) -> str:
+        """Messages rendered as a request's `template` options ask (what a chat request runs)."""
+        return self.render_chat(messages, template.add_generation_prompt, tools, kwargs=template.kwargs,
+                                continue_final_message=template.continue_final_message)
 
     def eos_token_ids(self) -> tuple[int, ...]:
         tok = self._tok

@@ -28,6 +28,7 @@ from deployments.front import vllm_fields
 from deployments.front.request_base import RequestModel
 from deployments.front.structured_outputs import StructuredOutputFields
 from deployments.settings import SCOPE_PREFIX_BYTES
+from workers.template_options import RESERVED_KWARGS, TemplateOptions
 
 MAX_ID = 256  # characters of the fields the cache service never sees (model, name, user)
 MAX_ID_BYTES = SERVICE_LIMITS.max_id_bytes
@@ -146,6 +147,8 @@ class ChatMessage(RequestModel):
             message["tool_calls"] = [call.as_engine() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:  # a template may render it (a conversation's ledger keeps role and content)
+            message["name"] = self.name
         return message
 
 
@@ -258,6 +261,37 @@ def processor_sampling(request: Any) -> dict[str, Any]:
             "logit_bias": {int(token): bias for token, bias in (request.logit_bias or {}).items()}}
 
 
+def special_tokens_sampling(request: Any) -> dict[str, Any]:
+    """SamplingParams fields of how the reply's special tokens read (chat and completions alike)."""
+    return {"skip_special_tokens": request.skip_special_tokens,
+            "spaces_between_special_tokens": request.spaces_between_special_tokens}
+
+
+def template_options(kwargs: dict[str, Any] | None, add_generation_prompt: bool, continue_final_message: bool,
+                     last_role: str, in_conversation: bool) -> TemplateOptions:
+    """vLLM's rendering fields checked as its server checks them (both flags true: a 400; the
+    template's own variables in chat_template_kwargs: a 400, where vLLM refuses `chat_template`
+    and `tokenize` and quietly overrides the rest). A conversation turn must open its reply: its
+    reply is committed as a new assistant message, and the next turn re-renders the history
+    from the ledger, where an assistant message continued in place (or a reply without the
+    generation prompt) would render otherwise than the tokens the head holds."""
+    if continue_final_message and add_generation_prompt:
+        raise _field_error("continue_final_message",
+                           "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    if continue_final_message and last_role != "assistant":
+        raise _field_error("continue_final_message", "continue_final_message needs the last message to be the "
+                                                     "assistant's (the reply continues it)")
+    if in_conversation and not (add_generation_prompt and not continue_final_message):
+        field = "continue_final_message" if continue_final_message else "add_generation_prompt"
+        raise _field_error(field, f"{field} cannot be used in a conversation turn (its reply is committed as a new "
+                                  "assistant message); send the whole history without conversation_id")
+    reserved = sorted(RESERVED_KWARGS & (kwargs or {}).keys())
+    if reserved:
+        raise _field_error("chat_template_kwargs", f"chat_template_kwargs cannot set the template's own "
+                                                   f"variables: {', '.join(reserved)}")
+    return TemplateOptions(dict(kwargs or {}), add_generation_prompt, continue_final_message)
+
+
 def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
     if max_tokens is not None and min_tokens > max_tokens:
         raise _field_error("min_tokens", f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
@@ -322,6 +356,13 @@ class ChatCompletionRequest(StructuredOutputFields):
     min_tokens: StrictInt = Field(0, ge=0, description="no EOS, stop token or stop string ends the reply before")
     include_stop_str_in_output: StrictBool = Field(False, description="end the reply with the stop string it "
                                                                       "matched (else cut before it)")
+    skip_special_tokens: StrictBool = Field(True, description="false: the reply's special tokens stay in its text")
+    spaces_between_special_tokens: StrictBool = Field(True, description="false: no space between two special "
+                                                                        "tokens where the decoder would put one")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables of the chat template")
+    add_generation_prompt: StrictBool = Field(True, description="end the prompt with the assistant's opening")
+    continue_final_message: StrictBool = Field(False, description="leave the last (assistant) message open: the "
+                                                                  "reply continues it")
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID,
                                     description="names the reply: its id is chatcmpl-<request_id>")
     # hybridserve extensions
@@ -346,6 +387,7 @@ class ChatCompletionRequest(StructuredOutputFields):
     @model_validator(mode="after")
     def _tools_fit(self) -> "ChatCompletionRequest":
         check_min_tokens(self.min_tokens, self.max_completion_tokens or self.max_tokens)
+        self.template_options()  # refuses what cannot render
         choice = self.tool_choice
         formatted = self.response_format is not None and self.response_format.type != "text"
         check_tool_choice([t.function.name for t in self.tools or ()], choice,
@@ -357,6 +399,11 @@ class ChatCompletionRequest(StructuredOutputFields):
 
     def engine_tools(self) -> tuple[dict[str, Any], ...]:
         return tuple(t.as_engine() for t in self.tools or ())
+
+    def template_options(self) -> TemplateOptions:
+        """How the chat template renders the messages (vLLM's fields; 400s as its server's)."""
+        return template_options(self.chat_template_kwargs, self.add_generation_prompt, self.continue_final_message,
+                                self.messages[-1].role, self.conversation_id is not None)
 
     @property
     def calls_tools(self) -> bool:
@@ -393,4 +440,5 @@ class ChatCompletionRequest(StructuredOutputFields):
             **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
                             self.include_stop_str_in_output),
             **processor_sampling(self),
+            **special_tokens_sampling(self),
         }

@@ -20,13 +20,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from deployments.errors import APIError
 from deployments.front.chat_format import SSE_DONE, data, usage_of
 from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, LogitBias, Penalty,
                                            RepetitionPenalty, StopString, StreamOptions, Text, _field_error, _off,
-                                           _unsupported, check_min_tokens, processor_sampling, vllm_sampling)
+                                           _unsupported, check_min_tokens, processor_sampling,
+                                           special_tokens_sampling, vllm_sampling)
 from deployments.front import vllm_fields
 from deployments.front.structured_outputs import StructuredOutputFields
 from deployments.messages import TokenLogprob, TurnDelta, TurnDone
@@ -65,6 +66,8 @@ class CompletionRequest(StructuredOutputFields):
     repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID, description="the reply's id: cmpl-<it>")
     # hybridserve extensions
     cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")
@@ -112,7 +115,7 @@ class CompletionRequest(StructuredOutputFields):
                 "constraint": self.structured_constraint(), "priority": self.priority,
                 **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
                                 self.include_stop_str_in_output),
-                **processor_sampling(self)}
+                **processor_sampling(self), **special_tokens_sampling(self)}
 
 
 def logprobs_of(entries: Iterable[TokenLogprob], offset: int) -> dict[str, Any]:

@@ -120,7 +120,7 @@ class ChatIngress:
             [m.as_engine_message() for m in body.messages], body.sampling(self.settings.max_output_tokens),
             self._scope(request, body.cache_salt), conv, wait_if_busy=body.wait_if_busy,
             idempotency=_idempotency(request, body), tools=body.engine_tools(),
-            parse_tool_calls=body.calls_tools), arrived)
+            parse_tool_calls=body.calls_tools, template=body.template_options()), arrived)
         assert isinstance(turn, StartedTurn)  # no expect_turn: a chat turn follows whatever the head is
         job = turn.run.job
         reply_id = f"chatcmpl-{body.request_id}" if body.request_id else job.request_id
@@ -254,7 +254,7 @@ class ChatIngress:
         if body.model is not None:
             self._check_model(body.model)
         messages = [m.as_engine_message() for m in body.messages] if body.messages else None
-        ids, error = await self.workers.tokenize.remote(body.prompt, messages, body.add_generation_prompt)
+        ids, error = await self.workers.tokenize.remote(body.prompt, messages, body.template_options())
         if error:
             raise APIError(400, error, "invalid_request", param="messages")
         return {"count": len(ids), "max_model_len": await self._model_len(), "tokens": ids, "token_strs": None}

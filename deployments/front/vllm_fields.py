@@ -20,13 +20,14 @@ from deployments.settings import UnknownFields
 log = logging.getLogger("hybridserve.ingress")
 
 # vLLM's OpenAI-server extensions not served here, with the value that asks for nothing
-# (structured outputs and priority are served: structured_outputs.py).
+# (structured outputs and priority are served: structured_outputs.py). A request model that
+# declares one serves it (known fields pass first): the chat template's fields are chat's, and
+# stay listed here for the legacy completions, which have no template.
 NOT_SERVED: dict[str, Any] = {
     "length_penalty": 1.0, "use_beam_search": False,
-    "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "truncate_prompt_tokens": None, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
-    "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False,
-    "documents": None, "chat_template": None, "chat_template_kwargs": {}, "mm_processor_kwargs": None,
+    "add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {},
+    "add_special_tokens": False, "documents": None, "chat_template": None, "mm_processor_kwargs": None,
     "logits_processors": None, "return_tokens_as_token_ids": None, "return_token_ids": None,
     "kv_transfer_params": None, "vllm_xargs": None,
 }

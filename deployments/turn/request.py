@@ -15,6 +15,7 @@ from typing import Any
 
 from deployments.turn.outcome import IdempotencyKey
 from proto.contract import ConversationRef
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class TurnRequest:
     idempotency: IdempotencyKey | None = None
     tools: tuple[dict[str, Any], ...] = ()
     parse_tool_calls: bool = False
+    template: TemplateOptions = DEFAULT_TEMPLATE  # TurnJob.template
     request_id: str = ""  # "": a fresh chatcmpl- id
     # The head turn the conversation must be at under the turn's lease (0: a new conversation),
     # else the turn does not run (HeadMoved). None: whatever the head is.

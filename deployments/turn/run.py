@@ -97,7 +97,7 @@ class TurnRun:
             return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
                                                          prefix_holders=holders, stateless_scope=request.scope,
                                                          tools=tools, parse_tool_calls=request.parse_tool_calls,
-                                                         prompt=request.prompt),
+                                                         template=request.template, prompt=request.prompt),
                        None)
         granted = await _acquire(settings, cache, conversation, request_id, request.wait_if_busy)
         head = granted.head  # the head at the time of the acquire; version 0: a new conversation
@@ -105,7 +105,7 @@ class TurnRun:
         job = TurnJob(request_id, messages, request.sampling, conversation, granted,
                       HeadRef.of(head) if head.version else None,
                       publish_id=idempotency.publish_id if idempotency else "", tools=tools,
-                      parse_tool_calls=request.parse_tool_calls)
+                      parse_tool_calls=request.parse_tool_calls, template=request.template)
         run = cls(settings, workers, cache, job, Lease(conversation, granted), keeper)
         run.drop_if_uncommitted = request.drop_if_uncommitted
         try:

@@ -42,6 +42,7 @@ from workers.engine import LLMEngine, RequestOutput
 from workers.errors import CorruptStateError
 from workers.load import EngineLoad
 from workers.sampling import SamplingParams
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 from workers.tools.formats import ToolFormat
 
 
@@ -158,9 +159,9 @@ class EngineSession:  # implements Session (session.py)
         return self.aengine.engine.withdrawn_prefixes()  # thread-safe: no engine-thread call needed
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> list[int]:
+                       template: TemplateOptions) -> list[int]:
         tokenizer = self.aengine.engine.tokenizer  # not the engine thread's work: off it
-        return await asyncio.to_thread(tokenizer.request_ids, prompt, messages, add_generation_prompt)
+        return await asyncio.to_thread(tokenizer.request_ids, prompt, messages, template=template)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await asyncio.to_thread(self.aengine.engine.tokenizer.decode_request_ids, token_ids)
@@ -186,13 +187,14 @@ class EngineSession:  # implements Session (session.py)
         params: SamplingParams,
         request_id: str,
         tools: list[dict[str, Any]] | None = None,
+        template: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> AsyncIterator[RequestOutput]:
         """The final output's `turn_commit` is the prepared turn (None if it was discarded). A
         stream left before its final output was read leaves nothing prepared: a turn that
         finished as it was left is abandoned at once, not held (and its conversation busy)
         until it expires."""
         start = lambda _e: self.cache.begin_turn(  # noqa: E731
-            ref, suffix, params, request_id, commit=CommitMode.PREPARE, tools=tools)
+            ref, suffix, params, request_id, commit=CommitMode.PREPARE, tools=tools, template=template)
         return self.aengine.stream(request_id, start, on_left=lambda _e: self._abandon_unowned(request_id))
 
     def _abandon_unowned(self, request_id: str) -> None:
@@ -203,14 +205,14 @@ class EngineSession:  # implements Session (session.py)
 
     def stream_stateless(
         self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str, cache_salt: str,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, template: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> AsyncIterator[RequestOutput]:
         """A full-history request: it attaches the longest prefix of its prompt held here under
         its salt, checkpoints its message boundaries and its end (the final output's
         `checkpoints`, labelled by the messages they cover, see workers/conversation/boundaries.py)."""
 
         start = lambda _e: self.cache.begin_stateless(  # noqa: E731
-            messages, params, request_id, cache_salt, tools)
+            messages, params, request_id, cache_salt, tools, template)
         return self.aengine.stream(request_id, start)
 
     def stream_completion(self, prompt: str | tuple[int, ...], params: SamplingParams, request_id: str,

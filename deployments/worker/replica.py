@@ -70,6 +70,7 @@ from workers.errors import (
 from workers.load import Rate
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
+from workers.template_options import TemplateOptions
 
 log = logging.getLogger("hybridserve.worker")
 
@@ -148,10 +149,10 @@ class Worker:
                 "kv_cache_usage": await self.session.kv_cache_usage()}
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> tuple[list[int], str]:
+                       template: TemplateOptions) -> tuple[list[int], str]:
         """(ids, "") or ([], why the messages cannot be rendered): a 400 at the ingress."""
         try:
-            return await self.session.tokenize(prompt, messages, add_generation_prompt), ""
+            return await self.session.tokenize(prompt, messages, template), ""
         except InvalidRequestError as e:  # a template that refuses the messages
             return [], str(e)
 
@@ -218,7 +219,7 @@ class Worker:
                 recovery = Recovery.NEW
             elif job.conversation is None:
                 stream = self.session.stream_stateless(job.messages, params, job.request_id, job.scope,
-                                                       list(job.tools))
+                                                       list(job.tools), job.template)
                 recovery = Recovery.NEW
             else:
                 if not self._expiring:
@@ -230,7 +231,7 @@ class Worker:
                 if recovery is Recovery.TIER_IMPORT:
                     self.import_rate.observe(job.head.committed_tokens, time.perf_counter() - started)
                 stream = self.session.stream_turn(job.conversation, job.messages, params, job.request_id,
-                                                  list(job.tools))
+                                                  list(job.tools), job.template)
             async for event in self._run(job, params, stream, recovery):
                 yield event
         except InvalidRequestError as e:

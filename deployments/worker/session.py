@@ -26,6 +26,7 @@ from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
 from workers.load import EngineLoad
 from workers.sampling import SamplingParams
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 from workers.tools.formats import ToolFormat
 
 
@@ -59,7 +60,7 @@ class Session(Protocol):
         ...
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> list[int]:
+                       template: TemplateOptions) -> list[int]:
         """/tokenize: a raw prompt's ids, or the chat template's rendering of messages."""
         ...
 
@@ -106,11 +107,16 @@ class Session(Protocol):
         ...
 
     def stream_turn(self, ref: ConversationRef, suffix: list[dict[str, Any]], params: SamplingParams,
-                    request_id: str, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[RequestOutput]: ...
+                    request_id: str, tools: list[dict[str, Any]] | None = None,
+                    template: TemplateOptions = DEFAULT_TEMPLATE) -> AsyncIterator[RequestOutput]:
+        """`template`: the request's chat_template_kwargs (a turn's prompt always opens its reply)."""
+        ...
 
     def stream_stateless(self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str,
-                         cache_salt: str, tools: list[dict[str, Any]] | None = None
-                         ) -> AsyncIterator[RequestOutput]: ...
+                         cache_salt: str, tools: list[dict[str, Any]] | None = None,
+                         template: TemplateOptions = DEFAULT_TEMPLATE) -> AsyncIterator[RequestOutput]:
+        """`template`: how the chat template renders the messages (template_options.py)."""
+        ...
 
     def stream_completion(self, prompt: str | tuple[int, ...], params: SamplingParams, request_id: str,
                           cache_salt: str) -> AsyncIterator[RequestOutput]:

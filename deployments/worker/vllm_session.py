@@ -34,6 +34,7 @@ from workers.errors import CorruptStateError, InvalidRequestError
 from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 from workers.tools.formats import ToolFormat, plain_message, tool_format_for
 from workers.vllm_backend import export as vllm_export
 from workers.vllm_backend.conversations import HostedConversations
@@ -139,8 +140,8 @@ class VllmSession:  # implements Session (session.py)
         return float((await self.host.call("stats"))["usage"])
 
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> list[int]:
-        return await asyncio.to_thread(self.tokenizer.request_ids, prompt, messages, add_generation_prompt)
+                       template: TemplateOptions) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.request_ids, prompt, messages, template=template)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await asyncio.to_thread(self.tokenizer.decode_request_ids, token_ids)
@@ -164,11 +165,13 @@ class VllmSession:  # implements Session (session.py)
         backend_params(params, self.vocab_size)  # refuses what this backend does not do
 
     def stream_turn(self, ref: ConversationRef, suffix: list[dict[str, Any]], params: SamplingParams,
-                    request_id: str, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[RequestOutput]:
+                    request_id: str, tools: list[dict[str, Any]] | None = None,
+                    template: TemplateOptions = DEFAULT_TEMPLATE) -> AsyncIterator[RequestOutput]:
         params = backend_params(params, self.vocab_size)
         conv = self.conversations.ledger_for_turn(ref)
         suffix = [plain_message(m, self.tool_format) for m in suffix]
-        prompt = build_turn_prompt(self.tokenizer, list(conv.token_ids), conv.messages, suffix, tools).token_ids
+        prompt = build_turn_prompt(self.tokenizer, list(conv.token_ids), conv.messages, suffix, tools,
+                                   template).token_ids
         load = self.conversations.begin(conv, request_id)
         # A first turn opening with a system prompt starts from its checkpoint (shared by new chats).
         system_end = self._system_end(suffix, prompt, tools) if load is None and conv.turn == 0 else 0
@@ -180,9 +183,10 @@ class VllmSession:  # implements Session (session.py)
         return system_boundary(self.tokenizer, messages, prompt, tools) if self.prefixes.enabled else 0
 
     def stream_stateless(self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str,
-                         cache_salt: str, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[RequestOutput]:
+                         cache_salt: str, tools: list[dict[str, Any]] | None = None,
+                         template: TemplateOptions = DEFAULT_TEMPLATE) -> AsyncIterator[RequestOutput]:
         params = backend_params(params, self.vocab_size)
-        prompt = build_turn_prompt(self.tokenizer, [], [], messages, tools).token_ids  # no committed ids
+        prompt = build_turn_prompt(self.tokenizer, [], [], messages, tools, template).token_ids  # no committed ids
         return self.streams.stateless(len(messages), prompt, self._system_end(messages, prompt, tools), params,
                                       request_id, cache_salt)
 

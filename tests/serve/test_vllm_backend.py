@@ -12,6 +12,7 @@ the same app's stateless request: vLLM computing the whole history (its prefix c
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass
 
 import pytest
@@ -23,8 +24,10 @@ from proto.contract import message_prefix_digests
 from tests.serve.conftest import app_args, never_ending
 from tests.serve.helpers import chat_turn, conversation, metric, prefix_holders, stateless_reference, tier_copy, user
 from tests.serve.test_recovery import kill_replica, replica_replaced
+from tests.serve.test_template_fields import HI, OPENED, rendered
 from tests.serve.test_tool_calls import TOOLS
 from workers.checkpoint import Arch, Preset, make_model
+from workers.checkpoint.chat_template import GENERATION_PROMPT
 from workers.vllm_backend.venv import VENV_DIR
 
 pytestmark = [
@@ -109,6 +112,23 @@ async def test_a_chat_resent_in_full_runs_only_its_new_messages(stack, vllm_app)
         history.append({"role": "assistant", "content": reply.text})
         async with CacheClient(stack.service.target) as cache:  # announced off the answer's path: landed
             assert await prefix_holders(cache, message_prefix_digests("full", history))
+
+
+async def test_template_fields_render_the_prompt_as_on_our_engine(stack, vllm_app):
+    """vLLM's chat-template fields on this backend: the prompt is the template's text built by
+    hand (the reference: a legacy completion of it) and the reply its greedy continuation."""
+    client = stack.client(PREFIX)
+    cases = [(HI, {"add_generation_prompt": False}, rendered(HI)),
+             (OPENED, {"add_generation_prompt": False, "continue_final_message": True},
+              rendered(HI) + GENERATION_PROMPT + "Hybrid models"),
+             (HI, {"chat_template_kwargs": {"unused": 1}}, rendered(HI) + GENERATION_PROMPT)]
+    for messages, fields, text in cases:
+        reply = await chat_turn(client, vllm_app.model, messages, conversation_id=None,
+                                cache_salt=f"tpl-{uuid.uuid4().hex}", **fields)
+        reference = await client.completions.create(model=vllm_app.model, prompt=text, max_tokens=8, temperature=0,
+                                                    extra_body={"cache_salt": f"tpl-{uuid.uuid4().hex}"})
+        assert reply.prompt_tokens == reference.usage.prompt_tokens, fields
+        assert reply.text == reference.choices[0].text, fields
 
 
 async def test_owner_killed_between_turns_continues_from_the_tier_with_the_same_tokens(stack, vllm_app, conv_id):

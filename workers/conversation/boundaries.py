@@ -23,11 +23,12 @@ from workers.tokenizer import ChatTokenizer
 
 def message_marks(
     tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int],
-    tools: Sequence[dict[str, Any]] | None = None,
+    tools: Sequence[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None,
 ) -> tuple[CheckpointMark, ...]:
+    """`kwargs`: the request's chat_template_kwargs (its messages rendered as its prompt was)."""
     marks: dict[int, CheckpointMark] = {}
     for k in sorted({1, len(messages)}):
-        n = _boundary(tokenizer, messages[:k], prompt_ids, tools)
+        n = _boundary(tokenizer, messages[:k], prompt_ids, tools, kwargs)
         if n and n not in marks:
             system = k == 1 and messages[0].get("role") == "system"
             marks[n] = CheckpointMark(n, label=k, source=ReuseSource.SYSTEM if system else ReuseSource.PREFIX)
@@ -45,10 +46,11 @@ def system_boundary(
 
 
 def _boundary(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int],
-              tools: Sequence[dict[str, Any]] | None) -> int:
+              tools: Sequence[dict[str, Any]] | None, kwargs: dict[str, Any] | None = None) -> int:
     """The length of `messages` rendered, if that is a proper prefix of the prompt's ids; else 0."""
     try:
-        ids = tokenizer.encode(tokenizer.render_chat(list(messages), add_generation_prompt=False, tools=tools))
+        ids = tokenizer.encode(tokenizer.render_chat(list(messages), add_generation_prompt=False, tools=tools,
+                                                     kwargs=kwargs))
     except Exception:  # a template may refuse a partial chat (e.g. a system message alone)
         return 0
     n = len(ids)

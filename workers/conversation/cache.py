@@ -36,6 +36,7 @@ from workers.grammar.constraint import Constraint
 from workers.request import CheckpointMark, KeepState, Request
 from workers.sampling import SamplingParams
 from workers.state_names import HolderKind
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 from workers.tools.formats import ToolFormat
 
 
@@ -81,15 +82,17 @@ class ConversationCache:
         request_id: str,
         cache_salt: str,
         tools: list[dict[str, Any]] | None = None,
+        template: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> Request:
         """A full-history request: it attaches the longest prefix of its prompt held here under
         `cache_salt`, checkpoints its message boundaries and its end (the final output's
         `checkpoints`, labelled by the messages they cover, see boundaries.py)."""
         tokenizer = self._engine.tokenizer
-        prompt = build_turn_prompt(tokenizer, [], [], messages, tools).token_ids
+        prompt = build_turn_prompt(tokenizer, [], [], messages, tools, template).token_ids
         return self._engine.add_request(
             request_id, prompt, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT,
-            marks=message_marks(tokenizer, messages, prompt, tools), final_label=reply_label(messages))
+            marks=message_marks(tokenizer, messages, prompt, tools, template.kwargs),
+            final_label=reply_label(messages))
 
     def begin_completion(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
                          cache_salt: str) -> Request:
@@ -113,11 +116,13 @@ class ConversationCache:
         base_turn: int | None = None,
         commit: CommitMode = CommitMode.AT_ONCE,
         tools: list[dict[str, Any]] | None = None,
+        template: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> Request:
         """Start a turn continuing `base_turn` (default: the latest) with the new suffix messages
-        (`tools`: the request's function tools, rendered by the chat template)."""
+        (`tools`: the request's function tools, rendered by the chat template; `template`: its
+        chat_template_kwargs, the whole history rendered with them)."""
         return self._turns.begin_turn(
-            ref, suffix, params, request_id, base_turn=base_turn, commit=commit, tools=tools)
+            ref, suffix, params, request_id, base_turn=base_turn, commit=commit, tools=tools, template=template)
 
     def regenerate(
         self,

@@ -4,6 +4,9 @@
     full render     = template(history + suffix, add_generation_prompt=True)
     delta           = full render minus the committed text, if it is a prefix of it
 
+`template` is the request's rendering (chat_template_kwargs; a stateless request may also
+leave out the generation prompt or continue its last message, see template_options.py).
+
 A turn that ended without its end-of-turn token (max_tokens, a stop string) simply gets the
 template's closing tokens at the start of the delta. A template that is not append-consistent
 (the committed text is not a prefix of the full render) would have to rewrite history the
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.errors import HistoryRewriteError
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 from workers.tokenizer import ChatTokenizer
 
 
@@ -30,8 +34,9 @@ def build_turn_prompt(
     history: list[dict[str, Any]],
     suffix: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    template: TemplateOptions = DEFAULT_TEMPLATE,
 ) -> TurnPrompt:
-    full = tokenizer.render_chat(history + suffix, add_generation_prompt=True, tools=tools)
+    full = tokenizer.render(history + suffix, tools, template)
     if not committed_ids:
         return TurnPrompt(tokenizer.encode(full))
     committed_text = tokenizer.decode_exact(committed_ids)

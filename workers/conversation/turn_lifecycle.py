@@ -32,6 +32,7 @@ from workers.engine import LLMEngine
 from workers.errors import ConversationNotFoundError, InvalidRequestError
 from workers.request import KeepState, Request
 from workers.sampling import SamplingParams
+from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 from workers.tools.formats import plain_message
 
 
@@ -63,9 +64,12 @@ class TurnLifecycle:
         base_turn: int | None = None,
         commit: CommitMode = CommitMode.AT_ONCE,
         tools: list[dict[str, Any]] | None = None,
+        template: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> Request:
         if not suffix:
             raise InvalidRequestError("a turn needs at least one new message")
+        if not template.opens_reply:  # the reply is committed as a new assistant message (ingress: 400)
+            raise InvalidRequestError("a conversation turn's prompt ends with the generation prompt")
         if not isinstance(commit, CommitMode):
             raise InvalidRequestError(f"commit must be a CommitMode, got {commit!r}")
         key = ref.key
@@ -78,12 +82,13 @@ class TurnLifecycle:
         history_messages = [m for t in conv.turns[:base] for m in t.messages]
         # The ledger keeps role and content: a suffix's tool calls become the text they render to.
         suffix = [plain_message(m, self.engine.tool_format) for m in suffix]
-        prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix, tools).token_ids
+        prompt = build_turn_prompt(self.engine.tokenizer, committed, history_messages, suffix, tools,
+                                   template).token_ids
         head = self._head_to_continue(key, base)
         replacing = self.heads.find(key, base + 1, touch=False)  # a regenerated turn's old head
         # Without a head the engine attaches the longest prefix held under the salt (a shared
         # system prompt, a stateless request's state); a first turn marks its message boundaries.
-        marks = message_marks(self.engine.tokenizer, suffix, prompt, tools) if base == 0 else ()
+        marks = message_marks(self.engine.tokenizer, suffix, prompt, tools, template.kwargs) if base == 0 else ()
         request = self.engine.add_request(
             request_id,
             prompt,

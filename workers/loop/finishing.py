@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from workers.cache.coordinator import CacheCoordinator
-from workers.detokenizer import Detokenizer
+from workers.detokenizer import Detokenizer, detokenizer_for
 from workers.loop.grammar_masks import prefetch_mask
 from workers.loop.outputs import RequestOutput, output_of
 from workers.request import FinishReason, Request, RequestStatus
@@ -51,9 +51,7 @@ class Finisher:
         self._detok: dict[str, Detokenizer] = {}
 
     def start(self, request: Request) -> None:
-        params = request.params
-        self._detok[request.request_id] = Detokenizer(self.tokenizer, params.stop, params.min_tokens,
-                                                      params.include_stop_str_in_output)
+        self._detok[request.request_id] = detokenizer_for(self.tokenizer, request.params)
 
     # -- tokens -------------------------------------------------------------------------------
     def on_token(self, request: Request, token: SampledToken) -> RequestOutput:

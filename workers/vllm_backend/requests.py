@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from workers.detokenizer import Detokenizer
+from workers.detokenizer import detokenizer_for
 from workers.engine import RequestOutput
 from workers.errors import InvalidRequestError
 from workers.grammar.constraint import ConstraintKind
@@ -100,7 +100,7 @@ class OutputStream:
         self.params = params
         self.num_prompt_tokens = num_prompt_tokens
         self.output_ids: list[int] = []
-        self._detok = Detokenizer(tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output)
+        self._detok = detokenizer_for(tokenizer, params)
         self._stopped = False
 
     def output(self, frame: dict[str, Any], turn_commit: Any = None, *, reused: ReuseSource = ReuseSource.HEAD,
