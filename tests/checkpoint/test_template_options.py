@@ -73,7 +73,7 @@ def test_a_conversation_turn_renders_its_history_with_the_kwargs(named):
 def test_skip_special_tokens_false_keeps_them_in_the_text(tokenizer, kind):
     ids = tokenizer.encode("ok") + [EOS_TOKEN_ID] + tokenizer.encode("x")
     for skip, expected in ((True, "okx"), (False, f"ok{EOT}x")):
-        detok = kind(tokenizer, (), 0, skip, True)
+        detok = kind(tokenizer, (), 0, skip_special_tokens=skip)
         text = "".join(detok.update(i)[0] for i in ids) + detok.flush()
         assert text == expected
 
