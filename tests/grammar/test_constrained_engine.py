@@ -101,6 +101,24 @@ def test_a_reply_ends_where_its_grammar_ends_even_if_end_of_turn_is_never_sample
         jsonschema.validate(json.loads(text), schema)
 
 
+def test_a_grammar_whole_before_any_token_ends_its_reply_empty_on_a_model_that_never_ends(tiny, tmp_path):
+    # Only the end of turn may follow (an empty choice, an optional regex), which the model never
+    # samples: the reply is whole as it is, a stop, not a failure (the fuzzer found a 500 there).
+    model = tmp_path / "never-ending"
+    shutil.copytree(tiny[Arch.BAMBA].path, model)
+    meta = json.loads((model / "hybridserve.json").read_text())
+    meta["never_sample_token_ids"] = sorted({*meta["never_sample_token_ids"], *meta["eos_token_ids"]})
+    (model / "hybridserve.json").write_text(json.dumps(meta))
+    engine = new_engine(model)
+    for n, constraint in enumerate([{"type": "choice", "choices": [""]}, {"type": "regex", "regex": "(ab)?"}]):
+        engine.add_request(f"r{n}", prompt_of(12, seed=n), SamplingParams(max_tokens=8, constraint=constraint))
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.request_id == f"r{n}"]
+        assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].error is None
+        assert "".join(o.text_delta for o in outs) in ("", "ab")
+
+
 def test_a_bad_schema_is_refused_before_anything_runs(tiny):
     engine = new_engine(tiny[Arch.BAMBA].path)
     with pytest.raises(InvalidRequestError, match="schema"):

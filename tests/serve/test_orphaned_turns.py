@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from deployments.messages import Recovery, TurnDelta, TurnJob
+from deployments.routing.prefix_hints import Announcer
 from deployments.settings import AppSettings
 from deployments.worker.engine_session import EngineSession
 from deployments.worker.replica import Worker
@@ -57,6 +58,7 @@ def bare_worker(session: EngineSession):
     """The Worker deployment's class around an in-process session: only what `_run` uses."""
     worker = object.__new__(Worker.func_or_class)
     worker.session, worker.replica_id, worker._tasks = session, "replica-test", set()
+    worker.announcer = Announcer(worker.replica_id, worker._cache, worker._spawn)  # withdraws evictions
     return worker
 
 

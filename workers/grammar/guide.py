@@ -59,6 +59,11 @@ class TokenGuide:
         self._settle()
         return self._sync(tuple(generated)) and self._matcher.is_stopped()
 
+    def accepts(self, generated: Sequence[int]) -> bool:
+        """Whether the grammar accepts the reply as it is after `generated` (it may end there)."""
+        self._settle()
+        return self._sync(tuple(generated)) and self._matcher.is_accepting()
+
     def _settle(self) -> None:
         if self._pending is not None:
             self._pending[1].result()

@@ -11,7 +11,7 @@ import torch
 
 from workers.deterministic.verifier import Verifier
 from workers.loop.finishing import Finisher
-from workers.loop.grammar_masks import grammar_masks, prefetch_mask
+from workers.loop.grammar_masks import COMPLETE, grammar_masks, prefetch_mask
 from workers.load import MIN_PREFILL_TOKENS, Rate
 from workers.loop.outputs import RequestOutput, output_of
 from workers.request import FinishReason
@@ -76,7 +76,10 @@ class FastStep:
             self.prefill_rate.observe(tokens, time.perf_counter() - started)
         self.scheduler.advance(step)
         for chunk, token in zip(sampling, sampled):
-            if chunk.request.request_id in grammar_failed:
+            if grammar_failed.get(chunk.request.request_id) == COMPLETE:
+                finisher.finish(chunk.request, FinishReason.STOP)
+                outputs.append(output_of(chunk.request, (), ""))
+            elif chunk.request.request_id in grammar_failed:
                 outputs.append(finisher.fail(chunk.request, grammar_failed[chunk.request.request_id]))
             elif chunk.request.deterministic:  # a candidate: nothing reaches the client unverified
                 self.verifier.on_candidate(chunk.request, token, finisher.ends)

@@ -9,10 +9,16 @@ from workers.grammar.guide import GrammarError
 from workers.request import Request
 
 
+# The value of a request in grammar_masks' second result whose grammar is complete where only
+# tokens the model never samples (its end of turn, on a model that bans it) could follow: its
+# reply ends there, as a grammar that ends a reply does.
+COMPLETE = ""
+
+
 def grammar_masks(requests: list[Request], banned: torch.Tensor) -> tuple[list[torch.Tensor | None] | None, dict]:
     """Per row, the tokens its grammar allows next (None: the batch has no constrained request),
     and the requests whose grammar failed or allows nothing that may be sampled (request id ->
-    why): they fail alone, whatever their rows draw."""
+    why, or COMPLETE where the grammar's reply is whole): they end alone, whatever their rows draw."""
     if all(r.guide is None for r in requests):
         return None, {}
     masks, failed = [], {}
@@ -24,7 +30,8 @@ def grammar_masks(requests: list[Request], banned: torch.Tensor) -> tuple[list[t
             except GrammarError as e:
                 failed[request.request_id] = str(e)
             if mask is not None and not mask.index_fill(0, banned, False).any():
-                failed[request.request_id] = "the grammar allows no token the model may sample"
+                complete = request.guide.accepts(request.reply_ids)
+                failed[request.request_id] = COMPLETE if complete else "the grammar allows no token the model may sample"
                 mask = None
         masks.append(mask)
     return masks, failed
