@@ -87,13 +87,18 @@ def test_forced_tool_calls_parse_and_validate(tiny):
         assert hermes.calls_text(calls) == text  # what the template renders when the calls come back
 
 
-def test_a_reply_ends_where_its_grammar_ends_even_if_end_of_turn_is_never_sampled(tiny, tmp_path):
+def never_ending(tiny, tmp_path):
+    """A copy of the tiny checkpoint that never samples its end of turn."""
     model = tmp_path / "never-ending"
     shutil.copytree(tiny[Arch.BAMBA].path, model)
     meta = json.loads((model / "hybridserve.json").read_text())
     meta["never_sample_token_ids"] = sorted({*meta["never_sample_token_ids"], *meta["eos_token_ids"]})
     (model / "hybridserve.json").write_text(json.dumps(meta))
-    engine = new_engine(model)
+    return model
+
+
+def test_a_reply_ends_where_its_grammar_ends_even_if_end_of_turn_is_never_sampled(tiny, tmp_path):
+    engine = new_engine(never_ending(tiny, tmp_path))
     schemas = [random_schema(seed) for seed in (1, 2)]
     texts, reasons = _replies(engine, [{"type": "json_schema", "schema": s} for s in schemas], temperature=0.0)
     for schema, text, reason in zip(schemas, texts, reasons):
@@ -104,12 +109,7 @@ def test_a_reply_ends_where_its_grammar_ends_even_if_end_of_turn_is_never_sample
 def test_a_grammar_whole_before_any_token_ends_its_reply_empty_on_a_model_that_never_ends(tiny, tmp_path):
     # Only the end of turn may follow (an empty choice, an optional regex), which the model never
     # samples: the reply is whole as it is, a stop, not a failure (the fuzzer found a 500 there).
-    model = tmp_path / "never-ending"
-    shutil.copytree(tiny[Arch.BAMBA].path, model)
-    meta = json.loads((model / "hybridserve.json").read_text())
-    meta["never_sample_token_ids"] = sorted({*meta["never_sample_token_ids"], *meta["eos_token_ids"]})
-    (model / "hybridserve.json").write_text(json.dumps(meta))
-    engine = new_engine(model)
+    engine = new_engine(never_ending(tiny, tmp_path))
     for n, constraint in enumerate([{"type": "choice", "choices": [""]}, {"type": "regex", "regex": "(ab)?"}]):
         engine.add_request(f"r{n}", prompt_of(12, seed=n), SamplingParams(max_tokens=8, constraint=constraint))
         outs = []
