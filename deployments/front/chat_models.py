@@ -25,10 +25,12 @@ from pydantic_core import PydanticCustomError
 
 from cache_service.client import SERVICE_LIMITS
 from deployments.front import vllm_fields
-from deployments.front.request_base import RequestModel
+from deployments.front.request_base import RequestModel, field_error
+from deployments.front.sampling_fields import (check_min_tokens, processor_sampling, special_tokens_sampling,
+                                              template_options, vllm_sampling)
 from deployments.front.structured_outputs import StructuredOutputFields
 from deployments.settings import SCOPE_PREFIX_BYTES
-from workers.template_options import RESERVED_KWARGS, TemplateOptions
+from workers.template_options import TemplateOptions
 
 MAX_ID = 256  # characters of the fields the cache service never sees (model, name, user)
 MAX_ID_BYTES = SERVICE_LIMITS.max_id_bytes
@@ -71,10 +73,6 @@ RepetitionPenalty = Annotated[StrictFloat, Field(gt=0.0, allow_inf_nan=False)]
 
 def _off(value: Any) -> bool:
     return value in (None, False, 0, "", [], {}, "none", "text", {"type": "text"}, ["text"])
-
-
-def _field_error(field: str, message: str) -> PydanticCustomError:
-    return PydanticCustomError("invalid_field", "{message}", {"field": field, "message": message})
 
 
 def _unsupported(field: str) -> PydanticCustomError:
@@ -205,13 +203,13 @@ def check_tool_choice(names: list[str], choice: Any, named: str | None, formatte
     """The tools and tool_choice of a request fit each other and its response format (`named`:
     the function a named choice names; `formatted`: a JSON response format is asked for)."""
     if len(set(names)) != len(names):
-        raise _field_error("tools", "tool names must be unique")
+        raise field_error("tools", "tool names must be unique")
     if choice not in (None, "none") and not names:
-        raise _field_error("tool_choice", "tool_choice needs tools")
+        raise field_error("tool_choice", "tool_choice needs tools")
     if named is not None and named not in names:
-        raise _field_error("tool_choice", f"tool_choice names {named!r}, which is not among the tools")
+        raise field_error("tool_choice", f"tool_choice names {named!r}, which is not among the tools")
     if (choice == "required" or named is not None) and formatted:
-        raise _field_error(format_field, f"{format_field} cannot be combined with a forced tool_choice")
+        raise field_error(format_field, f"{format_field} cannot be combined with a forced tool_choice")
 
 
 def reply_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool, format_type: str,
@@ -243,58 +241,6 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any, parallel: boo
     return {"type": "tool_calls", "parallel": parallel, "auto": auto,
             "tools": [{"name": t["function"]["name"], "parameters": t["function"].get("parameters") or {}}
                       for t in chosen]}
-
-
-def vllm_sampling(top_k: int | None, min_p: float | None, stop_token_ids: list[int] | None,
-                  ignore_eos: bool, include_stop_str_in_output: bool) -> dict[str, Any]:
-    """SamplingParams fields of vLLM's request extensions (chat and completions alike)."""
-    return {"top_k": max(0, top_k or 0), "min_p": min_p or 0.0, "stop_token_ids": tuple(stop_token_ids or ()),
-            "ignore_eos": ignore_eos, "include_stop_str_in_output": include_stop_str_in_output}
-
-
-def processor_sampling(request: Any) -> dict[str, Any]:
-    """SamplingParams fields of the logits processors (chat and completions alike): the penalties,
-    logit_bias (its string keys as token ids; ids outside the vocabulary are refused where the
-    model is) and min_tokens."""
-    return {"presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
-            "repetition_penalty": request.repetition_penalty, "min_tokens": request.min_tokens,
-            "logit_bias": {int(token): bias for token, bias in (request.logit_bias or {}).items()}}
-
-
-def special_tokens_sampling(request: Any) -> dict[str, Any]:
-    """SamplingParams fields of how the reply's special tokens read (chat and completions alike)."""
-    return {"skip_special_tokens": request.skip_special_tokens,
-            "spaces_between_special_tokens": request.spaces_between_special_tokens}
-
-
-def template_options(kwargs: dict[str, Any] | None, add_generation_prompt: bool, continue_final_message: bool,
-                     last_role: str, in_conversation: bool) -> TemplateOptions:
-    """vLLM's rendering fields checked as its server checks them (both flags true: a 400; the
-    template's own variables in chat_template_kwargs: a 400, where vLLM refuses `chat_template`
-    and `tokenize` and quietly overrides the rest). A conversation turn must open its reply: its
-    reply is committed as a new assistant message, and the next turn re-renders the history
-    from the ledger, where an assistant message continued in place (or a reply without the
-    generation prompt) would render otherwise than the tokens the head holds."""
-    if continue_final_message and add_generation_prompt:
-        raise _field_error("continue_final_message",
-                           "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    if continue_final_message and last_role != "assistant":
-        raise _field_error("continue_final_message", "continue_final_message needs the last message to be the "
-                                                     "assistant's (the reply continues it)")
-    if in_conversation and not (add_generation_prompt and not continue_final_message):
-        field = "continue_final_message" if continue_final_message else "add_generation_prompt"
-        raise _field_error(field, f"{field} cannot be used in a conversation turn (its reply is committed as a new "
-                                  "assistant message); send the whole history without conversation_id")
-    reserved = sorted(RESERVED_KWARGS & (kwargs or {}).keys())
-    if reserved:
-        raise _field_error("chat_template_kwargs", f"chat_template_kwargs cannot set the template's own "
-                                                   f"variables: {', '.join(reserved)}")
-    return TemplateOptions(dict(kwargs or {}), add_generation_prompt, continue_final_message)
-
-
-def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise _field_error("min_tokens", f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
 
 
 class StreamOptions(RequestModel):

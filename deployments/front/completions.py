@@ -25,9 +25,10 @@ from pydantic import Field, StrictBool, field_validator, model_validator
 from deployments.errors import APIError
 from deployments.front.chat_format import SSE_DONE, data, usage_of
 from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, LogitBias, Penalty,
-                                           RepetitionPenalty, StopString, StreamOptions, Text, _field_error, _off,
-                                           _unsupported, check_min_tokens, processor_sampling,
-                                           special_tokens_sampling, vllm_sampling)
+                                           RepetitionPenalty, StopString, StreamOptions, Text, _off, _unsupported)
+from deployments.front.request_base import field_error
+from deployments.front.sampling_fields import (check_min_tokens, processor_sampling, special_tokens_sampling,
+                                              vllm_sampling)
 from deployments.front import vllm_fields
 from deployments.front.structured_outputs import StructuredOutputFields
 from deployments.messages import TokenLogprob, TurnDelta, TurnDone
@@ -90,7 +91,7 @@ class CompletionRequest(StructuredOutputFields):
     def _one_prompt(cls, value: Any) -> Any:
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) > 1:
-                raise _field_error("prompt", "one prompt per request (send a request per prompt)")
+                raise field_error("prompt", "one prompt per request (send a request per prompt)")
             return value[0]
         return value
 
@@ -98,9 +99,9 @@ class CompletionRequest(StructuredOutputFields):
     def _echo_fits(self) -> "CompletionRequest":
         check_min_tokens(self.min_tokens, self.max_tokens)
         if self.echo and not isinstance(self.prompt, str):
-            raise _field_error("echo", "echo takes a text prompt (this server does not detokenize token ids back)")
+            raise field_error("echo", "echo takes a text prompt (this server does not detokenize token ids back)")
         if self.echo and self.logprobs is not None:
-            raise _field_error("echo", "echo with logprobs needs the prompt's logprobs, which this server does "
+            raise field_error("echo", "echo with logprobs needs the prompt's logprobs, which this server does "
                                        "not compute")
         return self
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class RequestModel(BaseModel):
@@ -23,3 +24,8 @@ class RequestModel(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """A 400 naming `field` (the ingress's handler turns it into OpenAI's error body)."""
+    return PydanticCustomError("invalid_field", "{message}", {"field": field, "message": message})

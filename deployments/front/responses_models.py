@@ -20,9 +20,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag, field_validator, model_validator
 
 from deployments.front.chat_models import (MAX_ID, MAX_MESSAGES, MAX_TOOLS, CacheSalt, ConversationId, Text, ToolName,
-                                    _field_error, _off, _unsupported, check_tool_choice,
-                                    reply_constraint)
-from deployments.front.request_base import RequestModel
+                                           _off, _unsupported, check_tool_choice, reply_constraint)
+from deployments.front.request_base import RequestModel, field_error
 
 ItemId = Annotated[str, Field(max_length=MAX_ID)]
 
@@ -202,9 +201,9 @@ class ResponsesRequest(RequestModel):
     @model_validator(mode="after")
     def _fits(self) -> "ResponsesRequest":
         if self.conversation is not None and self.previous_response_id is not None:
-            raise _field_error("conversation", "conversation and previous_response_id cannot both be given")
+            raise field_error("conversation", "conversation and previous_response_id cannot both be given")
         if self.conversation is not None and not self.store:
-            raise _field_error("store", "a conversation's responses are stored: store must be true")
+            raise field_error("store", "a conversation's responses are stored: store must be true")
         choice, fmt = self.tool_choice, self.text.format if self.text is not None else None
         check_tool_choice([t.name for t in self.tools or ()], choice,
                           choice.name if isinstance(choice, FunctionChoice) else None,
@@ -264,5 +263,5 @@ class ConversationCreate(RequestModel):
     @classmethod
     def _no_items(cls, value: Any) -> Any:
         if value:
-            raise _field_error("items", "initial items are not supported: send them as the first response's input")
+            raise field_error("items", "initial items are not supported: send them as the first response's input")
         return value

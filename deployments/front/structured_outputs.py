@@ -36,7 +36,7 @@ from typing import Annotated, Any
 from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from deployments.front.request_base import RequestModel
+from deployments.front.request_base import RequestModel, field_error
 
 INT64 = 1 << 63
 BACKENDS = ("auto", "guidance")
@@ -47,19 +47,15 @@ Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
 _DATA_KEYWORDS = ("const", "enum", "default", "examples")
 
 
-def _error(field: str, message: str) -> PydanticCustomError:
-    return PydanticCustomError("invalid_field", "{message}", {"field": field, "message": message})
-
-
 def _schema(field: str, value: dict[str, Any] | str) -> dict[str, Any]:
     """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as error:
-            raise _error(field, f"not valid JSON: {error}") from None
+            raise field_error(field, f"not valid JSON: {error}") from None
     if not isinstance(value, dict):
-        raise _error(field, "must be a JSON schema object")
+        raise field_error(field, "must be a JSON schema object")
     return value
 
 
@@ -115,7 +111,7 @@ class StructuredOutputFields(RequestModel):
         name, _, options = value.partition(":")
         unknown = [o for o in options.split(",") if o and o not in BACKEND_OPTIONS]
         if name not in BACKENDS or unknown:
-            raise _error("guided_decoding_backend", f"{value!r} cannot be honoured: structured outputs here run on "
+            raise field_error("guided_decoding_backend", f"{value!r} cannot be honoured: structured outputs here run on "
                          f"llguidance ({' or '.join(map(repr, BACKENDS))}, options {', '.join(BACKEND_OPTIONS)})")
         return value
 
@@ -133,12 +129,12 @@ class StructuredOutputFields(RequestModel):
     def _one_kind(self) -> "StructuredOutputFields":
         kinds = self.structured_kinds()
         if len(kinds) > 1:
-            raise _error(kinds[1], f"only one kind of structured output per request: {' and '.join(kinds)} given")
+            raise field_error(kinds[1], f"only one kind of structured output per request: {' and '.join(kinds)} given")
         if self.structured_outputs is not None and not kinds:
-            raise _error("structured_outputs", "needs one of json, regex, choice, grammar, json_object")
+            raise field_error("structured_outputs", "needs one of json, regex, choice, grammar, json_object")
         if self._whitespace_pattern() is not None and kinds and kinds[0].split(".")[-1] not in (
                 "guided_json", "json", "json_object"):
-            raise _error(self._whitespace_field(), f"whitespace_pattern applies to JSON output, not {kinds[0]}")
+            raise field_error(self._whitespace_field(), f"whitespace_pattern applies to JSON output, not {kinds[0]}")
         return self
 
     def check_beside(self, others: dict[str, bool]) -> None:
@@ -147,7 +143,7 @@ class StructuredOutputFields(RequestModel):
         kinds = self.structured_kinds()
         given = [name for name, asks in others.items() if asks]
         if kinds and given:
-            raise _error(kinds[0], f"{kinds[0]} cannot be combined with {given[0]}")
+            raise field_error(kinds[0], f"{kinds[0]} cannot be combined with {given[0]}")
 
     def _whitespace_field(self) -> str:
         so = self.structured_outputs

@@ -7,7 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from deployments.front.chat_models import MAX_ID, MAX_MESSAGES, ChatMessage, Text, template_options
+from deployments.front.chat_models import MAX_ID, MAX_MESSAGES, ChatMessage, Text
+from deployments.front.sampling_fields import template_options
 from workers.template_options import TemplateOptions
 from deployments.front.request_base import RequestModel
 
