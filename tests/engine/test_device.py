@@ -13,7 +13,7 @@ import torch
 
 from workers.config import EngineConfig, WeightQuantization
 from workers.kernels.fast_path import runs_fast_path
-from workers.model.device import DeviceUnavailableError, parse_device, require_device
+from workers.model.device import DeviceUnavailableError, parse_device, require_device, shape_stable_kernels
 from workers.model.loader import load_model
 from workers.sampling import SamplingParams, sample
 
@@ -41,6 +41,29 @@ def test_the_fast_path_is_selected_on_the_cpu_only():
     assert runs_fast_path("cpu") and runs_fast_path(torch.device("cpu"))
     assert not runs_fast_path("cpu", enabled=False)
     assert not runs_fast_path("cuda") and not runs_fast_path("cuda:1")
+
+
+def _kernel_flags() -> tuple[bool, ...]:
+    cuda = torch.backends.cuda
+    return (torch.backends.cudnn.enabled, cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(),
+            cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())  # fmt: skip
+
+
+def test_a_cuda_forward_runs_without_cudnn_and_puts_the_flags_back():
+    """cuDNN sets up a plan per new shape (hundreds of ms on an H200: bench/results/gpu.md); a
+    forward on CUDA runs without it, and leaves the process's flags as it found them. The flags
+    are process state, so this runs on any host; the CPU's forward changes nothing."""
+    before, tf32 = _kernel_flags(), torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # what bench.gpu_check asks for exact fp32
+    try:
+        with shape_stable_kernels(torch.device("cuda")):
+            assert _kernel_flags() == (False, False, True, True, True)
+            assert torch.backends.cudnn.allow_tf32 is False
+        assert _kernel_flags() == before
+        with shape_stable_kernels(torch.device("cpu")):
+            assert _kernel_flags() == before
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="this host has CUDA")

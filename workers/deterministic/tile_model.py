@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from workers.deterministic.tile_attention import tile_attention
 from workers.deterministic.tile_ssd import ScanInputs, tile_scan
 from workers.model.config import MixerKind, MlpKind
+from workers.model.device import shape_stable_kernels
 from workers.model.forward_batch import ModelCaches
 from workers.model.hybrid_lm import HybridLM
 from workers.model.layers import apply_rotary
@@ -91,20 +92,21 @@ class TileModel:
             h = h * cfg.embedding_multiplier
         rope = model.rotary.cos_sin(batch.positions.reshape(-1), h.dtype) if model.rotary else None
         keys, values, scans = [], [], []
-        for block in model.blocks:
-            x = _rms(h, block.norm)
-            if block.kind is MixerKind.MAMBA:
-                x, scan = self._mamba(x, block.mixer, batch, block.cache_index, g, t)
-                scans.append(scan)
-            elif block.kind is MixerKind.ATTENTION:
-                x, k, v = self._attention(x, block.mixer, batch, block.cache_index, rope, g, t)
-                keys.append(k)
-                values.append(v)
-            else:
-                x = _mlp(x, block.mixer)
-            h = h + x * block.residual_multiplier
-            if block.ffn is not None:
-                h = h + _mlp(_rms(h, block.ffn_norm), block.ffn) * block.residual_multiplier
+        with shape_stable_kernels(self.device):
+            for block in model.blocks:
+                x = _rms(h, block.norm)
+                if block.kind is MixerKind.MAMBA:
+                    x, scan = self._mamba(x, block.mixer, batch, block.cache_index, g, t)
+                    scans.append(scan)
+                elif block.kind is MixerKind.ATTENTION:
+                    x, k, v = self._attention(x, block.mixer, batch, block.cache_index, rope, g, t)
+                    keys.append(k)
+                    values.append(v)
+                else:
+                    x = _mlp(x, block.mixer)
+                h = h + x * block.residual_multiplier
+                if block.ffn is not None:
+                    h = h + _mlp(_rms(h, block.ffn_norm), block.ffn) * block.residual_multiplier
         hidden = _rms(h, model.final_norm)
         weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
         logits = F.linear(hidden, weight).float()

@@ -17,6 +17,7 @@ from workers.kernels.tuned_linear import install_tuned_linears, remove_tuned_lin
 from workers.model.attention import Attention
 from workers.model.config import BlockSpec, HybridModelConfig, MixerKind
 from workers.model.decode_program import DecodeProgram
+from workers.model.device import shape_stable_kernels
 from workers.model.forward_batch import ForwardBatch, ModelCaches
 from workers.model.layers import MLP, RMSNorm, RotaryEmbedding
 from workers.model.mamba_mixer import MambaMixer
@@ -124,8 +125,9 @@ class HybridLM(nn.Module):
             h = h * self.config.embedding_multiplier
         rope = self.rotary.cos_sin(batch.positions, h.dtype) if self.rotary else None
         x = self.blocks[0].norm(h)
-        for block, next_norm in zip(self.blocks, self.next_norms):
-            h, x = block(h, x, batch, caches, rope, next_norm)
+        with shape_stable_kernels(h.device):
+            for block, next_norm in zip(self.blocks, self.next_norms):
+                h, x = block(h, x, batch, caches, rope, next_norm)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
