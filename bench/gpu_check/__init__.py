@@ -18,7 +18,7 @@ JSON, and the others still run.
 
 On the GPU machine (torch 2.11 + CUDA 13, transformers 5.17, no network), from the repo root:
 
-    python3 -m bench.gpu_check            # ~4-6 minutes on one H100 (model writing ~1 of them)
+    python3 -m bench.gpu_check            # 154 s on one H200 (2026-11-27), model writing included
 
 Carry transformers 5.23 (our pin): with the image's transformers 5.17 the Bamba and Granite 4.0-H
 logit checks fail on the CPU as well (fp32 max error 2.2-2.6 against ours; Nemotron-H and its MoE
