@@ -104,15 +104,18 @@ async def test_vllm_prompt_logprobs_field_on_completions_and_chat(stack, referen
     assert prompt[0] is None and len(prompt) == chat.usage.prompt_tokens and all(len(s) == 1 for s in prompt[1:])
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
-    ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+@pytest.mark.parametrize("refused, accepted, param", [
+    ({"max_tokens": 0}, {"max_tokens": 0, "echo": True}, "max_tokens"),
+    ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ({"extra_body": {"prompt_logprobs": 21}}, {"extra_body": {"prompt_logprobs": 20}}, "prompt_logprobs"),
 ], ids=str)
-async def test_what_echo_and_prompt_logprobs_refuse(stack, fields, param):
-    with pytest.raises(openai.BadRequestError) as refused:
-        await stack.client().completions.create(**{"model": stack.model, "prompt": PROMPT, "max_tokens": 2, **fields})
-    assert refused.value.body["param"] == param
+async def test_what_echo_and_prompt_logprobs_refuse_beside_what_they_take(stack, refused, accepted, param):
+    client = stack.client()
+    with pytest.raises(openai.BadRequestError) as error:
+        await client.completions.create(**{"model": stack.model, "prompt": PROMPT, "max_tokens": 2, **refused})
+    assert error.value.body["param"] == param
+    answer = await client.completions.create(**{"model": stack.model, "prompt": PROMPT, "max_tokens": 2, **accepted})
+    assert answer.choices[0].text.startswith(PROMPT) or answer.choices[0].model_extra["prompt_logprobs"][0] is None
 
 
 async def test_lm_eval_loglikelihood_request_and_parsing(stack, reference):
