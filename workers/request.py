@@ -130,6 +130,8 @@ class Request:
     # A constrained reply's TokenGuide (workers/grammar/guide.py): the tokens it may sample next.
     guide: Any = None
     awaiting_tool: bool = False  # it stopped right after a tool call (its kept state waits for the results)
+    # params.prompt_logprobs set: a PromptLogprobs (workers/prompt_logprobs.py) the prefill fills
+    prompt_logprobs: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -20,7 +20,8 @@ from typing import Any
 from deployments.errors import APIError
 from deployments.front.extensions import served_by
 from deployments.front.responses_format import ResponseId
-from deployments.messages import TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
+from deployments.front.prompt_logprobs import vllm_prompt_logprobs
+from deployments.messages import PromptLogprob, TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -63,8 +64,10 @@ class ChatFormat:
     conversation_id: str | None
     with_logprobs: bool
     publish_id: str = ""
+    prompt_logprobs: int | None = None  # vLLM's field's k: the answer's top-level `prompt_logprobs`
 
-    def completion(self, text: str, entries: list[TokenLogprob], done: TurnDone) -> dict[str, Any]:
+    def completion(self, text: str, entries: list[TokenLogprob], done: TurnDone,
+                   prompt: tuple[PromptLogprob, ...] | None = None) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if done.tool_calls:
             message["content"] = text or None  # OpenAI's shape: no content beside the calls is null
@@ -72,7 +75,10 @@ class ChatFormat:
         choice = {"index": 0, "message": message,
                   "finish_reason": done.finish_reason,
                   "logprobs": logprobs_of(entries) if self.with_logprobs else None}
-        return self.envelope("chat.completion", [choice], usage=usage_of(done), done=done, last=True)
+        body = self.envelope("chat.completion", [choice], usage=usage_of(done), done=done, last=True)
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(prompt or (), self.prompt_logprobs)
+        return body
 
     def sse_start(self) -> str:
         return data(self.envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},

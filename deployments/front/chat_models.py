@@ -268,6 +268,7 @@ class ChatCompletionRequest(StructuredOutputFields):
     n: StrictInt = Field(1, ge=1, le=1, description="only 1 is supported")
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # vLLM's: the prompt's, top level (not streamed)
     # Accepted and ignored: nothing here depends on them.
     user: Text | None = Field(None, max_length=MAX_ID)
     safety_identifier: Text | None = Field(None, max_length=MAX_ID)
@@ -334,6 +335,8 @@ class ChatCompletionRequest(StructuredOutputFields):
     def _tools_fit(self) -> "ChatCompletionRequest":
         check_min_tokens(self.min_tokens, self.max_completion_tokens or self.max_tokens)
         self.template_options()  # refuses what cannot render
+        if self.prompt_logprobs is not None and (self.stream or self.conversation_id is not None):
+            raise field_error("prompt_logprobs", "prompt_logprobs is not available when streaming or on a conversation")
         choice = self.tool_choice
         formatted = self.response_format is not None and self.response_format.type != "text"
         check_tool_choice([t.function.name for t in self.tools or ()], choice,
@@ -380,6 +383,7 @@ class ChatCompletionRequest(StructuredOutputFields):
             "seed": self.seed,
             "stop": tuple(s for s in stop if s),
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            "prompt_logprobs": self.prompt_logprobs,
             "deterministic": self.deterministic,
             "constraint": self.constraint(),
             "priority": self.priority,

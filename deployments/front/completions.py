@@ -3,14 +3,23 @@
     request     prompt: text, token ids, or a list holding one of either; max_tokens (default 16,
                 as OpenAI's and vLLM's), temperature, top_p, seed, stop, stream, stream_options,
                 logprobs (k: the sampled token's and the top k), echo, cache_salt, deterministic,
-                vLLM's structured outputs and priority (structured_outputs.py)
-    answer      {"object": "text_completion", choices: [{text, index, logprobs, finish_reason}], usage}
+                vLLM's structured outputs, priority (structured_outputs.py) and prompt_logprobs
+    answer      {"object": "text_completion", choices: [{text, index, logprobs, finish_reason
+                [, prompt_logprobs]}], usage}
     streaming   data: chunk(text)* data: chunk("", finish_reason) [data: chunk([], usage)] data: [DONE]
+
+`echo` opens the text with the prompt (token ids: their text); with `logprobs` the legacy lists
+cover the prompt's tokens first (the first token's logprob null), then the reply's: what lm-eval's
+log-likelihood tasks read (prompt_logprobs.py). `max_tokens: 0` with `echo` answers the prompt
+alone: as vLLM does, the engine samples one token, which the answer leaves out (usage counts 0).
+vLLM's `prompt_logprobs: k` adds the choice's `prompt_logprobs` in vLLM's shape (not streamed,
+as vLLM refuses it there). A request wanting the prompt's logprobs reuses no cached prefix: its
+prompt runs whole (workers/prompt_logprobs.py).
 
 It runs as a stateless chat request does (workers' stream_completion): the longest prefix of its
 prompt held on the replica under its cache_salt is reused, and its end is kept for the next.
-Refused by name (400): more than one prompt, `n` or `best_of` above 1, `suffix`, and `echo` with token ids or with logprobs (the engine computes no
-logprobs of prompt tokens: what lm-eval's log-likelihood tasks need is not served yet).
+Refused by name (400): more than one prompt, `n` or `best_of` above 1, `suffix`, `max_tokens: 0`
+without `echo`, `prompt_logprobs` with `stream`.
 """
 
 from __future__ import annotations
@@ -30,8 +39,9 @@ from deployments.front.request_base import field_error
 from deployments.front.sampling_fields import (check_min_tokens, processor_sampling, special_tokens_sampling,
                                               vllm_sampling)
 from deployments.front import vllm_fields
+from deployments.front.prompt_logprobs import legacy_prompt_logprobs, vllm_prompt_logprobs
 from deployments.front.structured_outputs import StructuredOutputFields
-from deployments.messages import TokenLogprob, TurnDelta, TurnDone
+from deployments.messages import PromptLogprob, TokenLogprob, TurnDelta, TurnDone
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions (chat's is what the context leaves)
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -42,7 +52,7 @@ class CompletionRequest(StructuredOutputFields):
     model: Text = Field(max_length=MAX_ID)
     prompt: (Text | TokenIds | Annotated[list[Text], Field(min_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1)])
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1)  # clamped to max_output_tokens and the context
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=0)  # clamped to max_output_tokens and the context; 0: echo only
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=1 << 63)
@@ -51,6 +61,7 @@ class CompletionRequest(StructuredOutputFields):
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     best_of: int = Field(1, ge=1, le=1, description="only 1 is supported")
     user: Text | None = Field(None, max_length=MAX_ID)
@@ -98,21 +109,27 @@ class CompletionRequest(StructuredOutputFields):
     @model_validator(mode="after")
     def _echo_fits(self) -> "CompletionRequest":
         check_min_tokens(self.min_tokens, self.max_tokens)
-        if self.echo and not isinstance(self.prompt, str):
-            raise field_error("echo", "echo takes a text prompt (this server does not detokenize token ids back)")
-        if self.echo and self.logprobs is not None:
-            raise field_error("echo", "echo with logprobs needs the prompt's logprobs, which this server does "
-                                       "not compute")
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error("max_tokens", "max_tokens 0 answers nothing without echo")
+        if self.stream and self.prompt_logprobs is not None:
+            raise field_error("prompt_logprobs", "prompt_logprobs is not available when streaming")
         return self
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top k the engine computes for each prompt token (None: none)."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
     def engine_prompt(self) -> str | tuple[int, ...]:
         return self.prompt if isinstance(self.prompt, str) else tuple(self.prompt)
 
     def sampling(self, max_output_tokens: int) -> dict:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {"max_tokens": min(self.max_tokens, max_output_tokens), "temperature": self.temperature,
+        return {"max_tokens": max(1, min(self.max_tokens, max_output_tokens)), "temperature": self.temperature,
                 "top_p": self.top_p, "seed": self.seed, "stop": tuple(s for s in stop if s),
-                "logprobs": self.logprobs, "deterministic": self.deterministic,
+                "logprobs": self.logprobs, "prompt_logprobs": self.engine_prompt_logprobs,
+                "deterministic": self.deterministic,
                 "constraint": self.structured_constraint(), "priority": self.priority,
                 **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
                                 self.include_stop_str_in_output),
@@ -133,35 +150,76 @@ def logprobs_of(entries: Iterable[TokenLogprob], offset: int) -> dict[str, Any]:
 
 @dataclass
 class CompletionFormat:
-    """The bodies of one completion (`echo`: the prompt text the reply's text follows)."""
+    """The bodies of one completion. `echo`: the prompt's text the reply's text follows;
+    `echo_logprobs`: the top k of the prompt's legacy logprobs (None: the prompt's are not listed);
+    `prompt_logprobs`: vLLM's field's k; `prompt_only`: max_tokens 0 (the reply is left out)."""
 
     request_id: str
     model: str
     with_logprobs: bool
     echo: str = ""
+    echo_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False
     _offset: int = 0  # streamed: where the next delta's text starts
 
-    def completion(self, text: str, entries: list[TokenLogprob], done: TurnDone) -> dict[str, Any]:
-        choice = {"index": 0, "text": self.echo + text, "finish_reason": done.finish_reason,
-                  "logprobs": logprobs_of(entries, len(self.echo)) if self.with_logprobs else None}
-        return self.envelope([choice], usage_of(done))
+    @classmethod
+    def of(cls, body: CompletionRequest, request_id: str, model: str, echo_text: str) -> "CompletionFormat":
+        return cls(request_id, model, body.logprobs is not None, echo_text if body.echo else "",
+                   body.logprobs if body.echo else None, body.prompt_logprobs, body.max_tokens == 0)
+
+    def completion(self, text: str, entries: list[TokenLogprob], prompt: tuple[PromptLogprob, ...] | None,
+                   done: TurnDone) -> dict[str, Any]:
+        if self.prompt_only:
+            text, entries = "", []
+        choice = {"index": 0, "text": self.echo + text, "finish_reason": self._reason(done), "logprobs": None}
+        if self.with_logprobs:
+            choice["logprobs"] = self._logprobs(prompt, entries, len(self.echo))
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt or (), self.prompt_logprobs)
+        return self.envelope([choice], self._usage(done))
+
+    def _logprobs(self, prompt: tuple[PromptLogprob, ...] | None, entries: list[TokenLogprob],
+                  offset: int) -> dict[str, list]:
+        reply = logprobs_of(entries, offset)
+        if self.echo_logprobs is None or prompt is None:
+            return reply
+        listed = legacy_prompt_logprobs(prompt, self.echo_logprobs)
+        return {name: listed[name] + reply[name] for name in reply}
 
     def start(self) -> Iterable[str]:
         self._offset = len(self.echo)
-        return [data(self.envelope([self._choice(self.echo)]))] if self.echo else []
+        if not self.echo or self.echo_logprobs is not None:  # with its logprobs: once they come
+            return []
+        return [data(self.envelope([self._choice(self.echo)]))]
 
     def delta(self, delta: TurnDelta) -> Iterable[str]:
+        chunks = []
+        if delta.prompt_logprobs and self.echo and self.echo_logprobs is not None:
+            chunks.append(data(self.envelope([{**self._choice(self.echo), "logprobs": self._logprobs(
+                delta.prompt_logprobs, [], 0)}])))
+        if self.prompt_only or not (delta.text or delta.logprobs):
+            return chunks
         choice = self._choice(delta.text)
         if self.with_logprobs:
             choice["logprobs"] = logprobs_of(delta.logprobs or (), self._offset)
         self._offset += len(delta.text)
-        return [data(self.envelope([choice]))]
+        return chunks + [data(self.envelope([choice]))]
 
     def end(self, done: TurnDone, include_usage: bool) -> Iterator[str]:
-        yield data(self.envelope([{**self._choice(""), "finish_reason": done.finish_reason}]))
+        yield data(self.envelope([{**self._choice(""), "finish_reason": self._reason(done)}]))
         if include_usage:
-            yield data(self.envelope([], usage_of(done)))
+            yield data(self.envelope([], self._usage(done)))
         yield SSE_DONE
+
+    def _reason(self, done: TurnDone) -> str:
+        return "length" if self.prompt_only else done.finish_reason  # max_tokens 0 ended it
+
+    def _usage(self, done: TurnDone) -> dict:
+        usage = usage_of(done)
+        if self.prompt_only:  # the one token sampled is not the client's
+            usage.update(completion_tokens=0, total_tokens=done.prompt_tokens)
+        return usage
 
     @staticmethod
     def _choice(text: str) -> dict[str, Any]:

@@ -131,9 +131,10 @@ class StartedTurn:
         self._gate.finished(status, self._running)
         await self.run.close()
 
-    async def collect(self) -> tuple[str, list, TurnDone]:
-        """The whole turn: its text, logprobs and TurnDone (the tool calls come whole with it)."""
-        text, logprobs = [], []
+    async def collect(self) -> tuple[str, list, tuple | None, TurnDone]:
+        """The whole turn: its text, logprobs, prompt logprobs (if asked) and TurnDone (the tool
+        calls come whole with it)."""
+        text, logprobs, prompt = [], [], None
         async with _Settling(self, 500) as settling:
             async for event in self._observed():
                 if isinstance(event, TurnFailed):
@@ -143,8 +144,9 @@ class StartedTurn:
                 if isinstance(event, TurnDelta):
                     text.append(event.text)
                     logprobs.extend(event.logprobs or ())
+                    prompt = event.prompt_logprobs or prompt
             settling.status = 200
-        return "".join(text), logprobs, event
+        return "".join(text), logprobs, prompt, event
 
     async def relay(self, stream: EventStream) -> AsyncIterator[str]:
         """The turn's events as `stream` renders them (SSE)."""

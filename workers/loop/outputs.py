@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from workers.prompt_logprobs import PromptTokenLogprob
 from workers.request import FinishReason, Request, ReuseSource
 from workers.sampling import SampledToken
 from workers.state_names import PrefixKey
@@ -36,6 +37,9 @@ class RequestOutput:
     # when one is evicted, the engine's `withdrawn` names it, and the worker withdraws its announce.
     checkpoint_keys: tuple[PrefixKey, ...] = ()
     reused_from: ReuseSource = ReuseSource.NONE
+    # params.prompt_logprobs set: an entry per prompt token (the first without a logprob), on the
+    # first output after its prefill (workers/prompt_logprobs.py)
+    prompt_logprobs: tuple[PromptTokenLogprob, ...] | None = None
 
     @property
     def new_token_ids(self) -> list[int]:
@@ -58,4 +62,5 @@ def output_of(request: Request, tokens: Iterable[SampledToken], delta: str, erro
         checkpoints=tuple(request.checkpoints_made) if request.is_finished else (),
         checkpoint_keys=tuple(request.checkpoint_keys) if request.is_finished else (),
         reused_from=request.reused_from,
+        prompt_logprobs=request.prompt_logprobs.take() if request.prompt_logprobs is not None else None,
     )
