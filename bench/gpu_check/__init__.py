@@ -6,6 +6,7 @@ On the device it finds (CUDA if present; else the CPU, as a smoke), it checks an
                      Nemotron-H (bench presets) and the Granite / Nemotron MoE presets;
                      fp32 <= 1e-4, bf16 <= 1.5 x transformers' own bf16 error
     conversation.py  a conversation turn continued from its cached head == full recompute (fp32)
+    prompt_logprobs.py  prompt logprobs (echo, lm-eval) == transformers' log_softmax, chunked prefill (fp32)
     determinism.py   deterministic requests bit-identical alone and under concurrent load (bf16)
     throughput.py    prefill / decode tokens/s vs transformers `generate` at c = 1, 8, 32 in bf16
                      on the bench preset scaled up to 0.91B parameters (plan.SPEED_SHAPE)
