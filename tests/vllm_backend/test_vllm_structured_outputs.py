@@ -63,12 +63,16 @@ async def test_schemas_json_objects_choices_regexes_and_grammars_are_followed(de
     assert "  " in texts[9] and "\n" not in texts[9]  # the only whitespace allowed: two spaces
 
 
-async def test_forced_tool_calls_parse_into_valid_calls(dense_session):
-    """tool_choice "required" (parallel or not) and a named function, as the front builds them."""
+async def test_tool_calls_forced_parse_into_valid_calls_and_auto_runs_its_grammar(dense_session):
+    """tool_choice "required" (parallel or not) and a named function, as the front builds them;
+    "auto" beside them: vLLM takes its lazy grammar, and the reply is text or valid calls (the
+    random model writes text: a begun call held valid is our engine's test)."""
     tool_format = dense_session.tool_format
     constraints = [tool_constraint(TOOLS, "required", True), tool_constraint(TOOLS, "required", False),
                    tool_constraint(TOOLS, {"type": "function", "function": {"name": "tool_2"}}, True)]
-    replies = await _replies(dense_session, constraints, max_tokens=3000)  # up to 8 calls, a character a token
+    replies, (auto_text, auto_reason) = await asyncio.gather(
+        _replies(dense_session, constraints, max_tokens=3000),  # up to 8 calls, a character a token
+        _reply(dense_session, len(constraints), tool_constraint(TOOLS, "auto", True), max_tokens=60))
     for (text, reason), parallel, names in zip(replies, (True, False, True), (SCHEMAS, SCHEMAS, ["tool_2"])):
         assert reason is FinishReason.STOP, text
         content, calls = tool_format.parse(text)
@@ -78,14 +82,8 @@ async def test_forced_tool_calls_parse_into_valid_calls(dense_session):
             assert call.name in names
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
         assert tool_format.calls_text(calls) == text  # what the template renders when the calls come back
-
-
-async def test_auto_tool_choice_runs_its_grammar(dense_session):
-    """tool_choice "auto": text, or calls that are valid (the model here writes text)."""
-    (text, reason), = await _replies(dense_session, [tool_constraint(TOOLS, "auto", True)], max_tokens=40)
-    assert reason in (FinishReason.STOP, FinishReason.LENGTH)
-    _, calls = dense_session.tool_format.parse(text)
-    for call in calls:
+    assert auto_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    for call in tool_format.parse(auto_text)[1]:
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
