@@ -8,10 +8,11 @@ prompt and leaves one where it ends, and a system prompt is kept as a checkpoint
 the new chats that open with it (workers/vllm_backend/prefixes.py): as on our engine, a chat
 resent in full runs only its new messages, and a shared system prompt is computed once.
 
-What the backend does not do: deterministic mode and constrained decoding (400s; tool_choice
-"auto" runs unconstrained, its calls parsed from the text), and checkpoints at a prompt's other
-message boundaries. vLLM's own prefix caching stays off: it is block-grained for hybrids and
-crashes on CPU.
+Constrained decoding (structured outputs, forced and "auto" tool calls) runs as vLLM's own
+structured outputs on its guidance backend: llguidance with our grammars and our view of the
+tokenizer (workers/vllm_backend/structured.py). What the backend does not do: deterministic
+mode and priorities (400s), and checkpoints at a prompt's other message boundaries. vLLM's own
+prefix caching stays off: it is block-grained for hybrids and crashes on CPU.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
 from workers.errors import CorruptStateError, InvalidRequestError
+from workers.grammar.compiler import GrammarCompiler
 from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
@@ -52,6 +54,8 @@ class VllmSession:  # implements Session (session.py)
         self.tokenizer = ChatTokenizer(Path(model_dir))
         self._tool_format = tool_format_for(self.tokenizer.chat_template)
         self.vocab_size, self.allowed_ids, eos_token_ids = vocabulary(self.tokenizer, model_dir)
+        # Checks constraints here (a bad schema is a 400); vLLM's guidance backend runs them.
+        self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, eos_token_ids, self._tool_format)
         self.host = EngineHost(HostSettings(
             model=model_dir, python=settings.vllm_python, device=settings.device,
             max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
@@ -62,7 +66,8 @@ class VllmSession:  # implements Session (session.py)
         self.conversations = HostedConversations(self.host, settings.head_cache_mb << 20, self.tokenizer,
                                                  eos_token_ids)
         self.prefixes = HostPrefixes(self.host, settings.prefix_cache_mb << 20)
-        self.streams = HostStreams(self.host, self.tokenizer, self.allowed_ids, self.conversations, self.prefixes)
+        self.streams = HostStreams(self.host, self.tokenizer, self.allowed_ids, self._tool_format, self.conversations,
+                                   self.prefixes)
         self.use = ConversationUse()
 
     async def start(self) -> None:
@@ -162,7 +167,11 @@ class VllmSession:  # implements Session (session.py)
 
     # -- turns ------------------------------------------------------------------------------
     async def prepare_grammar(self, params: SamplingParams) -> None:
-        backend_params(params, self.vocab_size)  # refuses what this backend does not do
+        """Refuses what this backend does not do, and a constraint that cannot compile (made
+        and checked off the loop, cached as on our engine)."""
+        backend_params(params, self.vocab_size)
+        if params.constraint is not None:
+            await asyncio.to_thread(self.grammars.prepare, params.constraint)
 
     def stream_turn(self, ref: ConversationRef, suffix: list[dict[str, Any]], params: SamplingParams,
                     request_id: str, tools: list[dict[str, Any]] | None = None,

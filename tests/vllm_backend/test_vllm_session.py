@@ -172,14 +172,9 @@ async def test_exports_never_cross_backends_or_conversations(dense_session, tmp_
 
 
 async def test_what_the_backend_does_not_do_is_refused(dense_session):
-    ref = ConversationRef("refused", "s")
-    for params in (SamplingParams(max_tokens=4, deterministic=True),
-                   SamplingParams(max_tokens=4, constraint={"type": "json_object"})):
+    for params in (SamplingParams(max_tokens=4, deterministic=True), SamplingParams(max_tokens=4, priority=1)):
         with pytest.raises(InvalidRequestError, match="vllm backend"):
             await dense_session.prepare_grammar(params)
-    auto_calls = SamplingParams(max_tokens=4, constraint={
-        "type": "tool_calls", "tools": [{"name": "f", "parameters": {"type": "object"}}], "auto": True})
-    await dense_session.prepare_grammar(auto_calls)  # tool_choice "auto": runs, unconstrained
 
 
 async def test_a_ledger_is_kept_only_while_its_head_or_a_turn_of_it_is(dense_session):

@@ -4,7 +4,6 @@ tool-call parsing and logprob text behave as on our engine)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,8 @@ from workers.grammar.constraint import ConstraintKind
 from workers.request import FinishReason, ReuseSource
 from workers.sampling import SampledToken, SamplingParams, check_logit_bias
 from workers.tokenizer import ChatTokenizer
+from workers.tools.formats import ToolFormat
+from workers.vllm_backend.structured import structured_outputs
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -33,8 +34,7 @@ def vocabulary(tokenizer: ChatTokenizer, model_dir: str) -> tuple[int, list[int]
 
 def backend_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
     """`params` as this backend runs them; what it does not do is refused before anything runs
-    (a 400). `tool_choice: "auto"` runs unconstrained: the model's calls are parsed from its text
-    as on our engine, but a malformed one is not prevented."""
+    (a 400). Constraints run as vLLM's structured outputs (structured.py)."""
     check_logit_bias(params, vocab_size)
     if params.deterministic:
         raise InvalidRequestError("deterministic mode is not available on the vllm backend (run backend: ours)")
@@ -43,29 +43,13 @@ def backend_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
                                   "(run backend: ours)")
     if params.priority != 0:  # the host's vLLM engine schedules FCFS, where vLLM itself refuses a priority
         raise InvalidRequestError("priority is not available on the vllm backend (run backend: ours)")
-    constraint = params.constraint
-    if constraint is None:
-        return params
-    if constraint.kind is ConstraintKind.TOOL_CALLS and constraint.auto:
-        return dataclasses.replace(params, constraint=None, seed=params.resolved_seed)
-    raise InvalidRequestError(
-        f"constrained decoding ({_FIELDS[constraint.kind]}) is not available on the vllm backend (run backend: ours)")
+    return params
 
 
-# The request fields that ask for each kind of constraint, for the refusal above.
-def _structured(kind: str) -> str:
-    return f"structured_outputs.{kind} or guided_{kind}"
-
-
-_FIELDS = {ConstraintKind.JSON_OBJECT: "response_format json_object or structured_outputs.json_object",
-           ConstraintKind.JSON_SCHEMA: f"response_format json_schema, {_structured('json')}",
-           ConstraintKind.TOOL_CALLS: "tool_choice \"required\" or a named function",
-           ConstraintKind.REGEX: _structured("regex"), ConstraintKind.CHOICE: _structured("choice"),
-           ConstraintKind.GRAMMAR: _structured("grammar")}
-
-
-def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None) -> dict[str, Any]:
-    """vLLM SamplingParams arguments for `params` (greedy at temperature 0, as ours)."""
+def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None,
+                  tool_format: ToolFormat | None = None) -> dict[str, Any]:
+    """vLLM SamplingParams arguments for `params` (greedy at temperature 0, as ours); a constraint
+    of tool calls needs the template's `tool_format`."""
     args: dict[str, Any] = {
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
@@ -92,6 +76,9 @@ def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None) -
         args["logprobs"] = params.logprobs
     if allowed_token_ids is not None:
         args["allowed_token_ids"] = allowed_token_ids
+    if params.constraint is not None:
+        assert tool_format is not None or params.constraint.kind is not ConstraintKind.TOOL_CALLS
+        args["structured_outputs"] = structured_outputs(params.constraint, tool_format)
     return args
 
 

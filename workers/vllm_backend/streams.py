@@ -15,6 +15,7 @@ from workers.errors import PromptTooLongError
 from workers.request import ReuseSource
 from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
+from workers.tools.formats import ToolFormat
 from workers.vllm_backend.conversations import HostedConversations
 from workers.vllm_backend.engine_host import EngineHost
 from workers.vllm_backend.prefixes import HostPrefixes, PrefixCheckpoint, detached
@@ -23,10 +24,11 @@ from workers.vllm_backend.requests import OutputStream, vllm_sampling
 
 class HostStreams:
     def __init__(self, host: EngineHost, tokenizer: ChatTokenizer, allowed_ids: list[int] | None,
-                 conversations: HostedConversations, prefixes: HostPrefixes):
+                 tool_format: ToolFormat, conversations: HostedConversations, prefixes: HostPrefixes):
         self.host = host
         self.tokenizer = tokenizer
         self.allowed_ids = allowed_ids
+        self.tool_format = tool_format
         self.conversations = conversations
         self.prefixes = prefixes
 
@@ -40,7 +42,7 @@ class HostStreams:
                 base = await self.prefixes.attach(conv.ref.salt, prompt, system_end)
                 load = (base.head_id, len(base.tokens)) if base is not None else None
             outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
-            async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids), load,
+            async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids, self.tool_format), load,
                                                 capture=True):
                 record, checkpoints = None, ()
                 if frame["finished"] and frame["prepared"] is not None:
@@ -77,7 +79,7 @@ class HostStreams:
         base: PrefixCheckpoint | None = await self.prefixes.attach(salt, prompt, system_end)
         try:
             outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
-            async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids),
+            async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids, self.tool_format),
                                                 (base.head_id, len(base.tokens)) if base else None,
                                                 capture=self.prefixes.fits(len(prompt) + params.max_tokens)):
                 checkpoints = ()

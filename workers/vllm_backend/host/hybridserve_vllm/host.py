@@ -6,7 +6,8 @@ Run by the worker (workers/vllm_backend/engine_host.py) with the vLLM environmen
 and this folder on PYTHONPATH. vLLM logs to stdout, so the frames go out on a duplicate of the
 original stdout and fd 1 is pointed at stderr.
 
-    -> {"op": "add", "id", "prompt": [ids], "params": {vLLM SamplingParams}, "load": {"head", "tokens"} | None,
+    -> {"op": "add", "id", "prompt": [ids], "params": {vLLM SamplingParams, "structured_outputs": {its
+        StructuredOutputsParams}}, "load": {"head", "tokens"} | None,
         "capture": bool}
     <- {"op": "out", "id", "tokens": [ids], "logprobs": [[lp, [[id, lp], ...]], ...] | None, "finished",
         "reason": "stop" | "length" | "abort" | None, "cached": n, "prepared": state_len | None}
@@ -44,10 +45,12 @@ TICK_S = 1.0
 class Host:
     def __init__(self, args: argparse.Namespace, out):
         from vllm import EngineArgs, LLMEngine
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVTransferConfig, StructuredOutputsConfig
 
+        from hybridserve_vllm import token_view
         from hybridserve_vllm.connector import STORE
 
+        token_view.use_in_vllm()
         self.store = STORE
         self.out = out
         self.engine = LLMEngine.from_engine_args(EngineArgs(
@@ -60,6 +63,8 @@ class Host:
             async_scheduling=False,
             kv_cache_memory_bytes=args.kv_cache_mib << 20,
             seed=0,
+            # llguidance, as our engine: the worker sends its grammars (workers/vllm_backend/structured.py).
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="HeadConnector", kv_connector_module_path="hybridserve_vllm.connector",
                 kv_role="kv_both"),
@@ -128,7 +133,7 @@ class Host:
 
     def add(self, message: dict[str, Any]) -> None:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         request_id, load = message["id"], message.get("load")
         transfer: dict[str, Any] = {}
@@ -138,7 +143,10 @@ class Host:
         if message.get("capture"):
             transfer["capture"] = request_id
             self.capturing.add(request_id)
-        params = SamplingParams(**message["params"], output_kind=RequestOutputKind.DELTA,
+        params = dict(message["params"])
+        if "structured_outputs" in params:
+            params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
+        params = SamplingParams(**params, output_kind=RequestOutputKind.DELTA,
                                 extra_args={"kv_transfer_params": transfer})
         self.engine.add_request(request_id, {"prompt_token_ids": message["prompt"]}, params)
         self.running.add(request_id)
