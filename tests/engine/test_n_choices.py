@@ -1,0 +1,85 @@
+"""n > 1 (workers/loop/forks.py): n replies of one request from one prefill. The prompt runs
+once (the scheduler's token count), and each choice is what a single request with the same
+seed (choice i: seed + i) or greedy gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import new_engine, prompt_of
+from tests.families import ARCHS
+from workers.errors import InvalidRequestError
+from workers.sampling import MAX_CHOICES, SamplingParams
+
+PROMPT_LEN = 37  # not a multiple of the block size (16): the tail block is copied on fork
+
+
+def run_group(engine, request_id, prompt, params):
+    """Step a request of n choices to its end: {choice index: token ids}, and its outputs."""
+    engine.add_request(request_id, prompt, params)
+    tokens, outputs = {i: [] for i in range(params.n)}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            assert out.stream_id == request_id and out.choices == params.n
+            tokens[out.index] += out.new_token_ids
+            outputs.append(out)
+    return tokens, outputs
+
+
+def single(engine, prompt, params):
+    run = run_group(engine, "single", prompt, params)
+    return run[0][0]
+
+
+@ARCHS
+def test_seeded_choices_share_the_prefill_and_equal_single_requests(tiny, arch):
+    engine = new_engine(tiny[arch].path)
+    prompt = prompt_of(PROMPT_LEN, seed=4)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=1234, n=4, ignore_eos=True)
+    before = engine.scheduler.tokens_run
+    tokens, outputs = run_group(engine, "g", prompt, params)
+    # the prompt once, then 5 decode tokens per choice (the 6th token is sampled, never run)
+    assert engine.scheduler.tokens_run - before == PROMPT_LEN + 4 * 5
+    assert engine.caches.counters["state_copies"] == 3
+    assert sorted({o.index for o in outputs if o.finished}) == [0, 1, 2, 3]
+    for i in range(4):
+        alone = single(engine, prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=1234 + i, ignore_eos=True))
+        assert tokens[i] == alone, f"choice {i}"
+    assert len({tuple(t) for t in tokens.values()}) > 1  # different seeds drew different replies
+
+
+@ARCHS
+def test_greedy_choices_are_all_the_greedy_reply(tiny, arch):
+    engine = new_engine(tiny[arch].path, block_size=4)
+    prompt = prompt_of(PROMPT_LEN, seed=5)
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    tokens, _ = run_group(engine, "g", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, n=3))
+    alone = single(engine, prompt, greedy)
+    assert tokens == {0: alone, 1: alone, 2: alone}
+
+
+def test_an_aborted_group_frees_every_choice(tiny):
+    engine = new_engine(next(iter(tiny.values())).path)
+    engine.add_request("g", prompt_of(PROMPT_LEN, seed=6), SamplingParams(max_tokens=50, n=3, ignore_eos=True))
+    engine.step()  # the prompt ran: three choices running
+    assert len(engine.scheduler.running) == 3
+    engine.abort("g")
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+
+
+def test_an_aborted_group_before_its_prefill_ends(tiny):
+    engine = new_engine(next(iter(tiny.values())).path)
+    engine.add_request("g", prompt_of(PROMPT_LEN, seed=6), SamplingParams(max_tokens=5, n=3))
+    engine.abort("g")
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+
+
+@pytest.mark.parametrize("params, field", [
+    (dict(n=MAX_CHOICES + 1), "n must be in"),
+    (dict(n=0), "n must be in"),
+    (dict(n=2, deterministic=True), "n > 1 is not served in deterministic mode"),
+])
+def test_bad_n_is_refused(params, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**params)
