@@ -83,3 +83,36 @@ def test_an_aborted_group_before_its_prefill_ends(tiny):
 def test_bad_n_is_refused(params, field):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**params)
+
+
+def test_a_choice_without_room_computes_its_prompt_itself(tiny):
+    """Two Mamba slots, three choices: the third finds no slot at the fork, waits, and computes
+    its prompt (and its first token) itself once one is free: the same reply, not shared."""
+    engine = new_engine(next(iter(tiny.values())).path, num_state_slots=2, head_cache_bytes=0, prefix_cache_bytes=0)
+    prompt = prompt_of(PROMPT_LEN, seed=7)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=99, n=3, ignore_eos=True)
+    before = engine.scheduler.tokens_run
+    tokens, _ = run_group(engine, "g", prompt, params)
+    # choices 0 and 1: the prompt once, 3 decodes each; choice 2: prompt + its first token, 2 decodes
+    assert engine.scheduler.tokens_run - before == PROMPT_LEN + 2 * 3 + (PROMPT_LEN + 1) + 2
+    for i in range(3):
+        alone = single(engine, prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=99 + i, ignore_eos=True))
+        assert tokens[i] == alone, f"choice {i}"
+
+
+def test_only_choice_0_keeps_its_state(tiny):
+    """A stateless request kept for reuse (keep=CHECKPOINT): choice 0's end is checkpointed, the
+    other choices' states are freed (the integrity check after the test: nothing leaks)."""
+    from workers.request import KeepState
+
+    engine = new_engine(next(iter(tiny.values())).path)
+    prompt = prompt_of(PROMPT_LEN, seed=8)
+    request = engine.add_request("g", prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=5, n=3,
+                                                             ignore_eos=True),
+                                 keep=KeepState.CHECKPOINT, prefix_scope="salt")
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.index: o for o in engine.step() if o.finished})
+    assert [label for label, _ in finals[0].checkpoints] == [0] and request.checkpoint_keys
+    assert finals[1].checkpoints == () and finals[2].checkpoints == ()
+    assert [key.length for key, _ in engine.caches.heads.index.items()] == [PROMPT_LEN + 2]
