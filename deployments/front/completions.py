@@ -9,7 +9,7 @@
 
 It runs as a stateless chat request does (workers' stream_completion): the longest prefix of its
 prompt held on the replica under its cache_salt is reused, and its end is kept for the next.
-Refused by name (400): more than one prompt, `n` or `best_of` above 1, `suffix`, and `echo` with token ids or with logprobs (the engine computes no
+Refused by name (400): more than one prompt, `n` above 16 (`n` replies share one prefill), `best_of` above 1, `suffix`, and `echo` with token ids or with logprobs (the engine computes no
 logprobs of prompt tokens: what lm-eval's log-likelihood tasks need is not served yet).
 """
 
@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, field_validator, model_validator
 
 from deployments.errors import APIError
-from deployments.front.chat_format import SSE_DONE, data, usage_of
+from deployments.front.chat_format import SSE_DONE, choice_ends, data, usage_of
 from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, LogitBias, Penalty,
                                            RepetitionPenalty, StopString, StreamOptions, Text, _off, _unsupported)
 from deployments.front.request_base import field_error
-from deployments.front.sampling_fields import (check_min_tokens, processor_sampling, special_tokens_sampling,
-                                              vllm_sampling)
+from deployments.front.sampling_fields import (MAX_CHOICES, check_choices, check_min_tokens, processor_sampling,
+                                              special_tokens_sampling, vllm_sampling)
 from deployments.front import vllm_fields
 from deployments.front.structured_outputs import StructuredOutputFields
 from deployments.messages import TokenLogprob, TurnDelta, TurnDone
@@ -51,7 +51,7 @@ class CompletionRequest(StructuredOutputFields):
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="replies, forked from one prefill")
     best_of: int = Field(1, ge=1, le=1, description="only 1 is supported")
     user: Text | None = Field(None, max_length=MAX_ID)
     presence_penalty: Penalty = 0.0  # (as in chat_models)
@@ -98,6 +98,7 @@ class CompletionRequest(StructuredOutputFields):
     @model_validator(mode="after")
     def _echo_fits(self) -> "CompletionRequest":
         check_min_tokens(self.min_tokens, self.max_tokens)
+        check_choices(self.n, self.deterministic)
         if self.echo and not isinstance(self.prompt, str):
             raise field_error("echo", "echo takes a text prompt (this server does not detokenize token ids back)")
         if self.echo and self.logprobs is not None:
@@ -112,7 +113,7 @@ class CompletionRequest(StructuredOutputFields):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {"max_tokens": min(self.max_tokens, max_output_tokens), "temperature": self.temperature,
                 "top_p": self.top_p, "seed": self.seed, "stop": tuple(s for s in stop if s),
-                "logprobs": self.logprobs, "deterministic": self.deterministic,
+                "logprobs": self.logprobs, "deterministic": self.deterministic, "n": self.n,
                 "constraint": self.structured_constraint(), "priority": self.priority,
                 **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
                                 self.include_stop_str_in_output),
@@ -139,33 +140,38 @@ class CompletionFormat:
     model: str
     with_logprobs: bool
     echo: str = ""
-    _offset: int = 0  # streamed: where the next delta's text starts
+    choices: int = 1  # n
+    _offsets: dict[int, int] = field(default_factory=dict)  # streamed: where each choice's next delta's text starts
 
-    def completion(self, text: str, entries: list[TokenLogprob], done: TurnDone) -> dict[str, Any]:
-        choice = {"index": 0, "text": self.echo + text, "finish_reason": done.finish_reason,
-                  "logprobs": logprobs_of(entries, len(self.echo)) if self.with_logprobs else None}
-        return self.envelope([choice], usage_of(done))
+    def completion(self, texts: list[str], entries: list[list[TokenLogprob]], done: TurnDone) -> dict[str, Any]:
+        """The whole answer; `texts` and `entries` by choice index."""
+        choices = [{"index": end.index, "text": self.echo + text, "finish_reason": end.finish_reason,
+                    "logprobs": logprobs_of(logprobs, len(self.echo)) if self.with_logprobs else None}
+                   for end, text, logprobs in zip(choice_ends(done), texts, entries)]
+        return self.envelope(choices, usage_of(done))
 
     def start(self) -> Iterable[str]:
-        self._offset = len(self.echo)
-        return [data(self.envelope([self._choice(self.echo)]))] if self.echo else []
+        self._offsets.update({i: len(self.echo) for i in range(self.choices)})
+        return [data(self.envelope([self._choice(i, self.echo)])) for i in range(self.choices)] if self.echo else []
 
     def delta(self, delta: TurnDelta) -> Iterable[str]:
-        choice = self._choice(delta.text)
+        choice = self._choice(delta.index, delta.text)
+        offset = self._offsets.get(delta.index, len(self.echo))
         if self.with_logprobs:
-            choice["logprobs"] = logprobs_of(delta.logprobs or (), self._offset)
-        self._offset += len(delta.text)
+            choice["logprobs"] = logprobs_of(delta.logprobs or (), offset)
+        self._offsets[delta.index] = offset + len(delta.text)
         return [data(self.envelope([choice]))]
 
     def end(self, done: TurnDone, include_usage: bool) -> Iterator[str]:
-        yield data(self.envelope([{**self._choice(""), "finish_reason": done.finish_reason}]))
+        for end in choice_ends(done):  # one finish_reason per choice
+            yield data(self.envelope([{**self._choice(end.index, ""), "finish_reason": end.finish_reason}]))
         if include_usage:
             yield data(self.envelope([], usage_of(done)))
         yield SSE_DONE
 
     @staticmethod
-    def _choice(text: str) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
+    def _choice(index: int, text: str) -> dict[str, Any]:
+        return {"index": index, "text": text, "finish_reason": None, "logprobs": None}
 
     def envelope(self, choices: list, usage: dict | None = None) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": int(time.time()), "model": self.model,

@@ -131,9 +131,11 @@ class StartedTurn:
         self._gate.finished(status, self._running)
         await self.run.close()
 
-    async def collect(self) -> tuple[str, list, TurnDone]:
-        """The whole turn: its text, logprobs and TurnDone (the tool calls come whole with it)."""
-        text, logprobs = [], []
+    async def collect(self) -> tuple[list[str], list[list], TurnDone]:
+        """The whole turn: its text and logprobs by choice (n > 1: index i at i) and TurnDone
+        (the tool calls come whole with it)."""
+        texts: dict[int, list[str]] = {}
+        logprobs: dict[int, list] = {}
         async with _Settling(self, 500) as settling:
             async for event in self._observed():
                 if isinstance(event, TurnFailed):
@@ -141,10 +143,11 @@ class StartedTurn:
                     settling.status = error.status
                     raise error
                 if isinstance(event, TurnDelta):
-                    text.append(event.text)
-                    logprobs.extend(event.logprobs or ())
+                    texts.setdefault(event.index, []).append(event.text)
+                    logprobs.setdefault(event.index, []).extend(event.logprobs or ())
             settling.status = 200
-        return "".join(text), logprobs, event
+        choices = range(1 + len(event.others))
+        return ["".join(texts.get(i, ())) for i in choices], [logprobs.get(i, []) for i in choices], event
 
     async def relay(self, stream: EventStream) -> AsyncIterator[str]:
         """The turn's events as `stream` renders them (SSE)."""

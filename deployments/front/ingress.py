@@ -124,12 +124,13 @@ class ChatIngress:
         assert isinstance(turn, StartedTurn)  # no expect_turn: a chat turn follows whatever the head is
         job = turn.run.job
         reply_id = f"chatcmpl-{body.request_id}" if body.request_id else job.request_id
-        form = ChatFormat(reply_id, self.model, conv.id if conv else None, bool(body.logprobs), job.publish_name)
+        form = ChatFormat(reply_id, self.model, conv.id if conv else None, bool(body.logprobs), job.publish_name,
+                          body.n)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(ChatStream(form, include_usage)))
-        text, logprobs, done = await turn.collect()
-        return JSONResponse(form.completion(text, logprobs, done))
+        texts, logprobs, done = await turn.collect()
+        return JSONResponse(form.completion(texts, logprobs, done))
 
     # -- legacy completions -------------------------------------------------------------------
     @api.post("/v1/completions")
@@ -142,12 +143,12 @@ class ChatIngress:
         assert isinstance(turn, StartedTurn)
         reply_id = f"cmpl-{body.request_id}" if body.request_id else turn.run.job.request_id
         form = CompletionFormat(reply_id, self.model, body.logprobs is not None,
-                                body.prompt if body.echo else "")
+                                body.prompt if body.echo else "", body.n)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(CompletionStream(form, include_usage)))
-        text, logprobs, done = await turn.collect()
-        return JSONResponse(form.completion(text, logprobs, done))
+        texts, logprobs, done = await turn.collect()
+        return JSONResponse(form.completion(texts, logprobs, done))
 
     # -- responses --------------------------------------------------------------------------
     @api.post("/v1/responses")
@@ -162,8 +163,8 @@ class ChatIngress:
         form = responses_plan.response_body(body, plan, self.model, turn.head_turn)
         if body.stream:
             return sse_response(turn.relay(ResponseStream(form)))
-        text, _, done = await turn.collect()
-        return JSONResponse(form.done(text, done))
+        texts, _, done = await turn.collect()
+        return JSONResponse(form.done(texts[0], done))
 
     @api.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request,
