@@ -156,7 +156,7 @@ async def test_what_the_backend_does_not_do_is_a_400(stack, vllm_app, conv_id):
     async with stack.http() as http:
         refused = ({"deterministic": True}, {"response_format": {"type": "json_object"}},
                    {"tools": TOOLS, "tool_choice": "required"}, {"guided_regex": "a+"},
-                   {"structured_outputs": {"choice": ["a"]}}, {"priority": 1})
+                   {"structured_outputs": {"choice": ["a"]}}, {"priority": 1}, {"n": 2})
         for extra in refused:
             response = await http.post(f"{PREFIX}/v1/chat/completions", json={
                 "model": vllm_app.model, "messages": [user("hi")], "max_tokens": 4, "conversation_id": conv_id,
