@@ -71,6 +71,7 @@ def test_an_aborted_group_frees_every_choice(tiny):
 def test_an_aborted_group_before_its_prefill_ends(tiny):
     engine = new_engine(next(iter(tiny.values())).path)
     engine.add_request("g", prompt_of(PROMPT_LEN, seed=6), SamplingParams(max_tokens=5, n=3))
+    assert engine.load().waiting_prefill_tokens == PROMPT_LEN  # the router prices the prompt once
     engine.abort("g")
     assert not engine.has_unfinished() and not engine.scheduler.requests
 

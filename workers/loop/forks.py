@@ -11,7 +11,9 @@ logits row (each with its own seed), then forks them from its state:
 
 From there each choice decodes as a request of its own (its own stop checks, grammar, finish).
 A choice that finds no room for its tail block and slot waits in the queue and computes its
-prompt itself, as a preempted request does: the same tokens, only not shared.
+prompt itself, as a preempted request does: the same tokens, only not shared. A fork is not
+held back by max_num_seqs (a group is admitted as one request): the running set may exceed it
+by n - 1 per group; the slots and blocks a fork takes are counted as any request's.
 """
 
 from __future__ import annotations
