@@ -117,3 +117,19 @@ def test_only_choice_0_keeps_its_state(tiny):
     assert [label for label, _ in finals[0].checkpoints] == [0] and request.checkpoint_keys
     assert finals[1].checkpoints == () and finals[2].checkpoints == ()
     assert [key.length for key, _ in engine.caches.heads.index.items()] == [PROMPT_LEN + 2]
+
+
+def test_each_choice_follows_its_own_grammar(tiny):
+    """A constrained request of n choices: each choice has its own matcher; all start from the
+    grammar's first mask (applied to the shared row) and end valid, as single requests do."""
+    engine = new_engine(next(iter(tiny.values())).path)
+    prompt = prompt_of(PROMPT_LEN, seed=9)
+    choices = ["alpha", "beta", "gamma", "delta"]
+    constraint = {"type": "choice", "choices": choices}
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=21, n=4, constraint=constraint)
+    tokens, outputs = run_group(engine, "g", prompt, params)
+    assert {o.index: o.finish_reason.value for o in outputs if o.finished} == {i: "stop" for i in range(4)}
+    assert all(engine.tokenizer.decode(tokens[i]) in choices for i in range(4))
+    for i in range(4):
+        alone = SamplingParams(max_tokens=40, temperature=1.0, seed=21 + i, constraint=constraint)
+        assert single(engine, prompt, alone) == tokens[i], f"choice {i}"
