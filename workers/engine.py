@@ -165,8 +165,8 @@ class LLMEngine:
         # Choices 1..n-1 (workers/loop/forks.py): no head, no reuse, nothing kept: only choice 0's
         # state is committed or checkpointed; they fork from it when its prompt has run.
         request.forks = [
-            Request(choice_id(request_id, i), list(prompt_token_ids), seeded(choice_params(params, i), prompt_token_ids),
-                    choice=i, group_id=request_id)
+            Request(choice_id(request_id, i), list(prompt_token_ids),
+                    seeded(choice_params(params, i), prompt_token_ids), choice=i, group_id=request_id)
             for i in range(1, params.n)
         ]
         for choice in [request, *request.forks]:

@@ -9,8 +9,9 @@
 
 It runs as a stateless chat request does (workers' stream_completion): the longest prefix of its
 prompt held on the replica under its cache_salt is reused, and its end is kept for the next.
-Refused by name (400): more than one prompt, `n` above 16 (`n` replies share one prefill), `best_of` above 1, `suffix`, and `echo` with token ids or with logprobs (the engine computes no
-logprobs of prompt tokens: what lm-eval's log-likelihood tasks need is not served yet).
+`n` replies (up to 16) share one prefill, as in chat. Refused by name (400): more than one prompt,
+`n` above 16, `best_of` above 1, `suffix`, and `echo` with token ids or with logprobs (the engine
+computes no logprobs of prompt tokens: what lm-eval's log-likelihood tasks need is not served yet).
 """
 
 from __future__ import annotations
