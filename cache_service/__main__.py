@@ -33,6 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cache_service", description=__doc__)
     p.add_argument("--redis-url", default=env("REDIS_URL"),
                    help="Redis URL [REDIS_URL]; unset: start an embedded redis-server")
+    p.add_argument("--redis-sentinels", default=env("REDIS_SENTINELS"),
+                   help="Redis under Sentinel instead of --redis-url: host:port,host:port,... of the sentinels "
+                        "[REDIS_SENTINELS]; the primary's password, if any, from [REDIS_PASSWORD]")
+    p.add_argument("--redis-master-name", default=env("REDIS_MASTER_NAME", "hybridserve"),
+                   help="the primary's name in the sentinels' config [REDIS_MASTER_NAME]")
+    p.add_argument("--publish-wait-replicas", type=int, default=int(env("CACHE_PUBLISH_WAIT_REPLICAS", "0")),
+                   help="answer a ledger write OK only once this many Redis replicas have it (WAIT), else "
+                        "UNAVAILABLE; 0 = once the primary has it [CACHE_PUBLISH_WAIT_REPLICAS]")
+    p.add_argument("--publish-wait-timeout-ms", type=int,
+                   default=int(env("CACHE_PUBLISH_WAIT_TIMEOUT_MS", "1000")),
+                   help="how long a ledger write waits for its replicas [CACHE_PUBLISH_WAIT_TIMEOUT_MS]")
     p.add_argument("--host", default=env("CACHE_SERVICE_HOST", "127.0.0.1"), help="[CACHE_SERVICE_HOST]")
     p.add_argument("--port", type=int, default=int(env("CACHE_SERVICE_PORT", "50051")),
                    help="0 = any free port [CACHE_SERVICE_PORT]")
@@ -91,7 +102,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                              "in it (or leave the flag out to run without authentication)")
     return ServerConfig(
         tier=TierConfig(directory=Path(tier_dir), memory_budget_bytes=args.tier_budget),
-        redis_url=args.redis_url or None, data_dir=args.data_dir, host=args.host,
+        redis_url=args.redis_url or None,
+        redis_sentinels=tuple(a.strip() for a in (args.redis_sentinels or "").split(",") if a.strip()),
+        redis_master_name=args.redis_master_name, redis_password=os.environ.get("REDIS_PASSWORD") or None,
+        publish_wait_replicas=args.publish_wait_replicas, publish_wait_timeout_ms=args.publish_wait_timeout_ms,
+        data_dir=args.data_dir, host=args.host,
         port=args.port, fsync=FsyncPolicy(args.appendfsync), grace_s=args.grace_s,
         limits=Limits(max_lease_ttl_ms=args.max_lease_ttl_ms, ledger_page_bytes=args.ledger_page_bytes),
         puts=PutLimits(max_staged_bytes=args.max_staged_bytes, idle_timeout_s=args.put_idle_timeout_s),

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cache_service.redis_connect import SentinelTarget
+
 
 class EventLoop(enum.Enum):
     """The service's event loop. uvloop halves the loop's own cost per RPC (Redis
@@ -88,7 +90,16 @@ class PutLimits:
 @dataclass(frozen=True)
 class ServerConfig:
     tier: TierConfig
-    redis_url: str | None = None       # None: start an embedded redis-server
+    redis_url: str | None = None       # None (and no sentinels): start an embedded redis-server
+    # Redis under Sentinel instead of one URL: each sentinel's "host:port" and the name of the
+    # primary they watch; the service follows a failover to the promoted replica.
+    redis_sentinels: tuple[str, ...] = ()
+    redis_master_name: str = "hybridserve"
+    redis_password: str | None = field(default=None, repr=False)  # the primary's, under Sentinel
+    # A ledger write (publish, acquire, ...) is answered OK only once this many replicas
+    # acknowledged it (Redis WAIT), else UNAVAILABLE; 0: once the primary has it.
+    publish_wait_replicas: int = 0
+    publish_wait_timeout_ms: int = 1000
     data_dir: Path = Path("data/cache_service")
     host: str = "127.0.0.1"
     port: int = 50051                  # 0: any free port (announced in the "serving" log line)
@@ -128,6 +139,12 @@ class ServerConfig:
             raise ValueError("fence_retention_ms must be at least limits.max_lease_ttl_ms")
         if 0 < self.conversation_ttl_ms < self.limits.min_ttl_ms:
             raise ValueError("conversation_ttl_s is under the shortest TTL (10 ms)")
+        if self.redis_url is not None and self.redis_sentinels:
+            raise ValueError("give either a Redis URL or sentinels, not both")
+        if self.redis_sentinels:
+            SentinelTarget(self.redis_sentinels, self.redis_master_name)  # refuses a malformed address
+        if self.publish_wait_replicas < 0 or self.publish_wait_timeout_ms <= 0:
+            raise ValueError("need publish_wait_replicas >= 0 and publish_wait_timeout_ms > 0")
         if self.auth_token is not None and len(self.auth_token) < 16:
             raise ValueError("auth_token must be at least 16 characters")
 

@@ -124,7 +124,13 @@ local fence = ARGV[2] .. ':' .. ARGV[1]
 if head[3] == ARGV[10] and version == tonumber(ARGV[3]) + 1 then
   -- a retry whose first reply was lost: answered only if it is the same request from
   -- the same lease; anything else reusing the publish_id is a conflict
-  if head[4] == ARGV[12] and head[5] == fence then return {'OK', head_reply(KEYS[1])} end
+  if head[4] == ARGV[12] and head[5] == fence then
+    -- refreshed as the first attempt did. PEXPIRE always replicates (PERSIST of a key without a
+    -- TTL would not), so a WAIT after this retry also covers the first attempt's write.
+    redis.call('PEXPIRE', KEYS[1], 86400000)
+    keep(ARGV[14], KEYS[1], KEYS[3], KEYS[4])
+    return {'OK', head_reply(KEYS[1])}
+  end
   return {'VERSION_CONFLICT', tostring(version)}
 end
 local err = lease_check(KEYS[2], ARGV[1], ARGV[2])

@@ -23,6 +23,8 @@ from cache_service.config import ServerConfig
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from cache_service.leases import LeaseSigner
 from cache_service.logs import fields
+from cache_service.redis_connect import SentinelTarget, connect
+from cache_service.replica_wait import ReplicaWait
 from cache_service.servicer import CacheServicer
 from cache_service.store import MetadataStore
 from cache_service.tier import StateTier
@@ -49,15 +51,18 @@ class CacheServer:
 
     async def start(self) -> int:
         cfg = self.config
-        url = cfg.redis_url
-        if url is None:
+        target: str | SentinelTarget | None = cfg.redis_url
+        if cfg.redis_sentinels:
+            target = SentinelTarget(cfg.redis_sentinels, cfg.redis_master_name, cfg.redis_password)
+        if target is None:
             self.embedded = EmbeddedRedis(EmbeddedRedisConfig(
                 data_dir=Path(cfg.data_dir) / "redis", fsync=cfg.fsync, maxmemory_bytes=cfg.redis_maxmemory_bytes))
             # Started from this (main) thread on purpose: the child's parent-death
             # signal is tied to the thread that forked it.
             self.embedded.start()
-            url = self.embedded.url
-        self._store = MetadataStore(url, cfg.redis_timeout_s, cfg.conversation_ttl_ms)
+            target = self.embedded.url
+        self._store = MetadataStore(connect(target, cfg.redis_timeout_s), cfg.conversation_ttl_ms,
+                                    ReplicaWait(cfg.publish_wait_replicas, cfg.publish_wait_timeout_ms))
         await self._store.ping()  # fail at start, not at the first request
         await self._check_eviction_policy()
         signer = LeaseSigner(await self._store.lease_key())
@@ -81,7 +86,8 @@ class CacheServer:
         await self._set_serving(True)
         self._supervisor = asyncio.create_task(self._supervise(), name="redis-supervisor")
         self._sweeper = asyncio.create_task(self._sweep_tier(), name="tier-sweeper")
-        log.info("serving", extra=fields(host=cfg.host, port=self.port, redis=_redact(url),
+        log.info("serving", extra=fields(host=cfg.host, port=self.port, redis=_redact(str(target)),
+                                         wait_replicas=cfg.publish_wait_replicas,
                                          embedded_redis=self.embedded is not None,
                                          tier_dir=str(cfg.tier.directory),
                                          tier_budget_bytes=cfg.tier.memory_budget_bytes,

@@ -11,14 +11,11 @@ import secrets
 import time
 
 import redis.asyncio as aioredis
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from cache_service import errors, leases, scripts
 from cache_service.keys import LEASE_KEY, ConversationKeys, PrefixKeys
 from cache_service.leases import Fence
+from cache_service.replica_wait import ReplicaWait, run_waited
 from proto import cache_pb2 as pb
 
 _LEASE_ERRORS = {
@@ -70,17 +67,14 @@ def _raise_status(reply: list, what: str) -> None:
 
 
 class MetadataStore:
-    """`conversation_ttl_ms`: a conversation's keys expire this long after its last turn (0: never)."""
+    """`redis`: a client from redis_connect.connect. `conversation_ttl_ms`: a conversation's keys
+    expire this long after its last turn (0: never). `wait`: the replicas that must acknowledge
+    a ledger write before it is answered OK (replica_wait.py)."""
 
-    def __init__(self, url: str, timeout_s: float, conversation_ttl_ms: int = 0):
+    def __init__(self, redis: aioredis.Redis, conversation_ttl_ms: int = 0, wait: ReplicaWait = ReplicaWait()):
         self._conversation_ttl_ms = conversation_ttl_ms
-        # Few, fast retries: the service answers UNAVAILABLE soon and lets the client
-        # back off; a long stall here would only eat the caller's deadline.
-        self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.01), 2),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            max_connections=256)
+        self._wait = wait
+        self._redis = redis
         r = self._redis
         self._acquire = r.register_script(scripts.ACQUIRE)
         self._renew = r.register_script(scripts.RENEW)
@@ -96,6 +90,13 @@ class MetadataStore:
         self._announce_prefixes = r.register_script(scripts.ANNOUNCE_PREFIXES)
         self._forget_prefixes = r.register_script(scripts.FORGET_PREFIXES)
         self._find_prefix = r.register_script(scripts.FIND_PREFIX)
+
+    async def _ledger_write(self, script, keys: list, args: list, what: str):
+        """A write that must survive a failover once answered: the ledger and head (publish,
+        rewind, fork, transfer, delete) and the fence counter (acquire: a token handed out
+        twice would let a stale holder's proof pass). Leases' TTLs, releases, discards and
+        tier marks are not waited for: losing one only ends a lease early or costs a recompute."""
+        return await run_waited(self._redis, script, keys, args, self._wait, what)
 
     async def ping(self) -> None:
         await self._redis.ping()
@@ -124,9 +125,9 @@ class MetadataStore:
                       fence_ttl_ms: int) -> tuple[int, str, int, pb.Head | None]:
         """(token, incarnation, expires_at_ms, head or None); LeaseHeld if busy."""
         start = now_ms()
-        reply = await self._acquire(keys=[keys.lease, keys.fence, keys.head, keys.ledger, keys.marks],
-                                    args=[holder, ttl_ms, attempt, leases.new_incarnation(),
-                                          fence_ttl_ms, self._kept_ms(ttl_ms)])
+        reply = await self._ledger_write(self._acquire, [keys.lease, keys.fence, keys.head, keys.ledger, keys.marks],
+                                         [holder, ttl_ms, attempt, leases.new_incarnation(), fence_ttl_ms,
+                                          self._kept_ms(ttl_ms)], "acquire")
         if reply[0] == b"LEASE_HELD":
             raise errors.LeaseHeld("conversation is busy: another turn holds its lease",
                                    expires_in_ms=_i(reply[1]))
@@ -159,12 +160,12 @@ class MetadataStore:
         entry = pb.LedgerTurn(messages=req.turn.messages, token_ids=req.turn.token_ids,
                               publish_id=req.publish_id, committed_at_ms=now_ms(),
                               result=req.turn.result)
-        reply = await self._publish(
-            keys=[keys.head, keys.lease, keys.ledger, keys.marks],
-            args=[fence.token, fence.incarnation, req.expected_version, entry.SerializeToString(),
-                  req.committed_tokens, req.tokens_sha256, req.owner_replica,
-                  entry.committed_at_ms, int(req.release_lease), req.publish_id,
-                  len(req.turn.token_ids), digest, leases.new_incarnation(), self._kept_ms()])
+        reply = await self._ledger_write(
+            self._publish, [keys.head, keys.lease, keys.ledger, keys.marks],
+            [fence.token, fence.incarnation, req.expected_version, entry.SerializeToString(),
+             req.committed_tokens, req.tokens_sha256, req.owner_replica,
+             entry.committed_at_ms, int(req.release_lease), req.publish_id,
+             len(req.turn.token_ids), digest, leases.new_incarnation(), self._kept_ms()], "publish")
         _raise_status(reply, "publish")
         return head_from_fields(reply[1])
 
@@ -175,26 +176,26 @@ class MetadataStore:
 
     async def transfer(self, keys: ConversationKeys, fence: Fence, expected_version: int,
                        new_owner: str) -> pb.Head:
-        reply = await self._transfer(keys=[keys.head, keys.lease],
-                                     args=[fence.token, fence.incarnation, expected_version,
-                                           new_owner, now_ms()])
+        reply = await self._ledger_write(self._transfer, [keys.head, keys.lease],
+                                         [fence.token, fence.incarnation, expected_version, new_owner, now_ms()],
+                                         "transfer")
         _raise_status(reply, "transfer")
         return head_from_fields(reply[1])
 
     async def rewind(self, keys: ConversationKeys, fence: Fence, expected_version: int,
                      turn: int, owner: str) -> pb.Head:
-        reply = await self._rewind(keys=[keys.head, keys.lease, keys.ledger, keys.marks],
-                                   args=[fence.token, fence.incarnation, expected_version, turn,
-                                         owner, now_ms(), scripts.EMPTY_TOKENS_SHA256, self._kept_ms()])
+        reply = await self._ledger_write(self._rewind, [keys.head, keys.lease, keys.ledger, keys.marks],
+                                         [fence.token, fence.incarnation, expected_version, turn, owner, now_ms(),
+                                          scripts.EMPTY_TOKENS_SHA256, self._kept_ms()], "rewind")
         _raise_status(reply, "rewind")
         return head_from_fields(reply[1])
 
     async def fork(self, source: ConversationKeys, target: ConversationKeys, turn: int,
                    expected_version: int) -> pb.Head:
-        reply = await self._fork(
-            keys=[source.head, source.ledger, source.marks, target.head, target.ledger, target.marks],
-            args=[turn, expected_version, now_ms(), leases.new_incarnation(), scripts.EMPTY_TOKENS_SHA256,
-                  self._kept_ms()])
+        reply = await self._ledger_write(
+            self._fork, [source.head, source.ledger, source.marks, target.head, target.ledger, target.marks],
+            [turn, expected_version, now_ms(), leases.new_incarnation(), scripts.EMPTY_TOKENS_SHA256,
+             self._kept_ms()], "fork")
         _raise_status(reply, "fork")
         return head_from_fields(reply[1])
 
@@ -230,7 +231,8 @@ class MetadataStore:
     async def delete(self, keys: ConversationKeys) -> bool:
         # The fence goes too: a re-created conversation starts a new incarnation, so
         # no proof of an old holder matches any later lease.
-        return await self._delete(keys=[keys.fence, keys.head, keys.lease, keys.ledger, keys.marks]) > 0
+        return await self._ledger_write(self._delete, [keys.fence, keys.head, keys.lease, keys.ledger, keys.marks],
+                                        [], "delete") > 0
 
     # -- the prefix index ---------------------------------------------------------------
 

@@ -136,6 +136,19 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's logprob (the request's `prompt_logprobs`, or completions' `echo` with
+    `logprobs`): None for the prompt's first token, which nothing precedes; its rank (1: the
+    likeliest) and the top k as (token id, text, logprob), likeliest first."""
+
+    token: str
+    token_id: int
+    logprob: float | None
+    rank: int | None = None
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class ToolCall:
     """A tool call of the reply, parsed out of its text."""
 
@@ -161,6 +174,9 @@ class TurnDelta:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    # An entry per prompt token, once, before the reply's first token (when the request asked);
+    # n > 1: on choice 0 only (the prompt is every choice's)
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
     index: int = 0  # the choice (n > 1) it belongs to
 
 

@@ -33,7 +33,7 @@ from workers.deterministic.verifier import Verifier
 from workers.grammar.compiler import GrammarCompiler
 from workers.grammar.guide import TokenGuide
 from workers.identity import model_identity
-from workers.loop.admission import check_prompt, check_request_id, keyed_marks, seeded
+from workers.loop.admission import check_prompt, check_prompt_logprobs, check_request_id, keyed_marks, seeded
 from workers.loop.fast_step import FastStep
 from workers.load import EngineLoad
 from workers.loop.finishing import Finisher
@@ -41,6 +41,7 @@ from workers.loop.forks import choice_id, choice_params
 from workers.loop.outputs import RequestOutput
 from workers.loop.verify_step import VerifyStep
 from workers.model.loader import load_model
+from workers.prompt_logprobs import PromptLogprobs
 from workers.request import CheckpointMark, FinishReason, HeadAttachment, KeepState, Request
 from workers.runner import ModelRunner
 from workers.sampling import SampledToken, SamplingParams, check_logit_bias
@@ -144,6 +145,7 @@ class LLMEngine:
                                self._mask_threads)
         if params.deterministic and head is not None and head.canonical_window != self.config.deterministic.window:
             head = None  # the fast path made that state: recompute the whole prompt in tiles (a miss)
+        check_prompt_logprobs(params, head)
         reuse = prefix_scope is not None and not params.deterministic and self.caches.heads.checkpoint_budget_bytes > 0
         if keep is KeepState.CHECKPOINT and not reuse:
             keep = KeepState.FREE
@@ -157,13 +159,17 @@ class LLMEngine:
             prefill_only=prefill_only,
             # a prepared turn's head is named (found by requests that do reuse) even with reuse off
             prefix_scope=prefix_scope if reuse or keep is KeepState.PREPARE else None,
-            prefix_lookup=reuse,
+            # prompt logprobs need every prompt row run here: no cached prefix (it still checkpoints)
+            prefix_lookup=reuse and params.prompt_logprobs is None,
             marks=keyed_marks(prefix_scope, prompt_token_ids, marks) if reuse else (),
             final_label=final_label,
         )
         request.guide = guide
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = PromptLogprobs(request.prompt_token_ids, params.prompt_logprobs)
         # Choices 1..n-1 (workers/loop/forks.py): no head, no reuse, nothing kept: only choice 0's
-        # state is committed or checkpointed; they fork from it when its prompt has run.
+        # state is committed or checkpointed; they fork from it when its prompt has run. Nor prompt
+        # logprobs: the prompt is the group's, and choice 0 carries them.
         request.forks = [
             Request(choice_id(request_id, i), list(prompt_token_ids),
                     seeded(choice_params(params, i), prompt_token_ids), choice=i, group_id=request_id)

@@ -136,6 +136,9 @@ class Request:
     choice: int = 0
     group_id: str = ""
     forks: list[Request] = field(default_factory=list)
+    # params.prompt_logprobs set: a PromptLogprobs (workers/prompt_logprobs.py) the prefill fills;
+    # on choice 0 only (the prompt is the group's: its forks start after it)
+    prompt_logprobs: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -19,6 +19,7 @@ from workers.kernels.linear_plan import LinearPlan, int8_plan
 from workers.kernels.linear_tuning import tune_linears
 from workers.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSegment
 from workers.model.hybrid_lm import HybridLM
+from workers.prompt_logprobs import record_prompt_logprobs
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 
 
@@ -122,10 +123,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
-        """Run the step; returns logits [number of sampling chunks, vocab] in chunk order."""
+        """Run the step; returns logits [number of sampling chunks, vocab] in chunk order (the
+        prompt logprobs a request asked for are written into it: workers/prompt_logprobs.py)."""
         self.apply_copies(step.copies)
         batch, sample_rows = self.build_batch(step.chunks)
         hidden = self.model(batch, self.caches)
+        record_prompt_logprobs(self.model, hidden, step.chunks)
         return self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
 
     def build_batch(self, chunks: list[ScheduledChunk]) -> tuple[ForwardBatch, torch.Tensor | None]:

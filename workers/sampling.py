@@ -38,6 +38,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
+    # vLLM's: None, or k >= 0: each prompt token's logprob (but the first's), its rank and the top k
+    # (workers/prompt_logprobs.py; what `echo` with `logprobs` on completions needs)
+    prompt_logprobs: int | None = None
     # Bit-identical output whatever else is batched (decode-verify-rollback; see DETERMINISM).
     deterministic: bool = False
     # The grammar the reply must follow (workers/grammar): a Constraint, or its wire dict.
@@ -68,7 +71,7 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         problems = []
-        for name in ("max_tokens", "top_k", "logprobs", "seed", "min_tokens", "priority", "n"):
+        for name in ("max_tokens", "top_k", "logprobs", "prompt_logprobs", "seed", "min_tokens", "priority", "n"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 problems.append(f"{name} must be an integer, got {value!r}")
@@ -95,8 +98,10 @@ class SamplingParams:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 disables), got {self.top_k!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                problems.append(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 problems.append(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)!r}")

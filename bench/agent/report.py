@@ -32,6 +32,11 @@ def step_table(res: dict) -> list[str]:
                 format_number(r["output_tokens_per_s"]), f"{r['wall_s']:.1f}", str(len(r["errors"]))]
                for s in present for r in [res["sides"][s]]]
     lines += [markdown_table(["side", "steps done", "hit ratio", "output tok/s", "wall s", "errors"], summary)]
+    routed = [(s, r["route_decisions"]) for s in present for r in [res["sides"][s]] if "route_decisions" in r]
+    if routed:
+        lines += ["", "Why each request went where it went (`hybridserve_route_decisions_total{reason}` over the side):", ""]
+        lines += [f"- {res['labels'][s]}: " + (", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none")
+                  for s, d in routed]
     for s, r in res["sides"].items():
         if r.get("startup_error"):
             lines.append(f"- {res['labels'][s]}: did not start: `{r['startup_error'][-300:]}`")

@@ -7,6 +7,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
+
 from bench import agent as benchmark
 from bench.agent import decode as agent_decode
 from bench.agent.workload import (
@@ -76,8 +78,23 @@ class Workload:
 def run_side(base_url: str, work: Workload, side: Side, plan: Plan, replay: dict | None = None) -> dict:
     loops = [AgentLoop(i, s, side, work.tools, side.value, replay, work.renderer) for i, s in enumerate(work.scripts)]
     load = load_average()
+    ours = side in OUR_SIDES
+    before = route_decisions(base_url) if ours else {}
     res = asyncio.run(run_loops(base_url, loops, plan.steps, plan.request_timeout_s, plan.side_budget_s))
-    return summarize(res) | {"load_average_before": load, "load_average_after": load_average()}
+    out = summarize(res) | {"load_average_before": load, "load_average_after": load_average()}
+    if ours:  # why each of the side's requests went where it went (the router's counter, this side's share)
+        after = route_decisions(base_url)
+        out["route_decisions"] = {r: after[r] - before.get(r, 0) for r in after if after[r] - before.get(r, 0)}
+    return out
+
+
+def route_decisions(base_url: str) -> dict[str, int]:
+    """`hybridserve_route_decisions_total` by reason, read from the app's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return {s.labels["reason"]: int(s.value) for family in text_string_to_metric_families(text)
+            if family.name == "hybridserve_route_decisions" for s in family.samples if s.name.endswith("_total")}
 
 
 def measure_app(plan: Plan, model_dir: Path, work: Workload, tmp: Path, loops: bool = True) -> dict:

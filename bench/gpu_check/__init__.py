@@ -6,6 +6,7 @@ On the device it finds (CUDA if present; else the CPU, as a smoke), it checks an
                      Nemotron-H (bench presets) and the Granite / Nemotron MoE presets;
                      fp32 <= 1e-4, bf16 <= 1.5 x transformers' own bf16 error
     conversation.py  a conversation turn continued from its cached head == full recompute (fp32)
+    prompt_logprobs.py  prompt logprobs (echo, lm-eval) == transformers' log_softmax, chunked prefill (fp32)
     determinism.py   deterministic requests bit-identical alone and under concurrent load (bf16)
     throughput.py    prefill / decode tokens/s vs transformers `generate` at c = 1, 8, 32 in bf16
                      on the bench preset scaled up to 0.91B parameters (plan.SPEED_SHAPE)
@@ -18,7 +19,7 @@ JSON, and the others still run.
 
 On the GPU machine (torch 2.11 + CUDA 13, transformers 5.17, no network), from the repo root:
 
-    python3 -m bench.gpu_check            # ~4-6 minutes on one H100 (model writing ~1 of them)
+    python3 -m bench.gpu_check            # 154 s on one H200 (2026-11-27), model writing included
 
 Carry transformers 5.23 (our pin): with the image's transformers 5.17 the Bamba and Granite 4.0-H
 logit checks fail on the CPU as well (fp32 max error 2.2-2.6 against ours; Nemotron-H and its MoE

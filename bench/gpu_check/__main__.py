@@ -15,7 +15,7 @@ import torch
 
 from bench.kit.environment import environment_info
 from bench.kit.results import RESULTS_DIR, write_results
-from bench.gpu_check import conversation, determinism, logits, throughput
+from bench.gpu_check import conversation, determinism, logits, prompt_logprobs, throughput
 from bench.gpu_check.plan import FULL, LOGIT_MODELS, SMOKE, SPEED_ARCH, SPEED_SHAPE, Models, exact_fp32
 from bench.gpu_check.plan import parameter_count, pick_device, write_speed_model
 from bench.gpu_check.report import markdown, summary
@@ -64,6 +64,8 @@ def run(device: torch.device, smoke: bool, work: Path) -> dict:
         n, models.path(n), plan.logit_prompt, device), model=name) for name, _, _ in LOGIT_MODELS]  # fmt: skip
     results["conversation"] = _guarded(
         "conversation", lambda: conversation.check(models.path("granite"), device, plan.turns, plan.reply_tokens))
+    results["prompt_logprobs"] = _guarded("prompt logprobs", lambda: prompt_logprobs.check(
+        models.path("granite"), device, plan.logit_prompt, plan.logit_prompt // 3))
     results["determinism"] = [_guarded(f"deterministic {name}", lambda n=name: determinism.check(
         n, models.path(n), device, plan.det_requests, plan.det_load, plan.det_tokens), model=name) for name in DET_MODELS]
     def speed() -> dict:

@@ -12,6 +12,8 @@ def _g(value: float | None) -> str:
 def verdicts(results: dict) -> dict[str, bool]:
     out = {f"logits {r['model']}": r["passed"] for r in results["logits"]}
     out["conversation turn == recompute"] = results["conversation"]["passed"]
+    if "prompt_logprobs" in results:  # runs before it existed have none
+        out["prompt logprobs == transformers"] = results["prompt_logprobs"]["passed"]
     out.update({f"deterministic {r['model']}": r["passed"] for r in results["determinism"]})
     return out
 
@@ -44,6 +46,7 @@ def markdown(results: dict) -> str:
             results["conversation"]["prompt_tokens"], results["conversation"]["cached_tokens"],
             results["conversation"]["reply_tokens"], results["conversation"]["tokens_equal"],
             _g(results["conversation"]["max_logprob_diff"])]]),  # fmt: skip
+        *_prompt_logprobs(results.get("prompt_logprobs")),
         "## Deterministic requests alone vs under load (bf16)",
         "",
         markdown_table(["model", "requests", "beside", "tokens each", "bit-identical"], [
@@ -68,6 +71,14 @@ def markdown(results: dict) -> str:
                 for c, v in speed["ours_over_transformers"].items()]),  # fmt: skip
         ]
     return "\n".join(lines)
+
+
+def _prompt_logprobs(r: dict | None) -> list[str]:
+    if not r or "max_error" not in r:
+        return []
+    return ["## Prompt logprobs vs transformers' log_softmax (fp32)", "",
+            markdown_table(["prompt", "prefill chunk", "tokens right", "max error", "bound"],
+                           [[r["prompt_tokens"], r["chunk"], r["tokens_right"], _g(r["max_error"]), _g(r["bound"])]])]
 
 
 def summary(results: dict) -> str:

@@ -20,7 +20,8 @@ from typing import Any
 from deployments.errors import APIError
 from deployments.front.extensions import served_by
 from deployments.front.responses_format import ResponseId
-from deployments.messages import ChoiceEnd, TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
+from deployments.front.prompt_logprobs import vllm_prompt_logprobs
+from deployments.messages import ChoiceEnd, PromptLogprob, TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -71,9 +72,12 @@ class ChatFormat:
     with_logprobs: bool
     publish_id: str = ""
     choices: int = 1  # n
+    prompt_logprobs: int | None = None  # vLLM's field's k: the answer's top-level `prompt_logprobs`
 
-    def completion(self, texts: list[str], entries: list[list[TokenLogprob]], done: TurnDone) -> dict[str, Any]:
-        """The whole answer; `texts` and `entries` by choice index."""
+    def completion(self, texts: list[str], entries: list[list[TokenLogprob]], done: TurnDone,
+                   prompt: tuple[PromptLogprob, ...] | None = None) -> dict[str, Any]:
+        """The whole answer; `texts` and `entries` by choice index (the prompt's logprobs are
+        every choice's: once, at the top level)."""
         choices = []
         for end, text, logprobs in zip(choice_ends(done), texts, entries):
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -82,7 +86,10 @@ class ChatFormat:
                 message["tool_calls"] = [tool_call(call) for call in end.tool_calls]
             choices.append({"index": end.index, "message": message, "finish_reason": end.finish_reason,
                             "logprobs": logprobs_of(logprobs) if self.with_logprobs else None})
-        return self.envelope("chat.completion", choices, usage=usage_of(done), done=done, last=True)
+        body = self.envelope("chat.completion", choices, usage=usage_of(done), done=done, last=True)
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(prompt or (), self.prompt_logprobs)
+        return body
 
     def sse_start(self) -> Iterator[str]:
         for index in range(self.choices):

@@ -269,6 +269,7 @@ class ChatCompletionRequest(StructuredOutputFields):
                                                                 "a conversation commits)")
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # vLLM's: the prompt's, top level (not streamed)
     # Accepted and ignored: nothing here depends on them.
     user: Text | None = Field(None, max_length=MAX_ID)
     safety_identifier: Text | None = Field(None, max_length=MAX_ID)
@@ -336,6 +337,8 @@ class ChatCompletionRequest(StructuredOutputFields):
         check_min_tokens(self.min_tokens, self.max_completion_tokens or self.max_tokens)
         check_choices(self.n, self.deterministic)
         self.template_options()  # refuses what cannot render
+        if self.prompt_logprobs is not None and (self.stream or self.conversation_id is not None):
+            raise field_error("prompt_logprobs", "prompt_logprobs is not available when streaming or on a conversation")
         choice = self.tool_choice
         formatted = self.response_format is not None and self.response_format.type != "text"
         check_tool_choice([t.function.name for t in self.tools or ()], choice,
@@ -382,6 +385,7 @@ class ChatCompletionRequest(StructuredOutputFields):
             "seed": self.seed,
             "stop": tuple(s for s in stop if s),
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            "prompt_logprobs": self.prompt_logprobs,
             "deterministic": self.deterministic,
             "n": self.n,
             "constraint": self.constraint(),

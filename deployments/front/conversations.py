@@ -17,6 +17,7 @@ from deployments.errors import APIError
 from deployments.front import responses_plan
 from deployments.messages import HeadRef, ReplicaCall
 from deployments.settings import AppSettings
+from deployments.turn import outcome
 from proto.contract import ConversationRef
 
 log = logging.getLogger("hybridserve.ingress")
@@ -57,11 +58,22 @@ async def describe(cache: CacheClient, conv: ConversationRef) -> dict[str, Any]:
 
 
 async def items(cache: CacheClient, conv: ConversationRef, order: str) -> dict[str, Any]:
-    """The ledger's messages (each turn's new messages, then its reply) as message items."""
+    """Each turn's new messages, then its reply as its client was sent it (`told`)."""
     ledger = await _ledger(cache, conv)
     if not ledger.head.version:
         raise _unknown(conv.id)
-    return responses_plan.item_list([m for t in ledger.turns for m in t.messages], conv.key, order)
+    return responses_plan.item_list([entry for t in ledger.turns for entry in told(t)], conv.key, order)
+
+
+def told(turn: pb.LedgerTurn) -> list:
+    """A turn as its client saw it: the messages it sent, then the reply as it was sent (the
+    content cut at a stop string, special tokens skipped, tool calls apart, `outcome.sent_reply`)
+    and the reply's tool calls. The ledger's own last message is the model's side of the reply,
+    which the next prompt re-renders and no client was shown."""
+    if not turn.messages or turn.messages[-1].role != "assistant":  # no reply recorded
+        return list(turn.messages)
+    content, calls = outcome.sent_reply(turn)
+    return [*turn.messages[:-1], pb.Message(role="assistant", content=content), *calls]
 
 
 class Forgetting:

@@ -125,30 +125,39 @@ class ChatIngress:
         job = turn.run.job
         reply_id = f"chatcmpl-{body.request_id}" if body.request_id else job.request_id
         form = ChatFormat(reply_id, self.model, conv.id if conv else None, bool(body.logprobs), job.publish_name,
-                          body.n)
+                          body.n, body.prompt_logprobs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(ChatStream(form, include_usage)))
-        texts, logprobs, done = await turn.collect()
-        return JSONResponse(form.completion(texts, logprobs, done))
+        texts, logprobs, prompt, done = await turn.collect()
+        return JSONResponse(form.completion(texts, logprobs, done, prompt))
 
     # -- legacy completions -------------------------------------------------------------------
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrived = time.monotonic()
         self._check_model(body.model)
+        echo = await self._echo_text(body)  # before the turn: a refusal leaves nothing running
         turn = await self.inflight.start(lambda: TurnRequest(
             [], body.sampling(self.settings.max_output_tokens), self._scope(request, body.cache_salt),
             request_id=f"cmpl-{uuid.uuid4().hex}", prompt=body.engine_prompt()), arrived)
         assert isinstance(turn, StartedTurn)
         reply_id = f"cmpl-{body.request_id}" if body.request_id else turn.run.job.request_id
-        form = CompletionFormat(reply_id, self.model, body.logprobs is not None,
-                                body.prompt if body.echo else "", body.n)
+        form = CompletionFormat.of(body, reply_id, self.model, echo)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(CompletionStream(form, include_usage)))
-        texts, logprobs, done = await turn.collect()
-        return JSONResponse(form.completion(texts, logprobs, done))
+        texts, logprobs, prompt, done = await turn.collect()
+        return JSONResponse(form.completion(texts, logprobs, prompt, done))
+
+    async def _echo_text(self, body: CompletionRequest) -> str:
+        """The prompt the answer echoes: its text, or the text of its token ids."""
+        if not body.echo or isinstance(body.prompt, str):
+            return body.prompt if body.echo else ""
+        text, error = await self.workers.detokenize.remote(list(body.prompt))
+        if error:
+            raise APIError(400, error, "invalid_request", param="prompt")
+        return text
 
     # -- responses --------------------------------------------------------------------------
     @api.post("/v1/responses")
@@ -163,7 +172,7 @@ class ChatIngress:
         form = responses_plan.response_body(body, plan, self.model, turn.head_turn)
         if body.stream:
             return sse_response(turn.relay(ResponseStream(form)))
-        texts, _, done = await turn.collect()
+        texts, _, _, done = await turn.collect()
         return JSONResponse(form.done(texts[0], done))
 
     @api.get("/v1/responses/{response_id}")

@@ -48,7 +48,7 @@ from cache_service.client import AlreadyExists, CacheClient, CacheError, Invalid
 from deployments import errors
 from deployments.turn import outcome
 from deployments.errors import APIError
-from deployments.messages import HeadRef, TurnDelta
+from deployments.messages import HeadRef, ToolCall, TurnDelta
 from deployments.front.responses_format import PUBLISH_PREFIXES, ResponseBody, ResponseId, not_found
 from deployments.front.responses_models import ResponsesRequest, engine_messages
 from deployments.turn.outcome import IdempotencyKey
@@ -269,14 +269,22 @@ async def input_items(cache: CacheClient, scope: str, response_id: str, order: s
     return item_list(messages, rid.publish_id, order)
 
 
-def item_list(messages, key: str, order: str) -> dict[str, Any]:
-    items = [{"id": f"msg_{key[-16:]}_{i}", "type": "message", "role": m.role, "status": "completed",
-              "content": [{"type": "output_text" if m.role == "assistant" else "input_text", "text": m.content}]}
-             for i, m in enumerate(messages)]
+def item_list(entries, key: str, order: str) -> dict[str, Any]:
+    """Conversation items: each entry a message (pb.Message) or a tool call the reply made (ToolCall)."""
+    items = [_item(entry, f"msg_{key[-16:]}_{i}") for i, entry in enumerate(entries)]
     if order == "desc":
         items.reverse()
     return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
             "last_id": items[-1]["id"] if items else None, "has_more": False}
+
+
+def _item(entry, item_id: str) -> dict[str, Any]:
+    if isinstance(entry, ToolCall):
+        return {"id": item_id, "type": "function_call", "call_id": entry.id, "name": entry.name,
+                "arguments": entry.arguments, "status": "completed"}
+    kind = "output_text" if entry.role == "assistant" else "input_text"
+    return {"id": item_id, "type": "message", "role": entry.role, "status": "completed",
+            "content": [{"type": kind, "text": entry.content}]}
 
 
 async def delete(cache: CacheClient, scope: str, response_id: str, lease_ttl_ms: int) -> HeadRef | None:

@@ -25,7 +25,7 @@ log = logging.getLogger("hybridserve.ingress")
 # stay listed here for the legacy completions, which have no template.
 NOT_SERVED: dict[str, Any] = {
     "length_penalty": 1.0, "use_beam_search": False,
-    "truncate_prompt_tokens": None, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [],
+    "truncate_prompt_tokens": None, "allowed_token_ids": None, "bad_words": [],
     "add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {},
     "add_special_tokens": False, "documents": None, "chat_template": None, "mm_processor_kwargs": None,
     "logits_processors": None, "return_tokens_as_token_ids": None, "return_token_ids": None,

@@ -44,7 +44,6 @@ from deployments.messages import (
     HeadRef,
     Recovery,
     ReplicaCall,
-    TokenLogprob,
     TurnDelta,
     TurnDone,
     TurnEvent,
@@ -53,6 +52,7 @@ from deployments.messages import (
     prompt_as_messages,
 )
 from deployments.worker.choices import OtherChoice
+from deployments.worker.logprob_texts import prompt_logprobs, reply_logprobs
 from deployments.worker.recovery_ladder import attach
 from deployments.routing.router import StickyConversationRouter
 from deployments.settings import AppSettings, Backend
@@ -270,14 +270,16 @@ class Worker:
                 if out.index:
                     choice = others.setdefault(
                         out.index, OtherChoice(out.index, ReplyCalls(form, f"{job.publish_name}.{out.index}")))
-                    for event in choice.events(out, self._logprobs(out.new_tokens, params)):
+                    for event in choice.events(out, reply_logprobs(out.new_tokens, params, self.session.token_text)):
                         yield event
                     continue
                 last = out
                 completion += len(out.new_tokens)
                 text, call_deltas = calls.feed(out.text_delta)
-                if out.new_tokens or text or call_deltas:
-                    yield TurnDelta(text, tuple(out.new_token_ids), self._logprobs(out.new_tokens, params), call_deltas)
+                prompt = prompt_logprobs(out.prompt_logprobs, self.session.token_text)
+                if out.new_tokens or text or call_deltas or prompt:
+                    yield TurnDelta(text, tuple(out.new_token_ids), reply_logprobs(
+                        out.new_tokens, params, self.session.token_text), call_deltas, prompt)
             ends = [c.end for c in others.values() if c.end is not None]
             if last is None or not last.finished or len(ends) != params.n - 1:
                 yield TurnFailed(ErrorKind.INTERNAL, "the engine ended the stream before the request finished")
@@ -381,15 +383,6 @@ class Worker:
             await self.session.abandon(prepared)
         except TurnResolvedError as e:  # already expired: nothing left to free
             log.warning("abandoning %s: %s", prepared.request_id, e)
-
-    def _logprobs(self, tokens, params: SamplingParams) -> tuple[TokenLogprob, ...] | None:
-        if params.logprobs is None:
-            return None
-        text = self.session.token_text
-        return tuple(
-            TokenLogprob(text(t.token_id), t.token_id, float(t.logprob),
-                         tuple((text(i), float(lp)) for i, lp in (t.top_logprobs or ())))
-            for t in tokens)
 
     async def __del__(self) -> None:
         """Graceful shutdown (scale-in, redeploy): hand the heads only this replica holds to the

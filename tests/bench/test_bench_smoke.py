@@ -62,6 +62,9 @@ def _agent_reuse(data: dict) -> None:
                 assert rec["cached_tokens"] == 0, (side, rec)
             else:
                 assert rec["cached_tokens"] > 0, (side, rec)
+        # the router's reasons, counted over the side: one decision per request (or more, a retry)
+        assert sum(data["sides"][side]["route_decisions"].values()) >= len(records), side
+    assert data["sides"]["a"]["route_decisions"].get("owner", 0) >= data["plan"]["loops"]  # its later steps
 
 
 def _builtin_model_judged(data: dict) -> None:

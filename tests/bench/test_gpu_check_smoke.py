@@ -20,6 +20,8 @@ def test_gpu_check_smoke_runs_every_check_and_writes_results(tmp_path):
     assert [r["model"] for r in results["logits"]] == [name for name, _, _ in LOGIT_MODELS]
     assert all(r["passed"] and r["fp32_error"] <= 1e-4 for r in results["logits"])
     assert results["conversation"]["passed"] and results["conversation"]["cached_tokens"] > 0
+    prompt = results["prompt_logprobs"]  # a chunked prefill's prompt logprobs == transformers'
+    assert prompt["passed"] and prompt["tokens_right"] and prompt["chunk"] < prompt["prompt_tokens"]
     assert all(r["passed"] and r["bit_identical"] == r["requests"] for r in results["determinism"])
     speed = results["throughput"]
     assert speed["passed"] and {r["side"] for r in speed["runs"]} == {"ours", "transformers"}

@@ -194,6 +194,7 @@ def serve_config_errors(config: dict) -> list[str]:
 
 # -- the k8s-vllm overlay: rendered as kustomize does ----------------------------------------
 VLLM_OVERLAY = REPO / "k8s-vllm"
+SENTINEL_OVERLAY = REPO / "k8s-sentinel"
 # What render_overlay applies; anything else in the kustomization would be ignored here while
 # kustomize applies it, so it is refused instead.
 _OVERLAY_FIELDS = {"apiVersion", "kind", "resources", "patches"}
@@ -235,17 +236,23 @@ def apply_json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> None:
 
 
 def render_overlay(root: Path = VLLM_OVERLAY) -> list[dict[str, Any]]:
-    """The objects `kubectl apply -k root` applies: k8s/'s, with the overlay's JSON patches."""
+    """The objects `kubectl apply -k root` applies: k8s/'s and the overlay's own files (its
+    resources after ../k8s), with the overlay's JSON patches."""
     kustomization = yaml.safe_load((root / "kustomization.yaml").read_text())
     assert kustomization.keys() <= _OVERLAY_FIELDS, kustomization.keys() - _OVERLAY_FIELDS
-    assert [(root / r).resolve() for r in kustomization["resources"]] == [K8S_DIR.resolve()]
+    base, *own = kustomization["resources"]
+    assert (root / base).resolve() == K8S_DIR.resolve()
     docs = [copy.deepcopy(m.doc) for m in objects()]
+    for name in own:
+        assert (root / name).resolve().parent == root.resolve(), name
+        docs += [doc for doc in yaml.safe_load_all((root / name).read_text()) if doc is not None]
     for patch in kustomization.get("patches", []):
         assert patch.keys() == {"target", "path"}, patch
         target = patch["target"]
+        api_version = f"{target['group']}/{target['version']}" if target.get("group") else target["version"]
         matched = [
             d for d in docs
-            if d["apiVersion"] == f"{target['group']}/{target['version']}"
+            if d["apiVersion"] == api_version
             and d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]
         ]
         assert len(matched) == 1, target

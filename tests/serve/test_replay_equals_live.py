@@ -119,6 +119,13 @@ async def _live_then_replays(stack, base: str, conv_id: str, body: dict) -> tupl
     return Answer.of_stream(live.text), [Answer.of_body(again.json()), Answer.of_stream(streamed.text)]
 
 
+async def _items(stack, conv_id: str) -> list[dict]:
+    async with stack.http() as http:
+        listed = await http.get(f"/v1/conversations/{conv_id}/items", params={"cache_salt": SALT, "order": "asc"})
+    assert listed.status_code == 200, listed.text
+    return listed.json()["data"]
+
+
 async def _ledger_turn(stack, conv_id: str, turn: int):
     async with fast_client(stack.service.target) as cache:
         ledger = await cache.read_ledger(ConversationRef(conv_id, SALT), from_turn=turn)
@@ -161,6 +168,8 @@ async def test_a_reply_cut_by_a_stop_string_replays_as_it_was_sent(stack, conv_i
     entry = await _assert_replays_equal_live(stack, conv_id, live, replays)
     # the ledger's message keeps what the model generated: the stop string, for the next prompt
     assert entry.messages[-1].content.startswith(text[: cut + len(stop)])
+    items = await _items(stack, conv_id)  # the Conversations API shows what the client was sent
+    assert [(i["role"], i["content"][0]["text"]) for i in items] == [("user", words), ("assistant", live.content)]
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["one-call", "parallel-calls"])
@@ -171,6 +180,9 @@ async def test_tool_calls_replay_as_they_were_sent(stack, conv_id, parallel):
         "stop": ["</tool_call>"], "include_stop_str_in_output": True})
     assert live.finish_reason == "tool_calls" and len(live.calls) == 1, live.fields()
     await _assert_replays_equal_live(stack, conv_id, live, replays)
+    user_item, reply, call = await _items(stack, conv_id)
+    assert reply["content"][0]["text"] == (live.content or "")
+    assert {"type": "function_call", "call_id": live.calls[0]["id"], **live.calls[0]["function"]}.items() <= call.items()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from workers.cache.layout import KVCacheLayout
 from workers.cache.prefix_index import prefix_keys
 from workers.deterministic.seed import derived_seed
 from workers.errors import InvalidRequestError, PromptTooLongError, RequestIdInUseError
-from workers.request import CheckpointMark
+from workers.request import CheckpointMark, HeadAttachment
 from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler
 
@@ -38,6 +38,18 @@ def check_prompt(ids: list[int], vocab: int, max_model_len: int, kv_layout: KVCa
     blocks = -(-(len(ids) + 1) // kv_layout.block_size)
     if blocks > kv_layout.usable_blocks:
         raise PromptTooLongError(f"prompt of {len(ids)} tokens cannot fit the KV cache ({blocks} blocks)")
+
+
+def check_prompt_logprobs(params: SamplingParams, head: HeadAttachment | None) -> None:
+    """Prompt logprobs come from the fast step's prefill rows: a deterministic request prefills
+    in verify tiles, and a head's state covers its tokens without running them."""
+    if params.prompt_logprobs is None:
+        return
+    if params.deterministic:
+        raise InvalidRequestError("prompt_logprobs is not available in deterministic mode")
+    if head is not None:
+        raise InvalidRequestError("prompt_logprobs is not available on a conversation turn that continues a head "
+                                  "(its earlier tokens are not run again)")
 
 
 def seeded(params: SamplingParams, prompt: list[int]) -> SamplingParams:

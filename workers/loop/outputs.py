@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from workers.prompt_logprobs import PromptTokenLogprob
 from workers.request import FinishReason, Request, ReuseSource
 from workers.sampling import SampledToken
 from workers.state_names import PrefixKey
@@ -41,6 +42,9 @@ class RequestOutput:
     index: int = 0
     choices: int = 1
     group_id: str = ""
+    # params.prompt_logprobs set: an entry per prompt token (the first without a logprob), on the
+    # first output after its prefill (workers/prompt_logprobs.py); choice 0's only (n > 1)
+    prompt_logprobs: tuple[PromptTokenLogprob, ...] | None = None
 
     @property
     def stream_id(self) -> str:
@@ -70,4 +74,5 @@ def output_of(request: Request, tokens: Iterable[SampledToken], delta: str, erro
         index=request.choice,
         choices=request.params.n,
         group_id=request.group,
+        prompt_logprobs=request.prompt_logprobs.take() if request.prompt_logprobs is not None else None,
     )

@@ -40,6 +40,9 @@ def backend_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
         raise InvalidRequestError("deterministic mode is not available on the vllm backend (run backend: ours)")
     if params.n > 1:  # one reply per turn through the host's frames (its conversations commit one reply)
         raise InvalidRequestError("n > 1 is not available on the vllm backend (run backend: ours)")
+    if params.prompt_logprobs is not None:  # the host's frames carry no prompt logprobs yet
+        raise InvalidRequestError("prompt_logprobs (and echo with logprobs) is not available on the vllm backend "
+                                  "(run backend: ours)")
     if params.priority != 0:  # the host's vLLM engine schedules FCFS, where vLLM itself refuses a priority
         raise InvalidRequestError("priority is not available on the vllm backend (run backend: ours)")
     constraint = params.constraint
