@@ -174,8 +174,21 @@ class TurnDelta:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
-    # An entry per prompt token, once, before the reply's first token (when the request asked)
+    # An entry per prompt token, once, before the reply's first token (when the request asked);
+    # n > 1: on choice 0 only (the prompt is every choice's)
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    index: int = 0  # the choice (n > 1) it belongs to
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    """How choice `index` (n > 1, index >= 1) of a turn ended; the turn's TurnDone is choice 0's
+    and carries these. Only choice 0 is committed or checkpointed."""
+
+    index: int
+    finish_reason: str
+    completion_tokens: int
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,6 +205,13 @@ class TurnDone:
     # message boundary or an earlier request's end), "system" (a shared system prompt), "" none
     reused_from: str = ""
     tool_calls: tuple[ToolCall, ...] = ()  # the reply's, whole (the deltas streamed them piece by piece)
+    # n > 1: the other choices' ends, by index (prompt_tokens counts the prompt once; usage sums
+    # completion_tokens over every choice, as OpenAI's does)
+    others: tuple[ChoiceEnd, ...] = ()
+
+    @property
+    def all_completion_tokens(self) -> int:
+        return self.completion_tokens + sum(c.completion_tokens for c in self.others)
 
 
 @dataclass(frozen=True)

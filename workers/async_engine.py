@@ -109,13 +109,17 @@ class AsyncEngine:
             self._forget(request_id, stream)
             return
         finished = False
+        ended: set[int] = set()  # choices (n > 1) that finished: the stream ends with the last one
         try:
             while not finished:
                 item = await stream.outputs.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine is gone: nothing left to abort
                     raise item
-                finished = item.finished
+                if item.finished:
+                    ended.add(item.index)
+                # a failed choice fails the group: leaving the stream aborts the others
+                finished = len(ended) == item.choices or (item.finished and item.error is not None)
                 yield item
         finally:
             self._forget(request_id, stream)
@@ -197,12 +201,12 @@ class AsyncEngine:
                 return
 
     def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
+        stream = self._streams.get(out.stream_id)  # every choice of a request streams under its id
         if stream is None:
             return
         try:
             stream.put(out)
         except RuntimeError:  # the caller's event loop is closed: only its request ends
-            log.warning("request %s: its caller is gone; aborting it", out.request_id)
-            self._forget(out.request_id, stream)
-            self.engine.abort(out.request_id)
+            log.warning("request %s: its caller is gone; aborting it", out.stream_id)
+            self._forget(out.stream_id, stream)
+            self.engine.abort(out.stream_id)

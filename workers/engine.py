@@ -37,6 +37,7 @@ from workers.loop.admission import check_prompt, check_prompt_logprobs, check_re
 from workers.loop.fast_step import FastStep
 from workers.load import EngineLoad
 from workers.loop.finishing import Finisher
+from workers.loop.forks import choice_id, choice_params
 from workers.loop.outputs import RequestOutput
 from workers.loop.verify_step import VerifyStep
 from workers.model.loader import load_model
@@ -132,7 +133,10 @@ class LLMEngine:
         checkpoints its state at `marks`; a kept state (prepared turn, keep=CHECKPOINT, labelled
         `final_label`) is named too. Deterministic requests neither look up nor mark: no
         checkpoint is canonical (they recompute in tiles, as on a miss)."""
-        check_request_id(request_id, self.scheduler, self.caches.heads)
+        for choice in range(params.n):
+            check_request_id(choice_id(request_id, choice), self.scheduler, self.caches.heads)
+        if params.n > 1 and prefill_only:
+            raise ValueError("a prefill-only request samples nothing: n must be 1")
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len, self.kv_layout)
         check_logit_bias(params, self.model_config.vocab_size)
         guide = None
@@ -160,19 +164,35 @@ class LLMEngine:
             marks=keyed_marks(prefix_scope, prompt_token_ids, marks) if reuse else (),
             final_label=final_label,
         )
+        request.guide = guide
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(request.prompt_token_ids, params.prompt_logprobs)
-        if guide is not None:
-            request.guide = guide
-            guide.prefetch(())  # the first mask, while the prompt runs
-        self._finisher.start(request)
+        # Choices 1..n-1 (workers/loop/forks.py): no head, no reuse, nothing kept: only choice 0's
+        # state is committed or checkpointed; they fork from it when its prompt has run. Nor prompt
+        # logprobs: the prompt is the group's, and choice 0 carries them.
+        request.forks = [
+            Request(choice_id(request_id, i), list(prompt_token_ids),
+                    seeded(choice_params(params, i), prompt_token_ids), choice=i, group_id=request_id)
+            for i in range(1, params.n)
+        ]
+        for choice in [request, *request.forks]:
+            if params.constraint is not None and choice is not request:
+                choice.guide = TokenGuide(self.grammars.matcher(params.constraint), self.model_config.vocab_size,
+                                          self._mask_threads)
+            if choice.guide is not None:
+                choice.guide.prefetch(())  # the first mask, while the prompt runs
+            self._finisher.start(choice)
         self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str) -> None:
+        """End a request, with every choice of it (n > 1) still running."""
         request = self.scheduler.requests.get(request_id)
-        if request is not None:
-            self._finisher.finish(request, FinishReason.ABORT)
+        if request is None:
+            return
+        choices = [r for r in self.scheduler.requests.values() if r.group_id == request_id]
+        for choice in [request, *choices]:
+            self._finisher.finish(choice, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -222,7 +242,9 @@ class LLMEngine:
     def load(self) -> EngineLoad:
         """Its queue and measured speeds, for routing stats and heartbeats."""
         requests = self.scheduler.requests.values()
-        waiting = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests)
+        forks = {f.request_id for r in requests for f in r.forks}  # n > 1: they will not prefill
+        waiting = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests
+                      if r.request_id not in forks)
         return EngineLoad(len(requests), self.caches.kv.num_free, waiting, self._fast_step.prefill_rate.value,
                           self.scheduler.prefill_per_request.value)
 

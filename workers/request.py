@@ -130,12 +130,24 @@ class Request:
     # A constrained reply's TokenGuide (workers/grammar/guide.py): the tokens it may sample next.
     guide: Any = None
     awaiting_tool: bool = False  # it stopped right after a tool call (its kept state waits for the results)
-    # params.prompt_logprobs set: a PromptLogprobs (workers/prompt_logprobs.py) the prefill fills
+    # n > 1 (workers/loop/forks.py): choice `choice` of the group named by choice 0's id
+    # (`group_id`; "" on choice 0 itself); choice 0 holds the other choices in `forks` until its
+    # prefill ends and they fork from its state. Only choice 0 keeps state (commit, checkpoint).
+    choice: int = 0
+    group_id: str = ""
+    forks: list[Request] = field(default_factory=list)
+    # params.prompt_logprobs set: a PromptLogprobs (workers/prompt_logprobs.py) the prefill fills;
+    # on choice 0 only (the prompt is the group's: its forks start after it)
     prompt_logprobs: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_verified = len(self.token_ids)
+
+    @property
+    def group(self) -> str:
+        """The id its outputs are streamed under: choice 0's."""
+        return self.group_id or self.request_id
 
     @property
     def reply_ids(self) -> list[int]:

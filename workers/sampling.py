@@ -19,6 +19,7 @@ from workers.grammar.constraint import Constraint
 from workers.logits_processors import TokenHistory, apply_processors
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # n: replies of one request, forked from its one prefill (workers/loop/forks.py)
 MAX_PENALTY = 2.0  # presence and frequency: OpenAI's range [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
 _MASK64 = (1 << 64) - 1
@@ -56,6 +57,9 @@ class SamplingParams:
     # How the reply's text reads its special tokens (vLLM's; the detokenizer's, not the sampler's).
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # How many replies (OpenAI's `n`): choice i samples with seed + i (each its own random seed
+    # when unseeded); the prompt is computed once and its state forked (workers/loop/forks.py).
+    n: int = 1
     resolved_seed: int = field(default=0, init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -67,7 +71,7 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         problems = []
-        for name in ("max_tokens", "top_k", "logprobs", "prompt_logprobs", "seed", "min_tokens", "priority"):
+        for name in ("max_tokens", "top_k", "logprobs", "prompt_logprobs", "seed", "min_tokens", "priority", "n"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 problems.append(f"{name} must be an integer, got {value!r}")
@@ -109,6 +113,10 @@ class SamplingParams:
             problems.append(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             problems.append(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not 1 <= self.n <= MAX_CHOICES:
+            problems.append(f"n must be in [1, {MAX_CHOICES}], got {self.n!r}")
+        elif self.n > 1 and self.deterministic:
+            problems.append("n > 1 is not served in deterministic mode (ask for the choices one request each)")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             problems.append(f"seed must be in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -79,10 +79,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since the engine started (requests count their own too)
+        self.tokens_run = 0  # tokens the fast path ran since the engine started (n > 1 runs a prompt once)
         self.prefill_per_request = Mean()  # tokens an admitted request computes: a queued request's cost (routing)
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        for choice in request.forks:  # neither waiting nor running until they fork (fork())
+            self.requests[choice.request_id] = choice
         self.caches.register(request)
         self._enqueue(request, ahead_of_equals=False)
 
@@ -167,6 +170,19 @@ class Scheduler:
             marks = tuple(self.caches.marks_in(request, start, start + n))
         return ScheduledChunk(request, start, n, list(table), state_slot, snapshot, marks)
 
+    def fork(self, parent: Request, child: Request) -> PendingCopies | None:
+        """Choice `child` of `parent`'s group runs on from the parent's state (its prompt just
+        ran): the copies to make now. Without room it queues and computes its prompt itself
+        (None), as a preempted request does."""
+        parent.forks.remove(child)
+        copies = self.caches.fork_request(parent, child)
+        if copies is None:
+            self._enqueue(child, ahead_of_equals=True)
+            return None
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return copies
+
     def _make_room(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.caches.can_grow(request, num_tokens):
             victim = self.running[-1]
@@ -192,6 +208,7 @@ class Scheduler:
         """Move the counters of everything that just ran (before new tokens are appended)."""
         for chunk in output.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+            self.tokens_run += chunk.num_tokens
             # The fast path wrote state past the last verify pass: until another pass commits,
             # nothing this request holds may be labelled canonical.
             chunk.request.tile_window = 0

@@ -21,7 +21,7 @@ from deployments.errors import APIError
 from deployments.front.extensions import served_by
 from deployments.front.responses_format import ResponseId
 from deployments.front.prompt_logprobs import vllm_prompt_logprobs
-from deployments.messages import PromptLogprob, TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
+from deployments.messages import ChoiceEnd, PromptLogprob, TokenLogprob, ToolCall, ToolCallDelta, TurnDelta, TurnDone
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -31,9 +31,16 @@ def data(payload: dict) -> str:
 
 
 def usage_of(done: TurnDone) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
+    """The prompt once, the completion tokens of every choice (n > 1) summed, as OpenAI's."""
+    completion = done.all_completion_tokens
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": done.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def choice_ends(done: TurnDone) -> list[ChoiceEnd]:
+    """How each choice ended, by index: choice 0's is the turn's own."""
+    return [ChoiceEnd(0, done.finish_reason, done.completion_tokens, done.tool_calls), *done.others]
 
 
 def logprobs_of(entries: Iterable[TokenLogprob] | None) -> dict:
@@ -64,37 +71,48 @@ class ChatFormat:
     conversation_id: str | None
     with_logprobs: bool
     publish_id: str = ""
+    choices: int = 1  # n
     prompt_logprobs: int | None = None  # vLLM's field's k: the answer's top-level `prompt_logprobs`
 
-    def completion(self, text: str, entries: list[TokenLogprob], done: TurnDone,
+    def completion(self, texts: list[str], entries: list[list[TokenLogprob]], done: TurnDone,
                    prompt: tuple[PromptLogprob, ...] | None = None) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if done.tool_calls:
-            message["content"] = text or None  # OpenAI's shape: no content beside the calls is null
-            message["tool_calls"] = [tool_call(call) for call in done.tool_calls]
-        choice = {"index": 0, "message": message,
-                  "finish_reason": done.finish_reason,
-                  "logprobs": logprobs_of(entries) if self.with_logprobs else None}
-        body = self.envelope("chat.completion", [choice], usage=usage_of(done), done=done, last=True)
+        """The whole answer; `texts` and `entries` by choice index (the prompt's logprobs are
+        every choice's: once, at the top level)."""
+        choices = []
+        for end, text, logprobs in zip(choice_ends(done), texts, entries):
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if end.tool_calls:
+                message["content"] = text or None  # OpenAI's shape: no content beside the calls is null
+                message["tool_calls"] = [tool_call(call) for call in end.tool_calls]
+            choices.append({"index": end.index, "message": message, "finish_reason": end.finish_reason,
+                            "logprobs": logprobs_of(logprobs) if self.with_logprobs else None})
+        body = self.envelope("chat.completion", choices, usage=usage_of(done), done=done, last=True)
         if self.prompt_logprobs is not None:
             body["prompt_logprobs"] = vllm_prompt_logprobs(prompt or (), self.prompt_logprobs)
         return body
 
-    def sse_start(self) -> str:
-        return data(self.envelope("chat.completion.chunk", [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                             "finish_reason": None, "logprobs": None}]))
+    def sse_start(self) -> Iterator[str]:
+        for index in range(self.choices):
+            yield data(self.envelope("chat.completion.chunk", [{
+                "index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                "logprobs": None}]))
 
     def sse_delta(self, delta: TurnDelta) -> str:
         body: dict[str, Any] = {"content": delta.text} if delta.text or not delta.tool_calls else {}
         if delta.tool_calls:
             body["tool_calls"] = [tool_call_delta(d) for d in delta.tool_calls]
-        choice = {"index": 0, "delta": body, "finish_reason": None,
+        choice = {"index": delta.index, "delta": body, "finish_reason": None,
                   "logprobs": logprobs_of(delta.logprobs) if self.with_logprobs else None}
         return data(self.envelope("chat.completion.chunk", [choice]))
 
     def sse_end(self, done: TurnDone, include_usage: bool) -> Iterator[str]:
-        final = {"index": 0, "delta": {}, "finish_reason": done.finish_reason, "logprobs": None}
-        yield data(self.envelope("chat.completion.chunk", [final], done=done, last=not include_usage))
+        """One finish_reason per choice, each in a chunk of its own (the last one carries the turn)."""
+        ends = choice_ends(done)
+        for end in ends:
+            final = {"index": end.index, "delta": {}, "finish_reason": end.finish_reason, "logprobs": None}
+            last = end is ends[-1]
+            yield data(self.envelope("chat.completion.chunk", [final], done=done if last else None,
+                                     last=last and not include_usage))
         if include_usage:
             yield data(self.envelope("chat.completion.chunk", [], usage=usage_of(done), done=done, last=True))
         yield SSE_DONE

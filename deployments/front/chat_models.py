@@ -26,8 +26,8 @@ from pydantic_core import PydanticCustomError
 from cache_service.client import SERVICE_LIMITS
 from deployments.front import vllm_fields
 from deployments.front.request_base import RequestModel, field_error
-from deployments.front.sampling_fields import (check_min_tokens, processor_sampling, special_tokens_sampling,
-                                              template_options, vllm_sampling)
+from deployments.front.sampling_fields import (MAX_CHOICES, check_choices, check_min_tokens, processor_sampling,
+                                              special_tokens_sampling, template_options, vllm_sampling)
 from deployments.front.structured_outputs import StructuredOutputFields
 from deployments.settings import SCOPE_PREFIX_BYTES
 from workers.template_options import TemplateOptions
@@ -265,7 +265,8 @@ class ChatCompletionRequest(StructuredOutputFields):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES, description="replies, forked from one prefill (choice 0 is the one "
+                                                                "a conversation commits)")
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # vLLM's: the prompt's, top level (not streamed)
@@ -334,6 +335,7 @@ class ChatCompletionRequest(StructuredOutputFields):
     @model_validator(mode="after")
     def _tools_fit(self) -> "ChatCompletionRequest":
         check_min_tokens(self.min_tokens, self.max_completion_tokens or self.max_tokens)
+        check_choices(self.n, self.deterministic)
         self.template_options()  # refuses what cannot render
         if self.prompt_logprobs is not None and (self.stream or self.conversation_id is not None):
             raise field_error("prompt_logprobs", "prompt_logprobs is not available when streaming or on a conversation")
@@ -385,6 +387,7 @@ class ChatCompletionRequest(StructuredOutputFields):
             "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
             "prompt_logprobs": self.prompt_logprobs,
             "deterministic": self.deterministic,
+            "n": self.n,
             "constraint": self.constraint(),
             "priority": self.priority,
             **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,

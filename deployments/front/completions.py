@@ -18,26 +18,28 @@ prompt runs whole (workers/prompt_logprobs.py).
 
 It runs as a stateless chat request does (workers' stream_completion): the longest prefix of its
 prompt held on the replica under its cache_salt is reused, and its end is kept for the next.
-Refused by name (400): more than one prompt, `n` or `best_of` above 1, `suffix`, `max_tokens: 0`
-without `echo`, `prompt_logprobs` with `stream`.
+`n` replies (up to 16) share one prefill, as in chat; the prompt is every choice's: each choice
+opens with its echo (and, asked, its prompt logprobs and `prompt_logprobs`), computed once.
+Refused by name (400): more than one prompt, `n` above 16, `best_of` above 1, `suffix`,
+`max_tokens: 0` without `echo`, `prompt_logprobs` with `stream`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, field_validator, model_validator
 
 from deployments.errors import APIError
-from deployments.front.chat_format import SSE_DONE, data, usage_of
+from deployments.front.chat_format import SSE_DONE, choice_ends, data, usage_of
 from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, LogitBias, Penalty,
                                            RepetitionPenalty, StopString, StreamOptions, Text, _off, _unsupported)
 from deployments.front.request_base import field_error
-from deployments.front.sampling_fields import (check_min_tokens, processor_sampling, special_tokens_sampling,
-                                              vllm_sampling)
+from deployments.front.sampling_fields import (MAX_CHOICES, check_choices, check_min_tokens, processor_sampling,
+                                              special_tokens_sampling, vllm_sampling)
 from deployments.front import vllm_fields
 from deployments.front.prompt_logprobs import legacy_prompt_logprobs, vllm_prompt_logprobs
 from deployments.front.structured_outputs import StructuredOutputFields
@@ -62,7 +64,7 @@ class CompletionRequest(StructuredOutputFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="replies, forked from one prefill")
     best_of: int = Field(1, ge=1, le=1, description="only 1 is supported")
     user: Text | None = Field(None, max_length=MAX_ID)
     presence_penalty: Penalty = 0.0  # (as in chat_models)
@@ -109,6 +111,7 @@ class CompletionRequest(StructuredOutputFields):
     @model_validator(mode="after")
     def _echo_fits(self) -> "CompletionRequest":
         check_min_tokens(self.min_tokens, self.max_tokens)
+        check_choices(self.n, self.deterministic)
         if self.max_tokens == 0 and not self.echo:
             raise field_error("max_tokens", "max_tokens 0 answers nothing without echo")
         if self.stream and self.prompt_logprobs is not None:
@@ -129,7 +132,7 @@ class CompletionRequest(StructuredOutputFields):
         return {"max_tokens": max(1, min(self.max_tokens, max_output_tokens)), "temperature": self.temperature,
                 "top_p": self.top_p, "seed": self.seed, "stop": tuple(s for s in stop if s),
                 "logprobs": self.logprobs, "prompt_logprobs": self.engine_prompt_logprobs,
-                "deterministic": self.deterministic,
+                "deterministic": self.deterministic, "n": self.n,
                 "constraint": self.structured_constraint(), "priority": self.priority,
                 **vllm_sampling(self.top_k, self.min_p, self.stop_token_ids, self.ignore_eos,
                                 self.include_stop_str_in_output),
@@ -161,23 +164,30 @@ class CompletionFormat:
     echo_logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_only: bool = False
-    _offset: int = 0  # streamed: where the next delta's text starts
+    choices: int = 1  # n
+    _offsets: dict[int, int] = field(default_factory=dict)  # streamed: where each choice's next delta's text starts
 
     @classmethod
     def of(cls, body: CompletionRequest, request_id: str, model: str, echo_text: str) -> "CompletionFormat":
         return cls(request_id, model, body.logprobs is not None, echo_text if body.echo else "",
-                   body.logprobs if body.echo else None, body.prompt_logprobs, body.max_tokens == 0)
+                   body.logprobs if body.echo else None, body.prompt_logprobs, body.max_tokens == 0, body.n)
 
-    def completion(self, text: str, entries: list[TokenLogprob], prompt: tuple[PromptLogprob, ...] | None,
+    def completion(self, texts: list[str], entries: list[list[TokenLogprob]], prompt: tuple[PromptLogprob, ...] | None,
                    done: TurnDone) -> dict[str, Any]:
-        if self.prompt_only:
-            text, entries = "", []
-        choice = {"index": 0, "text": self.echo + text, "finish_reason": self._reason(done), "logprobs": None}
-        if self.with_logprobs:
-            choice["logprobs"] = self._logprobs(prompt, entries, len(self.echo))
-        if self.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt or (), self.prompt_logprobs)
-        return self.envelope([choice], self._usage(done))
+        """The whole answer; `texts` and `entries` by choice index (the prompt, its echo and its
+        logprobs, is every choice's)."""
+        choices = []
+        for end, text, logprobs in zip(choice_ends(done), texts, entries):
+            if self.prompt_only:
+                text, logprobs = "", []
+            choice = {"index": end.index, "text": self.echo + text, "finish_reason": self._reason(end.finish_reason),
+                      "logprobs": None}
+            if self.with_logprobs:
+                choice["logprobs"] = self._logprobs(prompt, logprobs, len(self.echo))
+            if self.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt or (), self.prompt_logprobs)
+            choices.append(choice)
+        return self.envelope(choices, self._usage(done))
 
     def _logprobs(self, prompt: tuple[PromptLogprob, ...] | None, entries: list[TokenLogprob],
                   offset: int) -> dict[str, list]:
@@ -188,32 +198,37 @@ class CompletionFormat:
         return {name: listed[name] + reply[name] for name in reply}
 
     def start(self) -> Iterable[str]:
-        self._offset = len(self.echo)
+        self._offsets.update({i: len(self.echo) for i in range(self.choices)})
         if not self.echo or self.echo_logprobs is not None:  # with its logprobs: once they come
             return []
-        return [data(self.envelope([self._choice(self.echo)]))]
+        return [data(self.envelope([self._choice(i, self.echo)])) for i in range(self.choices)]
 
     def delta(self, delta: TurnDelta) -> Iterable[str]:
         chunks = []
         if delta.prompt_logprobs and self.echo and self.echo_logprobs is not None:
-            chunks.append(data(self.envelope([{**self._choice(self.echo), "logprobs": self._logprobs(
-                delta.prompt_logprobs, [], 0)}])))
+            # choice 0's first delta carries them, before any other choice's (they fork from its prompt)
+            echoed = self._logprobs(delta.prompt_logprobs, [], 0)
+            chunks += [data(self.envelope([{**self._choice(i, self.echo), "logprobs": echoed}]))
+                       for i in range(self.choices)]
         if self.prompt_only or not (delta.text or delta.logprobs):
             return chunks
-        choice = self._choice(delta.text)
+        choice = self._choice(delta.index, delta.text)
+        offset = self._offsets.get(delta.index, len(self.echo))
         if self.with_logprobs:
-            choice["logprobs"] = logprobs_of(delta.logprobs or (), self._offset)
-        self._offset += len(delta.text)
+            choice["logprobs"] = logprobs_of(delta.logprobs or (), offset)
+        self._offsets[delta.index] = offset + len(delta.text)
         return chunks + [data(self.envelope([choice]))]
 
     def end(self, done: TurnDone, include_usage: bool) -> Iterator[str]:
-        yield data(self.envelope([{**self._choice(""), "finish_reason": self._reason(done)}]))
+        for end in choice_ends(done):  # one finish_reason per choice
+            reason = self._reason(end.finish_reason)
+            yield data(self.envelope([{**self._choice(end.index, ""), "finish_reason": reason}]))
         if include_usage:
             yield data(self.envelope([], self._usage(done)))
         yield SSE_DONE
 
-    def _reason(self, done: TurnDone) -> str:
-        return "length" if self.prompt_only else done.finish_reason  # max_tokens 0 ended it
+    def _reason(self, finish_reason: str) -> str:
+        return "length" if self.prompt_only else finish_reason  # max_tokens 0 ended it
 
     def _usage(self, done: TurnDone) -> dict:
         usage = usage_of(done)
@@ -222,8 +237,8 @@ class CompletionFormat:
         return usage
 
     @staticmethod
-    def _choice(text: str) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
+    def _choice(index: int, text: str) -> dict[str, Any]:
+        return {"index": index, "text": text, "finish_reason": None, "logprobs": None}
 
     def envelope(self, choices: list, usage: dict | None = None) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": int(time.time()), "model": self.model,

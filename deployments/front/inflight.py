@@ -131,10 +131,13 @@ class StartedTurn:
         self._gate.finished(status, self._running)
         await self.run.close()
 
-    async def collect(self) -> tuple[str, list, tuple | None, TurnDone]:
-        """The whole turn: its text, logprobs, prompt logprobs (if asked) and TurnDone (the tool
-        calls come whole with it)."""
-        text, logprobs, prompt = [], [], None
+    async def collect(self) -> tuple[list[str], list[list], tuple | None, TurnDone]:
+        """The whole turn: its text and logprobs by choice (n > 1: index i at i), its prompt
+        logprobs (if asked; the prompt is every choice's) and TurnDone (the tool calls come whole
+        with it)."""
+        texts: dict[int, list[str]] = {}
+        logprobs: dict[int, list] = {}
+        prompt = None
         async with _Settling(self, 500) as settling:
             async for event in self._observed():
                 if isinstance(event, TurnFailed):
@@ -142,11 +145,12 @@ class StartedTurn:
                     settling.status = error.status
                     raise error
                 if isinstance(event, TurnDelta):
-                    text.append(event.text)
-                    logprobs.extend(event.logprobs or ())
+                    texts.setdefault(event.index, []).append(event.text)
+                    logprobs.setdefault(event.index, []).extend(event.logprobs or ())
                     prompt = event.prompt_logprobs or prompt
             settling.status = 200
-        return "".join(text), logprobs, prompt, event
+        choices = range(1 + len(event.others))
+        return ["".join(texts.get(i, ())) for i in choices], [logprobs.get(i, []) for i in choices], prompt, event
 
     async def relay(self, stream: EventStream) -> AsyncIterator[str]:
         """The turn's events as `stream` renders them (SSE)."""

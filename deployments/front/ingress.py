@@ -125,12 +125,12 @@ class ChatIngress:
         job = turn.run.job
         reply_id = f"chatcmpl-{body.request_id}" if body.request_id else job.request_id
         form = ChatFormat(reply_id, self.model, conv.id if conv else None, bool(body.logprobs), job.publish_name,
-                          body.prompt_logprobs)
+                          body.n, body.prompt_logprobs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(ChatStream(form, include_usage)))
-        text, logprobs, prompt, done = await turn.collect()
-        return JSONResponse(form.completion(text, logprobs, done, prompt))
+        texts, logprobs, prompt, done = await turn.collect()
+        return JSONResponse(form.completion(texts, logprobs, done, prompt))
 
     # -- legacy completions -------------------------------------------------------------------
     @api.post("/v1/completions")
@@ -147,8 +147,8 @@ class ChatIngress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(turn.relay(CompletionStream(form, include_usage)))
-        text, logprobs, prompt, done = await turn.collect()
-        return JSONResponse(form.completion(text, logprobs, prompt, done))
+        texts, logprobs, prompt, done = await turn.collect()
+        return JSONResponse(form.completion(texts, logprobs, prompt, done))
 
     async def _echo_text(self, body: CompletionRequest) -> str:
         """The prompt the answer echoes: its text, or the text of its token ids."""
@@ -172,8 +172,8 @@ class ChatIngress:
         form = responses_plan.response_body(body, plan, self.model, turn.head_turn)
         if body.stream:
             return sse_response(turn.relay(ResponseStream(form)))
-        text, _, _, done = await turn.collect()
-        return JSONResponse(form.done(text, done))
+        texts, _, _, done = await turn.collect()
+        return JSONResponse(form.done(texts[0], done))
 
     @api.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request,

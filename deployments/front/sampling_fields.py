@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from deployments.front.request_base import field_error
+
+# `n`: replies per request, forked from one prefill (the engine's cap, workers/sampling.py MAX_CHOICES)
+MAX_CHOICES = 16
 from workers.template_options import RESERVED_KWARGS, TemplateOptions
 
 
@@ -60,3 +63,9 @@ def template_options(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
 def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
     if max_tokens is not None and min_tokens > max_tokens:
         raise field_error("min_tokens", f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
+
+
+def check_choices(n: int, deterministic: bool) -> None:
+    """n > 1 in deterministic mode is a 400: each choice would need its own verified replay."""
+    if n > 1 and deterministic:
+        raise field_error("n", "n > 1 is not served in deterministic mode (send one request per reply)")

@@ -34,7 +34,7 @@ class ChatStream:
     include_usage: bool
 
     def start(self) -> Iterable[str]:
-        return [self.form.sse_start()]
+        return list(self.form.sse_start())
 
     def delta(self, delta: TurnDelta) -> Iterable[str]:
         return [self.form.sse_delta(delta)]

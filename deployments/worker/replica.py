@@ -51,6 +51,7 @@ from deployments.messages import (
     TurnJob,
     prompt_as_messages,
 )
+from deployments.worker.choices import OtherChoice
 from deployments.worker.logprob_texts import prompt_logprobs, reply_logprobs
 from deployments.worker.recovery_ladder import attach
 from deployments.routing.router import StickyConversationRouter
@@ -256,20 +257,31 @@ class Worker:
         stream left before its final output is its session's to clean up (both backends abandon
         a turn that finished as it was left)."""
         completion, last, handed = 0, None, False
+        form = self.session.tool_format if job.parse_tool_calls else None
+        # n > 1: choice 0 is the turn (committed, announced); the others end as ChoiceEnds
+        others: dict[int, OtherChoice] = {}
         try:
-            calls = ReplyCalls(self.session.tool_format if job.parse_tool_calls else None, job.publish_name)
+            calls = ReplyCalls(form, job.publish_name)
             async for out in stream:
-                last = out
                 if out.error:
+                    last = out if out.index == 0 else last  # choice 0's prepared turn is abandoned below
                     yield TurnFailed(ErrorKind.INTERNAL, out.error)
                     return
+                if out.index:
+                    choice = others.setdefault(
+                        out.index, OtherChoice(out.index, ReplyCalls(form, f"{job.publish_name}.{out.index}")))
+                    for event in choice.events(out, reply_logprobs(out.new_tokens, params, self.session.token_text)):
+                        yield event
+                    continue
+                last = out
                 completion += len(out.new_tokens)
                 text, call_deltas = calls.feed(out.text_delta)
                 prompt = prompt_logprobs(out.prompt_logprobs, self.session.token_text)
                 if out.new_tokens or text or call_deltas or prompt:
-                    yield TurnDelta(text, tuple(out.new_token_ids),
-                                    reply_logprobs(out.new_tokens, params, self.session.token_text), call_deltas, prompt)
-            if last is None or not last.finished:
+                    yield TurnDelta(text, tuple(out.new_token_ids), reply_logprobs(
+                        out.new_tokens, params, self.session.token_text), call_deltas, prompt)
+            ends = [c.end for c in others.values() if c.end is not None]
+            if last is None or not last.finished or len(ends) != params.n - 1:
                 yield TurnFailed(ErrorKind.INTERNAL, "the engine ended the stream before the request finished")
                 return
             if last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
@@ -282,7 +294,8 @@ class Worker:
             if calls.calls and last.finish_reason is FinishReason.STOP:
                 reason = "tool_calls"
             done = TurnDone(reason, last.num_prompt_tokens, completion, last.num_cached_tokens,
-                            recovery, self.replica_id, reused_from=last.reused_from.value, tool_calls=calls.calls)
+                            recovery, self.replica_id, reused_from=last.reused_from.value, tool_calls=calls.calls,
+                            others=tuple(sorted(ends, key=lambda e: e.index)))
             hint_scope = tools_scope(job.scope, job.tools)
             if job.conversation is None:
                 named = job.messages if job.prompt is None else prompt_as_messages(job.prompt)

@@ -102,3 +102,25 @@ def test_deterministic_mode_refuses_prompt_logprobs(tiny):
     params = SamplingParams(max_tokens=2, temperature=0.0, deterministic=True, prompt_logprobs=1)
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         engine.add_request("det", prompt_of(5, seed=6), params)
+
+
+@ARCHS
+def test_n_choices_carry_the_prompt_logprobs_once(tiny, arch):
+    """n > 1: the prompt is the group's, run once (choice 0's prefill, chunked here): its logprobs
+    come once, on choice 0's output; the forks, which start after it, carry none."""
+    engine = new_engine(tiny[arch].path, max_num_batched_tokens=7)
+    ids = prompt_of(23, seed=7)
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=11, ignore_eos=True, prompt_logprobs=K, n=3)
+    before = engine.scheduler.tokens_run
+    engine.add_request("g", ids, params)
+    carried, replies = [], {i: [] for i in range(3)}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            replies[out.index] += out.new_token_ids
+            if out.prompt_logprobs is not None:
+                carried.append((out.index, out.prompt_logprobs))
+    assert engine.scheduler.tokens_run - before == len(ids) + 3 * 2  # the prompt once, 2 decodes a choice
+    assert [index for index, _ in carried] == [0]
+    _check(tiny[arch], ids, carried[0][1])
+    assert all(len(r) == 3 for r in replies.values())

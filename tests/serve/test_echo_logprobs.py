@@ -104,6 +104,46 @@ async def test_vllm_prompt_logprobs_field_on_completions_and_chat(stack, referen
     assert prompt[0] is None and len(prompt) == chat.usage.prompt_tokens and all(len(s) == 1 for s in prompt[1:])
 
 
+async def test_n_choices_each_echo_the_prompt_with_its_logprobs(stack, reference):
+    """n > 1: the prompt is every choice's, its logprobs computed once: each choice opens with it
+    (and its logprobs, and `prompt_logprobs`), JSON and streamed; chat's `prompt_logprobs` once."""
+    tokenizer, forward = reference
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    expected = _expected(forward(ids), ids)
+    client = stack.client()
+    same = dict(model=stack.model, prompt=PROMPT, echo=True, logprobs=1, max_tokens=3, n=3, temperature=1.0, seed=5)
+    answer = await client.completions.create(**same, extra_body={"prompt_logprobs": 0, **_salt()})
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    for choice in answer.choices:
+        lp = choice.logprobs
+        assert choice.text.startswith(PROMPT) and len(lp.tokens) == len(ids) + 3
+        assert lp.token_logprobs[0] is None and lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=TOL)
+        assert choice.text == PROMPT + "".join(lp.tokens[len(ids):])
+        vllm = choice.model_extra["prompt_logprobs"]
+        assert vllm[0] is None and [s[str(t)]["logprob"] for s, t in zip(vllm[1:], ids[1:])] == pytest.approx(
+            expected, abs=TOL)
+    assert len({c.text for c in answer.choices}) > 1  # the replies differ, the prompt part does not
+
+    chunks = [c.choices[0] async for c in await client.completions.create(**same, stream=True, extra_body=_salt())
+              if c.choices]
+    texts, streamed = {}, {}
+    for chunk in chunks:
+        texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
+        streamed.setdefault(chunk.index, []).extend(chunk.logprobs.token_logprobs if chunk.logprobs else ())
+    assert texts == {c.index: c.text for c in answer.choices}  # the same seeds: the same replies
+    for index, logprobs in streamed.items():
+        assert logprobs[0] is None and logprobs[1:len(ids)] == pytest.approx(expected, abs=TOL), index
+
+    alone = await client.completions.create(**{**same, "max_tokens": 0}, extra_body=_salt())
+    assert [c.text for c in alone.choices] == [PROMPT] * 3 and alone.usage.completion_tokens == 0
+    assert all(c.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=TOL) for c in alone.choices)
+
+    chat = await client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": PROMPT}],
+                                                max_tokens=2, n=2, extra_body={"prompt_logprobs": 0, **_salt()})
+    prompt = chat.model_extra["prompt_logprobs"]
+    assert len(chat.choices) == 2 and prompt[0] is None and len(prompt) == chat.usage.prompt_tokens
+
+
 @pytest.mark.parametrize("refused, accepted, param", [
     ({"max_tokens": 0}, {"max_tokens": 0, "echo": True}, "max_tokens"),
     ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),

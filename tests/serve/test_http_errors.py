@@ -22,7 +22,7 @@ def assert_error(response, status: int, code: str | None = None) -> dict:
 
 
 @pytest.mark.parametrize("patch", [
-    {"temperature": 5}, {"top_p": 0}, {"n": 2}, {"messages": []}, {"max_tokens": 0},
+    {"temperature": 5}, {"top_p": 0}, {"n": 17}, {"n": 0}, {"messages": []}, {"max_tokens": 0},
     {"messages": [{"role": "wizard", "content": "hi"}]}, {"top_logprobs": 21}, {"stop": ["a"] * 5},
     {"conversation_id": ""}, {"seed": -1}, {"stream": "maybe"},
     # strict types, as OpenAI: no string or number read as a boolean, no string as a number

@@ -154,7 +154,7 @@ async def test_owner_killed_between_turns_continues_from_the_tier_with_the_same_
 
 async def test_what_the_backend_does_not_do_is_a_400(stack, vllm_app, conv_id):
     async with stack.http() as http:
-        refused = ({"deterministic": True}, {"priority": 1})
+        refused = ({"deterministic": True}, {"priority": 1}, {"n": 2})
         for extra in refused:
             response = await http.post(f"{PREFIX}/v1/chat/completions", json={
                 "model": vllm_app.model, "messages": [user("hi")], "max_tokens": 4, "conversation_id": conv_id,

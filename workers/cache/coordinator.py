@@ -207,6 +207,33 @@ class CacheCoordinator:
         self._report_kept(request, [(request.final_label, made)])
         return True
 
+    def fork_request(self, parent: Request, child: Request) -> PendingCopies | None:
+        """The child continues from the parent's state (its whole prompt, just run): the
+        parent's full blocks shared, its tail block and terminal Mamba state copied, as when
+        attaching a head. The copies are returned, to be made at once (the parent may end and
+        free its tail before the next step). None (nothing changed) if there is no room.
+
+        All-or-nothing: room for the tail block and the slot is made first."""
+        src = Holder.request(parent.request_id)
+        length, bs = parent.num_computed_tokens, self.kv.block_size
+        if not self.heads.make_room(1 if length % bs else 0, 1, None, idle=False, admitted=self.admitted):
+            return None
+        holder = Holder.request(child.request_id)
+        held = self.states.allocate(holder, aligned=False)
+        self.admitted.add(child.request_id)
+        parent_table = self.kv.table(src)
+        self.kv.share(holder, parent_table[: length // bs])
+        copies = PendingCopies(slots=[(self.states.slots[src].terminal, held.terminal)])
+        if length % bs:
+            self.kv.grow(holder, length)
+            copies.blocks.append((parent_table[length // bs], self.kv.table(holder)[-1]))
+            self.counters["cow_block_copies"] += 1
+        self.counters["state_copies"] += 1
+        child.num_computed_tokens = length
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.reused_from = parent.reused_from
+        return copies
+
     def can_grow(self, request: Request, num_tokens: int) -> bool:
         """Room for a running request to cover num_tokens, evicting unpinned heads if needed."""
         need = self.kv.blocks_needed(Holder.request(request.request_id), num_tokens)

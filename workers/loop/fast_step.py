@@ -52,20 +52,23 @@ class FastStep:
             return outputs
         ending = [c for c in step.chunks if c.samples]
         rows = [i for i, c in enumerate(ending) if not c.request.prefill_only]
-        sampling = [ending[i] for i in rows]
-        masks, grammar_failed = grammar_masks([c.request for c in sampling], self.banned_token_ids)
+        # n > 1 (forks.py): a prompt's end also samples its other choices, from its own row.
+        forks = [(row, choice) for row in rows for choice in ending[row].request.forks]
+        requests = [ending[i].request for i in rows] + [choice for _, choice in forks]
+        rows += [row for row, _ in forks]
+        masks, grammar_failed = grammar_masks(requests, self.banned_token_ids)
         started = time.perf_counter()
         try:
             logits = self.runner.execute(step)
             sampled = sample(
-                logits[rows] if len(rows) != len(ending) else logits,
-                [c.request.params for c in sampling],
-                [c.request.num_tokens for c in sampling],
+                logits[rows] if rows != list(range(len(ending))) else logits,
+                [r.params for r in requests],
+                [r.num_tokens for r in requests],
                 self.banned_token_ids,
-                overwrite=True,  # the step's own logits: mask the never-sampled ids in place
+                overwrite=True,  # the step's own logits (or a copy of rows): mask the never-sampled ids in place
                 allowed=masks,
-                histories=[TokenHistory(c.request.prompt_token_ids, c.request.output_token_ids)
-                           if c.request.params.processes else None for c in sampling],
+                histories=[TokenHistory(r.prompt_token_ids, r.output_token_ids)
+                           if r.params.processes else None for r in requests],
                 eos_token_ids=finisher.eos_token_ids,
             )
         except Exception as e:  # a failing step fails its requests; the engine keeps serving
@@ -75,17 +78,21 @@ class FastStep:
         if tokens - len(step.chunks) >= MIN_PREFILL_TOKENS:  # more than one token per row: a prefill ran
             self.prefill_rate.observe(tokens, time.perf_counter() - started)
         self.scheduler.advance(step)
-        for chunk, token in zip(sampling, sampled):
-            if grammar_failed.get(chunk.request.request_id) == COMPLETE:
-                finisher.finish(chunk.request, FinishReason.STOP)
-                outputs.append(output_of(chunk.request, (), ""))
-            elif chunk.request.request_id in grammar_failed:
-                outputs.append(finisher.fail(chunk.request, grammar_failed[chunk.request.request_id]))
-            elif chunk.request.deterministic:  # a candidate: nothing reaches the client unverified
-                self.verifier.on_candidate(chunk.request, token, finisher.ends)
-                prefetch_mask(chunk.request)
+        for row, choice in forks:  # before choice 0's token, which may end it and free its tail
+            copies = self.scheduler.fork(ending[row].request, choice)
+            if copies is not None:
+                self.runner.apply_copies(copies)
+        for request, token in zip(requests, sampled):
+            if grammar_failed.get(request.request_id) == COMPLETE:
+                finisher.finish(request, FinishReason.STOP)
+                outputs.append(output_of(request, (), ""))
+            elif request.request_id in grammar_failed:
+                outputs.append(finisher.fail(request, grammar_failed[request.request_id]))
+            elif request.deterministic:  # a candidate: nothing reaches the client unverified
+                self.verifier.on_candidate(request, token, finisher.ends)
+                prefetch_mask(request)
             else:
-                outputs.append(finisher.on_token(chunk.request, token))
+                outputs.append(finisher.on_token(request, token))
         for chunk in ending:
             if chunk.request.prefill_only:  # its state now covers the whole prompt: done
                 finisher.finish(chunk.request, FinishReason.STOP)

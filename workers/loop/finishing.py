@@ -99,6 +99,9 @@ class Finisher:
         if request.guide is not None:
             request.guide.close()
             request.guide = None
+        for choice in list(request.forks):  # n > 1: choices not forked yet end with it (they hold nothing)
+            request.forks.remove(choice)
+            self.finish(choice, reason)
         request.awaiting_tool = reason is FinishReason.STOP and ends_in_tool_call(
             self.tokenizer, self.tool_format, request.reply_ids)
         try:

@@ -37,9 +37,18 @@ class RequestOutput:
     # when one is evicted, the engine's `withdrawn` names it, and the worker withdraws its announce.
     checkpoint_keys: tuple[PrefixKey, ...] = ()
     reused_from: ReuseSource = ReuseSource.NONE
+    # n > 1: which choice this is, of how many, and the id of the group (choice 0's request id,
+    # the one its caller streams)
+    index: int = 0
+    choices: int = 1
+    group_id: str = ""
     # params.prompt_logprobs set: an entry per prompt token (the first without a logprob), on the
-    # first output after its prefill (workers/prompt_logprobs.py)
+    # first output after its prefill (workers/prompt_logprobs.py); choice 0's only (n > 1)
     prompt_logprobs: tuple[PromptTokenLogprob, ...] | None = None
+
+    @property
+    def stream_id(self) -> str:
+        return self.group_id or self.request_id
 
     @property
     def new_token_ids(self) -> list[int]:
@@ -62,5 +71,8 @@ def output_of(request: Request, tokens: Iterable[SampledToken], delta: str, erro
         checkpoints=tuple(request.checkpoints_made) if request.is_finished else (),
         checkpoint_keys=tuple(request.checkpoint_keys) if request.is_finished else (),
         reused_from=request.reused_from,
+        index=request.choice,
+        choices=request.params.n,
+        group_id=request.group,
         prompt_logprobs=request.prompt_logprobs.take() if request.prompt_logprobs is not None else None,
     )

@@ -38,6 +38,8 @@ def backend_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
     check_logit_bias(params, vocab_size)
     if params.deterministic:
         raise InvalidRequestError("deterministic mode is not available on the vllm backend (run backend: ours)")
+    if params.n > 1:  # one reply per turn through the host's frames (its conversations commit one reply)
+        raise InvalidRequestError("n > 1 is not available on the vllm backend (run backend: ours)")
     if params.prompt_logprobs is not None:  # the host's frames carry no prompt logprobs yet
         raise InvalidRequestError("prompt_logprobs (and echo with logprobs) is not available on the vllm backend "
                                   "(run backend: ours)")
