@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -258,3 +259,15 @@ def render_overlay(root: Path = VLLM_OVERLAY) -> list[dict[str, Any]]:
         assert len(matched) == 1, target
         apply_json_patch(matched[0], yaml.safe_load((root / patch["path"]).read_text()))
     return docs
+
+
+def canonical(docs) -> list[str]:
+    """Documents as sorted JSON texts: two renderings compare equal whatever their order."""
+    return sorted(json.dumps(d, sort_keys=True) for d in docs)
+
+
+def kustomized(overlay: Path) -> list[str]:
+    """`kubectl kustomize overlay`, canonical: what the tests' own rendering must equal."""
+    out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return canonical(d for d in yaml.safe_load_all(out.stdout) if d)
