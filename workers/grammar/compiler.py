@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from workers.errors import InvalidRequestError
 from workers.grammar.constraint import Constraint, ConstraintKind
 from workers.tools.formats import JSON_STYLE, ToolFormat
-from workers.vllm_backend.host.hybridserve_vllm.token_view import ll_tokenizer
 
 log = logging.getLogger(__name__)
 GRAMMAR_CACHE = 256  # distinct constraints whose checked grammar text is kept
@@ -47,9 +46,16 @@ class GrammarCompiler:
 
     @functools.cached_property
     def ll_tokenizer(self):
+        import llguidance
+        import llguidance.hf
+
         if self._hf is None:
             raise InvalidRequestError("this model has no tokenizer: constrained decoding needs one")
-        return ll_tokenizer(self._hf, self.vocab_size, self.eos_token_ids)
+        try:
+            return llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+        except ValueError:  # a decoder llguidance does not read (the built-in tokenizer's Fuse)
+            return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(self._hf, self.vocab_size)),
+                                          n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
 
     def _grammar_text(self, constraint: Constraint) -> str:
         import llguidance
@@ -90,3 +96,18 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequestError(f"the grammar cannot be used: {matcher.get_error()}")
         return matcher
+
+
+class _TokenBytes:
+    """llguidance's view of a tokenizer whose decoder it cannot read: every id's own text."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int):
+        self._hf = hf_tokenizer
+        self.eos_token_id = hf_tokenizer.eos_token_id
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self.special_token_ids = sorted(set(hf_tokenizer.all_special_ids))
+        self.tokens = [hf_tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False).encode()
+                       if i < len(hf_tokenizer) else b"" for i in range(vocab_size)]
+
+    def __call__(self, text: str) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=False)

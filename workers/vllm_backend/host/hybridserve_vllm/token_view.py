@@ -1,6 +1,8 @@
-"""llguidance's view of a tokenizer (the text of every token id), shared by our grammar compiler
-(workers/grammar/compiler.py) and vLLM's guidance backend in the engine host, so a constraint
-masks the same tokens on both backends.
+"""llguidance's view of a tokenizer (the text of every token id) for vLLM's guidance backend in
+the engine host: the same view our grammar compiler builds (workers/grammar/compiler.py,
+`_TokenBytes`), so a constraint masks the same tokens on both backends. It is that view written
+again on purpose: this package runs in the vLLM environment, where our package is not installed,
+and our compiler must not import the vLLM backend's room (the grammar serves both backends).
 
 llguidance reads a fast Hugging Face tokenizer's decoder itself; one it cannot read (the
 built-in model's character-level tokenizer, whose decoder is a Fuse) gets a table of every
