@@ -25,6 +25,10 @@ live in the same LRU and follow the same pin rules; checkpoints have a byte budg
 Eviction takes first the checkpoints a longer one of the same request chain superseded (hit at
 most once: a shared system prompt is hit by every conversation and stays), then the least
 recently used of all.
+
+Here: the heads' names, pins, checkpoints, marks and prepared turns. The records are in
+head_records.py, the eviction order and budgets in eviction.py, the invariants in
+heads_integrity.py.
 """
 
 from __future__ import annotations
@@ -33,73 +37,24 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from workers.state_names import Holder, HolderKind, PrefixKey
+from workers.cache.eviction import Eviction
+from workers.cache.head_records import CommittedHead, PendingMark, PreparedState
+from workers.cache.heads_integrity import Integrity
 from workers.cache.kv_blocks import KVCacheManager
 from workers.cache.mamba_slots import MambaStateManager
 from workers.cache.prefix_index import PrefixIndex
 from workers.errors import HeadExistsError
-from workers.request import CheckpointMark, HeadAttachment, Request, RequestStatus, ReuseSource
+from workers.request import CheckpointMark, HeadAttachment, Request, ReuseSource
+from workers.state_names import Holder, HolderKind, PrefixKey
+
+__all__ = ["CommittedHead", "HeadManager", "PendingMark", "PreparedState"]
 
 log = logging.getLogger(__name__)
 WITHDRAWN_KEPT = 4096  # withdrawals not yet drained by the worker
 
 
-@dataclass
-class CommittedHead:
-    holder: Holder
-    conversation_key: str
-    turn: int
-    version: int  # the ledger version this head's state belongs to
-    state_len: int
-    aligned_len: int
-    canonical_window: int = 0  # see HeadAttachment
-    pinned_by: dict[str, Request] = field(default_factory=dict)  # request id -> the turn continuing it
-    last_used: float = field(default_factory=time.monotonic)
-    prefix: PrefixKey | None = None  # the token prefix it covers, if named in the prefix index
-    source: ReuseSource = ReuseSource.HEAD  # what a request attaching it reuses (metrics)
-    hits: int = 0  # requests that attached it by prefix lookup
-    superseded: bool = False  # a checkpoint a longer one of the same request chain replaced
-    chain_end: bool = False  # a checkpoint of where a request ended (a chain's link, not a mark)
-    awaiting_tool: bool = False  # its reply ended in tool calls: the next request brings their results
-
-    @property
-    def pins(self) -> int:
-        return len(self.pinned_by)
-
-    def attachment(self) -> HeadAttachment:
-        return HeadAttachment(self.holder, self.state_len, self.aligned_len, self.canonical_window)
-
-
-@dataclass
-class PreparedState:
-    holder: Holder
-    request_id: str
-    state_len: int
-    aligned_len: int
-    base: CommittedHead | None  # stays pinned until the turn is resolved
-    deadline: float
-    on_expire: Callable[[PreparedState], None] | None = None
-    canonical_window: int = 0  # see HeadAttachment
-    prefix: PrefixKey | None = None  # the head it becomes is named by it
-    awaiting_tool: bool = False  # see CommittedHead
-
-
-@dataclass
-class PendingMark:
-    """A checkpoint being made: its slot receives the Mamba state when the prefill passes the
-    mark; then it shares the request's blocks up to there and joins the index."""
-
-    holder: Holder
-    request_id: str
-    mark: CheckpointMark
-    slot: int
-    scheduled: bool = False  # a chunk cut its prefill there (else the slot never got the state)
-
-
-class HeadManager:
+class HeadManager(Eviction, Integrity):
     def __init__(
         self,
         kv: KVCacheManager,
@@ -297,13 +252,6 @@ class HeadManager:
         if not marks:
             del self.marking[pending.request_id]
 
-    def _checkpoints_over(self, extra_slots: int = 0) -> bool:
-        """Checkpoints and open marks (plus `extra_slots` more) past their bytes or slots."""
-        marks = sum(len(m) for m in self.marking.values()) + extra_slots
-        slots = sum(len(s) for h, s in self.states.slots.items() if h.kind is HolderKind.CHECKPOINT) + marks
-        used = self.bytes_used(HolderKind.CHECKPOINT) + marks * self.states.layout.slot_bytes
-        return slots > self.checkpoint_slots or used > self.checkpoint_budget_bytes
-
     def _detach(self, head: CommittedHead) -> None:
         """Requests still pinning a head that goes: queued ones recompute from their prompt."""
         for request in head.pinned_by.values():
@@ -311,80 +259,6 @@ class HeadManager:
                 request.head = None
                 self.counters["detached"] += 1
         head.pinned_by.clear()
-
-    def bytes_used(self, kind: HolderKind = HolderKind.HEAD) -> int:
-        """Bytes the holders of `kind` reference (a block shared by several is counted once)."""
-        blocks = {b for h, t in self.kv.tables.items() if h.kind is kind for b in t}
-        slots = sum(len(s) for h, s in self.states.slots.items() if h.kind is kind)
-        return len(blocks) * self.kv.layout.block_bytes + slots * self.states.layout.slot_bytes
-
-    def enforce_budget(self) -> None:
-        self._evict_while(lambda: self.bytes_used() > self.budget_bytes, lambda h: False, kind=HolderKind.HEAD)
-        self.enforce_checkpoint_budget()
-
-    def enforce_checkpoint_budget(self) -> None:
-        self._evict_while(self._checkpoints_over, lambda h: False, kind=HolderKind.CHECKPOINT)
-
-    def make_room(self, blocks: int, slots: int, protect: Holder | None, idle: bool, admitted: set[str]) -> bool:
-        """Evict until `blocks` KV blocks and `slots` state slots are free; False if impossible.
-
-        `protect`: the head the caller is about to read (never evicted here). `idle`: nothing
-        runs, so heads pinned only by requests that were never admitted may go too."""
-
-        def short() -> bool:
-            return self.kv.num_free < blocks or self.states.num_free < slots
-
-        def takeable(head: CommittedHead) -> bool:
-            # Never the base of an admitted or prepared (finished, awaiting its verdict) turn.
-            return idle and all(
-                r.status is RequestStatus.WAITING and rid not in admitted for rid, r in head.pinned_by.items()
-            )
-
-        self._evict_while(short, takeable, protect)
-        return not short()
-
-    def _evict_while(
-        self,
-        short: Callable[[], bool],
-        take_pinned: Callable[[CommittedHead], bool],
-        protect: Holder | None = None,
-        kind: HolderKind | None = None,
-    ) -> None:
-        while short():
-            candidates = [h for h in self.eviction_order(kind) if h.holder != protect]
-            victim = next((h for h in candidates if h.pins == 0), None)
-            if victim is None:
-                victim = next((h for h in candidates if take_pinned(h)), None)
-            if victim is None:
-                return
-            if self._in_tool_pause(victim, time.monotonic()):
-                self.counters["tool_pause_evictions"] += 1
-            self.drop(victim)
-            is_checkpoint = victim.holder.kind is HolderKind.CHECKPOINT
-            self.counters["checkpoint_evictions" if is_checkpoint else "evictions"] += 1
-
-    def _in_tool_pause(self, head: CommittedHead, now: float) -> bool:
-        """Waiting for its tools' results: not yet taken up (a checkpoint a request attached, or
-        one a longer link superseded, has had its results back)."""
-        return (head.awaiting_tool and not head.superseded and head.hits == 0
-                and now - head.last_used < self.tool_pause_s)
-
-    def eviction_order(self, kind: HolderKind | None) -> list[CommittedHead]:
-        """Superseded checkpoints hit at most once first, then least recently used first; states
-        waiting for tool results (within tool_pause_s) last of all: an agent loop's pause for
-        its tools is not idleness, its next step comes back for this state."""
-        if kind is HolderKind.HEAD or not self.checkpoints:
-            order = list(self.heads.values())
-        else:
-            checkpoints = list(self.checkpoints.values())
-            spent = [c for c in checkpoints if c.superseded and c.hits <= 1]
-            rest = checkpoints if kind is HolderKind.CHECKPOINT else [*self.heads.values(), *checkpoints]
-            order = spent + sorted((h for h in rest if not (h.superseded and h.hits <= 1)), key=lambda h: h.last_used)
-        if not self.tool_pause_s:
-            return order
-        now = time.monotonic()
-        paused = [h for h in order if self._in_tool_pause(h, now)]
-        return [h for h in order if not self._in_tool_pause(h, now)] + paused if paused else order
 
     # -- prepared turns -------------------------------------------------------------------------
     def prepare(
@@ -462,36 +336,3 @@ class HeadManager:
 
     def next_deadline(self) -> float | None:
         return min((p.deadline for p in self.prepared.values()), default=None)
-
-    # -- integrity ------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Every block or slot held by a head or prepared turn belongs to one this manager knows."""
-        marks = {p.holder: p for held in self.marking.values() for p in held}
-        for kind, known in (
-            (HolderKind.HEAD, self.heads), (HolderKind.PREPARED, self.prepared),
-            (HolderKind.CHECKPOINT, self.checkpoints), (HolderKind.MARK, marks),
-        ):
-            for what, manager in (("KV blocks", self.kv), ("Mamba slots", self.states)):
-                stray = [h for h in manager.holders() if h.kind is kind and h not in known]
-                assert not stray, f"{what} held by unknown {kind.value} holders (a leak): {stray}"
-            for holder in known:
-                assert holder in self.states.slots, f"{holder} holds no state slot"
-        assert {(h.conversation_key, h.turn): h for h in self.heads.values()} == self._by_turn, "head index"
-        # A pin that outlives its request keeps the head from eviction forever (a leak).
-        awaiting = {(p.base.holder, p.request_id) for p in self.prepared.values() if p.base is not None}
-        for head in [*self.heads.values(), *self.checkpoints.values()]:
-            stale = [
-                rid for rid, r in head.pinned_by.items()
-                if r.status is RequestStatus.FINISHED and (head.holder, rid) not in awaiting
-            ]
-            assert not stale, f"{head.holder} pinned by requests that ended: {stale}"
-        bs = self.kv.block_size
-        for head in [*self.heads.values(), *self.checkpoints.values()]:
-            assert len(self.kv.table(head.holder)) == -(-head.state_len // bs), f"head table vs state_len: {head}"
-            assert 0 <= head.aligned_len <= head.state_len, head
-            assert head.prefix is None or head.prefix.length == head.state_len, f"prefix key vs state_len: {head}"
-        named = {(key, id(h)) for key, held in self.index.items() for h in held}
-        holding = {(h.prefix, id(h)) for h in [*self.heads.values(), *self.checkpoints.values()] if h.prefix}
-        assert named == holding, "prefix index vs the held heads and checkpoints"
-        for pending in marks.values():
-            assert pending.holder not in self.kv.tables, f"a checkpoint being made holds KV blocks: {pending}"
