@@ -25,6 +25,7 @@ import grpc
 
 from cache_service import placement
 from cache_service.errors import Unavailable
+from cache_service.logs import fields
 from cache_service.placement import Targets
 from proto import cache_pb2_grpc
 
@@ -42,6 +43,7 @@ class InstancePool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, cache_pb2_grpc.CacheServiceStub] = {}
         self._members: list[str] = list(targets.addresses)
+        self._resolved: dict[tuple[str, int], list[str]] = {}  # each name's last answer
         self._resolved_at = -float("inf")
         self._refresh: asyncio.Task | None = None
         self._down_until: dict[str, float] = {}
@@ -57,7 +59,7 @@ class InstancePool:
         """The current instances. The first call waits for DNS; later ones refresh in the background."""
         if not self.targets.dns_names:
             return self._members
-        if self._resolved_at == -float("inf"):
+        if not self._members:  # not resolved yet, or resolved to nothing: no one to call but DNS
             await self._resolve()
         elif time.monotonic() - self._resolved_at > self._refresh_s:
             self._refresh_soon()
@@ -71,15 +73,14 @@ class InstancePool:
 
     async def _resolve(self) -> None:
         loop = asyncio.get_running_loop()
-        found: list[str] = []
         for host, port in self.targets.dns_names:
             try:
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as exc:  # keep what the name said last time
-                log.warning("cache_dns_failed", extra={"host": host, "error": str(exc)})
-                found += [m for m in self._members if m not in self.targets.addresses]
+                log.warning("cache_dns_failed", extra=fields(host=host, error=str(exc)))
                 continue
-            found += placement.addresses_of(infos, port)
+            self._resolved[(host, port)] = placement.addresses_of(infos, port)
+        found = [a for name in self.targets.dns_names for a in self._resolved.get(name, ())]
         self._members = list(dict.fromkeys([*self.targets.addresses, *found]))
         self._resolved_at = time.monotonic()
 

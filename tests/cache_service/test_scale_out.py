@@ -180,3 +180,8 @@ async def test_sigkilled_instance_loses_no_acknowledged_turn_and_the_others_serv
             assert head.tier_version == 1  # Redis still records the export
             with pytest.raises(NotFound):
                 await asyncio.wait_for(one_copy.get_state(conv, head.tier_version), 10)
+        # Fresh clients pick their metadata instance at random: those that pick the dead one move on.
+        for _ in range(20):
+            async with fleet_client(fleet) as fresh:
+                head = await asyncio.wait_for(fresh.get_head(busy[0]), 10)
+                assert head.version == acked[busy[0]][-1]
