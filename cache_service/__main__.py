@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from cache_service import logs
-from cache_service.config import EventLoop, FsyncPolicy, Limits, PutLimits, ServerConfig, TierConfig
+from cache_service.config import EventLoop, FsyncPolicy, Limits, PutLimits, ServerConfig, TierConfig, TierPlacement
 from cache_service.server import serve
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often tier entries of expired conversations are dropped [CACHE_TIER_SWEEP_INTERVAL_S]")
     p.add_argument("--redis-maxmemory", type=parse_bytes, default=parse_bytes(env("CACHE_REDIS_MAXMEMORY", "1GiB")),
                    help="maxmemory of the embedded Redis (policy noeviction), 0 = none [CACHE_REDIS_MAXMEMORY]")
+    p.add_argument("--tier-placement", choices=[t.value for t in TierPlacement],
+                   default=env("CACHE_TIER_PLACEMENT", TierPlacement.SINGLE.value),
+                   help="single: one instance holds the tier; rendezvous: several instances on one Redis, "
+                        "entries placed by the clients [CACHE_TIER_PLACEMENT]")
     return p
 
 
@@ -112,7 +116,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         puts=PutLimits(max_staged_bytes=args.max_staged_bytes, idle_timeout_s=args.put_idle_timeout_s),
         auth_token=auth, health_interval_s=args.health_interval_s, prefix_ttl_s=args.prefix_ttl_s,
         conversation_ttl_s=args.conversation_ttl_s, tier_sweep_interval_s=args.tier_sweep_interval_s,
-        redis_maxmemory_bytes=args.redis_maxmemory)
+        redis_maxmemory_bytes=args.redis_maxmemory, tier_placement=TierPlacement(args.tier_placement))
 
 
 def main() -> None:

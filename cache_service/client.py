@@ -18,6 +18,12 @@ take `lease_token=` either the Lease returned by acquire_lease (it carries the p
 or the bare token number, in which case this client supplies the proof it remembers
 from its own acquire_lease; a different client instance must be given the Lease (or
 `lease_proof=`).
+
+Several instances (`"a:50051,b:50051"`, or `"dns:///peers:50051"` for every address a name resolves
+to): metadata calls go to any live instance and fail over to another on UNAVAILABLE (Redis holds
+the metadata, so every instance answers the same); state-tier entries go to the instances that
+rendezvous hashing ranks first for the conversation (placement.py, placed_tier.py). One plain
+address behaves as a single instance always did.
 """
 
 from __future__ import annotations
@@ -29,19 +35,17 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
-from cache_service import hashing, state_chunks
+from cache_service import hashing, placed_tier, state_chunks
 from cache_service.errors import (  # noqa: F401 (the client's face: callers catch these from here)
     AlreadyExists, CacheError, DataLoss, DeadlineExceeded, Interrupted, InvalidArgument, LeaseHeld, LeaseLost,
     MissingChunks, NotFound, ResourceExhausted, StaleFence, StorageFull, Unauthenticated, Unavailable,
-    VersionConflict, from_status,
+    VersionConflict,
 )
 from cache_service.client_config import SERVICE_LIMITS, ClientConfig, RetryPolicy  # noqa: F401 (the client's face)
-from cache_service.wire import bearer
+from cache_service.client_transport import Transport
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 from proto.contract import ConversationRef
@@ -81,24 +85,14 @@ def _messages(messages: Sequence[pb.Message | Mapping[str, Any]]) -> list[pb.Mes
 
 class CacheClient:
     def __init__(self, target: str, config: ClientConfig | None = None):
+        """`target`: one address, or several and/or `dns:///name:port` entries, comma-separated."""
         self.config = config or ClientConfig()
         self.target = target
-        size = self.config.max_message_bytes
-        self._channel = grpc.aio.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", size),
-            ("grpc.max_send_message_length", size),
-            # Reconnect quickly after a service restart (gRPC's default starts at 1 s
-            # and grows to 120 s, far longer than a restart takes).
-            ("grpc.initial_reconnect_backoff_ms", 50),
-            ("grpc.min_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ])
-        self._stub = cache_pb2_grpc.CacheServiceStub(self._channel)
-        self._metadata = bearer(self.config.auth_token) if self.config.auth_token else None
+        self._calls = Transport(target, self.config)
         self._proofs: OrderedDict[tuple[ConversationRef, int], bytes] = OrderedDict()
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._calls.close()
 
     async def __aenter__(self) -> "CacheClient":
         return self
@@ -107,32 +101,8 @@ class CacheClient:
         await self.close()
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
-        await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
-
-    # -- the retry loop -------------------------------------------------------------
-
-    async def _retrying(self, attempt_fn: Callable[[], Any], *, stream: bool = False) -> Any:
-        """Retry UNAVAILABLE. For the (idempotent) state streams also INTERNAL without
-        an hs-reason: what a stream cut by a service crash looks like."""
-        policy = self.config.retry
-        for attempt in range(policy.attempts):
-            try:
-                return await attempt_fn()
-            except grpc.aio.AioRpcError as exc:
-                error = from_status(exc.code(), exc.details() or "", exc.trailing_metadata())
-                if isinstance(error, Interrupted) and stream and exc.code() == grpc.StatusCode.INTERNAL:
-                    error = Unavailable(f"state stream cut: {exc.details()}")
-                if error is None:
-                    raise
-                if not isinstance(error, Unavailable) or attempt == policy.attempts - 1:
-                    raise error from exc
-            await asyncio.sleep(policy.backoff(attempt))
-        raise AssertionError("unreachable")
-
-    async def _unary(self, method: str, request) -> Any:
-        rpc = getattr(self._stub, method)
-        return await self._retrying(lambda: rpc(request, timeout=self.config.timeout_s,
-                                                metadata=self._metadata))
+        """Until the service (one of its instances) accepts connections."""
+        await self._calls.wait_ready(timeout_s)
 
     # -- lease proofs -----------------------------------------------------------------
 
@@ -168,7 +138,7 @@ class CacheClient:
         attempt = 0
         while True:
             try:
-                lease = await self._unary("AcquireLease", request)
+                lease = await self._calls.unary("AcquireLease", request)
                 self._remember(conv, lease)
                 return lease
             except LeaseHeld:
@@ -183,19 +153,19 @@ class CacheClient:
         token, proof = self._fence(conv, token, lease_proof)
         request = pb.RenewLeaseRequest(key=key_message(conv), token=token, ttl_ms=ttl_ms, lease_proof=proof)
         if timeout_s is None:
-            return await self._unary("RenewLease", request)
-        return await self._once("RenewLease", request, timeout_s)
+            return await self._calls.unary("RenewLease", request)
+        return await self._calls.once("RenewLease", request, timeout_s)
 
     async def release_lease(self, conv: ConversationRef, token: LeaseArg, *,
                             lease_proof: bytes | None = None) -> None:
         token, proof = self._fence(conv, token, lease_proof)
-        await self._unary("ReleaseLease", pb.ReleaseLeaseRequest(key=key_message(conv), token=token, lease_proof=proof))
+        await self._calls.unary("ReleaseLease", pb.ReleaseLeaseRequest(key=key_message(conv), token=token, lease_proof=proof))
 
     # -- heads and ledger -------------------------------------------------------------
 
     async def get_head(self, conv: ConversationRef) -> pb.Head:
         """NotFound when the conversation has no head (or the salt is wrong)."""
-        return await self._unary("GetHead", pb.GetHeadRequest(key=key_message(conv)))
+        return await self._calls.unary("GetHead", pb.GetHeadRequest(key=key_message(conv)))
 
     async def get_head_or_none(self, conv: ConversationRef) -> pb.Head | None:
         try:
@@ -221,7 +191,7 @@ class CacheClient:
             committed_tokens=committed_tokens, tokens_sha256=tokens_sha256,
             owner_replica=owner_replica, release_lease=release_lease,
             publish_id=publish_id or uuid.uuid4().hex)
-        return await self._unary("PublishTurn", request)
+        return await self._calls.unary("PublishTurn", request)
 
     async def discard(self, conv: ConversationRef, lease_token: LeaseArg, *,
                       lease_proof: bytes | None = None) -> pb.Head:
@@ -230,7 +200,7 @@ class CacheClient:
         (version 0 if the conversation has none)."""
         token, proof = self._fence(conv, lease_token, lease_proof)
         try:
-            head = await self._unary("Discard", pb.DiscardRequest(key=key_message(conv), lease_token=token,
+            head = await self._calls.unary("Discard", pb.DiscardRequest(key=key_message(conv), lease_token=token,
                                                                    lease_proof=proof))
         except LeaseLost:
             head = await self.get_head_or_none(conv) or pb.Head()
@@ -242,7 +212,7 @@ class CacheClient:
         """Keep turns 1..turn as a new head version (turn 0: an empty history); the lease
         stays held. Regenerating the last turn = rewind to turn - 1, then publish."""
         token, proof = self._fence(conv, lease_token, lease_proof)
-        return await self._unary("RewindConversation", pb.RewindConversationRequest(
+        return await self._calls.unary("RewindConversation", pb.RewindConversationRequest(
             key=key_message(conv), lease_token=token, lease_proof=proof, expected_version=expected_version,
             turn=turn, owner_replica=owner_replica))
 
@@ -250,7 +220,7 @@ class CacheClient:
                                 expected_version: int = 0) -> pb.Head:
         """Copy turns 1..turn into conv.fork(new_conversation_id) (same salt) and
         return its head (version 1); AlreadyExists if it has one."""
-        return await self._unary("ForkConversation", pb.ForkConversationRequest(
+        return await self._calls.unary("ForkConversation", pb.ForkConversationRequest(
             key=key_message(conv), new_conversation_id=new_conversation_id, turn=turn,
             expected_version=expected_version))
 
@@ -259,7 +229,7 @@ class CacheClient:
         """The ledger page by page, as the service cuts it (by turns and by bytes)."""
         nxt = max(from_turn, 1)
         while nxt:
-            page = await self._unary("ReadLedger", pb.ReadLedgerRequest(key=key_message(conv), from_turn=nxt))
+            page = await self._calls.unary("ReadLedger", pb.ReadLedgerRequest(key=key_message(conv), from_turn=nxt))
             yield page
             nxt = page.next_turn
 
@@ -272,7 +242,7 @@ class CacheClient:
         for _ in range(self.config.max_ledger_page_restarts):
             out = pb.ReadLedgerResponse(next_turn=max(from_turn, 1))
             while out.next_turn and not (max_turns and len(out.turns) >= max_turns):
-                page = await self._unary("ReadLedger", pb.ReadLedgerRequest(
+                page = await self._calls.unary("ReadLedger", pb.ReadLedgerRequest(
                     key=key_message(conv), from_turn=out.next_turn,
                     max_turns=max_turns - len(out.turns) if max_turns else 0))
                 if out.HasField("head") and page.head.version != out.head.version:
@@ -285,14 +255,26 @@ class CacheClient:
         raise VersionConflict("the ledger kept changing while it was read", current_version=out.head.version)
 
     async def delete_conversation(self, conv: ConversationRef) -> bool:
-        reply = await self._unary("DeleteConversation", pb.DeleteConversationRequest(key=key_message(conv)))
+        request = pb.DeleteConversationRequest(key=key_message(conv))
+        if not self._calls.pool.single:
+            # Sent to the instances holding the conversation's tier entry: each drops its copy (and
+            # deletes in Redis, the later ones finding nothing). A holder that missed it drops its
+            # copy at its next sweep; a re-created conversation never reads it (another incarnation).
+            holders = (await self._calls.pool.ranked(conv.key))[:self.config.tier_copies]
+            replies = await asyncio.gather(*(
+                self._calls.once("DeleteConversation", request, self.config.timeout_s, address=a) for a in holders
+            ), return_exceptions=True)
+            answered = [r for r in replies if isinstance(r, pb.DeleteConversationResponse)]
+            if answered:
+                return any(r.existed for r in answered)
+        reply = await self._calls.unary("DeleteConversation", request)
         return reply.existed
 
     async def transfer_ownership(self, conv: ConversationRef, *, lease_token: LeaseArg,
                                  expected_version: int, new_owner: str,
                                  lease_proof: bytes | None = None) -> pb.Head:
         token, proof = self._fence(conv, lease_token, lease_proof)
-        return await self._unary("TransferOwnership", pb.TransferOwnershipRequest(
+        return await self._calls.unary("TransferOwnership", pb.TransferOwnershipRequest(
             key=key_message(conv), lease_token=token, lease_proof=proof, expected_version=expected_version,
             new_owner=new_owner))
 
@@ -303,14 +285,14 @@ class CacheClient:
         request's worth (SERVICE_LIMITS.max_prefix_entries) is sent in several."""
         step = SERVICE_LIMITS.max_prefix_entries
         for start in range(0, len(entries), step):
-            await self._unary("AnnouncePrefixes", pb.AnnouncePrefixesRequest(replica=replica, entries=[
+            await self._calls.unary("AnnouncePrefixes", pb.AnnouncePrefixesRequest(replica=replica, entries=[
                 pb.PrefixEntry(name=name, tokens=tokens) for name, tokens in entries[start:start + step]]))
 
     async def forget_prefixes(self, replica: str, names: Sequence[str]) -> None:
         """`replica` no longer holds these prefixes (names it never announced are fine)."""
         step = SERVICE_LIMITS.max_prefix_entries
         for start in range(0, len(names), step):
-            await self._unary("ForgetPrefixes", pb.ForgetPrefixesRequest(
+            await self._calls.unary("ForgetPrefixes", pb.ForgetPrefixesRequest(
                 replica=replica, names=list(names[start:start + step])))
 
     async def find_prefix(self, names: Sequence[str], *, timeout_s: float | None = None) -> PrefixMatch | None:
@@ -321,25 +303,15 @@ class CacheClient:
             return None
         request = pb.FindPrefixRequest(names=list(names))
         if timeout_s is None:
-            reply = await self._unary("FindPrefix", request)
+            reply = await self._calls.unary("FindPrefix", request)
         else:
-            reply = await self._once("FindPrefix", request, timeout_s)
+            reply = await self._calls.once("FindPrefix", request, timeout_s)
         if reply.index < 0:
             return None
         return PrefixMatch(reply.index, tuple((h.replica, h.tokens) for h in reply.holders))
 
-    async def _once(self, method: str, request, timeout_s: float) -> Any:
-        """One attempt, no retries; errors typed as by the retry loop."""
-        try:
-            return await getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            error = from_status(exc.code(), exc.details() or "", exc.trailing_metadata())
-            if error is None:
-                raise
-            raise error from exc
-
     async def stats(self) -> pb.Stats:
-        return await self._unary("GetStats", pb.GetStatsRequest())
+        return await self._calls.unary("GetStats", pb.GetStatsRequest())
 
     # -- state tier (chunks and manifests: state_chunks.py) -----------------------------
     async def put_state(self, conv: ConversationRef, version: int | pb.Head,
@@ -368,26 +340,43 @@ class CacheClient:
         chunks = state_chunks.cut(data, self.config.chunk_bytes)
         digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
         manifest = state_chunks.manifest(key_message(conv), version, incarnation, chunks, digests, lease)
-        missing = await self._unary("MissingChunks", pb.MissingChunksRequest(
-            key=key_message(conv), digests=list(dict.fromkeys(digests))))
+        if self._calls.pool.single:
+            return await self._put_on(manifest, chunks, digests, self._calls.retrying)
+        return await placed_tier.put(
+            self._calls.pool, conv.key, self.config.tier_copies,
+            lambda address: self._put_on(manifest, chunks, digests, self._calls.on(address)), self.config.retry)
+
+    async def _put_on(self, manifest: pb.StateManifest, chunks: Sequence[bytes], digests: Sequence[bytes],
+                      run: Callable[..., Any]) -> pb.PutStateResponse:
+        """Ask which chunks the tier lacks, then stream the manifest and those; `run` makes each call
+        (retrying on live instances, or once on one instance)."""
+        missing = await run(lambda stub: stub.MissingChunks(
+            pb.MissingChunksRequest(key=manifest.key, digests=list(dict.fromkeys(digests))),
+            timeout=self.config.timeout_s, metadata=self._calls.metadata))
+
+        def stream(send: set[bytes]) -> Callable[[cache_pb2_grpc.CacheServiceStub], Any]:
+            return lambda stub: stub.PutState(state_chunks.put_requests(manifest, chunks, digests, send),
+                                              timeout=self.config.stream_timeout_s, metadata=self._calls.metadata)
         try:
-            return await self._put_stream(manifest, chunks, digests, set(missing.digests))
+            return await run(stream(set(missing.digests)), stream=True)
         except MissingChunks:
             # Chunks the tier held a moment ago were superseded meanwhile: send all.
-            return await self._put_stream(manifest, chunks, digests, set(digests))
+            return await run(stream(set(digests)), stream=True)
 
-    async def _put_stream(self, manifest: pb.StateManifest, chunks: Sequence[bytes],
-                          digests: Sequence[bytes], send: set[bytes]) -> pb.PutStateResponse:
-        return await self._retrying(
-            lambda: self._stub.PutState(state_chunks.put_requests(manifest, chunks, digests, send),
-                                        timeout=self.config.stream_timeout_s,
-                                        metadata=self._metadata), stream=True)
+    async def get_state(self, conv: ConversationRef, version: int = 0, *,
+                        incarnation: str | None = None) -> tuple[int, bytes]:
+        """Import a head's state: (version, bytes), every chunk verified end to end. With
+        `incarnation` (the head's), state of another life of the conversation is NotFound."""
+        request = pb.GetStateRequest(key=key_message(conv), version=version)
 
-    async def get_state(self, conv: ConversationRef, version: int = 0) -> tuple[int, bytes]:
-        """Import a head's state: (version, bytes), every chunk verified end to end."""
-        async def attempt() -> tuple[int, bytes]:
-            call = self._stub.GetState(pb.GetStateRequest(key=key_message(conv), version=version),
-                                       timeout=self.config.stream_timeout_s, metadata=self._metadata)
-            return await state_chunks.read_verified(call)
-
-        return await self._retrying(attempt, stream=True)
+        def attempt(stub: cache_pb2_grpc.CacheServiceStub) -> Any:
+            return state_chunks.read_entry(stub.GetState(request, timeout=self.config.stream_timeout_s,
+                                                         metadata=self._calls.metadata))
+        if not self._calls.pool.single:
+            return await placed_tier.get(self._calls.pool, conv.key, self.config.tier_copies,
+                                         lambda address: self._calls.on(address)(attempt, stream=True),
+                                         self.config.retry, incarnation=incarnation)
+        manifest, data = await self._calls.retrying(attempt, stream=True)
+        if incarnation is not None and manifest.incarnation != incarnation:
+            raise NotFound("the state tier holds another incarnation of this conversation")
+        return manifest.version, data

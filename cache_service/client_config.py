@@ -38,3 +38,13 @@ class ClientConfig:
     auth_token: str | None = field(default=None, repr=False)
     max_remembered_leases: int = 4096  # proofs kept for callers that pass bare tokens
     max_ledger_page_restarts: int = 5  # a ledger rewritten mid-read is read again
+    # Several instances (placement.py): how many hold each tier entry (placed_tier.py says why 2),
+    # how often DNS names are resolved again, and how long an instance that answered UNAVAILABLE
+    # is passed over before it is tried again.
+    tier_copies: int = 2
+    discovery_refresh_s: float = 5.0
+    instance_down_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.tier_copies < 1 or self.discovery_refresh_s <= 0 or self.instance_down_s < 0:
+            raise ValueError("need tier_copies >= 1, discovery_refresh_s > 0, instance_down_s >= 0")

@@ -25,6 +25,20 @@ class FsyncPolicy(enum.Enum):
     NO = "no"
 
 
+class TierPlacement(enum.Enum):
+    """Who holds the state tier's entries, and so what a head's `tier_version` reports.
+
+    SINGLE: this one instance holds every entry; a head reports the version its own tier holds
+    (the only truth after a restart emptied it). RENDEZVOUS: several instances share one Redis and
+    the clients place each entry on some of them (cache_service/placement.py); the instance that
+    answers a head rarely holds its entry, so a head reports what Redis recorded at the last
+    accepted put. An entry lost with its instance is then found missing at import, and the
+    worker recomputes from the ledger."""
+
+    SINGLE = "single"
+    RENDEZVOUS = "rendezvous"
+
+
 @dataclass(frozen=True)
 class Limits:
     """Bounds on client input; anything beyond is INVALID_ARGUMENT, nothing written."""
@@ -126,6 +140,7 @@ class ServerConfig:
     # The embedded redis-server's maxmemory (0 = none); its policy is always noeviction: a
     # write refused for memory is STORAGE_FULL, never a lease or head evicted silently.
     redis_maxmemory_bytes: int = 1 << 30
+    tier_placement: TierPlacement = TierPlacement.SINGLE
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

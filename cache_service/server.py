@@ -76,7 +76,8 @@ class CacheServer:
             ("grpc.so_reuseport", 0),
         ])
         self._servicer = CacheServicer(self._store, tier, signer, limits=cfg.limits, puts=cfg.puts,
-                                       fence_ttl_ms=cfg.fence_ttl_ms, prefix_ttl_ms=round(cfg.prefix_ttl_s * 1000))
+                                       fence_ttl_ms=cfg.fence_ttl_ms, prefix_ttl_ms=round(cfg.prefix_ttl_s * 1000),
+                                       placement=cfg.tier_placement)
         wire.add_servicer(self._servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -91,6 +92,7 @@ class CacheServer:
                                          embedded_redis=self.embedded is not None,
                                          tier_dir=str(cfg.tier.directory),
                                          tier_budget_bytes=cfg.tier.memory_budget_bytes,
+                                         tier_placement=cfg.tier_placement.value,
                                          auth=cfg.auth_token is not None,
                                          conversation_ttl_s=cfg.conversation_ttl_s,
                                          event_loop=type(asyncio.get_running_loop()).__module__))

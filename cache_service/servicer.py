@@ -3,8 +3,10 @@
 The event loop never waits on the tier's lock (held during disk I/O): tier calls other than
 its lock-free reads go through `asyncio.to_thread`, so a spill stalls no other RPC.
 
-Head replies always report the tier version the tier actually holds, which is the
-only truth after a service restart (the tier's index lives in this process).
+Head replies of a single instance report the tier version its tier actually holds, which is
+the only truth after a service restart (the tier's index lives in this process). Instances that
+share the tier (TierPlacement.RENDEZVOUS) report what Redis recorded at the last accepted put:
+the entry lives on other instances, and one lost with its instance is found missing at import.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import weakref
 from collections.abc import Callable
 
 from cache_service import errors, validation
-from cache_service.config import Limits, PutLimits
+from cache_service.config import Limits, PutLimits, TierPlacement
 from cache_service.hashing import sha256
 from cache_service.keys import ConversationKeys
 from cache_service.leases import Fence, LeaseSigner
@@ -57,8 +59,10 @@ def publish_digest(request: pb.PublishTurnRequest) -> str:
 
 class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     def __init__(self, store: MetadataStore, tier: StateTier, signer: LeaseSigner, *,
-                 limits: Limits, puts: PutLimits, fence_ttl_ms: Callable[[int], int], prefix_ttl_ms: int):
+                 limits: Limits, puts: PutLimits, fence_ttl_ms: Callable[[int], int], prefix_ttl_ms: int,
+                 placement: TierPlacement = TierPlacement.SINGLE):
         self.store = store
+        self.placement = placement
         self.tier = tier
         self.signer = signer
         self.limits = limits
@@ -78,7 +82,8 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         return lock
 
     def _with_tier(self, keys: ConversationKeys, head: pb.Head) -> pb.Head:
-        head.tier_version = self.tier.version_of(keys.conv_hash)
+        if self.placement is TierPlacement.SINGLE:
+            head.tier_version = self.tier.version_of(keys.conv_hash)
         return head
 
     def _key(self, key: pb.ConversationKey) -> ConversationKeys:

@@ -42,6 +42,12 @@ async def put_requests(manifest: pb.StateManifest, chunks: Sequence[bytes], dige
 
 async def read_verified(replies: AsyncIterable[pb.GetStateResponse]) -> tuple[int, bytes]:
     """(version, bytes) of a GetState stream; DataLoss for a corrupted chunk or a short stream."""
+    manifest, data = await read_entry(replies)
+    return manifest.version, data
+
+
+async def read_entry(replies: AsyncIterable[pb.GetStateResponse]) -> tuple[pb.StateManifest, bytes]:
+    """(manifest, bytes) of a GetState stream; DataLoss for a corrupted chunk or a short stream."""
     head, parts = None, []
     async for reply in replies:
         if reply.HasField("manifest"):
@@ -53,4 +59,4 @@ async def read_verified(replies: AsyncIterable[pb.GetStateResponse]) -> tuple[in
         parts.append(reply.chunk.data)
     if head is None or len(parts) != len(head.chunks):
         raise DataLoss("state stream ended early")
-    return head.version, b"".join(parts)
+    return head, b"".join(parts)

@@ -77,7 +77,9 @@ class AppSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
     model: str = Field("", description="checkpoint directory; empty: the built-in model (ours: the trained one in the package)")
-    cache_service: str = Field("", description="host:port of the cache service; empty: start one for the app")
+    cache_service: str = Field("", description="host:port of the cache service, or its instances: a comma-separated "
+                                                "list and/or dns:///name:port (every address the name resolves to); "
+                                                "empty: start one for the app")
     redis_url: str = Field("", description="Redis of the started cache service; empty: its embedded redis-server")
     data_dir: str = Field("data/serve", description="where a started cache service keeps Redis AOF and the tier")
     conversation_ttl_s: float = Field(

@@ -42,7 +42,9 @@ async def attach(session: Session, settings: AppSettings, cache: Callable[[], Aw
         # An older copy (the owner died before exporting its last turns) still spares the
         # turns it covers: the engine continues it and runs only the turns after it.
         try:
-            _, blob = await client.get_state(conv, tier_version)
+            # The incarnation: a copy left on an instance from before a delete and re-creation
+            # at the same version must not be imported.
+            _, blob = await client.get_state(conv, tier_version, incarnation=ledger.head.incarnation or None)
             await session.import_state(conv, blob)
             return Recovery.TIER_IMPORT if tier_version == head.version else Recovery.TIER_PREFIX
         except (CacheError, CorruptStateError, OutOfCacheError) as e:  # the tier is a cache: never fatal

@@ -28,7 +28,7 @@ from k8s_helpers import (
     rayservice_errors,
 )
 
-BUILTIN_KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "PersistentVolumeClaim"}
+BUILTIN_KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "PersistentVolumeClaim", "PodDisruptionBudget"}
 
 
 # -- every file parses; every object validates --------------------------------------------------
@@ -180,7 +180,6 @@ def test_cache_service_reaches_redis_at_the_statefulsets_pod_name():
 
 def test_cache_service_has_grpc_health_probes_on_its_port():
     deployment = one("Deployment", "hybridserve-cache")
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
     (c,) = deployment["spec"]["template"]["spec"]["containers"]
     port = {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"]
     config = one("ConfigMap", "hybridserve-config")["data"]
@@ -190,6 +189,21 @@ def test_cache_service_has_grpc_health_probes_on_its_port():
     for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["grpc"] == {"port": port, "service": service}, probe
     assert "livenessProbe" in c
+
+
+def test_cache_service_runs_several_instances_that_a_disruption_never_takes_all_of():
+    deployment = one("Deployment", "hybridserve-cache")
+    pods = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["replicas"] >= 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] < deployment["spec"]["replicas"]
+    pdb = one("PodDisruptionBudget", "hybridserve-cache")["spec"]
+    assert pdb["minAvailable"] >= 1 and pdb["selector"]["matchLabels"].items() <= pods.items()
+    # The instances share the tier, so heads report Redis's record of it (cache_service/config.py).
+    assert one("ConfigMap", "hybridserve-config")["data"]["CACHE_TIER_PLACEMENT"] == "rendezvous"
+    # The headless Service: one DNS record per ready pod, for the clients' placement.
+    peers = one("Service", "hybridserve-cache-peers")["spec"]
+    assert peers["clusterIP"] == "None" and not peers["publishNotReadyAddresses"]
+    assert peers["selector"].items() <= pods.items()
 
 
 def test_cache_service_settings_are_flags_of_python_m_cache_service():

@@ -84,10 +84,15 @@ def test_arguments_are_valid_app_settings(k8s):
     assert settings.cache_service and settings.model
 
 
-def test_the_cache_service_argument_is_the_cache_service_service(k8s):
-    host, port = app(k8s)["args"]["cache_service"].rsplit(":", 1)
+def test_the_cache_service_argument_names_every_instance_through_the_headless_service(k8s):
+    from cache_service.placement import parse_targets
+
+    targets = parse_targets(app(k8s)["args"]["cache_service"])
+    assert not targets.addresses  # no fixed address: the instances are the Service's pods
+    ((host, port),) = targets.dns_names
     svc = one("Service", host)
-    assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
+    assert svc["spec"]["clusterIP"] == "None"
+    assert port in {p["port"] for p in svc["spec"]["ports"]}
 
 
 def test_file_arguments_are_mounted_in_every_ray_pod(k8s):

@@ -32,7 +32,7 @@ class TierFailing(CacheClient):
 
     error: Exception
 
-    async def get_state(self, conv, version=0):
+    async def get_state(self, conv, version=0, *, incarnation=None):
         raise self.error
 
 
