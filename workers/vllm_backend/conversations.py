@@ -157,7 +157,7 @@ class HostedConversations:
         held, conv = self.heads.get(ref.key), self.ledgers.get(ref.key)
         if held is None or conv is None or held.turn != conv.turn:  # as our engine: the latest turn's head
             raise ConversationNotFoundError(f"no head of {ref.id!r}'s latest turn here")
-        state_len, blocks, state = await self.host.call("export", head=held.head_id)
+        state_len, blocks, state = await self.host.export_head(held.head_id)
         committed = conv.tokens_until(held.turn)
         meta = {"conversation": ref.key, "turn": held.turn, "version": held.version,
                 "committed_tokens": len(committed), "tokens_digest": tokens_digest(committed)}

@@ -68,6 +68,7 @@ class EngineHost:
         self._started: asyncio.Task | None = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
+        self._parts: dict[int, list[bytes]] = {}  # call -> the parts of its reply received so far
         self._orphans: set[str] = set()  # requests whose stream was left before their end
         self._numbers = itertools.count()
         self._failure: str | None = None
@@ -163,7 +164,11 @@ class EngineHost:
         while (message := await self._read()) is not None:
             if message["op"] == "out":
                 self._deliver(message)
+            elif message["op"] == "part":  # a piece of a reply to come (a head's export)
+                if message["call"] in self._calls:
+                    self._parts.setdefault(message["call"], []).append(message["data"])
             elif message["op"] == "reply":
+                message["parts"] = self._parts.pop(message["call"], [])
                 future = self._calls.pop(message["call"], None)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -198,6 +203,7 @@ class EngineHost:
             if not future.done():
                 future.set_exception(EngineShutdownError(why))
         self._calls.clear()
+        self._parts.clear()
 
     async def _send(self, message: dict[str, Any]) -> None:
         if self._failure is not None:
@@ -253,6 +259,15 @@ class EngineHost:
 
     async def call(self, fn: str, **arguments: Any) -> Any:
         """A call on the host's store or engine, between two engine steps; ValueError if refused."""
+        return (await self._call(fn, **arguments))["value"]
+
+    async def export_head(self, head_id: str) -> tuple[int, list[bytes], bytes]:
+        """(tokens the head covers, a part per block index, its Mamba state pages). The host
+        builds them on a thread of its own and sends a frame per block: its engine goes on."""
+        reply = await self._call("export", head=head_id)
+        return reply["value"]["state_len"], reply["parts"], reply["value"]["state"]
+
+    async def _call(self, fn: str, **arguments: Any) -> dict[str, Any]:
         await self.start()
         number = next(self._numbers)
         future = asyncio.get_running_loop().create_future()
@@ -262,7 +277,7 @@ class EngineHost:
         reply = await future
         if "error" in reply:
             raise ValueError(reply["error"])
-        return reply["value"]
+        return reply
 
     def check_alive(self) -> None:
         if self._failure is not None:

@@ -12,6 +12,7 @@ the loaded length): storing a turn costs its new tokens, not the whole conversat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -80,13 +81,11 @@ class HeadStore:
         self.committed.pop(head_id, None)
 
     # -- export and import: raw bytes, cut as the worker's tier format wants them -------------
-    def export(self, head_id: str) -> tuple[int, list[bytes], bytes]:
-        """(tokens covered, one part per block index with every attention layer's block in layer
-        order, the Mamba state pages in layer order)."""
+    def exporter(self, head_id: str) -> HeadExport:
+        """What builds the head's export, part by part: a head is never written after its commit,
+        so this runs off the engine thread (a large head's bytes take a while to copy)."""
         head = self.head(head_id)
-        count = block_count(head.num_tokens, self.block_size)
-        blocks = [b"".join(_raw(head.blocks[layer.name][i]) for layer in self.attention) for i in range(count)]
-        return head.num_tokens, blocks, b"".join(_raw(head.states[layer.name]) for layer in self.mamba)
+        return HeadExport(head, self.attention, self.mamba, block_count(head.num_tokens, self.block_size))
 
     def install(self, head_id: str, num_tokens: int, blocks: list[bytes], state: bytes) -> int:
         """A head from its export's parts (checked against this engine's layout); returns its bytes."""
@@ -100,6 +99,23 @@ class HeadStore:
             head.states[layer.name] = part
         self.committed[head_id] = head
         return head.nbytes()
+
+
+@dataclass(frozen=True)
+class HeadExport:
+    head: Head
+    attention: list[LayerLayout]
+    mamba: list[LayerLayout]
+    count: int  # block indexes the head covers
+
+    def blocks(self) -> Iterator[bytes]:
+        """One part per block index: every attention layer's block, in layer order."""
+        for i in range(self.count):
+            yield b"".join(_raw(self.head.blocks[layer.name][i]) for layer in self.attention)
+
+    def state(self) -> bytes:
+        """The Mamba state pages, in layer order."""
+        return b"".join(_raw(self.head.states[layer.name]) for layer in self.mamba)
 
 
 def block_count(num_tokens: int, block_size: int) -> int:

