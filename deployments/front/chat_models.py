@@ -154,7 +154,7 @@ class FunctionDefinition(RequestModel):
     name: ToolName
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema (checked when it is compiled)
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @field_validator("parameters")
     @classmethod
@@ -185,7 +185,7 @@ class JsonSchemaFormat(RequestModel):
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Text | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(RequestModel):
@@ -294,11 +294,11 @@ class ChatCompletionRequest(StructuredOutputFields):
     web_search_options: Any = None
     store: Any = None
     # vLLM's extensions, as its OpenAI server means them
-    top_k: int | None = Field(None, ge=-1, description="sample among the k likeliest tokens; -1 or 0: all")
-    min_p: float | None = Field(None, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the "
+    top_k: StrictInt | None = Field(None, ge=-1, description="sample among the k likeliest tokens; -1 or 0: all")
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the "
                                                                   "likeliest")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    ignore_eos: bool = Field(False, description="go on past the end-of-sequence token (to max_tokens)")
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: StrictBool = Field(False, description="go on past the end-of-sequence token (to max_tokens)")
     repetition_penalty: RepetitionPenalty = Field(1.0, description="tokens of the prompt or reply: logit / p if "
                                                                    "positive, else x p (1: off)")
     min_tokens: StrictInt = Field(0, ge=0, description="no EOS, stop token or stop string ends the reply before")

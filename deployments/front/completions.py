@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from deployments.errors import APIError
 from deployments.front.chat_format import SSE_DONE, choice_ends, data, usage_of
@@ -46,7 +46,7 @@ from deployments.front.structured_outputs import StructuredOutputFields
 from deployments.messages import PromptLogprob, TokenLogprob, TurnDelta, TurnDone
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions (chat's is what the context leaves)
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 UNSUPPORTED = ("suffix",)
 
 
@@ -54,18 +54,18 @@ class CompletionRequest(StructuredOutputFields):
     model: Text = Field(max_length=MAX_ID)
     prompt: (Text | TokenIds | Annotated[list[Text], Field(min_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1)])
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=0)  # clamped to max_output_tokens and the context; 0: echo only
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    max_tokens: StrictInt = Field(DEFAULT_MAX_TOKENS, ge=0)  # clamped to max_output_tokens and the context; 0: echo only
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's
-    n: int = Field(1, ge=1, le=MAX_CHOICES, description="replies, forked from one prefill")
-    best_of: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)  # vLLM's
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES, description="replies, forked from one prefill")
+    best_of: StrictInt = Field(1, ge=1, le=1, description="only 1 is supported")
     user: Text | None = Field(None, max_length=MAX_ID)
     presence_penalty: Penalty = 0.0  # (as in chat_models)
     frequency_penalty: Penalty = 0.0
@@ -73,19 +73,19 @@ class CompletionRequest(StructuredOutputFields):
     # Not implemented: a 400 unless off.
     suffix: Any = None
     # vLLM's extensions (as in chat_models)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    ignore_eos: bool = False
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: StrictBool = False
     repetition_penalty: RepetitionPenalty = 1.0
-    min_tokens: int = Field(0, ge=0)
-    include_stop_str_in_output: bool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID, description="the reply's id: cmpl-<it>")
     # hybridserve extensions
     cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")
-    deterministic: bool = Field(False, description="bit-identical output whatever else is batched")
+    deterministic: StrictBool = Field(False, description="bit-identical output whatever else is batched")
 
     @field_validator(*UNSUPPORTED, mode="before")
     @classmethod

@@ -106,7 +106,7 @@ class FunctionTool(RequestModel):
     name: ToolName
     description: Text | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     def as_engine(self) -> dict[str, Any]:
         function = self.model_dump(exclude_none=True, exclude={"type"})
@@ -123,7 +123,7 @@ class JsonSchemaText(RequestModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Text | None = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class PlainText(RequestModel):

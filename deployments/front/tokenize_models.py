@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictBool, model_validator
 
 from deployments.front.chat_models import MAX_ID, MAX_MESSAGES, ChatMessage, Text
 from deployments.front.sampling_fields import template_options
@@ -17,10 +17,10 @@ class TokenizeRequest(RequestModel):
     model: Text | None = Field(None, max_length=MAX_ID)
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = Field(False, description="accepted; the prompt is tokenized as a completion runs it")
+    add_special_tokens: StrictBool = Field(False, description="accepted; the prompt is tokenized as a completion runs it")
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

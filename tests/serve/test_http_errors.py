@@ -34,6 +34,26 @@ async def test_invalid_fields_are_400(stack, patch):
         assert_error(await http.post("/v1/chat/completions", json=body), 400, "invalid_request")
 
 
+@pytest.mark.parametrize("path,patch", [
+    # chat's vLLM fields
+    ("/v1/chat/completions", {"ignore_eos": "true"}), ("/v1/chat/completions", {"top_k": "5"}),
+    ("/v1/chat/completions", {"min_p": "0.1"}), ("/v1/chat/completions", {"stop_token_ids": ["2"]}),
+    # every field of completions
+    ("/v1/completions", {"stream": "yes"}), ("/v1/completions", {"max_tokens": "12"}),
+    ("/v1/completions", {"echo": "1"}), ("/v1/completions", {"deterministic": "1"}),
+    ("/v1/completions", {"temperature": "0.5"}), ("/v1/completions", {"n": "2"}),
+    ("/v1/completions", {"logprobs": "1"}), ("/v1/completions", {"prompt": [[1, "2"]]}),
+    ("/tokenize", {"add_generation_prompt": "yes"}),
+], ids=lambda p: p if isinstance(p, str) else f"{next(iter(p))}={next(iter(p.values()))!r}")
+async def test_no_field_is_read_loosely(stack, path, patch):
+    """Strict types, as OpenAI's server: a string is no boolean or number, a number no boolean."""
+    base = {"/v1/chat/completions": {"messages": [user("hi")], "max_tokens": 2},
+            "/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/tokenize": {"messages": [user("hi")]}}[path]
+    body = {"model": stack.model, **base, **patch}
+    async with stack.http() as http:
+        assert_error(await http.post(path, json=body), 400)
+
+
 async def test_malformed_json_and_unknown_routes(stack):
     async with stack.http() as http:
         bad = await http.post("/v1/chat/completions", content=b"{not json",
