@@ -29,7 +29,7 @@ import ray
 
 RAY = str(Path(sys.executable).with_name("ray"))
 HEAD_RESOURCE = "hs_head"
-WORKER_RESOURCE = "hs_worker"  # one per worker node: Worker replicas take one each (worker_node_resource)
+WORKER_RESOURCE = "hs_worker"  # one per worker node: each Worker replica takes one (its ray_actor_options)
 PORTS_PER_NODE = 6
 WORKER_PORTS = 40  # core worker processes a node may run at once
 
@@ -51,8 +51,8 @@ def free_port_range(width: int) -> int:
         start = free_ports(1)[0]
         if start + width >= 65535:
             continue
+        holders = [socket.socket() for _ in range(width)]
         try:
-            holders = [socket.socket() for _ in range(width)]
             for i, s in enumerate(holders):
                 s.bind(("127.0.0.1", start + i))
             return start
@@ -163,8 +163,10 @@ class LocalCluster:
         return {node.node_id: name for name, node in self.nodes.items()}
 
     def alive_node_names(self) -> set[str]:
+        """The nodes the GCS lists alive, less those killed here (it notices only seconds later)."""
         names = self.node_names()
-        return {names[info["NodeID"]] for info in ray.nodes() if info["Alive"] and info["NodeID"] in names}
+        return {names[info["NodeID"]] for info in ray.nodes()
+                if info["Alive"] and info["NodeID"] in names and self.nodes[names[info["NodeID"]]].launcher.poll() is None}
 
     def drain(self, name: str, deadline_s: int = 120) -> None:
         """A preemption notice for the node (what an autoscaler sends before it removes a machine):

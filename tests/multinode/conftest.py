@@ -1,8 +1,9 @@
-"""The app on a Ray cluster of four nodes on this machine (cluster.py), once per module.
+"""The app on a Ray cluster of four nodes on this machine (cluster.py), once for the folder.
 
     head: GCS, Serve controller + proxy, ChatIngress          (the test process is the driver here)
     a, b, c: one `hs_worker` each; 2 Worker replicas take one each, so they run on two different
-             nodes and the third is room for a replacement
+             nodes and the third is room for a replacement (a test that takes a node away
+             first makes sure one is left: `with_spare_node`)
     Redis and the cache service: processes of the test, outside Ray, as in tests/serve
 
 These tests need a Ray of their own: run them in a pytest process without the session Ray of
@@ -24,8 +25,8 @@ from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from deployments.app import ChatIngress, Worker
 from deployments.settings import AppSettings
 from tests.cache_service.cs_helpers import ServiceProcess
-from tests.multinode.cluster import HEAD_RESOURCE, WORKER_RESOURCE, LocalCluster
-from tests.serve.conftest import ServeStack, _free_port, app_args, never_ending
+from tests.multinode.cluster import HEAD_RESOURCE, WORKER_RESOURCE, LocalCluster, free_ports
+from tests.serve.conftest import ServeStack, app_args, never_ending
 from workers.checkpoint import Arch, Preset, make_model
 
 APP = "hybridserve-multinode"
@@ -61,13 +62,20 @@ class MultinodeApp:
 
         return await asyncio.wait_for(poll(), timeout_s)
 
+    def with_spare_node(self) -> None:
+        """A worker node without a replica, for the replacement of a replica whose node goes (a
+        new machine joins when the earlier tests took the spare one)."""
+        workers = self.cluster.alive_node_names() - {"head"}
+        if len(workers) <= 2:
+            self.cluster.add_worker_nodes(next(name for name in "defghijk" if name not in self.cluster.nodes))
+
 
 def placed(deployment, resources: dict[str, float]):
     """`deployment` whose replicas each also take `resources` (custom resources of some nodes)."""
     return deployment.options(ray_actor_options={**deployment.ray_actor_options, "resources": resources})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def multinode(tmp_path_factory):
     if ray.is_initialized():
         pytest.fail("tests/multinode start a Ray cluster of their own: run them in a pytest process of their own")
@@ -83,7 +91,7 @@ def multinode(tmp_path_factory):
         cluster = LocalCluster()
         cleanup.callback(cluster.stop)
         cluster.add_worker_nodes("abc")
-        port = _free_port()
+        port = free_ports(1)[0]
         cleanup.callback(serve.shutdown)
         # One proxy, on the head: a proxy per node would bind the same port on this one machine.
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

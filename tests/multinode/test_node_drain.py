@@ -21,8 +21,7 @@ async def test_a_drained_node_hands_its_heads_over_through_the_tier(multinode: M
     stack, cluster = multinode.stack, multinode.cluster
     client = stack.client()
     placement = await multinode.settled()
-    if len(cluster.alive_node_names() - {"head"}) < 3:  # room for the replacement: a machine joins
-        cluster.add_worker_nodes("d")
+    multinode.with_spare_node()  # where Serve starts the drained node's replica
     convs = [f"drain-{uuid.uuid4().hex[:8]}" for _ in range(CONVERSATIONS)]
     first = {c: user(f"remember {c}") for c in convs}
     replies = await asyncio.gather(*(chat_turn(client, stack.model, [first[c]], conversation_id=c, cache_salt="d")

@@ -45,6 +45,7 @@ async def test_a_lost_worker_node_loses_no_conversation(multinode: MultinodeApp)
     client = stack.client()
     placement = await multinode.settled()
     assert "head" not in placement.values()  # two replicas, two worker nodes (settled says so)
+    multinode.with_spare_node()  # where Serve starts the lost node's replica again
     convs = [f"node-loss-{uuid.uuid4().hex[:8]}" for _ in range(CONVERSATIONS)]
     histories: dict[str, list[dict]] = {c: [] for c in convs}
 
