@@ -265,3 +265,18 @@ class ConversationCreate(RequestModel):
         if value:
             raise field_error("items", "initial items are not supported: send them as the first response's input")
         return value
+
+
+class ItemsCreate(RequestModel):
+    """`POST /v1/conversations/{id}/items`: up to 20 items (OpenAI's limit) appended to a stored
+    conversation without a reply; the next turn's prompt has them before its own input."""
+
+    items: list[InputItem] = Field(min_length=1, max_length=20)
+    include: list[Any] | None = Field(None, description="the extra output fields of items: none exist here")
+
+    @field_validator("include")
+    @classmethod
+    def _refuse(cls, value: Any) -> Any:
+        if not _off(value):
+            raise _unsupported("include")
+        return value
