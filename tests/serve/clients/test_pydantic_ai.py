@@ -3,7 +3,10 @@ structured output into a pydantic model, and an agent that has a tool besides.""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import pytest
+from pydantic import Field
 from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
@@ -33,7 +36,7 @@ async def test_an_agent_with_a_tool_ends_in_its_output_type(stack, api_base):
                   model_settings=SETTINGS)
 
     @agent.tool_plain
-    def forecast(city: str) -> str:
+    def forecast(city: Annotated[str, Field(max_length=8)]) -> str:  # bounded, as Weather's fields
         """The forecast for a city."""
         looked_up.append(city)
         return "sunny, 21 degrees"
