@@ -1,6 +1,6 @@
 """vLLM's sampling extensions on the Responses API through the official client (`extra_body`):
-they sample as on chat completions (the same reply for the same prompt and fields), and one
-this server does not serve is a 400 naming it."""
+they sample as on chat completions (the same reply for the same prompt and fields), and vLLM's
+fields this server does not serve pass at their defaults and are a 400 naming them otherwise."""
 
 from __future__ import annotations
 
@@ -29,10 +29,14 @@ async def test_the_fields_sample_as_on_chat_completions(stack):
     assert chat.choices[0].message.content != plain.choices[0].message.content  # the penalty applied
 
 
-async def test_a_field_not_served_is_refused_by_name(stack):
+async def test_a_field_not_served_passes_at_its_default_and_is_refused_by_name_otherwise(stack):
+    client = stack.client()
+    at_default = await client.responses.create(model=stack.model, input="hi", max_output_tokens=2, store=False,
+                                               extra_body={"length_penalty": 1.0, "use_beam_search": False})
+    assert at_default.output_text
     with pytest.raises(openai.BadRequestError, match="length_penalty"):
-        await stack.client().responses.create(model=stack.model, input="hi", max_output_tokens=2,
-                                              extra_body={"length_penalty": 2.0})
+        await client.responses.create(model=stack.model, input="hi", max_output_tokens=2,
+                                      extra_body={"length_penalty": 2.0})
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
-        await stack.client().responses.create(model=stack.model, input="hi", max_output_tokens=2,
-                                              extra_body={"min_tokens": 3})
+        await client.responses.create(model=stack.model, input="hi", max_output_tokens=2,
+                                      extra_body={"min_tokens": 3})
