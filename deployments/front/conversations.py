@@ -28,7 +28,7 @@ def check_id(conversation_id: str) -> None:
         raise APIError(400, "conversation_id must be 1..256 bytes", "invalid_request", param="conversation_id")
 
 
-def _unknown(conversation_id: str) -> APIError:
+def unknown(conversation_id: str) -> APIError:
     return APIError(404, f"no conversation {conversation_id!r} under this cache_salt", "conversation_not_found")
 
 
@@ -37,7 +37,7 @@ async def _ledger(cache: CacheClient, conv: ConversationRef) -> pb.ReadLedgerRes
     try:
         return await cache.read_ledger(conv)
     except NotFound:
-        raise _unknown(conv.id) from None
+        raise unknown(conv.id) from None
     except CacheError as e:
         raise errors.cache_failed(e) from e
 
@@ -61,7 +61,7 @@ async def items(cache: CacheClient, conv: ConversationRef, order: str) -> dict[s
     """Each turn's new messages, then its reply as its client was sent it (`told`)."""
     ledger = await _ledger(cache, conv)
     if not ledger.head.version:
-        raise _unknown(conv.id)
+        raise unknown(conv.id)
     return responses_plan.item_list([entry for t in ledger.turns for entry in told(t)], conv.key, order)
 
 
@@ -97,7 +97,7 @@ class Forgetting:
             if head.version == 0:
                 if lease is not None:
                     await cache.release_lease(conv, lease)
-                raise _unknown(conv.id)
+                raise unknown(conv.id)
             # Deleting drops the lease too; a turn started after this point begins a new conversation.
             await cache.delete_conversation(conv)
         except LeaseHeld:

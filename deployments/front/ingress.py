@@ -9,6 +9,7 @@
     POST   /v1/responses/{id}/cancel   400: only background responses (which this server refuses) cancel
     GET    /v1/conversations/{id}      ledger and head (cache_salt query parameter, default "": the
                                        API key's scope, or the default scope, alone)
+    POST   /v1/conversations/{id}/items  messages appended without a turn (conversation_items.py)
     DELETE /v1/conversations/{id}      drops the head, the ledger, the tier copy and the owner's local copy
     POST   /tokenize, /detokenize      vLLM's: a prompt or messages to ids (as they would run), ids to text
     GET    /health, /metrics, /version
@@ -31,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from cache_service.client import CacheClient, CacheError
 from deployments import errors
 from deployments.errors import APIError
-from deployments.front import conversations, guard, playground_page, responses_plan, vllm_fields
+from deployments.front import conversation_items, conversations, guard, playground_page, responses_plan, vllm_fields
 from deployments.front.chat_format import ChatFormat
 from deployments.front.chat_models import CacheSalt, ChatCompletionRequest
 from deployments.front.completions import CompletionFormat, CompletionRequest, CompletionStream
@@ -39,7 +40,7 @@ from deployments.front.inflight import InFlight, StartedTurn
 from deployments.front.metrics import ServeMetrics
 from deployments.front.rate_limit import RateLimiter
 from deployments.front.responses_format import ResponseStream
-from deployments.front.responses_models import ConversationCreate, ResponsesRequest
+from deployments.front.responses_models import ConversationCreate, ItemsCreate, ResponsesRequest
 from deployments.front.streams import ChatStream, sse_response
 from deployments.front.tokenize_models import DetokenizeRequest, TokenizeRequest
 from deployments.routing import fleet
@@ -250,6 +251,14 @@ class ChatIngress:
         conversations.check_id(conversation_id)
         conv = self._conversation(request, conversation_id, cache_salt)
         return await conversations.items(await self._cache(), conv, order)
+
+    @api.post("/v1/conversations/{conversation_id}/items")
+    async def add_conversation_items(self, conversation_id: str, body: ItemsCreate, request: Request,
+                                     cache_salt: Annotated[CacheSalt, Query()] = "") -> dict:
+        conversations.check_id(conversation_id)
+        conv = self._conversation(request, conversation_id, cache_salt)
+        return await conversation_items.append(await self._cache(), self.workers, conv, body,
+                                               int(self.settings.lease_ttl_s * 1000))
 
     @api.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(self, conversation_id: str, request: Request,

@@ -6,7 +6,7 @@
                     {"type": "function_call_output", "call_id", "output"}
     tools         function tools {"type": "function", "name", "description", "parameters", "strict"}
     text.format   {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "name", "schema", "strict"}
-    extensions    cache_salt, deterministic
+    extensions    cache_salt, deterministic; vLLM's sampling fields (vllm_sampling.py)
 
 Items become engine messages: a function_call joins the assistant message before it (or starts
 one), a function_call_output is a "tool" message. Fields this server cannot honour are refused
@@ -21,7 +21,10 @@ from pydantic import Discriminator, Field, StrictBool, StrictFloat, StrictInt, T
 
 from deployments.front.chat_models import (MAX_ID, MAX_MESSAGES, MAX_TOOLS, CacheSalt, ConversationId, Text, ToolName,
                                            _off, _unsupported, check_tool_choice, reply_constraint)
+from deployments.front import vllm_fields
 from deployments.front.request_base import RequestModel, field_error
+from deployments.front.sampling_fields import check_min_tokens
+from deployments.front.vllm_sampling import VllmSamplingFields
 
 ItemId = Annotated[str, Field(max_length=MAX_ID)]
 
@@ -155,7 +158,7 @@ UNSUPPORTED = ("reasoning", "include", "background", "top_logprobs", "max_tool_c
                "prompt_cache_retention", "context_management")
 
 
-class ResponsesRequest(RequestModel):
+class ResponsesRequest(VllmSamplingFields):
     model: Text = Field(max_length=MAX_ID)
     input: Text | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: Text | None = None
@@ -198,8 +201,14 @@ class ResponsesRequest(RequestModel):
             raise _unsupported(info.field_name)
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_and_unknown_fields(cls, data: Any) -> Any:
+        return vllm_fields.screen(cls, data)
+
     @model_validator(mode="after")
     def _fits(self) -> "ResponsesRequest":
+        check_min_tokens(self.min_tokens, self.max_output_tokens)
         if self.conversation is not None and self.previous_response_id is not None:
             raise field_error("conversation", "conversation and previous_response_id cannot both be given")
         if self.conversation is not None and not self.store:
@@ -235,7 +244,7 @@ class ResponsesRequest(RequestModel):
     def sampling(self, max_output_tokens: int) -> dict:
         return {"max_tokens": min(self.max_output_tokens or max_output_tokens, max_output_tokens),
                 "temperature": self.temperature, "top_p": self.top_p, "seed": None, "stop": (), "logprobs": None,
-                "deterministic": self.deterministic, "constraint": self.constraint()}
+                "deterministic": self.deterministic, "constraint": self.constraint(), **self.vllm_sampling()}
 
     def echo(self) -> dict[str, Any]:
         """The request's settings as a Response object repeats them."""
@@ -264,4 +273,19 @@ class ConversationCreate(RequestModel):
     def _no_items(cls, value: Any) -> Any:
         if value:
             raise field_error("items", "initial items are not supported: send them as the first response's input")
+        return value
+
+
+class ItemsCreate(RequestModel):
+    """`POST /v1/conversations/{id}/items`: up to 20 items (OpenAI's limit) appended to a stored
+    conversation without a reply; the next turn's prompt has them before its own input."""
+
+    items: list[InputItem] = Field(min_length=1, max_length=20)
+    include: list[Any] | None = Field(None, description="the extra output fields of items: none exist here")
+
+    @field_validator("include")
+    @classmethod
+    def _refuse(cls, value: Any) -> Any:
+        if not _off(value):
+            raise _unsupported("include")
         return value

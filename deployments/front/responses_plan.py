@@ -269,9 +269,10 @@ async def input_items(cache: CacheClient, scope: str, response_id: str, order: s
     return item_list(messages, rid.publish_id, order)
 
 
-def item_list(entries, key: str, order: str) -> dict[str, Any]:
-    """Conversation items: each entry a message (pb.Message) or a tool call the reply made (ToolCall)."""
-    items = [_item(entry, f"msg_{key[-16:]}_{i}") for i, entry in enumerate(entries)]
+def item_list(entries, key: str, order: str, first: int = 0) -> dict[str, Any]:
+    """Conversation items: each entry a message (pb.Message) or a tool call the reply made (ToolCall).
+    An item's id is its position in the conversation (`first`: that of the first entry)."""
+    items = [_item(entry, f"msg_{key[-16:]}_{i}") for i, entry in enumerate(entries, start=first)]
     if order == "desc":
         items.reverse()
     return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,

@@ -43,14 +43,17 @@ from workers.errors import CorruptStateError
 from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
+from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import ToolFormat
 
 
 class EngineSession:  # implements Session (session.py)
     use: ConversationUse  # the turns running here, per conversation
+    tokenizer: ChatTokenizer
 
     def __init__(self, model_dir: str, settings: AppSettings):
         engine = LLMEngine(settings.engine_config(model_dir))
+        self.tokenizer = engine.tokenizer
         self.cache = ConversationCache(engine, retain_turns=RETAIN_TURNS)
         self.identity, self.layout = self.cache.export_identity()
         self.aengine = AsyncEngine(engine)

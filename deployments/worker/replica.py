@@ -60,6 +60,7 @@ from deployments.worker.tier_export import TierExporter
 from deployments.tool_replies import ReplyCalls
 from deployments.worker.vllm_session import VllmSession
 from proto.contract import ConversationRef, tools_scope
+from workers.conversation.prompt import appended_ids
 from workers.conversation.records import TurnCommit
 from workers.errors import (
     ConversationBusyError,
@@ -72,6 +73,7 @@ from workers.load import Rate
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
 from workers.template_options import TemplateOptions
+from workers.tools.formats import plain_message
 
 log = logging.getLogger("hybridserve.worker")
 
@@ -163,6 +165,18 @@ class Worker:
             return await self.session.detokenize(token_ids), ""
         except InvalidRequestError as e:
             return "", str(e)
+
+    async def appended_ids(self, committed_ids: list[int], history: list[dict[str, Any]],
+                           items: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]], str]:
+        """Items appended to a conversation without a reply (POST /v1/conversations/{id}/items):
+        (their token ids, the messages as the ledger keeps them, "") or ([], [], why they cannot
+        follow this history): a 400 at the ingress. Any replica: it only renders and tokenizes."""
+        items = [plain_message(m, self.session.tool_format) for m in items]  # as a turn's suffix
+        try:
+            ids = await asyncio.to_thread(appended_ids, self.session.tokenizer, committed_ids, history, items)
+        except InvalidRequestError as e:  # a template that refuses them, or would rewrite history
+            return [], [], str(e)
+        return ids, items, ""
 
     async def max_model_len(self) -> int:
         """The longest prompt + reply this replica's engine takes (GET /v1/models)."""

@@ -27,11 +27,13 @@ from workers.engine import RequestOutput
 from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
+from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import ToolFormat
 
 
 class Session(Protocol):
     use: ConversationUse
+    tokenizer: ChatTokenizer  # the model's tokenizer and chat template (used off the engine thread too)
 
     @property
     def tool_format(self) -> ToolFormat:

@@ -48,6 +48,7 @@ from workers.vllm_backend.streams import HostStreams
 
 class VllmSession:  # implements Session (session.py)
     use: ConversationUse  # the turns running here, per conversation
+    tokenizer: ChatTokenizer
 
     def __init__(self, model_dir: str, settings: AppSettings):
         self.model_dir = model_dir

@@ -47,3 +47,18 @@ def build_turn_prompt(
             "conversation, or start a new conversation)"
         )
     return TurnPrompt(committed_ids + tokenizer.encode(full[len(committed_text) :]))
+
+
+def appended_ids(
+    tokenizer: ChatTokenizer,
+    committed_ids: list[int],
+    history: list[dict[str, Any]],
+    items: list[dict[str, Any]],
+) -> list[int]:
+    """The token ids of `items` appended to a conversation without a reply (POST
+    /v1/conversations/{id}/items): the template's delta of the items, with no generation
+    prompt, so that the next turn's own delta follows it exactly as if the items had come with
+    that turn (an append-consistent template renders history + items + suffix as history +
+    items, then the suffix)."""
+    return build_turn_prompt(tokenizer, committed_ids, history, items,
+                             template=TemplateOptions(add_generation_prompt=False)).token_ids[len(committed_ids):]
