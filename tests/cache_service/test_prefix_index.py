@@ -73,11 +73,11 @@ async def test_an_announce_refreshes_the_ttl(client, redis_server):
     r = redis.Redis.from_url(redis_server.url)
     try:
         await client.announce_prefixes("replica-a", [(names[0], 7)])
-        assert 1_790_000 < r.pttl(PrefixKeys.name(names[0])) <= 1_800_000  # the service's default TTL
-        r.pexpire(PrefixKeys.name(names[0]), 60_000)
+        assert 1_790_000 < r.pttl(PrefixKeys().name(names[0])) <= 1_800_000  # the service's default TTL
+        r.pexpire(PrefixKeys().name(names[0]), 60_000)
         await client.announce_prefixes("replica-b", [(names[0], 7)])
-        assert r.pttl(PrefixKeys.name(names[0])) > 1_790_000
-        assert r.zscore(PrefixKeys.live, names[0]) > r.time()[0] * 1000 + 1_790_000
+        assert r.pttl(PrefixKeys().name(names[0])) > 1_790_000
+        assert r.zscore(PrefixKeys().live, names[0]) > r.time()[0] * 1000 + 1_790_000
     finally:
         r.close()
 
@@ -123,7 +123,7 @@ async def test_each_replica_s_entry_expires_whoever_else_announces_the_name(redi
             assert await c.find_prefix(names) == PrefixMatch(1, (("replica-live", 9),))
             # and an announce drops the expired entries: the hash holds what replicas announced within the TTL
             await c.announce_prefixes("replica-live", [(names[1], 9)])
-            assert r.hkeys(PrefixKeys.name(names[1])) == [b"replica-live"]
+            assert r.hkeys(PrefixKeys().name(names[1])) == [b"replica-live"]
     finally:
         r.close()
         assert proc.terminate() == 0

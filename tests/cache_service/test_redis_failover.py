@@ -171,10 +171,13 @@ async def test_a_write_no_replica_acknowledged_is_unavailable_and_its_retry_reso
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--redis-url", "redis://127.0.0.1:1/0", "--redis-sentinels", "127.0.0.1:26379"], "not both"),
+    (["--redis-url", "redis://127.0.0.1:1/0", "--redis-sentinels", "127.0.0.1:26379"], "not several"),
+    (["--redis-cluster", "127.0.0.1:7000", "--redis-sentinels", "127.0.0.1:26379"], "not several"),
     (["--redis-sentinels", "127.0.0.1"], "host:port"),
+    (["--redis-cluster", "127.0.0.1:7000,node-b"], "host:port"),
     (["--publish-wait-replicas", "-1"], "publish_wait_replicas"),
-], ids=["url-and-sentinels", "sentinel-without-port", "negative-replicas"])
+], ids=["url-and-sentinels", "cluster-and-sentinels", "sentinel-without-port", "cluster-node-without-port",
+        "negative-replicas"])
 def test_bad_redis_settings_refuse_to_start(tmp_path, args, message):
     child = CacheServiceChild(["--port", "0", "--data-dir", str(tmp_path), *args], root=SERVICE_ROOT)
     try:
