@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import PipelineCommand, RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import AskError, ClusterDownError, MovedError, NoScriptError, RedisError
+from redis.exceptions import AskError, ClusterDownError, NoScriptError, RedisError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -63,7 +63,9 @@ async def run_waited(redis: aioredis.Redis, script: AsyncScript, keys: list, arg
     return reply
 
 
-_TOPOLOGY_ERRORS = (MovedError, AskError, ClusterDownError, RedisConnectionError, RedisTimeoutError, OSError)
+# MovedError is an AskError.
+_TOPOLOGY_ERRORS = (AskError, ClusterDownError, TryAgainError, SlotNotCoveredError, RedisConnectionError,
+                    RedisTimeoutError, OSError)
 
 
 async def _on_slot_primary(redis: RedisCluster, script: AsyncScript, keys: list, args: list,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import redis
@@ -74,12 +75,29 @@ class RedisClusterSet:
     def client(self) -> redis.RedisCluster:
         return redis.RedisCluster(host="127.0.0.1", port=self.nodes[0].port, socket_timeout=5)
 
-    def node_of_slot(self, slot: int) -> RedisChild:
-        """The node serving `slot` now (its primary)."""
-        for first, last, primary, *_ in self.nodes[0].client().execute_command("CLUSTER SLOTS"):
+    def nodes_of_slot(self, slot: int) -> tuple[RedisChild, list[RedisChild]]:
+        """The primary serving `slot` now, and its replicas."""
+        for first, last, primary, *replicas in self.nodes[0].client().execute_command("CLUSTER SLOTS"):
             if first <= slot <= last:
-                return next(n for n in self.nodes if n.port == primary[1])
+                by_port = {n.port: n for n in self.nodes}
+                return by_port[primary[1]], [by_port[r[1]] for r in replicas]
         raise KeyError(slot)
+
+    def node_of_slot(self, slot: int) -> RedisChild:
+        return self.nodes_of_slot(slot)[0]
+
+    @staticmethod
+    def promoted(candidates: list[RedisChild], timeout_s: float = 30.0) -> RedisChild:
+        """The replica among `candidates` that won the failover election (its own log line)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for node in candidates:  # each waited on briefly in turn: any of them may win
+                try:
+                    node.wait_line("Failover election won", 0.05)
+                    return node
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
 
     def close(self) -> None:
         for node in self.nodes:
