@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-sentinels", default=env("REDIS_SENTINELS"),
                    help="Redis under Sentinel instead of --redis-url: host:port,host:port,... of the sentinels "
                         "[REDIS_SENTINELS]; the primary's password, if any, from [REDIS_PASSWORD]")
+    p.add_argument("--redis-cluster", default=env("REDIS_CLUSTER"),
+                   help="a Redis Cluster instead of --redis-url: host:port,host:port,... of some of its nodes "
+                        "[REDIS_CLUSTER]; their password, if any, from [REDIS_PASSWORD]")
     p.add_argument("--redis-master-name", default=env("REDIS_MASTER_NAME", "hybridserve"),
                    help="the primary's name in the sentinels' config [REDIS_MASTER_NAME]")
     p.add_argument("--publish-wait-replicas", type=int, default=int(env("CACHE_PUBLISH_WAIT_REPLICAS", "0")),
@@ -96,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _addresses(text: str | None) -> tuple[str, ...]:
+    return tuple(a.strip() for a in (text or "").split(",") if a.strip())
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     tier_dir = args.tier_dir or args.data_dir / "tier"
     auth = None
@@ -107,7 +114,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         tier=TierConfig(directory=Path(tier_dir), memory_budget_bytes=args.tier_budget),
         redis_url=args.redis_url or None,
-        redis_sentinels=tuple(a.strip() for a in (args.redis_sentinels or "").split(",") if a.strip()),
+        redis_sentinels=_addresses(args.redis_sentinels),
+        redis_cluster=_addresses(args.redis_cluster),
         redis_master_name=args.redis_master_name, redis_password=os.environ.get("REDIS_PASSWORD") or None,
         publish_wait_replicas=args.publish_wait_replicas, publish_wait_timeout_ms=args.publish_wait_timeout_ms,
         data_dir=args.data_dir, host=args.host,

@@ -48,7 +48,7 @@ from cache_service.client_config import SERVICE_LIMITS, ClientConfig, RetryPolic
 from cache_service.client_transport import Transport
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
-from proto.contract import ConversationRef
+from proto.contract import ConversationRef, prefix_scope_tag
 
 TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(result=...))
 SentReply, SentToolCall = pb.SentReply, pb.SentToolCall  # its reply as the client was sent it
@@ -280,28 +280,34 @@ class CacheClient:
 
     # -- the prefix index -------------------------------------------------------------
 
-    async def announce_prefixes(self, replica: str, entries: Sequence[tuple[str, int]]) -> None:
+    # Every prefix call names the scope its names were made in (message_prefix_digests' first
+    # argument): the service keeps one scope's names together, on one Redis Cluster slot. None:
+    # no scope (the index's common slot, as before scopes existed).
+
+    async def announce_prefixes(self, replica: str, entries: Sequence[tuple[str, int]],
+                                *, scope: str | None = None) -> None:
         """Record that `replica` holds the state of each (prefix name, tokens); more than one
         request's worth (SERVICE_LIMITS.max_prefix_entries) is sent in several."""
-        step = SERVICE_LIMITS.max_prefix_entries
+        step, tag = SERVICE_LIMITS.max_prefix_entries, _scope_tag(scope)
         for start in range(0, len(entries), step):
-            await self._calls.unary("AnnouncePrefixes", pb.AnnouncePrefixesRequest(replica=replica, entries=[
+            await self._calls.unary("AnnouncePrefixes", pb.AnnouncePrefixesRequest(replica=replica, scope=tag, entries=[
                 pb.PrefixEntry(name=name, tokens=tokens) for name, tokens in entries[start:start + step]]))
 
-    async def forget_prefixes(self, replica: str, names: Sequence[str]) -> None:
+    async def forget_prefixes(self, replica: str, names: Sequence[str], *, scope: str | None = None) -> None:
         """`replica` no longer holds these prefixes (names it never announced are fine)."""
-        step = SERVICE_LIMITS.max_prefix_entries
+        step, tag = SERVICE_LIMITS.max_prefix_entries, _scope_tag(scope)
         for start in range(0, len(names), step):
             await self._calls.unary("ForgetPrefixes", pb.ForgetPrefixesRequest(
-                replica=replica, names=list(names[start:start + step])))
+                replica=replica, scope=tag, names=list(names[start:start + step])))
 
-    async def find_prefix(self, names: Sequence[str], *, timeout_s: float | None = None) -> PrefixMatch | None:
+    async def find_prefix(self, names: Sequence[str], *, scope: str | None = None,
+                          timeout_s: float | None = None) -> PrefixMatch | None:
         """The longest prefix among `names` (a chat's message_prefix_digests) that a replica
         holds, None if none does. With `timeout_s` the call is one attempt within that deadline
         (a routing hint must not wait for retries); without, as every call."""
         if not names:
             return None
-        request = pb.FindPrefixRequest(names=list(names))
+        request = pb.FindPrefixRequest(names=list(names), scope=_scope_tag(scope))
         if timeout_s is None:
             reply = await self._calls.unary("FindPrefix", request)
         else:
@@ -380,3 +386,7 @@ class CacheClient:
         if incarnation is not None and manifest.incarnation != incarnation:
             raise NotFound("the state tier holds another incarnation of this conversation")
         return manifest.version, data
+
+
+def _scope_tag(scope: str | None) -> str:
+    return "" if scope is None else prefix_scope_tag(scope)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache_service.redis_connect import SentinelTarget
+from cache_service.redis_connect import ClusterTarget, SentinelTarget
 
 
 class EventLoop(enum.Enum):
@@ -109,7 +109,9 @@ class ServerConfig:
     # primary they watch; the service follows a failover to the promoted replica.
     redis_sentinels: tuple[str, ...] = ()
     redis_master_name: str = "hybridserve"
-    redis_password: str | None = field(default=None, repr=False)  # the primary's, under Sentinel
+    redis_password: str | None = field(default=None, repr=False)  # the primary's (Sentinel), the nodes' (Cluster)
+    # A Redis Cluster instead: some of its nodes ("host:port" each); the client finds the rest.
+    redis_cluster: tuple[str, ...] = ()
     # A ledger write (publish, acquire, ...) is answered OK only once this many replicas
     # acknowledged it (Redis WAIT), else UNAVAILABLE; 0: once the primary has it.
     publish_wait_replicas: int = 0
@@ -154,10 +156,12 @@ class ServerConfig:
             raise ValueError("fence_retention_ms must be at least limits.max_lease_ttl_ms")
         if 0 < self.conversation_ttl_ms < self.limits.min_ttl_ms:
             raise ValueError("conversation_ttl_s is under the shortest TTL (10 ms)")
-        if self.redis_url is not None and self.redis_sentinels:
-            raise ValueError("give either a Redis URL or sentinels, not both")
+        if sum(map(bool, (self.redis_url is not None, self.redis_sentinels, self.redis_cluster))) > 1:
+            raise ValueError("give one of a Redis URL, sentinels or cluster nodes, not several")
         if self.redis_sentinels:
             SentinelTarget(self.redis_sentinels, self.redis_master_name)  # refuses a malformed address
+        if self.redis_cluster:
+            ClusterTarget(self.redis_cluster)
         if self.publish_wait_replicas < 0 or self.publish_wait_timeout_ms <= 0:
             raise ValueError("need publish_wait_replicas >= 0 and publish_wait_timeout_ms > 0")
         if self.auth_token is not None and len(self.auth_token) < 16:
@@ -166,6 +170,15 @@ class ServerConfig:
     @property
     def conversation_ttl_ms(self) -> int:
         return round(self.conversation_ttl_s * 1000)
+
+    @property
+    def redis_target(self) -> "str | SentinelTarget | ClusterTarget | None":
+        """Where Redis is; None: start an embedded redis-server."""
+        if self.redis_sentinels:
+            return SentinelTarget(self.redis_sentinels, self.redis_master_name, self.redis_password)
+        if self.redis_cluster:
+            return ClusterTarget(self.redis_cluster, self.redis_password)
+        return self.redis_url
 
     def fence_ttl_ms(self, lease_ttl_ms: int) -> int:
         """A fence outlives its lease by the retention, but not its conversation by more than

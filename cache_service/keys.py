@@ -52,20 +52,34 @@ class ConversationKeys:
         return self._key("fence")
 
 
+@dataclass(frozen=True)
 class PrefixKeys:
-    """The prefix index: one hash per prefix name (field replica -> tokens, with a TTL) and one
-    sorted set of the live names (score: expiry, Unix ms) that counts them without a SCAN.
+    """The prefix index of one scope: one hash per prefix name (field replica ->
+    "tokens:expires_ms") and one sorted set of the scope's live names (score: expiry, Unix ms)
+    that counts them without a SCAN.
 
-    One hash tag for the whole index: its scripts touch many names at once, which a Redis
-    Cluster allows only within one slot (the index is small: hints, not state)."""
+    The scope's tag (proto.contract.prefix_scope_tag) is the hash tag: a scope's scripts touch
+    many of its names at once, which a Redis Cluster allows only within one slot, and different
+    scopes land on different slots, so the index spreads over the shards. The empty tag (a
+    client that names no scope) is the slot `{index}` every name had before scopes."""
 
-    PREFIX = f"{NAMESPACE}:prefix:{{index}}"
-    live = f"{PREFIX}:live"
+    scope: str = ""
 
-    @classmethod
-    def name(cls, name: str) -> str:
-        return f"{cls.PREFIX}:name:{name}"
+    @property
+    def _prefix(self) -> str:
+        return f"{NAMESPACE}:prefix:{{index:{self.scope}}}" if self.scope else f"{NAMESPACE}:prefix:{{index}}"
 
+    @property
+    def live(self) -> str:
+        return f"{self._prefix}:live"
+
+    def name(self, name: str) -> str:
+        return f"{self._prefix}:name:{name}"
+
+
+# The scopes with live names (member: scope tag, score: its latest expiry): what Stats sums the
+# live names over, a key of its own (one slot) written beside each announce.
+PREFIX_SCOPES = f"{NAMESPACE}:prefix-scopes"
 
 # The service's lease-proof key (leases.py): created once, shared by every service
 # process using this Redis.

@@ -18,7 +18,7 @@ import logging
 
 import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import AskError, ClusterError, OutOfMemoryError, ResponseError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from cache_service import errors
@@ -41,11 +41,18 @@ def is_out_of_memory(exc: BaseException) -> bool:
         isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc))
 
 
+# A Redis Cluster mid-failover: the slot's primary is down (CLUSTERDOWN), not yet known (a
+# redirect past the client's retries, TRYAGAIN), or no node serves the slot yet. All pass.
+_CLUSTER_IN_FLUX = (ClusterError, AskError, TryAgainError, SlotNotCoveredError)
+
+
 def _as_cache_error(exc: BaseException) -> errors.CacheError | None:
     if isinstance(exc, errors.CacheError):
         return exc
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
         return errors.Unavailable(f"redis unavailable: {exc}")
+    if isinstance(exc, _CLUSTER_IN_FLUX):
+        return errors.Unavailable(f"the Redis Cluster is failing over: {type(exc).__name__}: {exc}")
     if is_out_of_memory(exc):
         return errors.StorageFull("the cache service's Redis is full (its maxmemory is reached): the write was "
                                   "refused and nothing changed; reads go on, and writes once conversations expire "

@@ -206,8 +206,8 @@ return {'OK', head_reply(KEYS[1])}
 # KEYS: source head, source ledger, source marks, target head, target ledger, target marks
 # ARGV: turn, expected source version ('0' = any), now_ms, new incarnation, empty sha256,
 #       conversation ttl_ms (of the fork; the source is only read, so not refreshed)
-# Touches two conversations, so on a Redis Cluster both must live on one node (see
-# README.md); copies in batches so Lua never holds the whole ledger at once. The target's
+# Touches two conversations: on a Redis Cluster, where they sit on two slots, FORK_SOURCE and
+# FORK_TARGET below do it instead (store.py); copies in batches so Lua never holds the whole ledger at once. The target's
 # head is written first: its HSET is the write Redis refuses when full, before anything moved.
 FORK = _PRELUDE + """
 local version = redis.call('HGET', KEYS[1], 'version')
@@ -234,6 +234,47 @@ for first = 0, k - 1, batch do
 end
 keep(ARGV[6], KEYS[4], KEYS[5], KEYS[6])
 return {'OK', head_reply(KEYS[4])}
+"""
+
+# On a Redis Cluster the two conversations of a fork sit on two slots, which no one script may
+# touch: there the fork reads the source (one script, a consistent snapshot at the expected
+# version) and writes the target (another, all or nothing). The source may move on in between;
+# the fork is then a copy of it as it was, which a fork at an earlier moment would also have been.
+
+# KEYS: source head, ledger, marks   ARGV: turn, expected source version ('0' = any)
+# Reply: OK, committed tokens, tokens sha256, {entries}, {marks}   (turns 1..turn)
+FORK_SOURCE = _PRELUDE + """
+local version = redis.call('HGET', KEYS[1], 'version')
+if not version then return {'NOT_FOUND'} end
+if ARGV[2] ~= '0' and version ~= ARGV[2] then return {'VERSION_CONFLICT', version} end
+local k = tonumber(ARGV[1])
+local turns = redis.call('LLEN', KEYS[2])
+if k > turns then return {'BAD_TURN', tostring(turns)} end
+local committed, sha = '0', ''
+if k > 0 then
+  committed, sha = string.match(redis.call('LINDEX', KEYS[3], k - 1), '^(%d+) (%x+)')
+end
+return {'OK', committed, sha, redis.call('LRANGE', KEYS[2], 0, k - 1), redis.call('LRANGE', KEYS[3], 0, k - 1)}
+"""
+
+# KEYS: target head, ledger, marks
+# ARGV: now_ms, new incarnation, conversation ttl_ms, turns k, committed tokens, tokens sha256,
+#       then k ledger entries, then k marks
+FORK_TARGET = _PRELUDE + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'ALREADY_EXISTS'} end
+local k = tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'version', 1, 'turn', k, 'committed_tokens', ARGV[5],
+           'tokens_sha256', ARGV[6], 'owner', '', 'tier_version', 0, 'updated_at_ms', ARGV[1],
+           'incarnation', ARGV[2])
+redis.call('DEL', KEYS[2], KEYS[3])
+local batch = 64
+for first = 0, k - 1, batch do
+  local last = math.min(first + batch, k) - 1
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, 7 + first, 7 + last))
+  redis.call('RPUSH', KEYS[3], unpack(ARGV, 7 + k + first, 7 + k + last))
+end
+keep(ARGV[3], KEYS[1], KEYS[2], KEYS[3])
+return {'OK', head_reply(KEYS[1])}
 """
 
 # KEYS: head, ledger, marks   ARGV: first turn (0-based), max turns, page bytes

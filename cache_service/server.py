@@ -23,7 +23,7 @@ from cache_service.config import ServerConfig
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from cache_service.leases import LeaseSigner
 from cache_service.logs import fields
-from cache_service.redis_connect import SentinelTarget, connect
+from cache_service.redis_connect import connect
 from cache_service.replica_wait import ReplicaWait
 from cache_service.servicer import CacheServicer
 from cache_service.store import MetadataStore
@@ -51,9 +51,7 @@ class CacheServer:
 
     async def start(self) -> int:
         cfg = self.config
-        target: str | SentinelTarget | None = cfg.redis_url
-        if cfg.redis_sentinels:
-            target = SentinelTarget(cfg.redis_sentinels, cfg.redis_master_name, cfg.redis_password)
+        target = cfg.redis_target
         if target is None:
             self.embedded = EmbeddedRedis(EmbeddedRedisConfig(
                 data_dir=Path(cfg.data_dir) / "redis", fsync=cfg.fsync, maxmemory_bytes=cfg.redis_maxmemory_bytes))

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from cache_service import errors, validation
 from cache_service.config import Limits, PutLimits, TierPlacement
 from cache_service.hashing import sha256
-from cache_service.keys import ConversationKeys
+from cache_service.keys import ConversationKeys, PrefixKeys
 from cache_service.leases import Fence, LeaseSigner
 from cache_service.rpc import RpcCounters, rpc
 from cache_service.store import MetadataStore
@@ -298,28 +298,30 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
     @rpc
     async def AnnouncePrefixes(self, request, context):
         entries = validation.announce_prefixes(request, self.limits)
+        keys = PrefixKeys(validation.prefix_scope(request.scope))
         if entries:
-            await self.store.announce_prefixes(request.replica, entries, self._prefix_ttl_ms)
+            await self.store.prefixes.announce(keys, request.replica, entries, self._prefix_ttl_ms)
         return pb.AnnouncePrefixesResponse()
 
     @rpc
     async def ForgetPrefixes(self, request, context):
         validation.identifier(request.replica, "replica", self.limits)
         names = validation.prefix_names(request.names, "names", self.limits.max_prefix_entries)
+        keys = PrefixKeys(validation.prefix_scope(request.scope))
         if names:
-            await self.store.forget_prefixes(request.replica, names)
+            await self.store.prefixes.forget(keys, request.replica, names)
         return pb.ForgetPrefixesResponse()
 
     @rpc
     async def FindPrefix(self, request, context):
         names = validation.prefix_names(request.names, "names", self.limits.max_prefix_names)
-        index, holders = await self.store.find_prefix(names)
+        index, holders = await self.store.prefixes.find(PrefixKeys(validation.prefix_scope(request.scope)), names)
         return pb.FindPrefixResponse(index=index, holders=[
             pb.PrefixHolder(replica=replica, tokens=tokens) for replica, tokens in holders])
 
     @rpc
     async def GetStats(self, request, context):
-        prefix_names = await self.store.prefix_names()
+        prefix_names = await self.store.prefixes.live_names()
         t = await asyncio.to_thread(self.tier.stats)
         return pb.Stats(
             tier_memory_bytes=t.memory_bytes, tier_disk_bytes=t.disk_bytes,

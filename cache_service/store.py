@@ -11,9 +11,11 @@ import secrets
 import time
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from cache_service import errors, leases, scripts
-from cache_service.keys import LEASE_KEY, ConversationKeys, PrefixKeys
+from cache_service.keys import LEASE_KEY, ConversationKeys
+from cache_service.prefix_store import PrefixIndexStore
 from cache_service.leases import Fence
 from cache_service.replica_wait import ReplicaWait, run_waited
 from proto import cache_pb2 as pb
@@ -84,12 +86,12 @@ class MetadataStore:
         self._transfer = r.register_script(scripts.TRANSFER)
         self._rewind = r.register_script(scripts.REWIND)
         self._fork = r.register_script(scripts.FORK)
+        self._fork_source = r.register_script(scripts.FORK_SOURCE)
+        self._fork_target = r.register_script(scripts.FORK_TARGET)
         self._read_ledger = r.register_script(scripts.READ_LEDGER)
         self._mark_tier = r.register_script(scripts.MARK_TIER)
         self._delete = r.register_script(scripts.DELETE)
-        self._announce_prefixes = r.register_script(scripts.ANNOUNCE_PREFIXES)
-        self._forget_prefixes = r.register_script(scripts.FORGET_PREFIXES)
-        self._find_prefix = r.register_script(scripts.FIND_PREFIX)
+        self.prefixes = PrefixIndexStore(r)
 
     async def _ledger_write(self, script, keys: list, args: list, what: str):
         """A write that must survive a failover once answered: the ledger and head (publish,
@@ -192,10 +194,26 @@ class MetadataStore:
 
     async def fork(self, source: ConversationKeys, target: ConversationKeys, turn: int,
                    expected_version: int) -> pb.Head:
+        if isinstance(self._redis, RedisCluster) and \
+                self._redis.keyslot(source.head) != self._redis.keyslot(target.head):
+            return await self._fork_across_slots(source, target, turn, expected_version)
         reply = await self._ledger_write(
             self._fork, [source.head, source.ledger, source.marks, target.head, target.ledger, target.marks],
             [turn, expected_version, now_ms(), leases.new_incarnation(), scripts.EMPTY_TOKENS_SHA256,
              self._kept_ms()], "fork")
+        _raise_status(reply, "fork")
+        return head_from_fields(reply[1])
+
+    async def _fork_across_slots(self, source: ConversationKeys, target: ConversationKeys, turn: int,
+                                 expected_version: int) -> pb.Head:
+        """A fork on a Redis Cluster: read the source, then write the target (scripts.FORK_SOURCE)."""
+        read = await self._fork_source(keys=[source.head, source.ledger, source.marks], args=[turn, expected_version])
+        _raise_status(read, "fork")
+        _, committed, sha, entries, marks = read
+        reply = await self._ledger_write(
+            self._fork_target, [target.head, target.ledger, target.marks],
+            [now_ms(), leases.new_incarnation(), self._kept_ms(), turn, committed,
+             sha or scripts.EMPTY_TOKENS_SHA256, *entries, *marks], "fork")
         _raise_status(reply, "fork")
         return head_from_fields(reply[1])
 
@@ -233,27 +251,3 @@ class MetadataStore:
         # no proof of an old holder matches any later lease.
         return await self._ledger_write(self._delete, [keys.fence, keys.head, keys.lease, keys.ledger, keys.marks],
                                         [], "delete") > 0
-
-    # -- the prefix index ---------------------------------------------------------------
-
-    async def announce_prefixes(self, replica: str, entries: list[tuple[str, int]], ttl_ms: int) -> None:
-        args: list[str | int] = [replica, now_ms(), ttl_ms]
-        for name, tokens in entries:
-            args += [name, tokens]
-        await self._announce_prefixes(keys=[PrefixKeys.live, *(PrefixKeys.name(n) for n, _ in entries)],
-                                      args=args)
-
-    async def forget_prefixes(self, replica: str, names: list[str]) -> None:
-        await self._forget_prefixes(keys=[PrefixKeys.live, *map(PrefixKeys.name, names)], args=[replica, *names])
-
-    async def find_prefix(self, names: list[str]) -> tuple[int, list[tuple[str, int]]]:
-        """(the highest index whose name has a live holder, [(replica, tokens of its longest
-        prefix among names)]); (-1, []) if none."""
-        if not names:
-            return -1, []
-        index, flat = await self._find_prefix(keys=list(map(PrefixKeys.name, names)), args=[now_ms()])
-        return int(index), [(_s(flat[i]), _i(flat[i + 1])) for i in range(0, len(flat), 2)]
-
-    async def prefix_names(self) -> int:
-        """Names with a live entry (not expired, not forgotten by every holder)."""
-        return await self._redis.zcount(PrefixKeys.live, f"({now_ms()}", "+inf")

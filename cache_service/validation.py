@@ -17,6 +17,7 @@ from proto.contract import ConversationRef
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _INCARNATION_HEX = re.compile(r"[0-9a-f]{16}")
 _PREFIX_NAME = re.compile(r"[0-9a-f]{32}")
+_SCOPE_TAG = re.compile(r"[0-9a-f]{16}")
 DIGEST_BYTES = 32
 ATTEMPT_KEY_BYTES = (16, 64)
 
@@ -130,6 +131,13 @@ def prefix_names(values, field: str, bound: int) -> list[str]:
         if not _PREFIX_NAME.fullmatch(name):
             raise InvalidArgument(f"{field}[{i}] must be a prefix name: 32 lowercase hex digits")
     return values
+
+
+def prefix_scope(value: str) -> str:
+    """A prefix-index scope tag (proto.contract.prefix_scope_tag), or empty."""
+    if value and not _SCOPE_TAG.fullmatch(value):
+        raise InvalidArgument("scope must be empty or a scope tag: 16 lowercase hex digits")
+    return value
 
 
 def announce_prefixes(req: pb.AnnouncePrefixesRequest, limits: Limits) -> list[tuple[str, int]]:

@@ -349,34 +349,40 @@ class PrefixEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class AnnouncePrefixesRequest(_message.Message):
-    __slots__ = ("replica", "entries")
+    __slots__ = ("replica", "entries", "scope")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     replica: str
     entries: _containers.RepeatedCompositeFieldContainer[PrefixEntry]
-    def __init__(self, replica: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[PrefixEntry, _Mapping]]] = ...) -> None: ...
+    scope: str
+    def __init__(self, replica: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[PrefixEntry, _Mapping]]] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class AnnouncePrefixesResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ForgetPrefixesRequest(_message.Message):
-    __slots__ = ("replica", "names")
+    __slots__ = ("replica", "names", "scope")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     replica: str
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, replica: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+    scope: str
+    def __init__(self, replica: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class ForgetPrefixesResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class FindPrefixRequest(_message.Message):
-    __slots__ = ("names",)
+    __slots__ = ("names", "scope")
     NAMES_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, names: _Optional[_Iterable[str]] = ...) -> None: ...
+    scope: str
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class PrefixHolder(_message.Message):
     __slots__ = ("replica", "tokens")

@@ -62,6 +62,17 @@ def message_prefix_digests(scope: str, messages: list[dict[str, str]]) -> list[s
     return names
 
 
+_SCOPE_TAG_DOMAIN = b"hybridserve/prefix-scope/v1\0"
+
+
+def prefix_scope_tag(scope: str) -> str:
+    """Where a scope's prefix names live in the index (16 lowercase hex): the cache service keys
+    them by it, so one scope's names share one Redis Cluster slot and scopes spread over the
+    shards. A digest of its own, not the names' chain root: the tag reveals nothing that would
+    let one test guesses of a scope's messages against stored names."""
+    return hashlib.sha256(_SCOPE_TAG_DOMAIN + _framed(scope)).hexdigest()[:16]
+
+
 def tools_scope(scope: str, tools: Sequence[Any]) -> str:
     """The prefix-index scope of a request with function tools: the template renders them into
     the prompt, so chats with other tools share no prefix."""

@@ -76,7 +76,7 @@ async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict],
     # The index bounds one lookup; the longest prefixes are the ones worth finding.
     names = message_prefix_digests(scope, list(messages))[-SERVICE_LIMITS.max_prefix_names:]
     try:
-        match = await cache.find_prefix(names, timeout_s=timeout_s)
+        match = await cache.find_prefix(names, scope=scope, timeout_s=timeout_s)
     except _HINT_ERRORS as e:
         LOOKUP_FAILURES.failed(e)
         return ()
@@ -116,7 +116,8 @@ class Announcer:
         self.announced = 0  # names announced (a name announced again counts again)
         self.withdrawn = 0  # names withdrawn
         self.in_flight = 0
-        self._names: OrderedDict[Hashable, set[str]] = OrderedDict()  # engine name -> index names
+        # engine name -> (scope, index name) of each announce: a withdrawal names the scope too
+        self._names: OrderedDict[Hashable, set[tuple[str, str]]] = OrderedDict()
 
     def after_turn(self, scope: str, messages: Sequence[dict], reply: dict,
                    checkpoints: Sequence[tuple[int, int]], keys: Sequence[Hashable] = ()) -> asyncio.Event:
@@ -131,28 +132,31 @@ class Announcer:
             done.set()
             return done
         named = _named(scope, messages, reply, checkpoints)
-        self._remember(tuple(keys), named)  # now: a withdrawal may follow before the announce lands
+        self._remember(scope, tuple(keys), named)  # now: a withdrawal may follow before the announce lands
         self.in_flight += 1
-        self._spawn(self._announce([(name, tokens) for _, name, tokens in named], done))
+        self._spawn(self._announce(scope, [(name, tokens) for _, name, tokens in named], done))
         return done
 
     def withdraw(self, keys: Sequence[Hashable]) -> None:
         """The engine no longer holds these checkpoints: their index names go (in a task)."""
-        names = sorted({name for key in keys for name in self._names.pop(key, ())})
-        if names:
-            self._spawn(self._forget(names))
+        by_scope: dict[str, set[str]] = {}
+        for key in keys:
+            for scope, name in self._names.pop(key, ()):
+                by_scope.setdefault(scope, set()).add(name)
+        for scope, names in by_scope.items():  # one call per scope: each touches one slot of the index
+            self._spawn(self._forget(scope, sorted(names)))
 
-    async def _forget(self, names: list[str]) -> None:
+    async def _forget(self, scope: str, names: list[str]) -> None:
         try:
-            await (await self._cache()).forget_prefixes(self.replica, names)
+            await (await self._cache()).forget_prefixes(self.replica, names, scope=scope)
             self.withdrawn += len(names)
         except _HINT_ERRORS as e:
             self.failures.failed(e)
 
-    def _remember(self, keys: tuple[Hashable, ...], named: list[tuple[int, str, int]]) -> None:
+    def _remember(self, scope: str, keys: tuple[Hashable, ...], named: list[tuple[int, str, int]]) -> None:
         for i, name, _ in named:
             if i < len(keys):
-                self._names.setdefault(keys[i], set()).add(name)
+                self._names.setdefault(keys[i], set()).add((scope, name))
                 self._names.move_to_end(keys[i])
         while len(self._names) > NAMES_KEPT:
             self._names.popitem(last=False)
@@ -169,10 +173,10 @@ class Announcer:
         except TimeoutError:
             pass  # it lands later, or fails and is counted: a hint either way
 
-    async def _announce(self, entries: list[tuple[str, int]], done: asyncio.Event) -> None:
+    async def _announce(self, scope: str, entries: list[tuple[str, int]], done: asyncio.Event) -> None:
         try:
             if entries:
-                await (await self._cache()).announce_prefixes(self.replica, entries)
+                await (await self._cache()).announce_prefixes(self.replica, entries, scope=scope)
                 self.announced += len(entries)
         except _HINT_ERRORS as e:
             self.failures.failed(e)

@@ -12,7 +12,7 @@ from cs_helpers import ServiceProcess, fast_client
 from cache_service.client import PrefixMatch, Unauthenticated
 from cache_service.keys import PrefixKeys
 from proto import cache_pb2 as pb
-from proto.contract import message_prefix_digests
+from proto.contract import message_prefix_digests, prefix_scope_tag
 
 pytestmark = pytest.mark.timeout(60)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -68,16 +68,39 @@ async def test_another_scope_never_matches(client):
     assert await client.find_prefix(theirs) is None
 
 
+async def test_each_scope_has_keys_of_its_own_and_stats_count_them_all(client, redis_server):
+    tenants = [scope() for _ in range(3)]
+    chats = {t: message_prefix_digests(t, chat(2)) for t in tenants}
+    unscoped = message_prefix_digests(scope(), chat(1))
+    before = (await client.stats()).prefix_index_names
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        for t in tenants:
+            await client.announce_prefixes("replica-a", [(chats[t][0], 4), (chats[t][1], 8)], scope=t)
+            keys = PrefixKeys(prefix_scope_tag(t))
+            assert keys.name(chats[t][1]) == f"hs:v1:prefix:{{index:{prefix_scope_tag(t)}}}:name:{chats[t][1]}"
+            assert r.hkeys(keys.name(chats[t][1])) == [b"replica-a"] and r.zcard(keys.live) == 2
+            assert not r.exists(PrefixKeys().name(chats[t][1]))
+        await client.announce_prefixes("replica-a", [(unscoped[0], 3)])  # a client without scopes: `{index}`
+        assert r.exists(PrefixKeys().name(unscoped[0]))
+        assert (await client.stats()).prefix_index_names == before + 7
+        await client.forget_prefixes("replica-a", [chats[tenants[0]][1]], scope=tenants[0])
+        assert (await client.find_prefix(chats[tenants[0]], scope=tenants[0])).index == 0
+        assert (await client.stats()).prefix_index_names == before + 6
+    finally:
+        r.close()
+
+
 async def test_an_announce_refreshes_the_ttl(client, redis_server):
     names = message_prefix_digests(scope(), chat(1))
     r = redis.Redis.from_url(redis_server.url)
     try:
         await client.announce_prefixes("replica-a", [(names[0], 7)])
-        assert 1_790_000 < r.pttl(PrefixKeys.name(names[0])) <= 1_800_000  # the service's default TTL
-        r.pexpire(PrefixKeys.name(names[0]), 60_000)
+        assert 1_790_000 < r.pttl(PrefixKeys().name(names[0])) <= 1_800_000  # the service's default TTL
+        r.pexpire(PrefixKeys().name(names[0]), 60_000)
         await client.announce_prefixes("replica-b", [(names[0], 7)])
-        assert r.pttl(PrefixKeys.name(names[0])) > 1_790_000
-        assert r.zscore(PrefixKeys.live, names[0]) > r.time()[0] * 1000 + 1_790_000
+        assert r.pttl(PrefixKeys().name(names[0])) > 1_790_000
+        assert r.zscore(PrefixKeys().live, names[0]) > r.time()[0] * 1000 + 1_790_000
     finally:
         r.close()
 
@@ -123,7 +146,7 @@ async def test_each_replica_s_entry_expires_whoever_else_announces_the_name(redi
             assert await c.find_prefix(names) == PrefixMatch(1, (("replica-live", 9),))
             # and an announce drops the expired entries: the hash holds what replicas announced within the TTL
             await c.announce_prefixes("replica-live", [(names[1], 9)])
-            assert r.hkeys(PrefixKeys.name(names[1])) == [b"replica-live"]
+            assert r.hkeys(PrefixKeys().name(names[1])) == [b"replica-live"]
     finally:
         r.close()
         assert proc.terminate() == 0
@@ -180,6 +203,10 @@ NAME = "0123456789abcdef0123456789abcdef"
     (pb.ForgetPrefixesRequest(replica="r", names=[NAME] * 257), "names has 257 entries, over the limit of 256"),
     (pb.FindPrefixRequest(names=[NAME, "g" * 32]), "names[1] must be a prefix name"),
     (pb.FindPrefixRequest(names=[NAME] * 513), "names has 513 entries, over the limit of 512"),
+    (pb.FindPrefixRequest(names=[NAME], scope="tenant"), "scope must be empty or a scope tag"),
+    (pb.AnnouncePrefixesRequest(replica="r", scope=NAME, entries=[pb.PrefixEntry(name=NAME, tokens=1)]),
+     "scope must be empty or a scope tag: 16 lowercase hex digits"),
+    (pb.ForgetPrefixesRequest(replica="r", names=[NAME], scope=NAME[:16].upper()), "scope must be"),
 ])
 async def test_bad_input_is_refused_and_writes_nothing(stub, client, request_, fragment):
     call = {pb.AnnouncePrefixesRequest: stub.AnnouncePrefixes, pb.ForgetPrefixesRequest: stub.ForgetPrefixes,

@@ -11,87 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, field
 
 import pytest
 from cs_helpers import SERVICE_ROOT, ServiceProcess, fast_client
+from failover_load import (CLIENTS, CONVERSATIONS_PER_CLIENT, LOAD_DEADLINE_S, TURNS_BEFORE_KILL, Conversation, Load,
+                           client_loop)
 from redis_sentinel_set import MASTER_NAME, RedisSentinelSet
 
 from cache_service.client import CacheClient
 from cache_service.client_config import ClientConfig, RetryPolicy
-from cache_service.errors import CacheError, Unavailable
+from cache_service.errors import Unavailable
 from cache_service.launch import CacheServiceChild, ServiceDidNotStart
 from cache_service.keys import ConversationKeys
 from proto.contract import ConversationRef, tokens_digest
-
-CLIENTS, CONVERSATIONS_PER_CLIENT = 4, 3
-TURNS_BEFORE_KILL = 40
-TURNS_AFTER_FAILOVER = 5        # per client, each started after the failover
-LOAD_DEADLINE_S = 45.0
-
-
-@dataclass
-class Conversation:
-    ref: ConversationRef
-    tokens: list[int] = field(default_factory=list)
-    publish_ids: list[str] = field(default_factory=list)   # what the ledger must hold, in order
-
-
-@dataclass
-class Load:
-    acked: int = 0
-    in_flight_errors: int = 0        # turns that got an error: resolved from the ledger, then retried
-    resolved_present: int = 0        # ... of which the ledger held the turn
-    failed_over: asyncio.Event = field(default_factory=asyncio.Event)
-    enough_before_kill: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-async def _in_ledger(client, conv: Conversation, publish_id: str) -> bool:
-    """The ledger's verdict on a turn that got an error: present (as the next turn) or absent."""
-    head = await client.get_head_or_none(conv.ref)
-    version = head.version if head else 0
-    assert version in (len(conv.publish_ids), len(conv.publish_ids) + 1), (version, len(conv.publish_ids))
-    if version == len(conv.publish_ids):
-        return False
-    (turn,) = (await client.read_ledger(conv.ref, from_turn=version)).turns
-    assert turn.publish_id == publish_id, "a turn nobody published is in the ledger"
-    return True
-
-
-async def _turn(client, reader, conv: Conversation, load: Load) -> None:
-    """One turn by `client`; an error is resolved by the ledger's verdict, read by `reader`."""
-    publish_id, new = uuid.uuid4().hex, [len(conv.tokens) + 1, 7]
-    while True:
-        try:
-            lease = await client.acquire_lease(conv.ref, ttl_ms=5_000, wait_s=10.0)
-            await client.publish_turn(
-                conv.ref, lease_token=lease, expected_version=len(conv.publish_ids),
-                messages=[{"role": "user", "content": publish_id}], token_ids=new,
-                committed_tokens=len(conv.tokens) + len(new), tokens_sha256=tokens_digest(conv.tokens + new),
-                publish_id=publish_id)
-        except CacheError:
-            load.in_flight_errors += 1
-            if not await _in_ledger(reader, conv, publish_id):
-                continue  # absent: the retry publishes it
-            load.resolved_present += 1
-        else:
-            load.acked += 1
-        conv.tokens += new
-        conv.publish_ids.append(publish_id)
-        if load.acked >= TURNS_BEFORE_KILL:
-            load.enough_before_kill.set()
-        return
-
-
-async def _client_loop(client, reader, convs: list[Conversation], load: Load) -> int:
-    """Turns round the conversations until TURNS_AFTER_FAILOVER turns started after the failover."""
-    after = 0
-    while after < TURNS_AFTER_FAILOVER:
-        for conv in convs:
-            started_after = load.failed_over.is_set()
-            await _turn(client, reader, conv, load)
-            after += started_after
-    return after
 
 
 async def test_service_follows_a_sentinel_failover_and_keeps_every_acknowledged_turn(tmp_path):
@@ -109,7 +41,7 @@ async def test_service_follows_a_sentinel_failover_and_keeps_every_acknowledged_
                 load = Load()
                 convs = [[Conversation(ConversationRef(f"failover-{c}-{i}-{uuid.uuid4().hex[:6]}"))
                           for i in range(CONVERSATIONS_PER_CLIENT)] for c in range(CLIENTS)]
-                clients = asyncio.gather(*(_client_loop(client if c % 2 else impatient, client, mine, load)
+                clients = asyncio.gather(*(client_loop(client if c % 2 else impatient, client, mine, load)
                                            for c, mine in enumerate(convs)))
 
                 async def kill_primary_mid_load():
@@ -171,10 +103,13 @@ async def test_a_write_no_replica_acknowledged_is_unavailable_and_its_retry_reso
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--redis-url", "redis://127.0.0.1:1/0", "--redis-sentinels", "127.0.0.1:26379"], "not both"),
+    (["--redis-url", "redis://127.0.0.1:1/0", "--redis-sentinels", "127.0.0.1:26379"], "not several"),
+    (["--redis-cluster", "127.0.0.1:7000", "--redis-sentinels", "127.0.0.1:26379"], "not several"),
     (["--redis-sentinels", "127.0.0.1"], "host:port"),
+    (["--redis-cluster", "127.0.0.1:7000,node-b"], "host:port"),
     (["--publish-wait-replicas", "-1"], "publish_wait_replicas"),
-], ids=["url-and-sentinels", "sentinel-without-port", "negative-replicas"])
+], ids=["url-and-sentinels", "cluster-and-sentinels", "sentinel-without-port", "cluster-node-without-port",
+        "negative-replicas"])
 def test_bad_redis_settings_refuse_to_start(tmp_path, args, message):
     child = CacheServiceChild(["--port", "0", "--data-dir", str(tmp_path), *args], root=SERVICE_ROOT)
     try:

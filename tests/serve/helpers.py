@@ -92,12 +92,12 @@ async def tier_copy(http, conv_id: str, salt: str, timeout_s: float = 30.0) -> d
     return await asyncio.wait_for(poll(), timeout_s)
 
 
-async def prefix_holders(cache: CacheClient, names: list[str], timeout_s: float = 30.0) -> tuple[str, ...]:
+async def prefix_holders(cache: CacheClient, scope: str, names: list[str], timeout_s: float = 30.0) -> tuple[str, ...]:
     """The replicas the prefix index names for the whole of `names` (announced after the answer,
     off the response path: polled)."""
     async def poll() -> tuple[str, ...]:
         while True:
-            match = await cache.find_prefix(names)
+            match = await cache.find_prefix(names, scope=scope)
             if match is not None and match.index == len(names) - 1:
                 longest = max(tokens for _, tokens in match.holders)
                 return tuple(replica for replica, tokens in match.holders if tokens == longest)

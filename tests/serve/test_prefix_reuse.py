@@ -73,7 +73,7 @@ async def test_a_prefix_whose_holder_died_is_recomputed_with_the_same_tokens(sta
     first = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
     history.append({"role": "assistant", "content": first.text})
     async with CacheClient(stack.service.target) as cache:
-        (holder,) = await prefix_holders(cache, message_prefix_digests(salt, history))
+        (holder,) = await prefix_holders(cache, salt, message_prefix_digests(salt, history))
     kill_replica(APP, holder)
     await replica_replaced(APP)
     history.append(user("second: and another one"))

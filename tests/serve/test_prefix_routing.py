@@ -69,8 +69,8 @@ async def test_a_stateless_request_carries_the_holders_of_its_prefixes(service):
     async with app_client(service.target) as cache:
         run = await start(cache, salt)
         assert run.job.prefix_holders == () and run.job.scope == salt
-        await cache.announce_prefixes("replica-a", [(names[0], 12)])
-        await cache.announce_prefixes("replica-b", [(names[2], 30)])
+        await cache.announce_prefixes("replica-a", [(names[0], 12)], scope=salt)
+        await cache.announce_prefixes("replica-b", [(names[2], 30)], scope=salt)
         # every holder with its longest: the router weighs replica-a's 12 tokens against its queue too
         assert sorted((await start(cache, salt)).job.prefix_holders) == [("replica-a", 12), ("replica-b", 30)]
         assert (await start(cache, f"other-{salt}")).job.prefix_holders == ()  # another scope
@@ -82,7 +82,7 @@ async def test_a_new_conversation_carries_them_a_continued_one_does_not(service)
     async with app_client(service.target) as cache:
         keeper = LeaseKeeper(cache.target, cache.config)
         try:
-            await cache.announce_prefixes("replica-a", [(names[1], 20)])
+            await cache.announce_prefixes("replica-a", [(names[1], 20)], scope=salt)
             run = await start(cache, salt, conversation_id=conversation_id, keeper=keeper)
             try:
                 assert run.job.head is None and run.job.prefix_holders == (("replica-a", 20),)
@@ -151,16 +151,16 @@ async def test_a_worker_withdraws_what_its_engine_no_longer_holds(service):
             return cache
 
         announcer = Announcer("replica-w", live, spawn)
-        await cache.announce_prefixes("replica-x", [(names[0], 9)])  # another replica holds the first
+        await cache.announce_prefixes("replica-x", [(names[0], 9)], scope=salt)  # another replica holds the first
         announcer.after_turn(salt, CHAT[:2], reply, [(1, 9), (3, 21)], keys=["system-key", "end-key"])
         await asyncio.gather(*tasks)
-        assert sorted((await cache.find_prefix(names)).holders) == [("replica-w", 21), ("replica-x", 9)]
+        assert sorted((await cache.find_prefix(names, scope=salt)).holders) == [("replica-w", 21), ("replica-x", 9)]
         announcer.withdraw(["end-key", "never-announced"])  # the engine evicted the request's end
         await asyncio.gather(*tasks)
-        assert sorted((await cache.find_prefix(names)).holders) == [("replica-w", 9), ("replica-x", 9)]
+        assert sorted((await cache.find_prefix(names, scope=salt)).holders) == [("replica-w", 9), ("replica-x", 9)]
         announcer.withdraw(["system-key", "end-key"])  # the end's again: nothing left to withdraw
         await asyncio.gather(*tasks)
-        assert (await cache.find_prefix(names)).holders == (("replica-x", 9),)
+        assert (await cache.find_prefix(names, scope=salt)).holders == (("replica-x", 9),)
         assert announcer.withdrawn == 2 and announcer.failures.count == 0
 
 
@@ -180,16 +180,16 @@ async def test_a_worker_announces_off_the_turn_and_survives_a_dead_service(servi
         assert len(tasks) == 1 and announcer.in_flight == 1  # spawned, not awaited
         await asyncio.gather(*tasks)
         names = message_prefix_digests(salt, [*CHAT[:2], {"role": "assistant", "content": "hello"}])
-        match = await cache.find_prefix(names)
+        match = await cache.find_prefix(names, scope=salt)
         assert (match.index, match.holders) == (2, (("replica-w", 21),))
-        assert (await cache.find_prefix(names[:2])).index == 0
+        assert (await cache.find_prefix(names[:2], scope=salt)).index == 0
         assert announcer.announced == 2 and announcer.failures.count == 0
         # awaited (a stateless answer's end): the very next lookup, an agent loop's next step, finds it
         reply = {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
         await announcer.after_turn_awaited(salt, CHAT[:3], reply, [(4, 40)])
         names = message_prefix_digests(salt, [*CHAT[:3], reply, {"role": "tool", "content": "r"}])
-        assert (await cache.find_prefix(names)).holders == (("replica-w", 40),)
+        assert (await cache.find_prefix(names, scope=salt)).holders == (("replica-w", 40),)
 
     dead = CacheClient(f"127.0.0.1:{closed_port()}", ClientConfig(timeout_s=0.2, retry=RetryPolicy(attempts=2)))
     try:

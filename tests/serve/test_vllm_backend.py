@@ -111,7 +111,7 @@ async def test_a_chat_resent_in_full_runs_only_its_new_messages(stack, vllm_app)
         ended = reply.prompt_tokens + len(reply.tokens) - 1
         history.append({"role": "assistant", "content": reply.text})
         async with CacheClient(stack.service.target) as cache:  # announced off the answer's path: landed
-            assert await prefix_holders(cache, message_prefix_digests("full", history))
+            assert await prefix_holders(cache, "full", message_prefix_digests("full", history))
 
 
 async def test_template_fields_render_the_prompt_as_on_our_engine(stack, vllm_app):
