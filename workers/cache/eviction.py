@@ -77,9 +77,10 @@ class Eviction:
         take_pinned: Callable[[CommittedHead], bool],
         protect: Holder | None = None,
         kind: HolderKind | None = None,
+        spare: Callable[[CommittedHead], bool] = lambda h: False,
     ) -> None:
         while short():
-            candidates = [h for h in self.eviction_order(kind) if h.holder != protect]
+            candidates = [h for h in self.eviction_order(kind) if h.holder != protect and not spare(h)]
             victim = next((h for h in candidates if h.pins == 0), None)
             if victim is None:
                 victim = next((h for h in candidates if take_pinned(h)), None)
