@@ -208,6 +208,10 @@ class TurnDone:
     # n > 1: the other choices' ends, by index (prompt_tokens counts the prompt once; usage sums
     # completion_tokens over every choice, as OpenAI's does)
     others: tuple[ChoiceEnd, ...] = ()
+    # A stateless request's or a first turn's prefix checkpoints on `replica`, named as the prefix
+    # index names them: (message_prefix_digests name, tokens). The ingress routes the client's
+    # next request by them at once (routing/recent_prefixes.py); the index hears of them later.
+    prefixes: tuple[tuple[str, int], ...] = ()
 
     @property
     def all_completion_tokens(self) -> int:

@@ -13,7 +13,8 @@
 
 A stateless request and a conversation's first turn carry the replicas the prefix index names
 as holding the longest prefix of their messages (routing/prefix_hints.py; a failed or slow lookup: none,
-the router then goes by load).
+the router then goes by load), and those this ingress saw leave one in an answer it forwarded
+(TurnDone.prefixes, recorded before the answer's end reaches the client: routing/recent_prefixes.py).
 
 A replica lost before it produced anything is retried on another, under a new lease (at most
 one run per lease: the old one is fenced first, and a turn it committed is answered from the
@@ -40,6 +41,7 @@ from deployments.turn import outcome
 from deployments.errors import APIError
 from deployments.turn.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
 from deployments.routing.prefix_hints import find_holders
+from deployments.routing.recent_prefixes import RECENT
 from deployments.messages import (ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob,
                                    prompt_as_messages)
 from deployments.settings import AppSettings
@@ -202,6 +204,7 @@ class TurnRun:
                         return
                     if isinstance(event, TurnDone):
                         self.done = event
+                        RECENT.record(event.replica, event.prefixes)  # before the client sees the end
                     elif isinstance(event, TurnDelta):
                         streamed.add(event)
                     told = told or isinstance(event, (TurnDone, TurnFailed))

@@ -17,6 +17,7 @@ from tests.serve.test_recovery import kill_replica, replica_replaced
 
 pytestmark = pytest.mark.timeout(300)
 
+PREFIX_HOLDER_ROUTES = 'hybridserve_route_decisions_total{reason="prefix_holder"}'
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 54}  # 1,566 characters: tokens here
 
 
@@ -47,6 +48,28 @@ async def test_full_history_turns_reuse_everything_the_previous_turn_saw(stack):
     async with stack.http() as http:
         assert await metric(http, 'hybridserve_prefix_lookups_total{result="hit"}') >= hits_before + 5
         assert await metric(http, "hybridserve_prefix_index_names") > 0
+
+
+async def test_the_next_request_finds_the_end_the_previous_one_left_before_the_index_hears_of_it(stack):
+    """The announce race: an agent loop's next request follows the answer at once, and the
+    worker's announce to the prefix index may land after its lookup. The ingress that forwarded
+    the answer knows where its end is held: the next request goes there all the same."""
+    client, salt = stack.client(), _salt()
+    history = [user("first: name a colour")]
+    first = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
+    history.append({"role": "assistant", "content": first.text})
+    names = message_prefix_digests(salt, history)
+    async with CacheClient(stack.service.target) as cache:
+        for holder in await prefix_holders(cache, names):  # the announce landed: take it back,
+            await cache.forget_prefixes(holder, names)  # as if it were still on its way
+        assert await cache.find_prefix(names) is None
+    history.append(user("second: and another one"))
+    async with stack.http() as http:
+        routed = await metric(http, PREFIX_HOLDER_ROUTES)
+        reply = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
+        assert await metric(http, PREFIX_HOLDER_ROUTES) == routed + 1  # not least_loaded
+    assert reply.cached_tokens >= first.prompt_tokens + len(first.tokens) - 1
+    assert reply.tokens == (await stateless_reference(client, stack.model, history)).tokens
 
 
 async def test_a_shared_system_prompt_is_computed_once_per_scope(stack):
