@@ -17,6 +17,7 @@ ids match exactly, so a stale entry costs a recompute, never a wrong answer.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -39,6 +40,9 @@ WARN_EVERY_S = 60.0
 # Announces a worker has in flight at most; more are dropped (and counted as failed): while the
 # cache service is down each one retries for a while, and they must not pile up.
 MAX_ANNOUNCES_IN_FLIGHT = 64
+# A rough length of text in tokens (English and JSON), for routing only: what a prefix's prefill
+# would cost before anyone has tokenized it.
+CHARS_PER_TOKEN = 4
 # Engine checkpoint names a worker remembers the announces of (far more than its prefix budget
 # holds checkpoints of a small model; the oldest are the likeliest evicted already).
 NAMES_KEPT = 16384
@@ -83,6 +87,19 @@ async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict],
         LOOKUP_FAILURES.failed(e)
         return merged((), recent)
     return merged(() if match is None else match.holders, recent)
+
+
+def prefix_estimates(scope: str, messages: Sequence[dict], tools: Sequence[dict] = ()) -> tuple[tuple[str, int], ...]:
+    """(name, estimated tokens) of each prefix messages[:k]: the names the index uses, and a
+    length the router can weigh without a tokenizer (characters / CHARS_PER_TOKEN, the tools
+    included: the template renders them into the prompt's start)."""
+    names = message_prefix_digests(scope, list(messages))
+    chars = len(json.dumps(list(tools))) if tools else 0
+    out = []
+    for name, message in zip(names, messages):
+        chars += len(str(message.get("content") or "")) + len(json.dumps(message.get("tool_calls") or ""))
+        out.append((name, chars // CHARS_PER_TOKEN))
+    return tuple(out)
 
 
 def announcement(scope: str, messages: Sequence[dict], reply: dict,

@@ -40,7 +40,7 @@ from deployments import errors
 from deployments.turn import outcome
 from deployments.errors import APIError
 from deployments.turn.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
-from deployments.routing.prefix_hints import find_holders
+from deployments.routing.prefix_hints import find_holders, prefix_estimates
 from deployments.routing.recent_prefixes import RECENT
 from deployments.messages import (ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob,
                                    prompt_as_messages)
@@ -95,9 +95,12 @@ class TurnRun:
         messages, tools, conversation = request.messages, request.tools, request.conversation
         if conversation is None:  # nothing is committed: a retry is harmless, no key needed
             named = messages if request.prompt is None else prompt_as_messages(request.prompt)
-            holders = await find_holders(cache, tools_scope(request.scope, tools), named)
+            scope = tools_scope(request.scope, tools)
+            holders = await find_holders(cache, scope, named)
             return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
-                                                         prefix_holders=holders, stateless_scope=request.scope,
+                                                         prefix_holders=holders,
+                                                         prefix_names=prefix_estimates(scope, named, tools),
+                                                         stateless_scope=request.scope,
                                                          tools=tools, parse_tool_calls=request.parse_tool_calls,
                                                          template=request.template, prompt=request.prompt),
                        None)
@@ -126,8 +129,9 @@ class TurnRun:
         run._keep_lease()  # first: the lookup below must not eat into the lease
         if not head.version:  # a new conversation: where is its prefix held (a hint)?
             try:
-                holders = await find_holders(cache, tools_scope(conversation.salt, tools), messages)
-                run.job = replace(job, prefix_holders=holders)
+                scope = tools_scope(conversation.salt, tools)
+                holders = await find_holders(cache, scope, messages)
+                run.job = replace(job, prefix_holders=holders, prefix_names=prefix_estimates(scope, messages, tools))
             except BaseException:
                 await run.close()  # cancelled meanwhile: the lease is settled, as after any failure
                 raise
