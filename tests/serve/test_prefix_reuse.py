@@ -5,6 +5,7 @@ those of a request computed from scratch."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -18,6 +19,7 @@ from tests.serve.test_recovery import kill_replica, replica_replaced
 pytestmark = pytest.mark.timeout(300)
 
 PREFIX_HOLDER_ROUTES = 'hybridserve_route_decisions_total{reason="prefix_holder"}'
+PREFIX_COMPUTING_ROUTES = 'hybridserve_route_decisions_total{reason="prefix_computing"}'
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 54}  # 1,566 characters: tokens here
 
 
@@ -88,6 +90,24 @@ async def test_a_shared_system_prompt_is_computed_once_per_scope(stack):
     other = await chat_turn(client, stack.model, [SYSTEM, user("question 0: how far is 0?")], conversation_id=None,
                             cache_salt=_salt())
     assert other.cached_tokens == 0  # another salt: another scope
+
+
+async def test_requests_arriving_together_over_a_prefix_nobody_holds_compute_it_once(stack):
+    """Two chats open together with a long system prompt nobody holds yet: the router sends the
+    second where the first computes it (prefix_computing), and the engine lets it attach the
+    first one's mark instead of computing the prompt a second time elsewhere."""
+    client, salt = stack.client(), _salt()
+    system = {"role": "system", "content": SYSTEM["content"] * 2}  # 3,132 tokens (the model allows 4,096)
+    chats = [[system, user(f"question {i}: how near is {i * 7}?")] for i in range(2)]
+    async with stack.http() as http:
+        coalesced = await metric(http, PREFIX_COMPUTING_ROUTES)
+        replies = await asyncio.gather(*(chat_turn(client, stack.model, chat, conversation_id=None, cache_salt=salt)
+                                         for chat in chats))
+        assert await metric(http, PREFIX_COMPUTING_ROUTES) == coalesced + 1
+    assert sorted(r.cached_tokens >= len(system["content"]) for r in replies) == [False, True], [
+        r.cached_tokens for r in replies]
+    for chat, reply in zip(chats, replies):
+        assert reply.tokens == (await stateless_reference(client, stack.model, chat)).tokens
 
 
 async def test_a_prefix_whose_holder_died_is_recomputed_with_the_same_tokens(stack):
