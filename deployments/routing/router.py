@@ -13,14 +13,15 @@ are all full (`max_ongoing_requests`) is skipped:
 Prefix holders: for a stateless request or a new conversation the ingress asks the cache
 service's prefix index which replicas hold a prefix of its messages (a shared system prompt,
 the history of a stateless chat resent in full) and how many tokens each, its longest:
-`TurnJob.prefix_holders` (a holder that is no longer a candidate counts for nothing).
+`TurnJob.prefix_holders` (a holder that is no longer a candidate counts for nothing). There the
+prompt's start is a local hit; elsewhere it is recomputed once, and then held there too. A
+holder is preferred exactly while the prefill it saves outweighs its longer queue.
+
 Requests arriving together over a prefix nobody holds yet (a tenant's loops starting over one tool
 catalogue) are coalesced: the first goes by load and its message prefixes of >= 32 (estimated)
 tokens are taken as being computed there (COMPUTING_TTL_S); a later one sharing one goes there
 while that is cheapest, and the engine attaches the first one's mark as soon as its prefill
-passed it (workers/cache/prefix_wait.py) instead of computing the prefix again. There the prompt's start is a local hit; elsewhere it is recomputed
-once, and then held there too. A holder is preferred exactly while the prefill it saves
-outweighs its longer queue.
+passed it (workers/cache/prefix_wait.py) instead of computing the prefix again.
 
 Queue = the worker's routing stats (`record_routing_stats`, every second: requests in its engine,
 prompt tokens waiting, measured speeds) plus the requests sent since: this router's live count
