@@ -68,6 +68,10 @@ class TurnJob:
     # holding the longest message prefix of a stateless request or a new conversation: the router
     # prices the prefill each one saves (routing/cost.py). A hint.
     prefix_holders: tuple[tuple[str, int], ...] = ()
+    # (name, estimated tokens) of each message prefix of a stateless request or a new conversation
+    # (routing/prefix_hints.py `prefix_estimates`): when nobody holds any of it, the router sends
+    # requests sharing a long one to where the first of them computes it (coalescing).
+    prefix_names: tuple[tuple[str, int], ...] = ()
     # A stateless request's cache scope (its salt, scoped to the API key if auth is on): the
     # prefixes it reuses and keeps are named in it. A conversation's scope is its ref's salt.
     stateless_scope: str = ""
@@ -208,6 +212,10 @@ class TurnDone:
     # n > 1: the other choices' ends, by index (prompt_tokens counts the prompt once; usage sums
     # completion_tokens over every choice, as OpenAI's does)
     others: tuple[ChoiceEnd, ...] = ()
+    # A stateless request's or a first turn's prefix checkpoints on `replica`, named as the prefix
+    # index names them: (message_prefix_digests name, tokens). The ingress routes the client's
+    # next request by them at once (routing/recent_prefixes.py); the index hears of them later.
+    prefixes: tuple[tuple[str, int], ...] = ()
 
     @property
     def all_completion_tokens(self) -> int:

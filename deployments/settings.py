@@ -123,7 +123,10 @@ class AppSettings(BaseModel):
                                   "and ledger): how long a DELETE served by another replica leaves its copy")
     kv_cache_mb: int = Field(256, ge=1)
     head_cache_mb: int = Field(128, ge=1)
-    prefix_cache_mb: int = Field(64, ge=0, description="budget for prefix checkpoints (message boundaries, "
+    # As much as conversations' heads get: a stateless agent loop's end is the state an explicit
+    # conversation's head is (64 MiB held three such loops of 3,000 tokens of a small model, with
+    # float32 Mamba states, where the same replica served four conversations from their heads).
+    prefix_cache_mb: int = Field(128, ge=0, description="budget for prefix checkpoints (message boundaries, "
                                  "ends of stateless requests) per worker; 0: no prefix reuse")
     max_model_len: int = Field(0, ge=0, description="0: the model's own limit")
     max_num_seqs: int = Field(16, ge=1)

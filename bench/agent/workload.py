@@ -123,6 +123,7 @@ class StepRecord(TurnRecord):
     finish_reason: str | None = None
     calls: list[dict] = field(default_factory=list)  # [{"id", "name", "arguments"}]
     delta_at_s: list[float] | None = None  # when kept: each content / tool-call delta's arrival (perf_counter)
+    served_by: dict | None = None  # our app's last chunk's "hybridserve": {replica, cached_from, recovery}
 
 
 async def _stream_chat(client: openai.AsyncOpenAI, rec: StepRecord, **kwargs) -> None:
@@ -146,6 +147,7 @@ async def _stream_chat(client: openai.AsyncOpenAI, rec: StepRecord, **kwargs) ->
             rec.finish_reason = choice.finish_reason or rec.finish_reason
         if chunk.usage is not None:
             _take_usage(rec, chunk.usage)
+        rec.served_by = (chunk.model_extra or {}).get("hybridserve", rec.served_by)
     rec.total_s = time.perf_counter() - t0
     rec.calls = [c for _, c in sorted(calls.items())]
 

@@ -45,6 +45,9 @@ class RouteReason(enum.Enum):
     OWNER_GONE = "owner_gone"  # the owner is no longer a candidate: the head moves
     PREFIX_HOLDER = "prefix_holder"  # a replica holding the request's longest known prefix
     PREFIX_HOLDER_BUSY = "prefix_holder_busy"  # holders' queues cost more than recomputing it
+    # nobody holds its prefix yet; an earlier request sharing it was sent here and computes it
+    # (the engine lets this one attach it as soon as that one's prefill passed it)
+    PREFIX_COMPUTING = "prefix_computing"
     LEAST_LOADED = "least_loaded"  # nobody holds anything of it: the shortest queue
 
 
@@ -77,6 +80,7 @@ class Need:
     owner: str = ""  # a conversation's owner ("" for stateless requests and first turns)
     head_tokens: int = 0  # a conversation's committed tokens (what a non-owner lacks)
     tier_has_head: bool = False  # the tier holds the current head: a non-owner imports it
+    computing: frozenset[str] = frozenset()  # replicas in `held` only for computing it now (estimated tokens)
 
 
 @dataclass(frozen=True)
@@ -149,5 +153,6 @@ def _reason(first: str, candidates: Sequence[str], need: Need) -> RouteReason:
     holders = [r for r in candidates if need.held.get(r, 0) > 0]
     if not holders:
         return RouteReason.LEAST_LOADED
-    return RouteReason.PREFIX_HOLDER if need.held.get(first, 0) == max(need.held.values()) else (
-        RouteReason.PREFIX_HOLDER_BUSY)
+    if need.held.get(first, 0) != max(need.held.values()):
+        return RouteReason.PREFIX_HOLDER_BUSY
+    return RouteReason.PREFIX_COMPUTING if first in need.computing else RouteReason.PREFIX_HOLDER

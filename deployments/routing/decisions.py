@@ -14,7 +14,8 @@ ROUTING_REGISTRY = CollectorRegistry()
 _DECISIONS = Counter("hybridserve_route_decisions", "turns routed, by why the replica was chosen: owner (holds the "
                      "head), owner_busy_moved (the head moved: its owner's queue cost more than an import), "
                      "owner_gone, prefix_holder (holds the longest known prefix), prefix_holder_busy (holders' "
-                     "queues cost more than recomputing the prefix), least_loaded (nobody holds any of it)",
+                     "queues cost more than recomputing the prefix), prefix_computing (nobody holds it yet; an earlier request "
+                     "sharing it computes it there), least_loaded (nobody holds any of it)",
                      ["reason"], registry=ROUTING_REGISTRY)
 for _reason in RouteReason:
     _DECISIONS.labels(_reason.value)  # exported from the start (rate() needs the zero)

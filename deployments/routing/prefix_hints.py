@@ -4,8 +4,9 @@
     ingress:  message_prefix_digests(salt, messages) -> FindPrefix (one attempt, PREFIX_LOOKUP_S)
               -> TurnJob.prefix_holders -> the router ranks them first (router.py)
     worker:   final RequestOutput.checkpoints [(k, tokens)] -> names of messages[:k] (k past the
-              messages: + the reply) -> AnnouncePrefixes, awaited at most ANNOUNCE_WAIT_S before
-              the answer ends (the next request of an agent loop follows at once)
+              messages: + the reply) -> AnnouncePrefixes, in a task of its own; the same names
+              go back to the ingress in TurnDone.prefixes (recent_prefixes.py), so the next
+              request of an agent loop, which follows at once, finds them whenever it is looked up
               engine evicts a checkpoint -> its `withdrawn_prefixes` -> ForgetPrefixes of the
               names it was announced under (after each turn), so the index names what is held
 
@@ -16,7 +17,7 @@ ids match exactly, so a stale entry costs a recompute, never a wrong answer.
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 import grpc
 
 from cache_service.client import SERVICE_LIMITS, CacheClient, CacheError
+from deployments.routing.recent_prefixes import RECENT, merged
 from proto.contract import message_prefix_digests
 
 log = logging.getLogger("hybridserve.prefix_index")
@@ -38,8 +40,9 @@ WARN_EVERY_S = 60.0
 # Announces a worker has in flight at most; more are dropped (and counted as failed): while the
 # cache service is down each one retries for a while, and they must not pile up.
 MAX_ANNOUNCES_IN_FLIGHT = 64
-# How long a worker holds a stateless request's (or first turn's) end for its announce to land.
-ANNOUNCE_WAIT_S = 0.05
+# A rough length of text in tokens (English and JSON), for routing only: what a prefix's prefill
+# would cost before anyone has tokenized it.
+CHARS_PER_TOKEN = 4
 # Engine checkpoint names a worker remembers the announces of (far more than its prefix budget
 # holds checkpoints of a small model; the oldest are the likeliest evicted already).
 NAMES_KEPT = 16384
@@ -72,15 +75,31 @@ _HINT_ERRORS = (CacheError, grpc.RpcError, TimeoutError, OSError)
 async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict], *,
                        timeout_s: float = PREFIX_LOOKUP_S) -> tuple[tuple[str, int], ...]:
     """(replica, tokens held) of every replica holding a prefix of `messages` in `scope` (the
-    request's cache salt), each with its longest; () when none does or the lookup failed."""
+    request's cache salt), each with its longest; () when none does or the lookup failed. The
+    index's answer is completed by what this ingress just saw replicas leave (recent_prefixes.py:
+    an announce may land after an agent loop's next lookup)."""
     # The index bounds one lookup; the longest prefixes are the ones worth finding.
     names = message_prefix_digests(scope, list(messages))[-SERVICE_LIMITS.max_prefix_names:]
+    recent = RECENT.holders(names)
     try:
         match = await cache.find_prefix(names, scope=scope, timeout_s=timeout_s)
     except _HINT_ERRORS as e:
         LOOKUP_FAILURES.failed(e)
-        return ()
-    return () if match is None else match.holders
+        return merged((), recent)
+    return merged(() if match is None else match.holders, recent)
+
+
+def prefix_estimates(scope: str, messages: Sequence[dict], tools: Sequence[dict] = ()) -> tuple[tuple[str, int], ...]:
+    """(name, estimated tokens) of each prefix messages[:k]: the names the index uses, and a
+    length the router can weigh without a tokenizer (characters / CHARS_PER_TOKEN, the tools
+    included: the template renders them into the prompt's start)."""
+    names = message_prefix_digests(scope, list(messages))
+    chars = len(json.dumps(list(tools))) if tools else 0
+    out = []
+    for name, message in zip(names, messages):
+        chars += len(str(message.get("content") or "")) + len(json.dumps(message.get("tool_calls") or ""))
+        out.append((name, chars // CHARS_PER_TOKEN))
+    return tuple(out)
 
 
 def announcement(scope: str, messages: Sequence[dict], reply: dict,
@@ -120,22 +139,20 @@ class Announcer:
         self._names: OrderedDict[Hashable, set[tuple[str, str]]] = OrderedDict()
 
     def after_turn(self, scope: str, messages: Sequence[dict], reply: dict,
-                   checkpoints: Sequence[tuple[int, int]], keys: Sequence[Hashable] = ()) -> asyncio.Event:
-        """Start the announce; the event is set once it is done (landed, failed or dropped).
+                   checkpoints: Sequence[tuple[int, int]], keys: Sequence[Hashable] = ()) -> tuple[tuple[str, int], ...]:
+        """Start the announce (never waited for) and return what it names: (prefix name, tokens).
         `keys`: the engine's names of the checkpoints, in their order (RequestOutput.checkpoint_keys)."""
-        done = asyncio.Event()
-        if not checkpoints:
-            done.set()
-            return done
+        named = _named(scope, messages, reply, checkpoints)
+        entries = tuple((name, tokens) for _, name, tokens in named)
+        if not entries:
+            return entries
         if self.in_flight >= MAX_ANNOUNCES_IN_FLIGHT:
             self.failures.failed(OverflowError(f"{self.in_flight} announces already in flight; dropped"))
-            done.set()
-            return done
-        named = _named(scope, messages, reply, checkpoints)
+            return entries
         self._remember(scope, tuple(keys), named)  # now: a withdrawal may follow before the announce lands
         self.in_flight += 1
-        self._spawn(self._announce(scope, [(name, tokens) for _, name, tokens in named], done))
-        return done
+        self._spawn(self._announce(scope, list(entries)))
+        return entries
 
     def withdraw(self, keys: Sequence[Hashable]) -> None:
         """The engine no longer holds these checkpoints: their index names go (in a task)."""
@@ -161,25 +178,11 @@ class Announcer:
         while len(self._names) > NAMES_KEPT:
             self._names.popitem(last=False)
 
-    async def after_turn_awaited(self, scope: str, messages: Sequence[dict], reply: dict,
-                                 checkpoints: Sequence[tuple[int, int]], keys: Sequence[Hashable] = (),
-                                 wait_s: float = ANNOUNCE_WAIT_S) -> None:
-        """Announce, and wait up to `wait_s` for it to land: an agent loop's next request follows
-        the answer at once, and its routing hint must already name this replica (one Redis round
-        trip, about a millisecond; a slow service only delays the answer's end by `wait_s`)."""
-        done = self.after_turn(scope, messages, reply, checkpoints, keys)
+    async def _announce(self, scope: str, entries: list[tuple[str, int]]) -> None:
         try:
-            await asyncio.wait_for(done.wait(), wait_s)
-        except TimeoutError:
-            pass  # it lands later, or fails and is counted: a hint either way
-
-    async def _announce(self, scope: str, entries: list[tuple[str, int]], done: asyncio.Event) -> None:
-        try:
-            if entries:
-                await (await self._cache()).announce_prefixes(self.replica, entries, scope=scope)
-                self.announced += len(entries)
+            await (await self._cache()).announce_prefixes(self.replica, entries, scope=scope)
+            self.announced += len(entries)
         except _HINT_ERRORS as e:
             self.failures.failed(e)
         finally:
             self.in_flight -= 1
-            done.set()

@@ -13,9 +13,15 @@ are all full (`max_ongoing_requests`) is skipped:
 Prefix holders: for a stateless request or a new conversation the ingress asks the cache
 service's prefix index which replicas hold a prefix of its messages (a shared system prompt,
 the history of a stateless chat resent in full) and how many tokens each, its longest:
-`TurnJob.prefix_holders` (a holder that is no longer a candidate counts for nothing). There the prompt's start is a local hit; elsewhere it is recomputed
-once, and then held there too. A holder is preferred exactly while the prefill it saves
-outweighs its longer queue.
+`TurnJob.prefix_holders` (a holder that is no longer a candidate counts for nothing). There the
+prompt's start is a local hit; elsewhere it is recomputed once, and then held there too. A
+holder is preferred exactly while the prefill it saves outweighs its longer queue.
+
+Requests arriving together over a prefix nobody holds yet (a tenant's loops starting over one tool
+catalogue) are coalesced: the first goes by load and its message prefixes of >= 32 (estimated)
+tokens are taken as being computed there (COMPUTING_TTL_S); a later one sharing one goes there
+while that is cheapest, and the engine attaches the first one's mark as soon as its prefill
+passed it (workers/cache/prefix_wait.py) instead of computing the prefix again.
 
 Queue = the worker's routing stats (`record_routing_stats`, every second: requests in its engine,
 prompt tokens waiting, measured speeds) plus the requests sent since: this router's live count
@@ -55,12 +61,19 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from deployments.messages import ReplicaCall, TurnJob
 from deployments.routing import fleet
-from deployments.routing.cost import Need, ReplicaLoad, rank
+from deployments.routing.cost import Need, ReplicaLoad, RouteReason, rank
 from deployments.routing.decisions import count_decision
+from deployments.routing.recent_prefixes import RecentPrefixes
 
 # A choice no request was sent for (cancelled while probing, or sent to a later rank) stops
 # counting after this.
 CHOICE_TTL_S = 2.0
+# Coalescing: a prefix nobody held, sent to a replica, is taken as being computed there this long
+# (a first request's prefill and reply, under load; its end's announce then names the holder).
+COMPUTING_TTL_S = 60.0
+# Shorter shared prefixes are recomputed rather than coalesced: the engine's MIN_SHARED_TOKENS
+# (workers/cache/prefix_wait.py, not imported: the ingress loads no torch).
+COALESCE_MIN_TOKENS = 32
 
 
 def requested_call(pending_request: PendingRequest | None) -> TurnJob | ReplicaCall | None:
@@ -74,12 +87,17 @@ def requested_call(pending_request: PendingRequest | None) -> TurnJob | ReplicaC
     return None
 
 
-def need_of(call: TurnJob | ReplicaCall) -> Need:
+def need_of(call: TurnJob | ReplicaCall, computing: RecentPrefixes | None = None) -> Need:
     if isinstance(call, ReplicaCall):
         return Need({}, owner=call.owner)
     head = call.head
     if head is None:  # stateless, or a conversation's first turn: where its prefix is held
-        return Need(dict(call.prefix_holders))
+        held = dict(call.prefix_holders)
+        if held or computing is None:
+            return Need(held)
+        # nobody holds any of it: where an earlier request sharing a long prefix computes it
+        pending = computing.holders([name for name, _ in call.prefix_names])
+        return Need(pending, computing=frozenset(pending))
     if not head.owner:  # nobody holds the head: any replica imports or recomputes it
         return Need({})
     return Need({head.owner: head.committed_tokens}, owner=head.owner, head_tokens=head.committed_tokens,
@@ -99,6 +117,8 @@ class StickyConversationRouter(RequestRouter):
         fleet.register(self)  # /metrics reads the replicas' routing stats through it
         # internal request id -> (replica of its first rank, when chosen): not yet counted by Serve
         self._chosen: dict[str, tuple[ReplicaID, float]] = {}
+        # message prefixes nobody held when a request with them was routed: where they are computed
+        self._computing = RecentPrefixes(ttl_s=COMPUTING_TTL_S)
 
     async def choose_replicas(
         self,
@@ -120,10 +140,13 @@ class StickyConversationRouter(RequestRouter):
         if call is not None and by_load:
             by_name = {r.replica_id.unique_id: r for r in by_load}
             queues = {name: ReplicaLoad.of(r.routing_stats, loads[r.replica_id][0]) for name, r in by_name.items()}
-            choices = rank(list(by_name), queues, need_of(call))
+            choices = rank(list(by_name), queues, need_of(call, self._computing))
             ranks = [by_name[c.replica] for c in choices]
             if isinstance(call, TurnJob):
                 count_decision(choices[0].reason)
+                if choices[0].reason is RouteReason.LEAST_LOADED and call.head is None:
+                    self._computing.record(choices[0].replica, [
+                        (name, tokens) for name, tokens in call.prefix_names if tokens >= COALESCE_MIN_TOKENS])
         if request_id is not None and ranks:
             self._chosen[request_id] = (ranks[0].replica_id, time.monotonic())
         return [[r] for r in ranks]

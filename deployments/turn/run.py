@@ -13,7 +13,8 @@
 
 A stateless request and a conversation's first turn carry the replicas the prefix index names
 as holding the longest prefix of their messages (routing/prefix_hints.py; a failed or slow lookup: none,
-the router then goes by load).
+the router then goes by load), and those this ingress saw leave one in an answer it forwarded
+(TurnDone.prefixes, recorded before the answer's end reaches the client: routing/recent_prefixes.py).
 
 A replica lost before it produced anything is retried on another, under a new lease (at most
 one run per lease: the old one is fenced first, and a turn it committed is answered from the
@@ -39,7 +40,8 @@ from deployments import errors
 from deployments.turn import outcome
 from deployments.errors import APIError
 from deployments.turn.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
-from deployments.routing.prefix_hints import find_holders
+from deployments.routing.prefix_hints import find_holders, prefix_estimates
+from deployments.routing.recent_prefixes import RECENT
 from deployments.messages import (ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob,
                                    prompt_as_messages)
 from deployments.settings import AppSettings
@@ -93,9 +95,12 @@ class TurnRun:
         messages, tools, conversation = request.messages, request.tools, request.conversation
         if conversation is None:  # nothing is committed: a retry is harmless, no key needed
             named = messages if request.prompt is None else prompt_as_messages(request.prompt)
-            holders = await find_holders(cache, tools_scope(request.scope, tools), named)
+            scope = tools_scope(request.scope, tools)
+            holders = await find_holders(cache, scope, named)
             return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
-                                                         prefix_holders=holders, stateless_scope=request.scope,
+                                                         prefix_holders=holders,
+                                                         prefix_names=prefix_estimates(scope, named, tools),
+                                                         stateless_scope=request.scope,
                                                          tools=tools, parse_tool_calls=request.parse_tool_calls,
                                                          template=request.template, prompt=request.prompt),
                        None)
@@ -124,8 +129,9 @@ class TurnRun:
         run._keep_lease()  # first: the lookup below must not eat into the lease
         if not head.version:  # a new conversation: where is its prefix held (a hint)?
             try:
-                holders = await find_holders(cache, tools_scope(conversation.salt, tools), messages)
-                run.job = replace(job, prefix_holders=holders)
+                scope = tools_scope(conversation.salt, tools)
+                holders = await find_holders(cache, scope, messages)
+                run.job = replace(job, prefix_holders=holders, prefix_names=prefix_estimates(scope, messages, tools))
             except BaseException:
                 await run.close()  # cancelled meanwhile: the lease is settled, as after any failure
                 raise
@@ -202,6 +208,7 @@ class TurnRun:
                         return
                     if isinstance(event, TurnDone):
                         self.done = event
+                        RECENT.record(event.replica, event.prefixes)  # before the client sees the end
                     elif isinstance(event, TurnDelta):
                         streamed.add(event)
                     told = told or isinstance(event, (TurnDone, TurnFailed))

@@ -9,7 +9,8 @@
       export:   the new head to the state tier (tier_export.py): before answering (sync), never
                 (off), or write-behind (async)
       announce: a stateless request's or a first turn's checkpointed prefixes to the prefix index
-                (routing/prefix_hints.py), in a task of its own, awaited briefly before the answer ends
+                (routing/prefix_hints.py), in a task of its own; their names also go back in
+                TurnDone.prefixes, for the ingress's own routing of the next step (no race)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -313,9 +315,8 @@ class Worker:
             hint_scope = tools_scope(job.scope, job.tools)
             if job.conversation is None:
                 named = job.messages if job.prompt is None else prompt_as_messages(job.prompt)
-                await self.announcer.after_turn_awaited(hint_scope, named, calls.reply_message(), last.checkpoints,
-                                                        last.checkpoint_keys)
-                yield done
+                yield replace(done, prefixes=self.announcer.after_turn(
+                    hint_scope, named, calls.reply_message(), last.checkpoints, last.checkpoint_keys))
                 return
             if last.turn_commit is None:
                 yield TurnFailed(ErrorKind.INTERNAL, "the engine finished the turn without preparing it")
@@ -323,8 +324,8 @@ class Worker:
             handed = True  # from here `_commit` owns the prepared turn, whatever happens to this stream
             outcome = await self._commit(job, done, last.turn_commit, calls)
             if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
-                await self.announcer.after_turn_awaited(hint_scope, job.messages, calls.reply_message(),
-                                                        last.checkpoints, last.checkpoint_keys)
+                outcome = replace(outcome, prefixes=self.announcer.after_turn(
+                    hint_scope, job.messages, calls.reply_message(), last.checkpoints, last.checkpoint_keys))
             yield outcome
         finally:
             self.announcer.withdraw(self.session.withdrawn_prefixes())  # evicted since the last turn ended

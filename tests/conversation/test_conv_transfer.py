@@ -357,3 +357,33 @@ def test_a_head_whose_conversation_went_on_elsewhere_is_continued_when_it_comes_
     assert kept is not None and head_of(a_cc, "c1", "s") is None
     third = check_turn_against_reference(a_cc, reference_engines[arch], "c1", "s", user("say 3"), greedy(7), "t3")
     assert third.num_cached_tokens == kept.state_len > 0
+
+
+def test_an_imported_head_is_not_evicted_by_its_own_import_when_the_heads_held_wait_for_tools(
+        models, reference_engines):
+    """A conversation moves to a replica whose head budget is full of agent loops' heads waiting
+    for their tools' results (evicted after every other head). The head it imports for the turn
+    about to run must not be the one that goes to make room: the turn would recompute the whole
+    history, though it was routed there for the import."""
+    arch = Arch.GRANITEMOEHYBRID
+
+    def loops_waiting_for_tools(cc):
+        for cid in ("loop1", "loop2"):
+            run_turn(cc, cid, "s", user(f"call a tool, {cid}"), greedy(7), f"{cid}-t1")
+            head_of(cc, cid, "s").awaiting_tool = True  # its reply was a tool call (the tiny model's are not)
+
+    probe = new_cache(new_engine(models[arch]))
+    loops_waiting_for_tools(probe)
+    a_cc = conversation(models, reference_engines, arch)
+    exported = export_from(a_cc)
+    # Room for the two loops' heads and less than the imported one besides.
+    b_cc = new_cache(new_engine(models[arch], head_cache_bytes=probe.engine.caches.heads.bytes_used() + BLOCK))
+    loops_waiting_for_tools(b_cc)
+    adopt_from(a_cc, b_cc)
+    info, _ = import_into(b_cc, exported)
+    assert head_of(b_cc, "c1", "s") is not None, "the import evicted the head it installed"
+    a_next = run_turn(a_cc, "c1", "s", user("go on"), greedy(9), "a3")
+    b_next = run_turn(b_cc, "c1", "s", user("go on"), greedy(9), "b3")
+    assert b_next.num_cached_tokens == info.state_len > 0, "the imported head is reused"
+    assert (b_next.tokens, b_next.logprobs) == (a_next.tokens, a_next.logprobs)
+    assert b_cc.engine.caches.heads.bytes_used() <= b_cc.engine.caches.heads.budget_bytes

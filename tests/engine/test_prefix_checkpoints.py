@@ -268,3 +268,32 @@ def test_a_waiting_request_never_waits_on_another_scope(tiny):
     while engine.has_unfinished():
         engine.step()
     assert same.num_cached_tokens == 40
+
+
+def test_a_mark_never_evicts_an_agent_loops_end_waiting_for_its_tools(tiny):
+    """The budget holds three states: two loops' ends, each waiting for its tools' results, and
+    one more. Another loop's request brings two marks (its system prompt, its last message):
+    one fits, the other must not take a waiting end (a mark may help some later request; the
+    end is what this loop's next step attaches). Both loops' next steps reuse all they left."""
+    path = tiny[Arch.BAMBA].path
+    probe = new_engine(path, prefix_cache_bytes=0)
+    slot, block = probe.state_layout.slot_bytes, probe.kv_layout.block_bytes
+    ours = Driver(new_engine(path, prefix_cache_bytes=3 * slot + 13 * block))  # the ends take 2 and 10
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    heads = ours.engine.caches.heads
+    loops = [prompt_of(60 + i, seed=80 + i) for i in range(2)]
+    for i, history in enumerate(loops):
+        tokens, _ = ours.run(history)
+        (end,) = [c for c in heads.checkpoints.values() if c.state_len == len(history) + len(tokens) - 1]
+        end.awaiting_tool = True  # its reply was a tool call (the tiny model's replies are not)
+        loops[i] = history + tokens
+    other = prompt_of(40, seed=90) + prompt_of(30, seed=91)
+    marks = [CheckpointMark(40, label=1, source=ReuseSource.SYSTEM), CheckpointMark(60, label=2)]
+    tokens, out = ours.run(other, marks=marks, keep=KeepState.FREE)
+    assert tokens == plain.run(other)[0] and len(out.checkpoints) == 1  # the mark that fitted
+    for history in loops:  # each loop's next step: its history, the reply, a tool result
+        prompt = history + prompt_of(12, seed=95)
+        tokens, out = ours.run(prompt)
+        assert out.num_cached_tokens == len(history) - 1, "the loop's end was evicted while it waited"
+        assert tokens == plain.run(prompt)[0]
+    assert heads.counters["tool_pause_evictions"] == 0

@@ -5,6 +5,7 @@ those of a request computed from scratch."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -17,6 +18,8 @@ from tests.serve.test_recovery import kill_replica, replica_replaced
 
 pytestmark = pytest.mark.timeout(300)
 
+PREFIX_HOLDER_ROUTES = 'hybridserve_route_decisions_total{reason="prefix_holder"}'
+PREFIX_COMPUTING_ROUTES = 'hybridserve_route_decisions_total{reason="prefix_computing"}'
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 54}  # 1,566 characters: tokens here
 
 
@@ -49,6 +52,28 @@ async def test_full_history_turns_reuse_everything_the_previous_turn_saw(stack):
         assert await metric(http, "hybridserve_prefix_index_names") > 0
 
 
+async def test_the_next_request_finds_the_end_the_previous_one_left_before_the_index_hears_of_it(stack):
+    """The announce race: an agent loop's next request follows the answer at once, and the
+    worker's announce to the prefix index may land after its lookup. The ingress that forwarded
+    the answer knows where its end is held: the next request goes there all the same."""
+    client, salt = stack.client(), _salt()
+    history = [user("first: name a colour")]
+    first = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
+    history.append({"role": "assistant", "content": first.text})
+    names = message_prefix_digests(salt, history)
+    async with CacheClient(stack.service.target) as cache:
+        for holder in await prefix_holders(cache, names):  # the announce landed: take it back,
+            await cache.forget_prefixes(holder, names)  # as if it were still on its way
+        assert await cache.find_prefix(names) is None
+    history.append(user("second: and another one"))
+    async with stack.http() as http:
+        routed = await metric(http, PREFIX_HOLDER_ROUTES)
+        reply = await chat_turn(client, stack.model, history, conversation_id=None, cache_salt=salt)
+        assert await metric(http, PREFIX_HOLDER_ROUTES) == routed + 1  # not least_loaded
+    assert reply.cached_tokens >= first.prompt_tokens + len(first.tokens) - 1
+    assert reply.tokens == (await stateless_reference(client, stack.model, history)).tokens
+
+
 async def test_a_shared_system_prompt_is_computed_once_per_scope(stack):
     """8 new chats, explicit conversations and stateless requests in turn, open with the same
     system prompt: all but the first reuse it, whichever kind made it."""
@@ -65,6 +90,24 @@ async def test_a_shared_system_prompt_is_computed_once_per_scope(stack):
     other = await chat_turn(client, stack.model, [SYSTEM, user("question 0: how far is 0?")], conversation_id=None,
                             cache_salt=_salt())
     assert other.cached_tokens == 0  # another salt: another scope
+
+
+async def test_requests_arriving_together_over_a_prefix_nobody_holds_compute_it_once(stack):
+    """Two chats open together with a long system prompt nobody holds yet: the router sends the
+    second where the first computes it (prefix_computing), and the engine lets it attach the
+    first one's mark instead of computing the prompt a second time elsewhere."""
+    client, salt = stack.client(), _salt()
+    system = {"role": "system", "content": SYSTEM["content"] * 2}  # 3,132 tokens (the model allows 4,096)
+    chats = [[system, user(f"question {i}: how near is {i * 7}?")] for i in range(2)]
+    async with stack.http() as http:
+        coalesced = await metric(http, PREFIX_COMPUTING_ROUTES)
+        replies = await asyncio.gather(*(chat_turn(client, stack.model, chat, conversation_id=None, cache_salt=salt)
+                                         for chat in chats))
+        assert await metric(http, PREFIX_COMPUTING_ROUTES) == coalesced + 1
+    assert sorted(r.cached_tokens >= len(system["content"]) for r in replies) == [False, True], [
+        r.cached_tokens for r in replies]
+    for chat, reply in zip(chats, replies):
+        assert reply.tokens == (await stateless_reference(client, stack.model, chat)).tokens
 
 
 async def test_a_prefix_whose_holder_died_is_recomputed_with_the_same_tokens(stack):

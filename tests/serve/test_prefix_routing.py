@@ -19,6 +19,7 @@ from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
 from deployments.service.connection import cache_client_config
 from deployments.turn.lease_keeper import LeaseKeeper
 from deployments.routing.prefix_hints import LOOKUP_FAILURES, PREFIX_LOOKUP_S, Announcer, announcement
+from deployments.routing.recent_prefixes import RECENT, RecentPrefixes, merged
 from deployments.settings import AppSettings
 from deployments.turn.request import TurnRequest
 from deployments.turn.run import TurnRun
@@ -61,6 +62,10 @@ async def start(cache: CacheClient, salt: str, *, conversation_id: str | None = 
                 keeper: LeaseKeeper | None = None) -> TurnRun:
     conversation = None if conversation_id is None else ConversationRef(conversation_id, salt)
     return await TurnRun.start(SETTINGS, None, cache, keeper, TurnRequest(CHAT, {}, salt, conversation))
+
+
+async def start_with(cache: CacheClient, salt: str, messages: list[dict]) -> TurnRun:
+    return await TurnRun.start(SETTINGS, None, cache, None, TurnRequest(messages, {}, salt, None))
 
 
 async def test_a_stateless_request_carries_the_holders_of_its_prefixes(service):
@@ -184,10 +189,15 @@ async def test_a_worker_announces_off_the_turn_and_survives_a_dead_service(servi
         assert (match.index, match.holders) == (2, (("replica-w", 21),))
         assert (await cache.find_prefix(names[:2], scope=salt)).index == 0
         assert announcer.announced == 2 and announcer.failures.count == 0
-        # awaited (a stateless answer's end): the very next lookup, an agent loop's next step, finds it
+        # what it announces goes back with the answer: the ingress that forwards it routes the
+        # loop's next step (its history, the reply, a tool result) by it before the index hears
         reply = {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
-        await announcer.after_turn_awaited(salt, CHAT[:3], reply, [(4, 40)])
+        entries = announcer.after_turn(salt, CHAT[:3], reply, [(4, 40)])
+        RECENT.record("replica-w", entries)
+        run = await start_with(cache, salt, [*CHAT[:3], reply, {"role": "tool", "content": "r"}])
+        assert run.job.prefix_holders == (("replica-w", 40),)
+        await asyncio.gather(*tasks)
         names = message_prefix_digests(salt, [*CHAT[:3], reply, {"role": "tool", "content": "r"}])
         assert (await cache.find_prefix(names, scope=salt)).holders == (("replica-w", 40),)
 
@@ -203,3 +213,16 @@ async def test_a_worker_announces_off_the_turn_and_survives_a_dead_service(servi
         assert announcer.failures.count == 1 and announcer.in_flight == 0
     finally:
         await dead.close()
+
+
+def test_recent_ends_complete_the_index_each_replica_with_its_longest():
+    recent = RecentPrefixes(kept=3)
+    recent.record("replica-a", [("n1", 10), ("n2", 20)])
+    recent.record("replica-b", [("n1", 10)])
+    assert recent.holders(["n1", "n2", "n9"]) == {"replica-a": 20, "replica-b": 10}
+    assert merged([("replica-b", 30), ("replica-c", 5)], recent.holders(["n1", "n2"])) == (
+        ("replica-a", 20), ("replica-b", 30), ("replica-c", 5))
+    assert merged([("replica-c", 5)], {}) == (("replica-c", 5),)
+    recent.record("replica-a", [("n3", 1), ("n4", 2)])  # past `kept` names: the least recently recorded go
+    assert recent.holders(["n2"]) == {} and recent.holders(["n1", "n4"]) == {"replica-a": 10, "replica-b": 10}
+    assert RecentPrefixes(ttl_s=-1.0).holders(["n4"]) == {}

@@ -51,10 +51,10 @@ async def test_a_request_sent_without_strict_routing_counts_once():
 
 
 def _job_request(n: int, *, owner: str = "", holders: tuple[tuple[str, int], ...] = (), head_tokens: int = 1000,
-                 tier_copy: bool = False) -> PendingRequest:
+                 tier_copy: bool = False, names: tuple[tuple[str, int], ...] = ()) -> PendingRequest:
     head = HeadRef(3, 3, head_tokens, "0" * 64, owner, 3 if tier_copy else 0) if owner else None
     job = TurnJob(f"req-{n}", [{"role": "user", "content": "hi"}], {}, "conv" if owner else None, head=head,
-                  prefix_holders=holders)
+                  prefix_holders=holders, prefix_names=names)
     return PendingRequest(args=[job], kwargs={},
                           metadata=RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}"))
 
@@ -146,3 +146,19 @@ async def test_the_owner_wins_over_prefix_holders_and_when_gone_the_holders_coun
     before = _decisions("owner_gone")
     ranks = await router.choose_replicas([replicas[0], replicas[2]], _job_request(2, owner="b"))
     assert _decisions("owner_gone") == before + 1 and len(ranks) == 2
+
+
+async def test_requests_arriving_together_over_a_prefix_nobody_holds_go_where_the_first_computes_it():
+    """Four loops of one tenant start together over a 2,000-token catalogue (the first message's
+    name) with their own tasks: nobody holds anything, so the first goes by load and the others
+    follow it (the engine attaches its mark) while that saves more than the queue it adds. A
+    prefix under 32 tokens is not worth it: those spread by load."""
+    router, replicas = _router(a={}, b={})
+    before = _decisions("prefix_computing")
+    loops = [_job_request(n, names=(("catalogue", 2000), (f"task-{n}", 2050))) for n in range(4)]
+    firsts = [await _first(router, replicas, request) for request in loops]
+    assert len(set(firsts)) == 1, firsts
+    assert _decisions("prefix_computing") == before + 3
+    router, replicas = _router(a={}, b={})
+    short = [_job_request(10 + n, names=(("hello", 20), (f"task-{n}", 60))) for n in range(2)]
+    assert {await _first(router, replicas, request) for request in short} == {"a", "b"}

@@ -46,8 +46,8 @@ class Eviction:
         slots = sum(len(s) for h, s in self.states.slots.items() if h.kind is kind)
         return len(blocks) * self.kv.layout.block_bytes + slots * self.states.layout.slot_bytes
 
-    def enforce_budget(self) -> None:
-        self._evict_while(lambda: self.bytes_used() > self.budget_bytes, lambda h: False, kind=HolderKind.HEAD)
+    def enforce_budget(self, protect: Holder | None = None) -> None:
+        self._evict_while(lambda: self.bytes_used() > self.budget_bytes, lambda h: False, protect, kind=HolderKind.HEAD)
         self.enforce_checkpoint_budget()
 
     def enforce_checkpoint_budget(self) -> None:
@@ -77,9 +77,10 @@ class Eviction:
         take_pinned: Callable[[CommittedHead], bool],
         protect: Holder | None = None,
         kind: HolderKind | None = None,
+        spare: Callable[[CommittedHead], bool] = lambda h: False,
     ) -> None:
         while short():
-            candidates = [h for h in self.eviction_order(kind) if h.holder != protect]
+            candidates = [h for h in self.eviction_order(kind) if h.holder != protect and not spare(h)]
             victim = next((h for h in candidates if h.pins == 0), None)
             if victim is None:
                 victim = next((h for h in candidates if take_pinned(h)), None)

@@ -208,11 +208,14 @@ class HeadManager(Eviction, Integrity):
     def room_for_mark(self, protect: Holder | None) -> bool:
         """Room for one more mark within the checkpoints' bytes and slots, evicting other unpinned
         checkpoints only (a mark is optional: it never costs a conversation its head or a
-        request its admission)."""
+        request its admission), and never one waiting for its tools' results: a mark may help
+        some later request, while that state is what an agent loop's next step attaches."""
         if not self.checkpoint_budget_bytes:
             return False
         short = lambda: self._checkpoints_over(extra_slots=1) or self.states.num_free < 1  # noqa: E731
-        self._evict_while(short, lambda h: False, protect, kind=HolderKind.CHECKPOINT)
+        now = time.monotonic()
+        self._evict_while(short, lambda h: False, protect, kind=HolderKind.CHECKPOINT,
+                          spare=lambda h: self._in_tool_pause(h, now))
         return not short()
 
     def open_mark(self, request_id: str, mark: CheckpointMark) -> PendingMark:

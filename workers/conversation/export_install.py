@@ -80,5 +80,5 @@ def install_head(
         aligned=SlotRole.ALIGNED in verified.states, write=write, canonical_window=meta["canonical_window"],
     )
     caches.remember_chunks(head, [digest for digest, _ in verified.blocks])
-    retention.retire_older(key, turn)
+    retention.retire_older(key, turn, keep=head.holder)  # imported for the turn about to run
     return conv.head_info(head)
