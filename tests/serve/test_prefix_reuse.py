@@ -62,9 +62,9 @@ async def test_the_next_request_finds_the_end_the_previous_one_left_before_the_i
     history.append({"role": "assistant", "content": first.text})
     names = message_prefix_digests(salt, history)
     async with CacheClient(stack.service.target) as cache:
-        for holder in await prefix_holders(cache, names):  # the announce landed: take it back,
-            await cache.forget_prefixes(holder, names)  # as if it were still on its way
-        assert await cache.find_prefix(names) is None
+        for holder in await prefix_holders(cache, salt, names):  # the announce landed: take it back,
+            await cache.forget_prefixes(holder, names, scope=salt)  # as if it were still on its way
+        assert await cache.find_prefix(names, scope=salt) is None
     history.append(user("second: and another one"))
     async with stack.http() as http:
         routed = await metric(http, PREFIX_HOLDER_ROUTES)
