@@ -1,4 +1,4 @@
-"""Scale simulation: `python -m bench.scale [--quick] [--max-points N]`.
+"""Scale simulation: `python -m bench.scale [--quick | --smoke] [--max-points N]`.
 
 The router's own code (StickyConversationRouter.choose_replicas), real cache-service instances
 (`python -m cache_service`, 1 and 2 processes on one embedded Redis) and real Redis, with
@@ -9,5 +9,6 @@ turns/s per instance, Redis commands and bytes per turn, call latencies, tier ba
 1,000 GPU replicas need (sizing.py, report.py). Everything client-side runs in one asyncio
 process: on a 2-core machine the replica count is simulated, not processes.
 
-Writes bench/results/scale.{json,md,png} (--quick: scale.quick.*).
+Writes bench/results/scale.{json,md,png} (--quick: scale.quick.*, --smoke: the quick plan's first
+point, scale.smoke.*).
 """

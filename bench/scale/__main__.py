@@ -15,7 +15,7 @@ from bench.kit.results import RESULTS_DIR, git_revision, write_results
 from bench.scale import cost_model, mix
 from bench.scale.drive import Plan, Point, run_point
 from bench.scale.report import markdown, plot
-from bench.scale.sizing import bottleneck, offered_turns_per_s, size
+from bench.scale.sizing import SATURATED, bottleneck, offered_turns_per_s, size
 
 FULL = Plan(points=(Point(10, 10_000, 1), Point(100, 10_000, 1), Point(1000, 10_000, 1),
                     Point(100, 10_000, 2), Point(1000, 10_000, 2), Point(100, 100_000, 1)),
@@ -42,10 +42,10 @@ def stopped_text(points: list[dict]) -> str:
 def saturation_text(sizing: dict, points: list[dict]) -> str:
     first = sizing["first_saturated_point"]
     if first is None:
-        return "No point fell below 60 % of its offered turn rate."
+        return f"No point fell below {SATURATED:.0%} of its offered turn rate."
     cores = ", ".join(f"{k} {v:.2f}" for k, v in sizing["first_saturated_cpu_cores"].items())
     widest = max(points, key=lambda p: p["point"]["replicas"])
-    return (f"First below 60 % of its offered rate: {first['replicas']:,} replicas, {first['conversations']:,} "
+    return (f"First below {SATURATED:.0%} of its offered rate: {first['replicas']:,} replicas, {first['conversations']:,} "
             f"conversations, {first['instances']} instance(s); the busiest process there is "
             f"**{sizing['first_saturated_by']}** (CPU cores used: {cores}; the machine has {os.cpu_count()}). "
             f"At {widest['point']['replicas']:,} replicas the router's own choose_replicas costs "
@@ -57,9 +57,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=benchmark.__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three small points, < 2 minutes")
     parser.add_argument("--max-points", type=int, default=0, help="run only the first N points of the plan")
+    parser.add_argument("--smoke", action="store_true", help="the quick plan's first point: proves it runs")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
-    plan = QUICK if args.quick else FULL
+    plan = QUICK if args.quick or args.smoke else FULL
+    if args.smoke:
+        args.max_points = 1
     if args.max_points:
         plan = replace(plan, points=plan.points[:args.max_points])
     load_before, started = os.getloadavg(), time.perf_counter()
@@ -73,7 +76,7 @@ def main() -> None:
         points.append(result)
     sizing = size(points)
     res = {
-        "mode": "quick" if args.quick else "full",
+        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "plan": asdict(plan), "batch": cost_model.BATCH,
         "cost_model": {"source": cost_model.SOURCE, "fit": (
             f"a replica runs {cost_model.BATCH} turns at once, each taking new prompt tokens / "
@@ -91,7 +94,7 @@ def main() -> None:
                 "load_after": list(os.getloadavg()), "git": git_revision(),
                 "wall_s": time.perf_counter() - started},
     }
-    stem = "scale.quick" if args.quick else "scale"
+    stem = "scale.smoke" if args.smoke else "scale.quick" if args.quick else "scale"
     write_results(stem, res, markdown(res), args.results_dir)
     plot(res, args.results_dir / f"{stem}.png")
     print(markdown(res))
