@@ -19,7 +19,7 @@ from bench.scale.sizing import SATURATED, bottleneck, offered_turns_per_s, size
 
 FULL = Plan(points=(Point(10, 10_000, 1), Point(100, 10_000, 1), Point(1000, 10_000, 1),
                     Point(100, 10_000, 2), Point(1000, 10_000, 2), Point(100, 100_000, 1)),
-            warmup_s=8.0, measure_s=25.0, max_sessions=2048, state_bytes=256 << 10)
+            warmup_s=6.0, measure_s=20.0, max_sessions=2048, state_bytes=256 << 10)
 QUICK = Plan(points=(Point(10, 5_000, 1), Point(100, 5_000, 1), Point(100, 5_000, 2)),
              warmup_s=3.0, measure_s=8.0, max_sessions=1024, state_bytes=256 << 10)
 NOT_RUN_CONVERSATIONS = 1_000_000
