@@ -53,30 +53,10 @@ def saturation_text(sizing: dict, points: list[dict]) -> str:
             f"in the driver's process.")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=benchmark.__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="three small points, < 2 minutes")
-    parser.add_argument("--max-points", type=int, default=0, help="run only the first N points of the plan")
-    parser.add_argument("--smoke", action="store_true", help="the quick plan's first point: proves it runs")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args()
-    plan = QUICK if args.quick or args.smoke else FULL
-    if args.smoke:
-        args.max_points = 1
-    if args.max_points:
-        plan = replace(plan, points=plan.points[:args.max_points])
-    load_before, started = os.getloadavg(), time.perf_counter()
-    points = []
-    for point in plan.points:
-        result = asyncio.run(run_point(point, plan))
-        result["offered_turns_per_s"] = offered_turns_per_s(point.replicas, result["sessions"])
-        print(f"{point}: {result['turns_per_s']:.0f} turns/s (offered {result['offered_turns_per_s']:.0f}), "
-              f"route {result['route']['mean_ms']:.2f} ms, cpu {result['cpu_cores']}, busiest {bottleneck(result)}",
-              flush=True)
-        points.append(result)
+def results(plan: Plan, mode: str, points: list[dict], load_before, started: float) -> dict:
     sizing = size(points)
-    res = {
-        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+    return {
+        "mode": mode,
         "plan": asdict(plan), "batch": cost_model.BATCH,
         "cost_model": {"source": cost_model.SOURCE, "fit": (
             f"a replica runs {cost_model.BATCH} turns at once, each taking new prompt tokens / "
@@ -94,9 +74,35 @@ def main() -> None:
                 "load_after": list(os.getloadavg()), "git": git_revision(),
                 "wall_s": time.perf_counter() - started},
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=benchmark.__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="three small points, < 2 minutes")
+    parser.add_argument("--max-points", type=int, default=0, help="run only the first N points of the plan")
+    parser.add_argument("--smoke", action="store_true", help="the quick plan's first point: proves it runs")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    plan = QUICK if args.quick or args.smoke else FULL
+    if args.smoke:
+        args.max_points = 1
+    if args.max_points:
+        plan = replace(plan, points=plan.points[:args.max_points])
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     stem = "scale.smoke" if args.smoke else "scale.quick" if args.quick else "scale"
-    write_results(stem, res, markdown(res), args.results_dir)
-    plot(res, args.results_dir / f"{stem}.png")
+    load_before, started = os.getloadavg(), time.perf_counter()
+    points = []
+    for point in plan.points:
+        result = asyncio.run(run_point(point, plan))
+        result["offered_turns_per_s"] = offered_turns_per_s(point.replicas, result["sessions"])
+        print(f"{point}: {result['turns_per_s']:.0f} turns/s (offered {result['offered_turns_per_s']:.0f}), "
+              f"route {result['route']['mean_ms']:.2f} ms, cpu {result['cpu_cores']}, busiest {bottleneck(result)}",
+              flush=True)
+        points.append(result)
+        # After every point: a run stopped by its time limit keeps what it measured.
+        res = results(plan, mode, points, load_before, started)
+        write_results(stem, res, markdown(res), args.results_dir)
+        plot(res, args.results_dir / f"{stem}.png")
     print(markdown(res))
 
 
