@@ -26,17 +26,25 @@ NOT_RUN_CONVERSATIONS = 1_000_000
 LOCKED_RUN_BUDGET_S = 600  # a run under the shared lock stays under 10 minutes
 
 
-def stopped_text(points: list[dict]) -> str:
+def stopped_text(points: list[dict], wall_s: float) -> str:
     seed_rate = min(p["seed"]["per_s"] for p in points)
     per_conv = max(p["seed"]["redis_bytes_per_conversation"] for p in points)
     largest = max(p["point"]["conversations"] for p in points)
     seed_min = NOT_RUN_CONVERSATIONS / seed_rate / 60
-    return (f"Replicas ran up to {max(p['point']['replicas'] for p in points):,}; stored conversations up to "
+    idle = [p["point"]["replicas"] for p in points if p["turns"] == 0]
+    text = (f"Replicas ran up to {max(p['point']['replicas'] for p in points):,}; stored conversations up to "
             f"{largest:,}. {NOT_RUN_CONVERSATIONS:,} conversations were not run, for time: seeding them "
             f"(two Lua scripts each, pipelined, {seed_rate:,.0f} conversations/s here) would take "
-            f"{seed_min:.0f} minutes, over the {LOCKED_RUN_BUDGET_S // 60}-minute budget of a run on this shared "
-            f"machine. Memory would hold: {per_conv:,.0f} bytes of Redis per stored one-turn conversation, "
-            f"{per_conv * NOT_RUN_CONVERSATIONS / 1e9:.1f} GB for a million (the ledger grows with each turn).")
+            f"{seed_min:.0f} minutes on top of this sweep's {wall_s / 60:.0f}, over the {LOCKED_RUN_BUDGET_S // 60}-minute "
+            f"budget of a run on this shared machine. Memory would hold: {per_conv:,.0f} bytes of Redis per stored "
+            f"one-turn conversation, {per_conv * NOT_RUN_CONVERSATIONS / 1e9:.1f} GB for a million (the ledger grows "
+            "with each turn).")
+    if idle:
+        text += (f" At {', '.join(f'{r:,}' for r in sorted(set(idle)))} replicas no turn completed inside the window: "
+                 "the driver's process (the router, pricing every replica per turn, and the clients of every session) "
+                 "used its whole core, acquires waited tens of seconds and leases lapsed (LeaseLost); those points "
+                 "give the router's cost per decision and nothing per turn.")
+    return text
 
 
 def saturation_text(sizing: dict, points: list[dict]) -> str:
@@ -50,7 +58,9 @@ def saturation_text(sizing: dict, points: list[dict]) -> str:
             f"**{sizing['first_saturated_by']}** (CPU cores used: {cores}; the machine has {os.cpu_count()}). "
             f"At {widest['point']['replicas']:,} replicas the router's own choose_replicas costs "
             f"{widest['route']['mean_ms']:.1f} ms per turn (it prices every candidate: O(replicas)), "
-            f"in the driver's process.")
+            f"in the driver's process. The driver (router + the gRPC clients of every session, one Python process) "
+            f"and the one instance each use most of a core: on this 2-core machine they run out together, so the "
+            f"capacities below are per core-second of each process (each is bound by one core in production).")
 
 
 def results(plan: Plan, mode: str, points: list[dict], load_before, started: float) -> dict:
@@ -69,7 +79,7 @@ def results(plan: Plan, mode: str, points: list[dict], load_before, started: flo
                 "each) and the rest agent loops (3-12 back-to-back steps, tool results 150-2,000 tokens in, "
                 "20-150 out; head exported after the last), over conversations drawn uniformly from the stored ones."),
         "points": points, "sizing": sizing,
-        "stopped": stopped_text(points), "saturation": saturation_text(sizing, points),
+        "stopped": stopped_text(points, time.perf_counter() - started), "saturation": saturation_text(sizing, points),
         "env": {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "load_before": list(load_before),
                 "load_after": list(os.getloadavg()), "git": git_revision(),
                 "wall_s": time.perf_counter() - started},

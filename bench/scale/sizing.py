@@ -39,10 +39,11 @@ def bottleneck(point: dict) -> str:
 
 def size(points: list[dict]) -> dict:
     demand = FLEET * GPU_TURNS_PER_S
-    per_instance_core = max(p["turns_per_s"] / instance_cores(p) for p in points if instance_cores(p) > 0)
+    measured = [p for p in points if p["turns"] > 0] or points  # a point that completed no turn has no per-turn figure
+    per_instance_core = max(p["turns_per_s"] / instance_cores(p) for p in measured if instance_cores(p) > 0)
     redis_commands_per_core = max(p["redis"]["commands"] / p["seconds"] / p["cpu_cores"]["redis"]
-                                  for p in points if p["cpu_cores"]["redis"] > 0)
-    commands_per_turn = max(p["redis"]["commands_per_turn"] for p in points)
+                                  for p in measured if p["cpu_cores"]["redis"] > 0)
+    commands_per_turn = max(p["redis"]["commands_per_turn"] for p in measured)
     widest = max(points, key=lambda p: p["point"]["replicas"])
     route_s = widest["route"]["mean_ms"] / 1000
     saturated = [p for p in points if p["turns_per_s"] < SATURATED * p["offered_turns_per_s"]]
