@@ -51,7 +51,7 @@ def markdown(res: dict) -> str:
                               for p in res["points"]]), ""]
     lines += ["## Where it stopped", "", res["stopped"], "",
               "## Saturation", "", res["saturation"], "",
-              f"## What 1,000 GPU replicas need", "",
+              "## What 1,000 GPU replicas need", "",
               f"Assumed rate: {num(s['gpu_turns_per_s_per_replica'], 1)} turns/s per replica (bench/results/gpu.md, "
               f"ours at c=32 on an H200: 32 turns of 512 + 64 tokens per 2.087 s; this mix's longer replies give "
               f"{num(s['mix_turns_per_s_per_replica'], 1)}): {num(s['demand_turns_per_s'], 0)} turns/s.", "",
