@@ -74,6 +74,10 @@ COMPUTING_TTL_S = 60.0
 # Shorter shared prefixes are recomputed rather than coalesced: the engine's MIN_SHARED_TOKENS
 # (workers/cache/prefix_wait.py, not imported: the ingress loads no torch).
 COALESCE_MIN_TOKENS = 32
+# Beyond this many candidates a request is priced on a shortlist (StickyConversationRouter._shortlist):
+# the replicas it names and this many of the least loaded by requests.
+PRICE_ALL = 64
+PRICED_LEAST_LOADED = 16
 
 
 def requested_call(pending_request: PendingRequest | None) -> TurnJob | ReplicaCall | None:
@@ -131,16 +135,16 @@ class StickyConversationRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
             self._chosen.pop(request_id, None)  # a retry chooses again
         chosen = self._chosen_counts()
-        cache = self.replica_queue_len_cache
-        loads = {r.replica_id: load_key(cache.get(r.replica_id), chosen[r.replica_id], r.routing_stats)
-                 for r in candidate_replicas}
-        by_load = sorted(candidate_replicas, key=lambda r: loads[r.replica_id])
         call = requested_call(pending_request)
+        need = need_of(call, self._computing) if call is not None else None
+        by_load, rest = self._shortlist(candidate_replicas, chosen, need)
         ranks = by_load
-        if call is not None and by_load:
+        if need is not None and by_load:
             by_name = {r.replica_id.unique_id: r for r in by_load}
-            queues = {name: ReplicaLoad.of(r.routing_stats, loads[r.replica_id][0]) for name, r in by_name.items()}
-            choices = rank(list(by_name), queues, need_of(call, self._computing))
+            cache = self.replica_queue_len_cache
+            queues = {name: ReplicaLoad.of(r.routing_stats, (cache.get(r.replica_id) or 0) + chosen[r.replica_id])
+                      for name, r in by_name.items()}
+            choices = rank(list(by_name), queues, need)
             ranks = [by_name[c.replica] for c in choices]
             if isinstance(call, TurnJob):
                 count_decision(choices[0].reason)
@@ -149,7 +153,29 @@ class StickyConversationRouter(RequestRouter):
                         (name, tokens) for name, tokens in call.prefix_names if tokens >= COALESCE_MIN_TOKENS])
         if request_id is not None and ranks:
             self._chosen[request_id] = (ranks[0].replica_id, time.monotonic())
-        return [[r] for r in ranks]
+        return [[r] for r in ranks] + [[r] for r in rest]
+
+    def _shortlist(self, candidates: list[RunningReplica], chosen: Counter[ReplicaID],
+                   need: Need | None) -> tuple[list[RunningReplica], list[RunningReplica]]:
+        """(the candidates to price, least loaded first; the others, least loaded first). Up to
+        PRICE_ALL candidates all are priced; beyond, the PRICED_LEAST_LOADED with the fewest
+        requests plus every replica the request names (owner, prefix holders, where its prefix
+        is computed): pricing is per replica and per request, and at a thousand replicas it cost
+        ~17 ms a decision (bench/results/scale.md) while the rest can only lose (they hold
+        nothing of it and have queues at least as long by request count)."""
+        cache = self.replica_queue_len_cache
+        if len(candidates) <= PRICE_ALL:
+            loads = {r.replica_id: load_key(cache.get(r.replica_id), chosen[r.replica_id], r.routing_stats)
+                     for r in candidates}
+            return sorted(candidates, key=lambda r: loads[r.replica_id]), []
+        ids = [r.replica_id for r in candidates]
+        sent = [(cache.get(rid) or 0) + chosen[rid] for rid in ids]
+        named = set(need.held) | {need.owner} if need is not None else set()
+        order = sorted(range(len(candidates)), key=sent.__getitem__)
+        priced = set(order[:PRICED_LEAST_LOADED]) | {i for i, rid in enumerate(ids) if rid.unique_id in named}
+        loads = {i: load_key(sent[i], 0, candidates[i].routing_stats) for i in priced}
+        shortlist = [candidates[i] for i in sorted(priced, key=loads.__getitem__)]
+        return shortlist, [candidates[i] for i in order if i not in priced]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)  # Serve's queue-length cache counts the request from now

@@ -162,3 +162,27 @@ async def test_requests_arriving_together_over_a_prefix_nobody_holds_go_where_th
     router, replicas = _router(a={}, b={})
     short = [_job_request(10 + n, names=(("hello", 20), (f"task-{n}", 60))) for n in range(2)]
     assert {await _first(router, replicas, request) for request in short} == {"a", "b"}
+
+
+async def test_a_large_fleet_is_priced_on_a_shortlist_that_keeps_every_replica_the_request_names():
+    """Beyond PRICE_ALL candidates only the least loaded by requests and the replicas the request
+    names are priced (the cost per decision grew with the fleet: bench/results/scale.md). A busy
+    holder of a long prefix is still weighed and wins while its saved prefill exceeds its queue;
+    the owner of a conversation keeps its turn however many requests it runs; every candidate is
+    still in the ranks, once, the priced ones first."""
+    from deployments.routing.router import PRICE_ALL, PRICED_LEAST_LOADED
+
+    n = PRICE_ALL * 3
+    busy = {"running_requests": 40, "waiting_prefill_tokens": 300}
+    stats = {f"r{i:03d}": {"running_requests": i % 7, "waiting_prefill_tokens": 100 * (i % 7)} for i in range(n - 1)}
+    router, replicas = _router(**stats, holder=busy)
+    ranks = _names(await router.choose_replicas(replicas, _job_request(1, holders=(("holder", 2000),))))
+    assert ranks[0] == "holder"  # 2,000 tokens saved against 300 queued: worth waiting for
+    assert sorted(ranks) == sorted([*stats, "holder"])
+    idle = [name for name, given in stats.items() if given["running_requests"] == 0]
+    assert set(ranks[1:PRICED_LEAST_LOADED + 1]) <= set(idle) | {"r000"}  # the least loaded come next
+    owner_ranks = _names(await router.choose_replicas(replicas, _job_request(2, owner="holder")))
+    assert owner_ranks[0] == "holder"  # no tier copy: the turn waits for its owner
+    moved = _names(await router.choose_replicas(replicas, _job_request(3, owner="holder", tier_copy=True,
+                                                                      head_tokens=100)))
+    assert moved[0] in idle  # a cheap import beats the owner's queue of 40 requests
