@@ -83,9 +83,8 @@ class ChaosRun:
             due = self.report.committed + self._rng.randint(every // 2 + 1, every + every // 2)
             if kind is Fault.KILL_WORKER:
                 owner = await self._some_owner([c.conv_id for c in clients if isinstance(c, ChatClient)])
-                if owner is None:
+                if owner is None or not await self.infra.kill_worker(owner):
                     continue
-                await self.infra.kill_worker(owner)
             elif kind is Fault.RESTART_SERVICE:
                 await self.infra.restart_service()
             elif kind is Fault.PAUSE_REDIS:

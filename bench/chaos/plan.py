@@ -33,7 +33,8 @@ class Infrastructure(Protocol):
     """The faults a stack can suffer; each returns once the fault is over (the process restarted
     or resumed), not once the system recovered from it."""
 
-    async def kill_worker(self, replica_id: str) -> None: ...
+    async def kill_worker(self, replica_id: str) -> bool:
+        """False if that replica was gone already."""
 
     async def restart_service(self) -> None: ...
 
@@ -64,6 +65,7 @@ class ChaosPlan:
     delete_rate: float = 0.1       # of Responses turns: DELETE the latest response first
     expiry_rate: float = 0.05      # of turns after a conversation's first: idle past the TTL first
     conversation_ttl_s: float = 20.0  # the stack's retention (0: none, and no TTL_EXPIRY faults)
+    lease_ttl_s: float = 10.0      # the app's; a lease keeps its conversation this much past the TTL
     infra_faults: tuple[Fault, ...] = INFRA_FAULTS
     infra_every_turns: int = 7     # an infrastructure fault after about every this many committed turns
     redis_pause_s: float = 12.0    # longer than the cache client's per-call deadline
@@ -93,10 +95,16 @@ class Report:
     errors_seen: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
 
+    @property
+    def faults_total(self) -> int:
+        """Faults injected, one per event: a spill moves one chunk, and many happen at once, so
+        spills are counted apart (they show the tier was spilling while the clients ran)."""
+        return sum(n for f, n in self.faults.items() if f is not Fault.TIER_SPILL)
+
     def as_dict(self) -> dict:
         return {"attempts": self.attempts, "committed": self.committed, "failed_and_told": self.failed_and_told,
                 "committed_by_kind": {k.name.lower(): n for k, n in self.committed_by_kind.items()},
-                "faults": {f.value: n for f, n in self.faults.items()}, "faults_total": sum(self.faults.values()),
+                "faults": {f.value: n for f, n in self.faults.items()}, "faults_total": self.faults_total,
                 "replays_compared": self.replays, "forks": self.forks, "deletes": self.deletes,
                 "expiries_seen": self.expiries, "divergences": self.divergences,
                 "errors_seen": dict(self.errors_seen), "wall_s": self.wall_s}

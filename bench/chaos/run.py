@@ -55,11 +55,15 @@ class StackInfrastructure:
         self.redis, self.service, self.app = redis, service, app
         self._spills_of_earlier_lives = 0  # the service counts its own spills; a restart starts again at 0
 
-    async def kill_worker(self, replica_id: str, timeout_s: float = 60.0) -> None:
+    async def kill_worker(self, replica_id: str, timeout_s: float = 60.0) -> bool:
         """Returns once Serve counts the replica dead: until its next health check it still lists
-        it as running, and `settled()` would return with one replica missing."""
+        it as running, and `settled()` would return with one replica missing. False if the
+        replica was gone already (a head can still name an owner killed earlier)."""
         running = await self._running_workers()
-        actor = ray.get_actor(f"SERVE_REPLICA::{self.app}#Worker#{replica_id}", namespace="serve")
+        try:
+            actor = ray.get_actor(f"SERVE_REPLICA::{self.app}#Worker#{replica_id}", namespace="serve")
+        except ValueError:
+            return False
         ray.kill(actor, no_restart=True)
 
         async def noticed() -> None:
@@ -67,6 +71,7 @@ class StackInfrastructure:
                 await asyncio.sleep(0.2)
 
         await asyncio.wait_for(noticed(), timeout_s)
+        return True
 
     async def _running_workers(self) -> int:
         status = (await asyncio.to_thread(serve.status)).applications[self.app]
@@ -127,7 +132,7 @@ def chaos_services(root: Path, plan: ChaosPlan) -> Iterator[tuple[EmbeddedRedis,
 
 def app_args(model: str, service: ServiceProcess, plan: ChaosPlan) -> dict:
     return {"model": model, "cache_service": service.target, "kv_cache_mb": 16, "head_cache_mb": 8,
-            "max_num_seqs": 8, "lease_ttl_s": 10, "busy_wait_s": 30, "tier_export": "async",
+            "max_num_seqs": 8, "lease_ttl_s": plan.lease_ttl_s, "busy_wait_s": 30, "tier_export": "async",
             "conversation_ttl_s": plan.conversation_ttl_s}
 
 
@@ -137,7 +142,7 @@ def markdown(result: dict) -> str:
     rows += [[f"committed: {kind}", n] for kind, n in report["committed_by_kind"].items()]
     rows += [["attempts failed and told", report["failed_and_told"]]]
     rows += [[f"fault: {kind}", n] for kind, n in report["faults"].items()]
-    rows += [["faults injected", report["faults_total"]],
+    rows += [["faults injected (tier spills apart)", report["faults_total"]],
              ["replays by Idempotency-Key compared with the live answer", report["replays_compared"]],
              ["Responses forks", report["forks"]], ["Responses DELETEs", report["deletes"]],
              ["conversations seen expired (404, then new)", report["expiries_seen"]],

@@ -57,8 +57,11 @@ class Session:
         return bool(ttl) and time.monotonic() - last_commit_sent >= ttl - 0.5
 
     async def idle_past_ttl(self) -> None:
-        """The TTL_EXPIRY fault: this client says nothing for longer than the retention."""
-        await asyncio.sleep(self.plan.conversation_ttl_s + 2.0)
+        """The TTL_EXPIRY fault: this client says nothing for longer than the retention. A lease
+        (each attempt takes one, an Idempotency-Key replay too) sets the keys' TTL to the
+        retention plus the lease's TTL, so that a turn's keys outlive its lease; the idle time
+        outlasts both."""
+        await asyncio.sleep(self.plan.conversation_ttl_s + self.plan.lease_ttl_s + 2.0)
 
     async def read(self, method: str, path: str, **params: Any) -> httpx.Response:
         """A read (or DELETE) that rides out the faults: answers other than 5xx are final."""
