@@ -7,15 +7,15 @@ import sys
 from pathlib import Path
 
 from bench import chaos as benchmark
-from bench.chaos.driver import ChaosPlan
+from bench.chaos.plan import ChaosPlan
 from bench.chaos.run import FULL, QUICK, SMOKE, markdown, run
 from bench.kit.results import write_results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=benchmark.__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the CI-sized run (8 x 4 turns)")
-    parser.add_argument("--smoke", action="store_true", help="2 x 2 turns, one fault: proves it runs")
+    parser.add_argument("--quick", action="store_true", help="the CI-sized run (8 x 5 turns)")
+    parser.add_argument("--smoke", action="store_true", help="3 x 2 turns, one fault: proves it runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results-dir", type=Path, default=None, help="where to write (default bench/results)")
     opts = parser.parse_args()
