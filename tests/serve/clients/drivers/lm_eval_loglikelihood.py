@@ -9,6 +9,7 @@ Each line of DOCS_JSONL is {"question": str, "choices": [str, ...], "answer": in
 """
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +37,8 @@ def main(base_url: str, model: str, checkpoint_dir: str, docs_file: str) -> None
     with tempfile.TemporaryDirectory() as task_dir:
         # JSON is YAML: lm-eval's loader reads it as the YAML task file it looks for.
         (Path(task_dir) / f"{TASK}.yaml").write_text(json.dumps(task_config(docs)))
+        # `datasets` keeps what it built from the JSONL here, not in the home's cache (read at import).
+        os.environ["HF_DATASETS_CACHE"] = str(Path(task_dir) / "datasets")
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
