@@ -1,6 +1,6 @@
-"""Virtualenvs of their own for the client libraries whose `openai` pin our environment cannot
-hold (instructor 1.17 wants openai < 3.4, llama-index-llms-openai-like 0.8.1 wants 2.x, and we
-pin 3.51): each is made once under `.venvs/` (ignored by git), like vLLM's (workers/vllm_backend/
+"""Virtualenvs of their own for the client libraries whose pins our environment cannot hold
+(instructor 1.17 wants openai < 3.4, llama-index-llms-openai-like 0.8.1 wants 2.x, and we pin
+3.51; lm-eval brings `datasets` and its evaluation stack, which our server has no use for): each is made once under `.venvs/` (ignored by git), like vLLM's (workers/vllm_backend/
 venv.py), and its test drives the library there as a subprocess against the session's app.
 The libraries that share our `openai` are in the `dev` extra instead.
 
@@ -24,6 +24,9 @@ class ClientVenv(Enum):
     INSTRUCTOR = ("clients-instructor", ("instructor==1.17.0", "openai==3.3.0", "pydantic==2.14.4"))
     LLAMA_INDEX = ("clients-llama-index", ("llama-index-llms-openai-like==0.8.1", "llama-index-core==0.14.25",
                                            "openai==2.54.0", "pydantic==2.14.4"))
+    # local-completions needs the `api` extra (aiohttp, tenacity) and transformers for the
+    # checkpoint's tokenizer; no torch: an API model tokenizes only, the server computes.
+    LM_EVAL = ("clients-lm-eval", ("lm-eval[api]==0.4.13", "transformers==5.23.0", "tokenizers==0.23.3"))
 
     @property
     def directory(self) -> Path:

@@ -34,13 +34,14 @@ def api_base(stack) -> str:
     return f"{stack.base_url}/v1"
 
 
-async def drive(client_venv: ClientVenv, script: str, stack) -> dict:
-    """Run drivers/`script` in the library's own venv against the app; what it printed, as JSON."""
+async def drive(client_venv: ClientVenv, script: str, stack, *args: str) -> dict:
+    """Run drivers/`script` in the library's own venv against the app (its arguments: the base URL,
+    the model's name, then `args`); what it printed, as JSON."""
     python = client_venv.ensure()
     # Our package must not shadow theirs (the venv has its own openai and pydantic).
     env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1"}
     process = await asyncio.create_subprocess_exec(
-        str(python), str(DRIVERS / script), f"{stack.base_url}/v1", stack.model, env=env,
+        str(python), str(DRIVERS / script), f"{stack.base_url}/v1", stack.model, *args, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await process.communicate()
     assert process.returncode == 0, err.decode()[-4000:]
