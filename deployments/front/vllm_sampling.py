@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, StrictInt
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from deployments.front.chat_models import MAX_STOP_TOKEN_IDS, RepetitionPenalty
 from deployments.front.request_base import RequestModel
@@ -19,11 +19,11 @@ from deployments.front.structured_outputs import INT64
 class VllmSamplingFields(RequestModel):
     """The fields, as a base of a request model."""
 
-    top_k: int | None = Field(None, ge=-1, description="sample among the k likeliest tokens; -1 or 0: all")
-    min_p: float | None = Field(None, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the "
+    top_k: StrictInt | None = Field(None, ge=-1, description="sample among the k likeliest tokens; -1 or 0: all")
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the "
                                                                   "likeliest")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    ignore_eos: bool = Field(False, description="go on past the end-of-sequence token (to max_output_tokens)")
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: StrictBool = Field(False, description="go on past the end-of-sequence token (to max_output_tokens)")
     repetition_penalty: RepetitionPenalty = Field(1.0, description="tokens of the prompt or reply: logit / p if "
                                                                    "positive, else x p (1: off)")
     min_tokens: StrictInt = Field(0, ge=0, description="no EOS or stop token ends the reply before")

@@ -232,6 +232,8 @@ async def test_a_created_conversation_collects_its_responses(stack):
     ({"previous_response_id": "resp_x", "conversation": "c"}, "conversation"),
     ({"stream": "yes"}, "stream"), ({"max_output_tokens": "12"}, "max_output_tokens"),
     ({"deterministic": "1"}, "deterministic"), ({"store": "false"}, "store"),
+    ({"top_k": "5"}, "top_k"), ({"min_p": "0.1"}, "min_p"), ({"ignore_eos": "true"}, "ignore_eos"),
+    ({"stop_token_ids": ["2"]}, "stop_token_ids"),
 ], ids=lambda p: next(iter(p)) if isinstance(p, dict) else None)
 async def test_bad_fields_are_400_naming_them(stack, patch, field):
     body = {"model": stack.model, "input": "hi", "max_output_tokens": 2, **patch}
