@@ -58,11 +58,11 @@ from deployments.worker.logprob_texts import prompt_logprobs, reply_logprobs
 from deployments.worker.recovery_ladder import attach
 from deployments.routing.router import StickyConversationRouter
 from deployments.settings import AppSettings, Backend
+from deployments.worker.text_calls import TextCalls
 from deployments.worker.tier_export import TierExporter
 from deployments.tool_replies import ReplyCalls
 from deployments.worker.vllm_session import VllmSession
 from proto.contract import ConversationRef, tools_scope
-from workers.conversation.prompt import appended_ids
 from workers.conversation.records import TurnCommit
 from workers.errors import (
     ConversationBusyError,
@@ -74,8 +74,6 @@ from workers.errors import (
 from workers.load import Rate
 from workers.request import FinishReason
 from workers.sampling import SamplingParams
-from workers.template_options import TemplateOptions
-from workers.tools.formats import plain_message
 
 log = logging.getLogger("hybridserve.worker")
 
@@ -116,7 +114,7 @@ PUBLISH_RESOLVE_S = 120.0
         request_routing_stats_timeout_s=5.0,
     ),
 )
-class Worker:
+class Worker(TextCalls):
     def __init__(self, settings: AppSettings, cache_host: DeploymentHandle | None):
         self.settings = settings
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -152,37 +150,6 @@ class Worker:
                 "import_tokens_per_s": self.import_rate.value,
                 # read by the ingress's /metrics (vllm:kv_cache_usage_perc, routing/fleet.py)
                 "kv_cache_usage": await self.session.kv_cache_usage()}
-
-    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                       template: TemplateOptions) -> tuple[list[int], str]:
-        """(ids, "") or ([], why the messages cannot be rendered): a 400 at the ingress."""
-        try:
-            return await self.session.tokenize(prompt, messages, template), ""
-        except InvalidRequestError as e:  # a template that refuses the messages
-            return [], str(e)
-
-    async def detokenize(self, token_ids: list[int]) -> tuple[str, str]:
-        """(text, "") or ("", why these are not token ids of the model): a 400 at the ingress."""
-        try:
-            return await self.session.detokenize(token_ids), ""
-        except InvalidRequestError as e:
-            return "", str(e)
-
-    async def appended_ids(self, committed_ids: list[int], history: list[dict[str, Any]],
-                           items: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]], str]:
-        """Items appended to a conversation without a reply (POST /v1/conversations/{id}/items):
-        (their token ids, the messages as the ledger keeps them, "") or ([], [], why they cannot
-        follow this history): a 400 at the ingress. Any replica: it only renders and tokenizes."""
-        items = [plain_message(m, self.session.tool_format) for m in items]  # as a turn's suffix
-        try:
-            ids = await asyncio.to_thread(appended_ids, self.session.tokenizer, committed_ids, history, items)
-        except InvalidRequestError as e:  # a template that refuses them, or would rewrite history
-            return [], [], str(e)
-        return ids, items, ""
-
-    async def max_model_len(self) -> int:
-        """The longest prompt + reply this replica's engine takes (GET /v1/models)."""
-        return await self.session.max_model_len()
 
     # -- state of deleted conversations ---------------------------------------------------------
     async def forget(self, call: ReplicaCall, conv: ConversationRef, deleted: HeadRef) -> str:
