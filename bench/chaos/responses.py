@@ -56,6 +56,9 @@ class ResponsesClient:
     def __init__(self, session: Session, index: int, name: str):
         self.s, self.index, self.name = session, index, name
         self.head: Node | None = None
+        # conversation -> the last response in it: after a DELETE rewinds the chain to a response of
+        # another conversation (the deleted one was a fork), the head is no longer its conversation's end
+        self.latest: dict[str, Node] = {}
         self.refreshed: dict[str, float] = {}  # conversation -> when its last turn (or rewind) was sent
 
     async def run(self) -> None:
@@ -69,7 +72,7 @@ class ResponsesClient:
             fork_from = rng.random()  # which older response, as a fraction of the path
             if self.head is not None and plan.conversation_ttl_s and expire:
                 await self._expire()
-            if self.head is not None and delete:
+            if self.head is not None and delete and self.latest.get(self.head.told.conv) is self.head:
                 await self._delete_head()
             previous = self.head
             if previous is not None and len(previous.path()) >= 2 and fork:
@@ -81,13 +84,18 @@ class ResponsesClient:
             if previous is not None and node.told.conv != previous.told.conv:
                 s.report.forks += 1
             if self.head is not None and node.told.conv != self.head.told.conv:
-                await self._check_conversation(self.head.told.conv, self.head.path())  # left behind
-            self.head = node
+                await self._check_conversation(self.head.told.conv, self._end_of(self.head.told.conv))  # left behind
+            self.head = self.latest[node.told.conv] = node
             await s.committed(self.kind)
             if node.cuts or replayed:
                 await self._replay(node)
         if self.head is not None:
-            await self._check_conversation(self.head.told.conv, self.head.path())
+            await self._check_conversation(self.head.told.conv, self._end_of(self.head.told.conv))
+
+    def _end_of(self, conv: str) -> list[Node] | None:
+        """The path of responses the client was told leads to the end of `conv` (None: it was emptied)."""
+        end = self.latest.get(conv)
+        return None if end is None else end.path()
 
     def _body(self, user: str, previous: Node | None) -> dict:
         body = {"model": self.s.model, "input": user, "max_output_tokens": self.s.plan.max_tokens, "temperature": 0,
@@ -195,10 +203,14 @@ class ResponsesClient:
         rewound = head.path()[:-1] if _turn(head) > 1 else None  # its first turn: the conversation is gone
         await self._check_conversation(head.told.conv, rewound)
         self.head = head.parent
+        if head.parent is None:  # the conversation is gone
+            self.latest.pop(head.told.conv, None)
+        else:  # its end is the parent's path (for a fork's first response, the turns it copied)
+            self.latest[head.told.conv] = head.parent
 
     async def _expire(self) -> None:
         head = self.head
-        await self._check_conversation(head.told.conv, head.path())
+        await self._check_conversation(head.told.conv, self._end_of(head.told.conv))
         await self.s.idle_past_ttl()
         self.s.report.faults[Fault.TTL_EXPIRY] += 1
         r = await self.s.read("GET", f"/v1/responses/{head.told.id}")
@@ -209,8 +221,12 @@ class ResponsesClient:
 
     async def _check_conversation(self, conv: str, path: list[Node] | None) -> None:
         """The conversation's items == the path of responses told to lead there (None: gone),
-        and each of its own responses reads back as told."""
+        and each of its own responses reads back as told. A conversation left behind may have
+        been idle past its TTL by now (the next turn's retries can outlast it): gone is then
+        what it was promised, not a divergence."""
         held = await self.s.told_items(conv)
+        if held is None and path is not None and self._may_have_expired(conv):
+            return
         told = None if path is None else [m for n in path for m in (("user", n.user), ("assistant", n.told.text))]
         if held != told:
             self.s.diverged(f"{self.name}: {conv} items {held} != told {told}")
@@ -218,9 +234,14 @@ class ResponsesClient:
             if node.told.conv != conv:
                 continue
             r = await self.s.read("GET", f"/v1/responses/{node.told.id}")
+            if r.status_code == 404 and self._may_have_expired(conv):
+                return
             held = _told(Response.model_validate(r.json()).model_dump()) if r.status_code == 200 else r.status_code
             if held != node.told:
                 self.s.diverged(f"{self.name}: GET {node.told.id}: {held} != told {node.told}")
+
+    def _may_have_expired(self, conv: str) -> bool:
+        return conv in self.refreshed and self.s.may_have_expired(self.refreshed[conv])
 
 
 def _turn(node: Node) -> int:
