@@ -32,6 +32,7 @@ the fork is deleted (turn/run.drop_unpublished), so no copy is left that nobody 
 With an Idempotency-Key (store=true), the turn is named by the key and the body (as an
 idempotent chat completion's), and a new conversation's or a fork's id is derived from the key:
 a retry finds the same conversation, whose turn is then answered from the ledger, not run again.
+A fork is found by that id even once its source is gone (deleted, or expired by retention).
 """
 
 from __future__ import annotations
@@ -164,7 +165,14 @@ async def plan(cache: CacheClient, scope: str, body: ResponsesRequest,
     named = {"publish_id": publish_id, "request_id": request_id, "idempotency": idempotency}
     suffix = engine_messages(body.input)
     if body.previous_response_id is not None:
-        rid, ledger, _ = await _stored_turn(cache, scope, body.previous_response_id)
+        try:
+            rid, ledger, _ = await _stored_turn(cache, scope, body.previous_response_id)
+        except APIError as e:
+            retried = await _retried_fork(cache, scope, body.previous_response_id, suffix, named) \
+                if e.status == 404 else None
+            if retried is None:
+                raise
+            return retried
         conv = ConversationRef(rid.conversation_id, scope)
         if not body.store:
             history = await _turns(cache, conv, 1, rid.turn)
@@ -188,6 +196,24 @@ async def plan(cache: CacheClient, scope: str, body: ResponsesRequest,
     if not body.store:
         return Plan(messages, None, None, **named)
     return Plan(messages, ConversationRef(_conversation_id(idempotency), scope), 0, **named)
+
+
+async def _retried_fork(cache: CacheClient, scope: str, response_id: str, suffix: list[dict[str, Any]],
+                        named: dict[str, Any]) -> Plan | None:
+    """An idempotent retry of a turn that ran on a fork, once the fork's source is gone (deleted,
+    or expired by retention): the fork is found by its id, which the key names, and the retry is
+    answered from its ledger (or, if the key's turn is not there, refused as the source is: 404)."""
+    rid, idempotency = ResponseId.parse(response_id), named["idempotency"]
+    if rid is None or idempotency is None:
+        return None
+    target = ConversationRef(_conversation_id(idempotency, rid.conversation_id, rid.turn), scope)
+    try:
+        head = await cache.get_head_or_none(target)
+    except CacheError as e:
+        raise _unavailable(e) from e
+    if head is None or not head.version:
+        return None
+    return Plan(suffix, target, rid.turn, rid, **named)
 
 
 async def fork(cache: CacheClient, plan: Plan) -> Plan:

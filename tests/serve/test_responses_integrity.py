@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable, Callable
 
 import openai
 import pytest
@@ -13,7 +14,7 @@ import redis
 
 from cache_service.client import CacheClient
 from proto.contract import ConversationRef, tokens_digest
-from tests.serve.helpers import MAX_TOKENS, conversation, metric
+from tests.serve.helpers import MAX_TOKENS, conversation
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,18 +48,24 @@ async def test_a_forked_turn_that_fails_leaves_no_fork(stack):
     assert branch.conversation.id != first.conversation.id and _heads(stack) - before  # a fork that commits stays
 
 
-async def _replace_while_planned(stack, conv: ConversationRef, request: asyncio.Task, keep: int) -> None:
-    """Under a lease the test holds while `request` (planned already) waits for it: rewind the
+BUSY = "AcquireLease:FAILED_PRECONDITION"  # the service's count of lease requests refused as busy
+
+
+async def _replace_while_planned(stack, conv: ConversationRef, send: Callable[[], Awaitable], keep: int):
+    """Under a lease the test takes first, so that the request `send` makes is planned and then
+    waits for it (its refused AcquireLease calls show in the service's counters): rewind the
     conversation to turn `keep` (what DELETE does) and commit its later turns again, the same
-    messages and tokens under new publish ids: other responses with the same turn numbers."""
+    messages and tokens under new publish ids: other responses with the same turn numbers.
+    Returns the request's task."""
     async with CacheClient(stack.service.target) as cache:
         ledger = await cache.read_ledger(conv)
         lease = await cache.acquire_lease(conv, 30_000)
         try:
-            async with stack.http() as http:
-                while await metric(http, "hybridserve_inflight_requests") < 1:  # planned, waiting
-                    assert not request.done(), request
-                    await asyncio.sleep(0.02)
+            refused = (await cache.stats()).rpc_errors.get(BUSY, 0)
+            request = asyncio.create_task(send())
+            while (await cache.stats()).rpc_errors.get(BUSY, 0) == refused:  # planned, waiting
+                assert not request.done(), request
+                await asyncio.sleep(0.02)
             head = await cache.rewind_conversation(conv, lease_token=lease, expected_version=ledger.head.version,
                                                    turn=keep)
             committed = [t for turn in ledger.turns[:keep] for t in turn.token_ids]
@@ -73,6 +80,7 @@ async def _replace_while_planned(stack, conv: ConversationRef, request: asyncio.
         except BaseException:
             await cache.discard(conv, lease)
             raise
+    return request
 
 
 @pytest.mark.parametrize("latest", [True, False], ids=["continued", "forked"])
@@ -84,8 +92,8 @@ async def test_a_response_deleted_and_replaced_while_planned_on_is_a_404(stack, 
         await respond(client, stack.model, "and then?", salt, previous_response_id=second.id)
     conv = ConversationRef(first.conversation.id, salt)
     before = _heads(stack)
-    request = asyncio.create_task(respond(client, stack.model, "what next?", salt, previous_response_id=second.id))
-    await _replace_while_planned(stack, conv, request, keep=1)
+    request = await _replace_while_planned(
+        stack, conv, lambda: respond(client, stack.model, "what next?", salt, previous_response_id=second.id), keep=1)
     with pytest.raises(openai.NotFoundError):
         await request
     assert _heads(stack) == before  # the fork that copied the other turn is gone
@@ -117,3 +125,28 @@ async def test_an_idempotency_key_retry_gets_the_same_response(stack):
     with pytest.raises(openai.UnprocessableEntityError) as reused:
         await once("k2", "something else", previous_response_id=first.id)
     assert reused.value.code == "idempotency_key_reused"
+
+
+async def test_a_retry_of_a_forked_turn_is_answered_once_its_source_is_gone(stack):
+    """The fork's id is derived from the key, so the retry finds its turn without the source (a
+    source deleted, or expired by retention while the fork ran, as in the chaos run)."""
+    client, salt = stack.client(), _salt()
+    key = {"Idempotency-Key": f"fork-{uuid.uuid4().hex}"}
+    first = await respond(client, stack.model, "a story about a cat", salt)
+    await respond(client, stack.model, "go on", salt, previous_response_id=first.id)
+    branch = await respond(client, stack.model, "make it a dog", salt, previous_response_id=first.id,
+                           extra_headers=key)
+    async with stack.http() as http:
+        gone = await http.delete(f"/v1/conversations/{first.conversation.id}", params={"cache_salt": salt})
+        assert gone.status_code == 200, gone.text
+    retried = await respond(client, stack.model, "make it a dog", salt, previous_response_id=first.id,
+                            extra_headers=key)
+    assert (retried.id, retried.output_text, retried.conversation.id) == (branch.id, branch.output_text,
+                                                                         branch.conversation.id)
+    async with stack.http() as http:
+        assert (await conversation(http, branch.conversation.id, salt))["turn"] == 2  # not run again
+    with pytest.raises(openai.NotFoundError):  # without the key, the source is simply gone
+        await respond(client, stack.model, "make it a dog", salt, previous_response_id=first.id)
+    with pytest.raises(openai.NotFoundError):  # another key names no fork
+        await respond(client, stack.model, "make it a dog", salt, previous_response_id=first.id,
+                      extra_headers={"Idempotency-Key": f"other-{uuid.uuid4().hex}"})
