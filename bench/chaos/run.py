@@ -163,7 +163,7 @@ def run(plan: ChaosPlan) -> dict:
         model_dir = make_model(root / "model", Arch.BAMBA, Preset.TINY, seed=4)
         redis, service = cleanup.enter_context(chaos_services(root, plan))
         port = free_port()
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
         cleanup.callback(ray.shutdown)
         serve.start(http_options={"host": "127.0.0.1", "port": port})

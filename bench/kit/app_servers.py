@@ -36,9 +36,11 @@ def start_app(model_dir: Path, tmp: Path, config_file: str = "config.yaml", args
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)  # a cluster of its own, never someone else's
+    # A cluster of its own, never someone else's: without an address Ray joins the latest live
+    # cluster on this machine (its /tmp/ray/ray_current_cluster), "local" starts a new one.
+    env.pop("RAY_ADDRESS", None)
     serve_bin = Path(sys.executable).with_name("serve")
-    server = ServerProcess("serve run", [str(serve_bin), "run", str(path)], env, REPO_ROOT,
+    server = ServerProcess("serve run", [str(serve_bin), "run", "--address", "local", str(path)], env, REPO_ROOT,
                            tmp / f"{name}.log", f"http://127.0.0.1:{port}/health")
     return server, f"http://127.0.0.1:{port}", config
 

@@ -245,7 +245,7 @@ def run(plan: SoakPlan) -> dict:
         cleanup.callback(service.close)
         service.start()
         port = free_port()
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
         cleanup.callback(ray.shutdown)
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -127,7 +127,9 @@ def stack(tmp_path_factory):
         port = _free_port()
         cleanup.callback(ray.shutdown)
         # Logical CPUs: a second app (tier off) and replacement replicas must fit beside the first.
-        start_ray(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        # "local": a Ray of the session's own; without an address ray.init joins the latest live
+        # cluster on the machine (another session's, a benchmark's).
+        start_ray(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                   runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
         cleanup.callback(serve.shutdown)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
