@@ -11,7 +11,7 @@ import uuid
 
 import grpc
 import pytest
-from cs_helpers import ServiceProcess, fast_client
+from cs_helpers import STRICT_STAGED_BYTES, STRICT_TIER_BUDGET, STRICT_TOKEN, ServiceProcess, fast_client
 
 from cache_service.config import FsyncPolicy
 from cache_service.embedded_redis import EmbeddedRedis, EmbeddedRedisConfig
@@ -46,10 +46,9 @@ async def client(service):
         yield c
 
 
-# A second service with small bounds and authentication on, on a Redis of its own.
-STRICT_TOKEN = "strict-test-secret-0123456789"
-STRICT_STAGED_BYTES = 8 << 20
-STRICT_TIER_BUDGET = 4 << 20
+# A second service with small bounds and authentication on, on a Redis of its own (its constants
+# are in cs_helpers: a test module cannot import them from here by the bare name `conftest`, which
+# names whichever folder's conftest was loaded first).
 
 
 @pytest.fixture(scope="session")

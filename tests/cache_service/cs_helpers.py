@@ -13,6 +13,11 @@ from cache_service.client import CacheClient, ClientConfig, RetryPolicy
 from cache_service.launch import CacheServiceChild
 from proto.contract import ConversationRef, tokens_digest
 
+# The strict service (conftest `strict_service`): small bounds and authentication on.
+STRICT_TOKEN = "strict-test-secret-0123456789"
+STRICT_STAGED_BYTES = 8 << 20
+STRICT_TIER_BUDGET = 4 << 20
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The checkout whose `python -m cache_service` the tests start. Pointing it at an older
 # checkout runs today's tests against yesterday's service: that is how a regression

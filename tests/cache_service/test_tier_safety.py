@@ -9,7 +9,7 @@ import time
 
 import grpc
 import pytest
-from conftest import STRICT_STAGED_BYTES, STRICT_TIER_BUDGET, STRICT_TOKEN
+from tests.cache_service.cs_helpers import STRICT_STAGED_BYTES, STRICT_TIER_BUDGET, STRICT_TOKEN
 from cs_helpers import TIER_BUDGET, History, commit_turn
 
 from cache_service.client import InvalidArgument, LeaseLost, NotFound, ResourceExhausted, key_message
