@@ -73,6 +73,10 @@ def decode_lines(res: dict) -> list[str]:
 
 def headline_lines(res: dict) -> list[str]:
     h, lines = res["headline"], []
+    for s, r in h.get("reuse", {}).items():
+        lines.append(f"- {res['labels'][s]}: hit ratio from step 2 {percent(r['hit_ratio_from_step_2'], 1)}; "
+                     f"step 1 reused the tenant's prefix in {r['step_1_loops_reusing']} of {r['step_1_loops']} "
+                     f"loops (cached tokens {r['step_1_cached_tokens']}).")
     for s, r in h["ttft_p50_ratio_over_a"].items():
         target = " (target >= 5x at step 10)" if s.startswith("d") else ""
         lines.append(f"- {res['labels'][s]} over (a) at step {r['step']} ({format_number(r['prompt_tokens'], 0)} "
@@ -93,7 +97,10 @@ def markdown(res: dict) -> str:
              f"function tools, {cat['tokens']:,} tokens as rendered by the checkpoint's template (first step's "
              f"prompt {cat['first_step_prompt_tokens']:,} tokens); tool results {plan['result_tokens'][0]}-"
              f"{plan['result_tokens'][1]} tokens; each step tool_choice=\"required\", parallel_tool_calls=False, "
-             f"max_tokens {plan['max_tokens']}. CPU: {res['env']['cpu']['model']} ({res['env']['cpu_count']} cores), "
+             f"max_tokens {plan['max_tokens']}. {plan.get('tenants', 1)} tenant(s), loop i being tenant i mod "
+             f"{plan.get('tenants', 1)}'s (its system prompt, the catalogue and its cache_salt), all loops started "
+             f"together; think-time between steps {plan.get('think_s', [0, 0])[0]}-{plan.get('think_s', [0, 0])[1]} s. "
+             f"CPU: {res['env']['cpu']['model']} ({res['env']['cpu_count']} cores), "
              f"load average at start {[round(x, 2) for x in res['env']['load_average_1_5_15m']]}. "
              "The machine was shared with other work.", "",
              "Step TTFT is the time to the first streamed delta with content or tool calls. Our app streams a "

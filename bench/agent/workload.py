@@ -90,26 +90,33 @@ def sized_catalogue(renderer: PromptRenderer, target_tokens: int, seed: int) -> 
 
 @dataclass(frozen=True)
 class LoopScript:
+    tenant: int  # the loops of a tenant share its system prompt, its catalogue and its cache_salt
     system: str
     task: str
     results: tuple[str, ...]  # the tool's result after each step
     max_tokens: int
+    think_s: tuple[float, ...] = ()  # the agent's pause before each step after the first
 
 
-def make_loop_scripts(loops: int, steps: int, result_tokens: tuple[int, int], max_tokens: int,
-                      seed: int) -> list[LoopScript]:
+def make_loop_scripts(loops: int, steps: int, result_tokens: tuple[int, int], max_tokens: int, seed: int,
+                      tenants: int = 1, think_s: tuple[float, float] = (0.0, 0.0)) -> list[LoopScript]:
+    """Loop i belongs to tenant i % tenants: a deployment's tenants each run many loops at once,
+    over one system prompt and catalogue (what they share), each loop with its own task."""
     rng = random.Random(seed + 31)
-    return [LoopScript(system=f"You are agent #{i}. Use the tools to finish the task, one call at a time.",
+    return [LoopScript(tenant=i % tenants,
+                       system=f"You are an agent of tenant #{i % tenants}. Use the tools to finish the task, "
+                              "one call at a time.",
                        task=chat_text(rng, 120, f"Task {i}:"),
                        results=tuple(chat_text(rng, rng.randint(*result_tokens), f"Result {s + 1}:")
                                      for s in range(steps)),
-                       max_tokens=max_tokens)
+                       max_tokens=max_tokens,
+                       think_s=tuple(round(rng.uniform(*think_s), 3) for _ in range(steps - 1)))
             for i in range(loops)]
 
 
 class Side(str, enum.Enum):
-    EXPLICIT = "a"  # ours: conversation_id + cache_salt, only the new messages each step
-    STATELESS = "b"  # ours: the full history, one cache_salt per loop (prefix reuse)
+    EXPLICIT = "a"  # ours: conversation_id + the tenant's cache_salt, only the new messages each step
+    STATELESS = "b"  # ours: the full history, the tenant's cache_salt (prefix reuse)
     RECOMPUTE = "c"  # ours: the full history, a fresh cache_salt per request (reuse off)
     VLLM_OFF = "d"  # vLLM's OpenAI server, --no-enable-prefix-caching
     VLLM_ON = "d_on"  # vLLM, prefix caching on (its default; expected to fail for hybrids on CPU)
@@ -172,20 +179,55 @@ async def _stream_completion(client: openai.AsyncOpenAI, rec: StepRecord, **kwar
     rec.total_s = time.perf_counter() - t0
 
 
-async def send_responses_step(client: openai.AsyncOpenAI, loop: AgentLoop, step: int, rec: StepRecord) -> None:
-    """Side RESPONSES: the step as `POST /v1/responses` with `previous_response_id` (the Responses
-    API is not part of this app yet; `bench.agent` lists this side as not run)."""
-    raise NotImplementedError("the Responses API is not served by this app")
+def responses_tools(tools: list[dict]) -> list[dict]:
+    """Chat's function tools in the Responses API's flat form."""
+    return [{"type": "function", **t["function"]} for t in tools]
+
+
+async def send_responses_step(client: openai.AsyncOpenAI, loop: "AgentLoop", rec: StepRecord, **common) -> None:
+    """Side RESPONSES: the step as a streamed `POST /v1/responses`, the first with the system
+    prompt as `instructions` and the task, each later one with only the tool's output and
+    `previous_response_id` (the stored conversation continues). TTFT: the first event that
+    names the call or carries text."""
+    t0 = time.perf_counter()
+    body = dict(model=common["model"], max_output_tokens=common["max_tokens"], temperature=0,
+                tools=responses_tools(loop.tools), tool_choice="required", parallel_tool_calls=False, stream=True,
+                extra_body={"cache_salt": loop.salt})
+    if loop.response_id is None:
+        body |= {"instructions": loop.script.system, "input": [{"role": "user", "content": loop.script.task}]}
+    else:
+        body |= {"previous_response_id": loop.response_id, "input": [
+            {"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]} for m in loop.new]}
+    calls: list[dict] = []
+    stream = await client.responses.create(**body)
+    async for event in stream:
+        kind = event.type
+        if kind in ("response.output_item.added", "response.output_text.delta") and rec.ttft_s is None:
+            rec.ttft_s = time.perf_counter() - t0
+        if kind == "response.output_item.done" and event.item.type == "function_call":
+            calls.append({"id": event.item.call_id, "name": event.item.name, "arguments": event.item.arguments})
+        if kind in ("response.completed", "response.incomplete"):
+            response = event.response
+            loop.response_id = response.id
+            usage = response.usage
+            rec.prompt_tokens, rec.completion_tokens = usage.input_tokens, usage.output_tokens
+            rec.cached_tokens = usage.input_tokens_details.cached_tokens
+            rec.finish_reason = "tool_calls" if calls else response.status
+            rec.served_by = (response.model_extra or {}).get("hybridserve", rec.served_by)
+        if kind in ("error", "response.failed"):
+            raise RuntimeError(f"the response failed: {event}")
+    rec.total_s = time.perf_counter() - t0
+    rec.calls = calls
 
 
 class AgentLoop:
     """One agent's history, and how its steps are sent to one side."""
 
-    def __init__(self, index: int, script: LoopScript, side: Side, tools: list[dict], tag: str,
+    def __init__(self, index: int, script: LoopScript, side: Side, tools: list[dict], tag: str, run_tag: str,
                  replay: dict[tuple[int, int], list[dict]] | None = None, renderer: PromptRenderer | None = None):
         self.index, self.script, self.side, self.tools, self.tag = index, script, side, tools, tag
         self.conversation_id = f"agent-{tag}-{index}-{uuid.uuid4().hex[:8]}"
-        self.salt = f"agent-{tag}-{index}-{uuid.uuid4().hex[:8]}"
+        self.salt = f"agent-{tag}-tenant{script.tenant}-{run_tag}"  # the tenant's, on this side of this run
         self.history: list[dict] = [{"role": "system", "content": script.system},
                                     {"role": "user", "content": script.task}]
         self.new: list[dict] = list(self.history)  # what a stored conversation has not seen yet
@@ -204,7 +246,7 @@ class AgentLoop:
             await _stream_chat(client, rec, messages=self.history, **chat,
                                extra_body={"cache_salt": f"{self.salt}-{uuid.uuid4().hex}"})
         elif self.side is Side.RESPONSES:
-            await send_responses_step(client, self, step, rec)
+            await send_responses_step(client, self, rec, **common)
         else:  # vLLM: the prompt our app saw, as token ids; as many tokens out as our app wrote
             done = self.replay.get((self.index, step))
             if done is None:
@@ -227,6 +269,8 @@ class AgentLoop:
 
     async def run(self, client: openai.AsyncOpenAI, model: str, steps: int, records: list[StepRecord]) -> None:
         for step in range(1, steps + 1):
+            if step > 1 and self.script.think_s:  # the agent acts on the tool's result
+                await asyncio.sleep(self.script.think_s[step - 2])
             rec = StepRecord(conversation=self.index, turn=step, conversation_id=self.conversation_id)
             records.append(rec)
             try:

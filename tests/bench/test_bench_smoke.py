@@ -50,18 +50,21 @@ class Smoke:
 
 
 def _agent_reuse(data: dict) -> None:
-    """Our three sides ran every step; from step 2 a stored conversation (a) and a stateless loop
-    under its own salt (b) reuse what the step before left, a fresh salt per request (c) nothing."""
-    for side in ("a", "b", "c"):
+    """Our four sides ran every step; from step 2 a stored conversation (a), a stateless loop under
+    its tenant's salt (b) and a Responses chain (responses) reuse what the step before left, a fresh
+    salt per request (c) nothing (a loop's first step may reuse its tenant's catalogue: not checked)."""
+    for side in ("a", "b", "c", "responses"):
         records = data["sides"][side]["records"]
         assert len(records) == data["plan"]["loops"] * data["plan"]["steps"], side
         assert not data["sides"][side]["errors"], (side, data["sides"][side]["errors"])
         for rec in records:
             assert rec["calls"] and rec["prompt_tokens"], (side, rec)
-            if side == "c" or rec["turn"] == 1:
+            if side == "c":
                 assert rec["cached_tokens"] == 0, (side, rec)
-            else:
+            elif rec["turn"] > 1:
                 assert rec["cached_tokens"] > 0, (side, rec)
+        reuse = data["headline"]["reuse"][side]
+        assert reuse["step_1_loops"] == data["plan"]["loops"], (side, reuse)
         # the router's reasons, counted over the side: one decision per request (or more, a retry)
         assert sum(data["sides"][side]["route_decisions"].values()) >= len(records), side
     assert data["sides"]["a"]["route_decisions"].get("owner", 0) >= data["plan"]["loops"]  # its later steps
