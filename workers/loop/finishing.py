@@ -70,8 +70,9 @@ class Finisher:
         params = request.params
         if params.stops_at(token.token_id, self.eos_token_ids, request.num_tokens - request.num_prompt_tokens):
             # A stop token's text is the reply's only if include_stop_str_in_output (vLLM's rule)
-            delta = self._detok[request.request_id].update(token.token_id)[0] if params.include_stop_str_in_output else ""
-            return delta, FinishReason.STOP
+            if not params.include_stop_str_in_output:
+                return "", FinishReason.STOP
+            return self._detok[request.request_id].update(token.token_id)[0], FinishReason.STOP
         delta, stopped = self._detok[request.request_id].update(token.token_id)
         if stopped:
             return delta, FinishReason.STOP
