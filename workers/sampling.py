@@ -145,6 +145,14 @@ class SamplingParams:
         """Whether a logits processor changes this request's logits (it then needs its TokenHistory)."""
         return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
+    def stops_at(self, token_id: int, eos_token_ids: frozenset[int] | tuple[int, ...], num_generated: int) -> bool:
+        """Whether `token_id`, the reply's num_generated-th token, ends it as a stop token (vLLM's
+        check_stop): one of stop_token_ids, or an end of sequence unless ignore_eos, once the
+        reply has min_tokens. Its own text is then left out of the reply unless
+        include_stop_str_in_output asks for it, as vLLM's detokenizer leaves it out."""
+        ends_here = token_id in self.stop_token_ids or (token_id in eos_token_ids and not self.ignore_eos)
+        return ends_here and num_generated >= self.min_tokens
+
 
 def check_logit_bias(params: SamplingParams, vocab: int) -> None:
     """logit_bias names tokens of this model's vocabulary (known only where the model is)."""

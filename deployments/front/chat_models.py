@@ -29,6 +29,7 @@ from deployments.front.request_base import RequestModel, field_error
 from deployments.front.sampling_fields import (MAX_CHOICES, check_choices, check_min_tokens, processor_sampling,
                                               special_tokens_sampling, template_options, vllm_sampling)
 from deployments.front.structured_outputs import StructuredOutputFields
+from deployments.front.vllm_sampling import VllmTextFields
 from deployments.settings import SCOPE_PREFIX_BYTES
 from workers.template_options import TemplateOptions
 
@@ -38,7 +39,6 @@ MAX_SALT_BYTES = MAX_ID_BYTES - SCOPE_PREFIX_BYTES
 MAX_MESSAGES = SERVICE_LIMITS.max_messages_per_turn - 1
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (each a token of the vocabulary)
 
 
@@ -68,7 +68,6 @@ StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS), AfterV
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
 LogitBias = Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")],
                            Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)]
-RepetitionPenalty = Annotated[StrictFloat, Field(gt=0.0, allow_inf_nan=False)]
 
 
 def _off(value: Any) -> bool:
@@ -253,7 +252,7 @@ UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction"
                "verbosity", "web_search_options", "store")
 
 
-class ChatCompletionRequest(StructuredOutputFields):
+class ChatCompletionRequest(StructuredOutputFields, VllmTextFields):
     model: Text = Field(max_length=MAX_ID)
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     # Any length: clamped to the server's max_output_tokens and to what the context leaves.
@@ -293,20 +292,7 @@ class ChatCompletionRequest(StructuredOutputFields):
     verbosity: Any = None
     web_search_options: Any = None
     store: Any = None
-    # vLLM's extensions, as its OpenAI server means them
-    top_k: StrictInt | None = Field(None, ge=-1, description="sample among the k likeliest tokens; -1 or 0: all")
-    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0, description="drop tokens less likely than min_p x the "
-                                                                  "likeliest")
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    ignore_eos: StrictBool = Field(False, description="go on past the end-of-sequence token (to max_tokens)")
-    repetition_penalty: RepetitionPenalty = Field(1.0, description="tokens of the prompt or reply: logit / p if "
-                                                                   "positive, else x p (1: off)")
-    min_tokens: StrictInt = Field(0, ge=0, description="no EOS, stop token or stop string ends the reply before")
-    include_stop_str_in_output: StrictBool = Field(False, description="end the reply with the stop string it "
-                                                                      "matched (else cut before it)")
-    skip_special_tokens: StrictBool = Field(True, description="false: the reply's special tokens stay in its text")
-    spaces_between_special_tokens: StrictBool = Field(True, description="false: no space between two special "
-                                                                        "tokens where the decoder would put one")
+    # vLLM's extensions, as its OpenAI server means them (its sampling ones: VllmTextFields)
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables of the chat template")
     add_generation_prompt: StrictBool = Field(True, description="end the prompt with the assistant's opening")
     continue_final_message: StrictBool = Field(False, description="leave the last (assistant) message open: the "

@@ -35,14 +35,15 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator,
 
 from deployments.errors import APIError
 from deployments.front.chat_format import SSE_DONE, choice_ends, data, usage_of
-from deployments.front.chat_models import (MAX_ID, MAX_STOP, MAX_STOP_TOKEN_IDS, CacheSalt, LogitBias, Penalty,
-                                           RepetitionPenalty, StopString, StreamOptions, Text, _off, _unsupported)
+from deployments.front.chat_models import (MAX_ID, MAX_STOP, CacheSalt, LogitBias, Penalty,
+                                           StopString, StreamOptions, Text, _off, _unsupported)
 from deployments.front.request_base import field_error
 from deployments.front.sampling_fields import (MAX_CHOICES, check_choices, check_min_tokens, processor_sampling,
                                               special_tokens_sampling, vllm_sampling)
 from deployments.front import vllm_fields
 from deployments.front.prompt_logprobs import legacy_prompt_logprobs, vllm_prompt_logprobs
 from deployments.front.structured_outputs import StructuredOutputFields
+from deployments.front.vllm_sampling import VllmTextFields
 from deployments.messages import PromptLogprob, TokenLogprob, TurnDelta, TurnDone
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions (chat's is what the context leaves)
@@ -50,7 +51,7 @@ TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1
 UNSUPPORTED = ("suffix",)
 
 
-class CompletionRequest(StructuredOutputFields):
+class CompletionRequest(StructuredOutputFields, VllmTextFields):
     model: Text = Field(max_length=MAX_ID)
     prompt: (Text | TokenIds | Annotated[list[Text], Field(min_length=1)]
              | Annotated[list[TokenIds], Field(min_length=1)])
@@ -72,16 +73,7 @@ class CompletionRequest(StructuredOutputFields):
     logit_bias: LogitBias | None = None
     # Not implemented: a 400 unless off.
     suffix: Any = None
-    # vLLM's extensions (as in chat_models)
-    top_k: StrictInt | None = Field(None, ge=-1)
-    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    ignore_eos: StrictBool = False
-    repetition_penalty: RepetitionPenalty = 1.0
-    min_tokens: StrictInt = Field(0, ge=0)
-    include_stop_str_in_output: StrictBool = False
-    skip_special_tokens: StrictBool = True
-    spaces_between_special_tokens: StrictBool = True
+    # vLLM's extensions (its sampling ones: VllmTextFields)
     request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID, description="the reply's id: cmpl-<it>")
     # hybridserve extensions
     cache_salt: CacheSalt = Field("", description="isolates cached state; another salt never shares it")

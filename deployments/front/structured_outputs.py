@@ -1,4 +1,4 @@
-"""vLLM's structured-output fields and `priority`, on chat completions and completions alike.
+"""vLLM's structured-output fields, on chat completions and completions alike.
 
     structured_outputs   {"json": schema | "regex": str | "choice": [str] | "grammar": str |
                           "json_object": true, "whitespace_pattern", "disable_any_whitespace",
@@ -25,7 +25,6 @@ What maps how:
                               "no-additional-properties"); any other backend is a 400: this server
                               has only llguidance
     structural_tag            not served: a 400 unless null
-    priority                  lower is admitted first (workers/scheduler.py); any int64
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from deployments.front.request_base import RequestModel, field_error
@@ -101,7 +100,6 @@ class StructuredOutputFields(RequestModel):
     guided_grammar: str | None = Field(None, min_length=1)
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = Field(None, min_length=1)
-    priority: StrictInt = Field(0, ge=-INT64, lt=INT64, description="lower is admitted earlier (vLLM's meaning)")
 
     @field_validator("guided_decoding_backend")
     @classmethod

@@ -171,7 +171,8 @@ def _run(module: str, argv: list[str], timeout_s: float) -> subprocess.Completed
 
 
 # Entry points whose smoke needs checks of its own, in a test file beside this one.
-SMOKED_ELSEWHERE = {"gpu_check": "test_gpu_check_smoke.py", "scale": "test_scale_simulation.py"}
+SMOKED_ELSEWHERE = {"gpu_check": "test_gpu_check_smoke.py", "scale": "test_scale_simulation.py",
+                    "vllm_parity": "test_vllm_parity_report.py"}
 
 
 def test_every_entry_point_has_a_smoke_run():

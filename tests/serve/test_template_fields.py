@@ -147,6 +147,8 @@ async def test_skip_special_tokens_false_keeps_them_in_the_text(named):
     skipped = await _reply(client, model, HI, max_tokens=3, **forced)
     kept = await _reply(client, model, HI, max_tokens=3, skip_special_tokens=False, **forced)
     assert skipped.text == "" and kept.text == EOT * 3
+    ended = await _reply(client, model, HI, max_tokens=3, skip_special_tokens=False, logit_bias=forced["logit_bias"])
+    assert ended.finish_reason == "stop" and ended.text == ""  # the end of turn that ends it: not text (vLLM's)
     spaced = await _reply(client, model, HI, max_tokens=3, skip_special_tokens=False,
                           spaces_between_special_tokens=False, **forced)
     assert spaced.text == kept.text  # this tokenizer's decoder joins tokens without spaces

@@ -51,6 +51,9 @@ async def test_stop_token_ids_end_the_reply_at_the_first_one(stack):
     first = greedy.tokens.index(greedy.tokens[3])
     stopped = await _reply(stack, temperature=0, stop_token_ids=[stop_id], ignore_eos=True)
     assert stopped.finish_reason == "stop" and stopped.tokens == greedy.tokens[:first + 1]
+    # Its text is left out of the reply unless asked for, as vLLM's server does (bench.vllm_parity)
+    included = await _reply(stack, temperature=0, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert stopped.text == "".join(greedy.tokens[:first]) and included.text == "".join(greedy.tokens[:first + 1])
 
 
 async def test_request_id_names_the_reply(stack):

@@ -32,8 +32,12 @@ async def test_penalties_logit_bias_and_min_tokens_reach_vllm(dense_session):
     penalized, _, _ = await _completion(session, "p-freq", max_tokens=32, ignore_eos=True, frequency_penalty=2.0)
     assert penalized != greedy and penalized[0] == greedy[0]  # nothing generated yet: the first token is the same
     stop = greedy[1]
-    stopped, _, last = await _completion(session, "p-stop", max_tokens=12, stop_token_ids=(stop,))
+    stopped, stopped_text, last = await _completion(session, "p-stop", max_tokens=12, stop_token_ids=(stop,))
     assert stopped == greedy[: greedy.index(stop) + 1] and last.finish_reason.value == "stop"
+    # the stop token's text is left out, unless include_stop_str_in_output (as vLLM's server does)
+    _, included_text, _ = await _completion(session, "p-stop-in", max_tokens=12, stop_token_ids=(stop,),
+                                            include_stop_str_in_output=True)
+    assert stopped_text == session.tokenizer.decode(stopped[:-1]) and included_text == session.tokenizer.decode(stopped)
     held, _, _ = await _completion(session, "p-min", max_tokens=12, stop_token_ids=(stop,), min_tokens=6)
     assert len(held) >= 6 and stop not in held[:6]
     # a stop string completing in the first tokens' text ends the reply only after min_tokens

@@ -67,6 +67,12 @@ class Finisher:
 
     def text_and_reason(self, request: Request, token: SampledToken) -> tuple[str, FinishReason | None]:
         """The text the new last token adds, and why the request ends there (if it does)."""
+        params = request.params
+        if params.stops_at(token.token_id, self.eos_token_ids, request.num_tokens - request.num_prompt_tokens):
+            # A stop token's text is the reply's only if include_stop_str_in_output (vLLM's rule)
+            if not params.include_stop_str_in_output:
+                return "", FinishReason.STOP
+            return self._detok[request.request_id].update(token.token_id)[0], FinishReason.STOP
         delta, stopped = self._detok[request.request_id].update(token.token_id)
         if stopped:
             return delta, FinishReason.STOP
@@ -79,8 +85,7 @@ class Finisher:
     def finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
         """For the last token of request.token_ids (verified or a candidate)."""
         params = request.params
-        ends_here = token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
-        if ends_here and request.num_tokens - request.num_prompt_tokens >= params.min_tokens:  # vLLM's check_stop
+        if params.stops_at(token_id, self.eos_token_ids, request.num_tokens - request.num_prompt_tokens):
             return FinishReason.STOP
         if request.guide is not None and request.guide.ended_after(request.reply_ids):
             return FinishReason.STOP  # the grammar is complete: nothing may follow

@@ -87,9 +87,11 @@ def vllm_sampling(params: SamplingParams, allowed_token_ids: list[int] | None,
 class OutputStream:
     """Turns one request's frames into RequestOutputs."""
 
-    def __init__(self, request_id: str, tokenizer: ChatTokenizer, params: SamplingParams, num_prompt_tokens: int):
+    def __init__(self, request_id: str, tokenizer: ChatTokenizer, params: SamplingParams, num_prompt_tokens: int,
+                 eos_token_ids: frozenset[int]):
         self.request_id = request_id
         self.params = params
+        self.eos_token_ids = eos_token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.output_ids: list[int] = []
         self._detok = detokenizer_for(tokenizer, params)
@@ -101,14 +103,18 @@ class OutputStream:
         checkpoints: on the last frame, those the request left (RequestOutput.checkpoints)."""
         logprobs = frame.get("logprobs") or [None] * len(frame["tokens"])
         tokens, text = [], ""
-        for token_id, lp in zip(frame["tokens"], logprobs, strict=True):
+        finished = frame["finished"]
+        last = len(frame["tokens"]) - 1
+        for i, (token_id, lp) in enumerate(zip(frame["tokens"], logprobs, strict=True)):
             self.output_ids.append(token_id)
             tokens.append(SampledToken(token_id, None if lp is None else lp[0],
                                        None if lp is None else tuple((t, v) for t, v in lp[1][: self.params.logprobs])))
+            if finished and i == last and frame["reason"] == "stop" and not self.params.include_stop_str_in_output \
+                    and self.params.stops_at(token_id, self.eos_token_ids, len(self.output_ids)):
+                continue  # the stop token vLLM ended the reply on: its text is not the reply's (as ours)
             if not self._stopped:
                 delta, self._stopped = self._detok.update(token_id)
                 text += delta
-        finished = frame["finished"]
         if finished and not self._stopped:
             text += self._detok.flush()
         cached = frame["cached"]

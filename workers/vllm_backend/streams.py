@@ -41,7 +41,7 @@ class HostStreams:
             if system_end:
                 base = await self.prefixes.attach(conv.ref.salt, prompt, system_end)
                 load = (base.head_id, len(base.tokens)) if base is not None else None
-            outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
+            outputs = OutputStream(request_id, self.tokenizer, params, len(prompt), self.conversations.eos_token_ids)
             async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids, self.tool_format), load,
                                                 capture=True):
                 record, checkpoints = None, ()
@@ -78,7 +78,7 @@ class HostStreams:
         params = await self.fit(prompt, params)
         base: PrefixCheckpoint | None = await self.prefixes.attach(salt, prompt, system_end)
         try:
-            outputs = OutputStream(request_id, self.tokenizer, params, len(prompt))
+            outputs = OutputStream(request_id, self.tokenizer, params, len(prompt), self.conversations.eos_token_ids)
             async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids, self.tool_format),
                                                 (base.head_id, len(base.tokens)) if base else None,
                                                 capture=self.prefixes.fits(len(prompt) + params.max_tokens)):

@@ -74,6 +74,7 @@ class Host:
         self.capturing: set[str] = set()  # running requests whose state is kept at their end
         self.captures: dict[str, tuple[dict[str, Any], int]] = {}  # request id -> (its last frame, steps left)
         self.running: set[str] = set()
+        self.constrained: dict[str, str] = {}  # running requests under a grammar -> vLLM's own id of each
         self.dropping: dict[str, int] = {}  # aborted captured requests -> steps left for their save
         self.sent_at = time.monotonic()
 
@@ -159,6 +160,7 @@ class Host:
         if request_id in self.running:
             self.engine.abort_request([request_id])
             self.running.discard(request_id)
+            self.constrained.pop(request_id, None)
             if request_id in self.capturing:  # the connector saves aborted requests too: drop it then
                 self.dropping[request_id] = _SAVE_STEPS
         elif request_id in self.captures:  # finished, its save lands in the next step: drop it then
@@ -187,8 +189,10 @@ class Host:
             params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
         params = SamplingParams(**params, output_kind=RequestOutputKind.DELTA,
                                 extra_args={"kv_transfer_params": transfer})
-        self.engine.add_request(request_id, {"prompt_token_ids": message["prompt"]}, params)
+        engine_id = self.engine.add_request(request_id, {"prompt_token_ids": message["prompt"]}, params)
         self.running.add(request_id)
+        if params.structured_outputs is not None:
+            self.constrained[request_id] = engine_id
 
     def call(self, message: dict[str, Any]) -> Any:
         fn = message["fn"]
@@ -219,23 +223,42 @@ class Host:
 
     def emit(self, output) -> None:
         request_id, completion = output.request_id, output.outputs[0]
+        finished, reason = output.finished, completion.finish_reason
+        if not finished and self.grammar_complete(request_id):
+            # vLLM would end it only when the model samples its end of turn, the one token its
+            # mask now leaves: a step later, and never where that token is not sampled. Our
+            # engine ends the reply here; so does this host, as a stop string ends one (aborted
+            # in the core, whose connector still captures it: its state is the same either way).
+            self.engine.abort_request([request_id])
+            finished, reason = True, "stop"
         frame = {
             "op": "out", "id": request_id, "tokens": list(completion.token_ids),
-            "logprobs": _logprobs(completion), "finished": output.finished,
-            "reason": completion.finish_reason if output.finished else None,
+            "logprobs": _logprobs(completion), "finished": finished, "reason": reason if finished else None,
             "cached": output.num_cached_tokens or 0, "prepared": None,  # vLLM's count: loaded tokens
         }
-        if not output.finished:
+        if not finished:
             self.send(frame)
             return
         self.running.discard(request_id)
-        if request_id in self.capturing and completion.finish_reason in ("stop", "length"):
+        self.constrained.pop(request_id, None)
+        if request_id in self.capturing and reason in ("stop", "length"):
             # Saved by the connector in the next step (vLLM frees the blocks after it): the frame
             # goes out then, with the state's length.
             self.captures[request_id] = (frame, _SAVE_STEPS)
         else:
             self.send(frame)
         self.capturing.discard(request_id)
+
+    def grammar_complete(self, request_id: str) -> bool:
+        """Whether the request's grammar is complete after its tokens so far (nothing more may
+        follow: llguidance's `is_stopped`, as our engine's TokenGuide.ended_after)."""
+        engine_id = self.constrained.get(request_id)
+        if engine_id is None:
+            return False
+        request = self.engine.engine_core.engine_core.scheduler.requests.get(engine_id)
+        structured = request.structured_output_request if request is not None else None
+        grammar = structured.grammar if structured is not None else None  # None while it compiles
+        return grammar is not None and not isinstance(grammar, Exception) and grammar.ll_matcher.is_stopped()
 
     def settle_captures(self) -> None:
         """The last frames of captured requests whose state the connector saved (or never will),
