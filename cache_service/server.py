@@ -72,6 +72,8 @@ class CacheServer:
             ("grpc.max_send_message_length", size),
             # A second server on the same port must fail loudly, not share it.
             ("grpc.so_reuseport", 0),
+            ("grpc.server.max_pending_requests", cfg.max_pending_rpcs),
+            ("grpc.server.max_pending_requests_hard_limit", cfg.max_pending_rpcs),
         ])
         self._servicer = CacheServicer(self._store, tier, signer, limits=cfg.limits, puts=cfg.puts,
                                        fence_ttl_ms=cfg.fence_ttl_ms, prefix_ttl_ms=round(cfg.prefix_ttl_s * 1000),
