@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import os
 import platform
 import statistics
@@ -267,7 +268,29 @@ async def bench_tier(plan: Plan, workdir: Path) -> dict:
     }
 
 
-def markdown(results: dict) -> str:
+def compared(results: dict, before: dict) -> list[str]:
+    """An earlier run's cycle figures (its primary fsync policy) beside this run's."""
+    fsync = results["primary_fsync"]
+    old, new = before["cycles"].get(fsync, {}), results["cycles"][fsync]
+    env = before["env"]
+    lines = [f"## Before and after (appendfsync {fsync})", "",
+             f"Before: a {before['mode']} run, load average {env['load_avg_before'][0]:.1f} / "
+             f"{env['load_avg_after'][0]:.1f}, redis-py {env['redis_py']}, hiredis {env.get('hiredis', False)}.", "",
+             "| clients | service cycles/s before | after | redis-py cycles/s before | after "
+             "| overhead ratio before | after | gRPC floor ratio |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c, p in new.items():
+        if c not in old:
+            continue
+        b = old[c]
+        lines.append(f"| {c} | {b['service']['cycles_per_s']:.0f} | {p['service']['cycles_per_s']:.0f} | "
+                     f"{b['redis']['cycles_per_s']:.0f} | {p['redis']['cycles_per_s']:.0f} | "
+                     f"{b['overhead_ratio_vs_redis']:.2f}× | {p['overhead_ratio_vs_redis']:.2f}× | "
+                     f"{p['grpc_floor_ratio_vs_redis']:.2f}× |")
+    return lines + [""]
+
+
+def markdown(results: dict, before: dict | None = None) -> str:
     lines = ["# Cache service benchmark", "",
              f"{results['mode']} run, {results['env']['cpus']} CPUs, {results['seconds_per_point']} s per side "
              f"and point (alternating slices), load average {results['env']['load_avg_before'][0]:.1f} "
@@ -291,6 +314,8 @@ def markdown(results: dict) -> str:
                          f"{p['overhead_ratio_vs_redis']:.2f}× | {g['cycles_per_s']:.0f} | {g['p50_ms']:.2f} | "
                          f"{p['grpc_floor_ratio_vs_redis']:.2f}× |")
         lines.append("")
+    if before is not None:
+        lines += compared(results, before)
     t = results["tier"]
     lines += [f"## State tier ({t['state_mib']:.0f} MiB head)", "",
               "| operation | MB/s |", "|---|---:|",
@@ -332,8 +357,11 @@ def main() -> None:
     plan, mode = (SMOKE, "smoke") if args.smoke else (QUICK, "quick") if args.quick else (FULL, "full")
     results = asyncio.run(main_async(plan, mode))
     name = "cache_service.smoke" if args.smoke else "cache_service"
-    write_results(name, results, markdown(results), args.results_dir)
-    print(markdown(results))
+    # An earlier run kept beside this one (cache_service.before.json) is compared in the Markdown.
+    before_path = args.results_dir / f"{name}.before.json"
+    before = json.loads(before_path.read_text()) if before_path.exists() else None
+    write_results(name, results, markdown(results, before), args.results_dir)
+    print(markdown(results, before))
 
 
 if __name__ == "__main__":
