@@ -4,7 +4,8 @@ Measures the turn-bookkeeping cycle a router + worker perform per turn,
     acquire lease (the reply carries the head) -> publish turn (releasing the lease),
 through the gRPC service (a real `python -m cache_service` process) and, as the floor,
 the very same Redis operations (the same two Lua scripts, same arguments) issued
-directly with redis-py. Each of C concurrent clients works on its own conversation, so the numbers
+directly with redis-py, and the gRPC floor: the same client cycle against bench/grpc_floor.py, a
+server that answers with fixed replies. Each of C concurrent clients works on its own conversation, so the numbers
 measure overhead, not lease contention. Also measures state tier put/get throughput
 (fresh and incremental puts), next to plain redis-py SET/GET of the same bytes.
 
@@ -17,9 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -29,6 +33,7 @@ from pathlib import Path
 import grpc
 import redis
 import redis.asyncio as aioredis
+from redis.utils import HIREDIS_AVAILABLE
 
 from bench.kit.results import RESULTS_DIR, write_results
 from bench.kit.stats import nearest_rank
@@ -101,12 +106,12 @@ async def run_slice(cycles, seconds: float, samples: Samples) -> None:
     samples.seconds += time.perf_counter() - started
 
 
-async def compare(concurrency: int, seconds: float, rounds: int, service_factory, redis_factory):
-    """Alternate short service and raw-Redis slices so both see the same machine load
-    (this box is shared; a quiet minute for one side and a busy one for the other
+async def compare(concurrency: int, seconds: float, rounds: int, *factories):
+    """Alternate short slices of each side (service, raw Redis, gRPC floor) so all see the same
+    machine load (this box is shared; a quiet minute for one side and a busy one for another
     would make any ratio meaningless)."""
     sides = []
-    for factory in (service_factory, redis_factory):
+    for factory in factories:
         cycles = [await factory(i) for i in range(concurrency)]
         for cycle in cycles:  # warm-up: connections, script cache, first head
             await cycle()
@@ -114,7 +119,7 @@ async def compare(concurrency: int, seconds: float, rounds: int, service_factory
     for _ in range(rounds):
         for cycles, samples in sides:
             await run_slice(cycles, seconds / rounds, samples)
-    return sides[0][1].point(), sides[1][1].point()
+    return [samples.point() for _, samples in sides]
 
 
 def service_cycle_factory(client: CacheClient):
@@ -165,6 +170,12 @@ def redis_cycle_factory(r: aioredis.Redis):
     return make
 
 
+def start_floor() -> tuple[subprocess.Popen, str]:
+    """bench/grpc_floor.py: the same client cycle against a server that does nothing."""
+    proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor"], stdout=subprocess.PIPE, text=True)
+    return proc, f"127.0.0.1:{int(proc.stdout.readline())}"
+
+
 def start_service(redis_url: str, data_dir: Path, tier_budget: int) -> tuple[CacheServiceChild, str]:
     child = CacheServiceChild(["--port", "0", "--data-dir", str(data_dir), "--tier-budget", str(tier_budget),
                                "--log-level", "INFO"], redis_url=redis_url)
@@ -175,26 +186,35 @@ async def bench_cycles(plan: Plan, fsync: FsyncPolicy, workdir: Path) -> dict:
     out = {}
     with EmbeddedRedis(EmbeddedRedisConfig(data_dir=workdir / f"redis-{fsync.value}", fsync=fsync)) as server:
         service, target = start_service(server.url, workdir / f"svc-{fsync.value}", plan.tier_budget)
+        floor_proc, floor_target = start_floor()
         try:
             raw = aioredis.Redis.from_url(server.url, max_connections=256)
-            async with CacheClient(target) as client:
+            async with CacheClient(target) as client, CacheClient(floor_target) as floor_client:
                 await client.wait_ready()
+                await floor_client.wait_ready()
                 for c in plan.concurrency:
-                    svc, floor = await compare(c, plan.seconds_per_point, plan.rounds,
-                                               service_cycle_factory(client), redis_cycle_factory(raw))
+                    svc, floor, grpc_only = await compare(
+                        c, plan.seconds_per_point, plan.rounds, service_cycle_factory(client),
+                        redis_cycle_factory(raw), service_cycle_factory(floor_client))
                     out[str(c)] = {
                         "service": {**asdict(svc), "cycles_per_s": svc.cycles_per_s},
                         "redis": {**asdict(floor), "cycles_per_s": floor.cycles_per_s},
+                        "grpc_floor": {**asdict(grpc_only), "cycles_per_s": grpc_only.cycles_per_s},
                         # time per cycle through the service / time per cycle on raw Redis
                         "overhead_ratio_vs_redis": floor.cycles_per_s / svc.cycles_per_s,
                         "p50_ratio_vs_redis": svc.p50_ms / floor.p50_ms,
+                        # the same for the gRPC floor: what the service's ratio cannot go below
+                        "grpc_floor_ratio_vs_redis": floor.cycles_per_s / grpc_only.cycles_per_s,
                     }
                     print(f"[{fsync.value}] c={c:3d} service {svc.cycles_per_s:8.0f}/s p50 {svc.p50_ms:6.2f} ms "
                           f"p99 {svc.p99_ms:6.2f} ms | redis {floor.cycles_per_s:8.0f}/s "
-                          f"p50 {floor.p50_ms:6.2f} ms | ratio {out[str(c)]['overhead_ratio_vs_redis']:.2f}",
-                          flush=True)
+                          f"p50 {floor.p50_ms:6.2f} ms | grpc floor {grpc_only.cycles_per_s:8.0f}/s | ratio "
+                          f"{out[str(c)]['overhead_ratio_vs_redis']:.2f} (floor "
+                          f"{out[str(c)]['grpc_floor_ratio_vs_redis']:.2f})", flush=True)
             await raw.aclose()
         finally:
+            floor_proc.kill()
+            floor_proc.wait()
             service.stop(30)
     return out
 
@@ -248,25 +268,54 @@ async def bench_tier(plan: Plan, workdir: Path) -> dict:
     }
 
 
-def markdown(results: dict) -> str:
+def compared(results: dict, before: dict) -> list[str]:
+    """An earlier run's cycle figures (its primary fsync policy) beside this run's."""
+    fsync = results["primary_fsync"]
+    old, new = before["cycles"].get(fsync, {}), results["cycles"][fsync]
+    env = before["env"]
+    lines = [f"## Before and after (appendfsync {fsync})", "",
+             f"Before: a {before['mode']} run, load average {env['load_avg_before'][0]:.1f} / "
+             f"{env['load_avg_after'][0]:.1f}, redis-py {env['redis_py']}, hiredis {env.get('hiredis', False)}.", "",
+             "| clients | service cycles/s before | after | redis-py cycles/s before | after "
+             "| overhead ratio before | after | gRPC floor ratio |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c, p in new.items():
+        if c not in old:
+            continue
+        b = old[c]
+        lines.append(f"| {c} | {b['service']['cycles_per_s']:.0f} | {p['service']['cycles_per_s']:.0f} | "
+                     f"{b['redis']['cycles_per_s']:.0f} | {p['redis']['cycles_per_s']:.0f} | "
+                     f"{b['overhead_ratio_vs_redis']:.2f}× | {p['overhead_ratio_vs_redis']:.2f}× | "
+                     f"{p['grpc_floor_ratio_vs_redis']:.2f}× |")
+    return lines + [""]
+
+
+def markdown(results: dict, before: dict | None = None) -> str:
     lines = ["# Cache service benchmark", "",
              f"{results['mode']} run, {results['env']['cpus']} CPUs, {results['seconds_per_point']} s per side "
              f"and point (alternating slices), load average {results['env']['load_avg_before'][0]:.1f} "
              f"before / {results['env']['load_avg_after'][0]:.1f} after (shared machine). "
              "Cycle = acquire lease (its reply carries the head) + publish turn (release). "
              "Floor = the same two Lua scripts, same arguments, straight from redis-py. "
-             "Ratio = time per cycle through the service / on raw Redis.", ""]
+             "Ratio = time per cycle through the service / on raw Redis. gRPC floor = the same client cycle "
+             "against a server that answers both calls with fixed replies and does nothing else "
+             "(bench/grpc_floor.py): gRPC and the client alone, below which no change to the service's "
+             "handlers can take the ratio.", ""]
     for fsync, points in results["cycles"].items():
         lines += [f"## appendfsync {fsync}", "",
                   "| clients | service cycles/s | p50 ms | p99 ms "
-                  "| redis-py cycles/s | p50 ms | p99 ms | overhead ratio |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| redis-py cycles/s | p50 ms | p99 ms | overhead ratio | gRPC floor cycles/s | p50 ms "
+                  "| floor ratio |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for c, p in points.items():
-            s, f = p["service"], p["redis"]
+            s, f, g = p["service"], p["redis"], p["grpc_floor"]
             lines.append(f"| {c} | {s['cycles_per_s']:.0f} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | "
                          f"{f['cycles_per_s']:.0f} | {f['p50_ms']:.2f} | {f['p99_ms']:.2f} | "
-                         f"{p['overhead_ratio_vs_redis']:.2f}× |")
+                         f"{p['overhead_ratio_vs_redis']:.2f}× | {g['cycles_per_s']:.0f} | {g['p50_ms']:.2f} | "
+                         f"{p['grpc_floor_ratio_vs_redis']:.2f}× |")
         lines.append("")
+    if before is not None:
+        lines += compared(results, before)
     t = results["tier"]
     lines += [f"## State tier ({t['state_mib']:.0f} MiB head)", "",
               "| operation | MB/s |", "|---|---:|",
@@ -290,7 +339,7 @@ async def main_async(plan: Plan, mode: str) -> dict:
         "mode": mode,
         "seconds_per_point": plan.seconds_per_point,
         "env": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpc": grpc.__version__,
-                "redis_py": redis.__version__, "load_avg_before": load_before,
+                "redis_py": redis.__version__, "hiredis": HIREDIS_AVAILABLE, "load_avg_before": load_before,
                 "load_avg_after": os.getloadavg()},
         "primary_fsync": plan.fsync[0].value,
         "overhead_ratio_vs_redis": {c: p["overhead_ratio_vs_redis"] for c, p in primary.items()},
@@ -308,8 +357,11 @@ def main() -> None:
     plan, mode = (SMOKE, "smoke") if args.smoke else (QUICK, "quick") if args.quick else (FULL, "full")
     results = asyncio.run(main_async(plan, mode))
     name = "cache_service.smoke" if args.smoke else "cache_service"
-    write_results(name, results, markdown(results), args.results_dir)
-    print(markdown(results))
+    # An earlier run kept beside this one (cache_service.before.json) is compared in the Markdown.
+    before_path = args.results_dir / f"{name}.before.json"
+    before = json.loads(before_path.read_text()) if before_path.exists() else None
+    write_results(name, results, markdown(results, before), args.results_dir)
+    print(markdown(results, before))
 
 
 if __name__ == "__main__":

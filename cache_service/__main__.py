@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import re
@@ -16,6 +17,9 @@ from pathlib import Path
 from cache_service import logs
 from cache_service.config import EventLoop, FsyncPolicy, Limits, PutLimits, ServerConfig, TierConfig, TierPlacement
 from cache_service.server import serve
+
+# gen0 every 10,000 net allocations (the default is 700); older generations as by default.
+GC_THRESHOLDS = (10_000, 10, 10)
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -143,6 +147,13 @@ def main() -> None:
         except ImportError:
             logging.getLogger("cache_service").warning(
                 "event_loop_fallback", extra=logs.fields(reason="uvloop is not installed"))
+    # Every RPC allocates a few hundred short-lived objects (gRPC's call state, protobuf
+    # messages, redis-py's reply): with the default thresholds the collector ran often, its
+    # older generations walking every object loaded at start (4% of the service's samples in a
+    # profile under load). Those are frozen out of collection; the young generation is
+    # collected less often.
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(serve(config))
 

@@ -143,6 +143,12 @@ class ServerConfig:
     # write refused for memory is STORAGE_FULL, never a lease or head evicted silently.
     redis_maxmemory_bytes: int = 1 << 30
     tier_placement: TierPlacement = TierPlacement.SINGLE
+    # Calls gRPC has received but this process has not picked up yet. Past gRPC's own defaults
+    # (1,000, then rejected at random up to 3,000) a burst is cancelled with a bare CANCELLED,
+    # which a client cannot tell from a call cut mid-way (Interrupted, not retried): a router
+    # opening thousands of sessions at once lost turns that way. Queued, they wait within
+    # their deadlines instead.
+    max_pending_rpcs: int = 65_536
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -150,6 +156,8 @@ class ServerConfig:
         if self.redis_timeout_s <= 0 or self.grace_s < 0 or self.health_interval_s <= 0 \
                 or self.prefix_ttl_s <= 0 or self.tier_sweep_interval_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.max_pending_rpcs < 1:
+            raise ValueError("max_pending_rpcs must be >= 1")
         if self.conversation_ttl_s < 0 or self.redis_maxmemory_bytes < 0:
             raise ValueError("conversation_ttl_s and redis_maxmemory_bytes must be >= 0 (0: none)")
         if self.fence_retention_ms < self.limits.max_lease_ttl_ms:

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
+from redis.utils import HIREDIS_AVAILABLE
 
 from cache_service import wire
 from cache_service.config import ServerConfig
@@ -72,6 +73,8 @@ class CacheServer:
             ("grpc.max_send_message_length", size),
             # A second server on the same port must fail loudly, not share it.
             ("grpc.so_reuseport", 0),
+            ("grpc.server.max_pending_requests", cfg.max_pending_rpcs),
+            ("grpc.server.max_pending_requests_hard_limit", cfg.max_pending_rpcs),
         ])
         self._servicer = CacheServicer(self._store, tier, signer, limits=cfg.limits, puts=cfg.puts,
                                        fence_ttl_ms=cfg.fence_ttl_ms, prefix_ttl_ms=round(cfg.prefix_ttl_s * 1000),
@@ -93,7 +96,8 @@ class CacheServer:
                                          tier_placement=cfg.tier_placement.value,
                                          auth=cfg.auth_token is not None,
                                          conversation_ttl_s=cfg.conversation_ttl_s,
-                                         event_loop=type(asyncio.get_running_loop()).__module__))
+                                         event_loop=type(asyncio.get_running_loop()).__module__,
+                                         redis_parser="hiredis" if HIREDIS_AVAILABLE else "python"))
         return self.port
 
     async def _set_serving(self, serving: bool) -> None:

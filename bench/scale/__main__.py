@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
 from dataclasses import asdict, replace
@@ -41,7 +42,7 @@ def stopped_text(points: list[dict], wall_s: float) -> str:
             "with each turn).")
     if idle:
         text += (f" At {', '.join(f'{r:,}' for r in sorted(set(idle)))} replicas no turn completed inside the window: "
-                 "the driver's process (the router, pricing every replica per turn, and the clients of every session) "
+                 "the driver's process (the router and the clients of every session) "
                  "used its whole core, acquires waited tens of seconds and leases lapsed (LeaseLost); those points "
                  "give the router's cost per decision and nothing per turn.")
     return text
@@ -57,7 +58,7 @@ def saturation_text(sizing: dict, points: list[dict]) -> str:
             f"conversations, {first['instances']} instance(s); the busiest process there is "
             f"**{sizing['first_saturated_by']}** (CPU cores used: {cores}; the machine has {os.cpu_count()}). "
             f"At {widest['point']['replicas']:,} replicas the router's own choose_replicas costs "
-            f"{widest['route']['mean_ms']:.1f} ms per turn (it prices every candidate: O(replicas)), "
+            f"{widest['route']['mean_ms']:.1f} ms per turn (beyond 64 candidates it prices a shortlist), "
             f"in the driver's process. The driver (router + the gRPC clients of every session, one Python process) "
             f"and the one instance each use most of a core: on this 2-core machine they run out together, so the "
             f"capacities below are per core-second of each process (each is bound by one core in production).")
@@ -100,6 +101,10 @@ def main() -> None:
         plan = replace(plan, points=plan.points[:args.max_points])
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     stem = "scale.smoke" if args.smoke else "scale.quick" if args.quick else "scale"
+    # An earlier run kept beside this one (e.g. scale.before.json: the curve before a change) is
+    # compared point by point in the Markdown and drawn in the plot.
+    before_path = args.results_dir / f"{stem}.before.json"
+    before = json.loads(before_path.read_text()) if before_path.exists() else None
     load_before, started = os.getloadavg(), time.perf_counter()
     points = []
     for point in plan.points:
@@ -111,8 +116,8 @@ def main() -> None:
         points.append(result)
         # After every point: a run stopped by its time limit keeps what it measured.
         res = results(plan, mode, points, load_before, started)
-        write_results(stem, res, markdown(res), args.results_dir)
-        plot(res, args.results_dir / f"{stem}.png")
+        write_results(stem, res, markdown(res, before), args.results_dir)
+        plot(res, args.results_dir / f"{stem}.png", before)
     print(markdown(res))
 
 

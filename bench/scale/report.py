@@ -11,7 +11,39 @@ def _ms(entry: dict, key: str) -> str:
     return num(entry[key], 2) if entry[key] is not None else "-"
 
 
-def markdown(res: dict) -> str:
+def _key(p: dict) -> tuple:
+    pt = p["point"]
+    return pt["replicas"], pt["conversations"], pt["instances"]
+
+
+def _p50_p99(entry: dict) -> str:
+    return f"{_ms(entry, 'p50_ms')} / {_ms(entry, 'p99_ms')}"
+
+
+def compared(res: dict, before: dict) -> list[str]:
+    """The points of `before` (an earlier run's JSON) beside this run's, one row each."""
+    old = {_key(p): p for p in before["points"]}
+    rows = []
+    for p in res["points"]:
+        b = old.get(_key(p))
+        if b is None:
+            continue
+        for label, q in (("before", b), ("after", p)):
+            rows.append([f"{q['point']['replicas']:,} / {q['point']['conversations']:,} / {q['point']['instances']}",
+                         label, num(q["turns_per_s_per_instance"], 0),
+                         _p50_p99(q["latency"]["acquire"]), _p50_p99(q["latency"]["publish"]),
+                         num(q["route"]["mean_ms"], 2), num(q["redis"]["commands_per_turn"], 1),
+                         sum((q["errors"] or {}).values()),
+                         " ".join(f"{k} {v:.2f}" for k, v in q["cpu_cores"].items())])
+    env = before["env"]
+    return [f"Before: commit {env['git']['commit'][:12]}, load average {env['load_before'][0]:.1f} / "
+            f"{env['load_after'][0]:.1f} ({before['mode']} run, the same plan).", "",
+            markdown_table(["replicas / conversations / instances", "run", "turns/s per instance",
+                            "acquire p50/p99 ms", "publish p50/p99 ms", "route ms", "Redis cmds/turn",
+                            "errors", "CPU cores used"], rows), ""]
+
+
+def markdown(res: dict, before: dict | None = None) -> str:
     s, env = res["sizing"], res["env"]
     lines = [
         "# Scale simulation: the router's code, real cache-service instances and Redis, simulated replicas", "",
@@ -49,6 +81,8 @@ def markdown(res: dict) -> str:
                                p["turns_completed_all"], p["turns_in_ledgers"], p["errors"] or "none",
                                num(p["seed"]["per_s"], 0), num(p["seed"]["redis_bytes_per_conversation"], 0)]
                               for p in res["points"]]), ""]
+    if before is not None:
+        lines += ["## Before and after", ""] + compared(res, before)
     lines += ["## Where it stopped", "", res["stopped"], "",
               "## Saturation", "", res["saturation"], "",
               "## What 1,000 GPU replicas need", "",
@@ -66,7 +100,7 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, path: Path) -> None:
+def plot(res: dict, path: Path, before: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,6 +118,11 @@ def plot(res: dict, path: Path) -> None:
         right.plot(xs, [p["latency"]["acquire"]["p99_ms"] for p in pts], "s--", label=f"acquire p99, {n} inst.")
         if n == instance_counts[0]:
             left.plot(xs, [p["offered_turns_per_s"] for p in pts], "k:", label="offered (replicas' full rate)")
+        if before is not None:
+            old = sorted((p for p in before["points"] if p["point"]["instances"] == n
+                          and p["point"]["conversations"] == smallest), key=lambda p: p["point"]["replicas"])
+            left.plot([p["point"]["replicas"] for p in old], [p["turns_per_s"] for p in old], "x--", alpha=0.5,
+                      label=f"before, {n} instance(s)")
     for ax in (left, right):
         ax.set_xscale("log")
         ax.set_xlabel("simulated replicas")

@@ -5,6 +5,7 @@ timing assertion: the figures are the benchmark's own run.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.kit.tables import format_number as num
 from bench.scale.report import markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,3 +72,18 @@ def test_sizing_follows_from_the_points_and_the_markdown_from_the_json(results):
     assert sizing["redis_shards_needed"] >= 1 and sizing["router_cores_needed"] > 0
     assert res["env"]["cpu_model"]
     assert md.rstrip("\n") == markdown(res).rstrip("\n")
+
+
+def test_an_earlier_run_beside_the_results_is_compared_point_by_point(results):
+    res, _ = results
+    before = copy.deepcopy(res)
+    before["points"][0]["turns_per_s_per_instance"] = 12345.0
+    before["env"]["git"]["commit"] = "0123456789abcdef"
+    md = markdown(res, before)
+    assert "## Before and after" not in markdown(res)
+    section = md.split("## Before and after", 1)[1].split("\n## ", 1)[0]
+    assert "commit 0123456789ab" in section
+    rows = [line for line in section.splitlines() if "| before |" in line or "| after |" in line]
+    assert len(rows) == 2 * len(res["points"])
+    assert "| before | 12,345 |" in section
+    assert f"| after | {num(res['points'][0]['turns_per_s_per_instance'], 0)} |" in section
