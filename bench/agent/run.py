@@ -71,7 +71,13 @@ SIDES = {
 }
 
 
-OUR_SIDES = (Side.EXPLICIT, Side.STATELESS, Side.RECOMPUTE, Side.RESPONSES)
+# Run in this order on one app. A stateless step ending in a tool call leaves its end as a
+# checkpoint that no mark may evict for the engine's tool_pause_s (300 s): (c)'s 32 ends, each
+# under a salt nobody sends again, fill a replica's checkpoint budget for that long, so a side
+# run after (c) opens no marks and its first steps share nothing (the Responses side once
+# measured 0 of 8 that way). (c) runs last; the sides whose first steps share the tenant's
+# prefix run first, the ones whose ends are conversation heads (outside that budget) before (b).
+OUR_SIDES = (Side.EXPLICIT, Side.RESPONSES, Side.STATELESS, Side.RECOMPUTE)
 
 
 @dataclass(frozen=True)
