@@ -34,7 +34,8 @@ Sides, one at a time on an otherwise idle benchmark, each under salts of its own
 Our sides run on one start of the app (`serve run` of config.yaml, as bench.serve), after a
 warm-up loop, in the order (a), (responses), (b), (c): a stateless step's end waiting for its
 tool's result is a checkpoint no mark evicts for the engine's tool_pause_s, and (c)'s, under
-salts nobody sends again, would leave a side run after it no room to mark its tenant's prefix. Then, on the same app, the cost of constrained decoding (bench/agent/decode.py).
+salts nobody sends again, would leave a side run after it no room to mark its tenant's prefix.
+Then, on the same app, the cost of constrained decoding (bench/agent/decode.py).
 
 `--decode-only`: the app and the cost of constrained decoding alone.
 

@@ -1,33 +1,25 @@
 """A Responses request opening a stored conversation reuses the prefix its scope shares (its
-instructions and tool catalogue) exactly as a chat completion opening a conversation does: one
-computed earlier, or one a request started together computes; another salt or API key gets
-nothing; the output is that of a request computed from scratch."""
+instructions and tool catalogue) exactly as a chat completion opening a conversation does;
+another salt or API key gets nothing; the output is that of a request computed from scratch.
+(Two started together share it as two chats do, when the router pairs them by its cost estimate,
+which a loaded machine can tip the other way: test_prefix_reuse.py has that test for chats.)"""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 import openai
 import pytest
 
-from tests.serve.helpers import chat_turn, metric, user
+from tests.serve.helpers import chat_turn, user
 
 pytestmark = pytest.mark.timeout(300)
 
-PREFIX_COMPUTING_ROUTES = 'hybridserve_route_decisions_total{reason="prefix_computing"}'
 INSTRUCTIONS = "You are a careful assistant. " * 54  # 1,566 characters: about as many tokens here
-# Long enough that the router sends a request started together where the first computes it.
-LONG_INSTRUCTIONS = INSTRUCTIONS * 2
 WEATHER = {"name": "get_weather", "description": "the weather in a city",
            "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}}
 CHAT_TOOLS = [{"type": "function", "function": WEATHER}]
 RESPONSES_TOOLS = [{"type": "function", **WEATHER}]  # the same tool in the Responses API's flat form
-# The router pairs requests started together by its cost estimate: the shared prefix's length
-# estimated from characters (a quarter of this test model's tokens) against the replica's mean
-# prefill measured so far, which a busy session or machine can tip the other way. A pair routed
-# apart proves nothing about reuse, so another pair is tried.
-PAIRS_TRIED = 4
 
 
 def _salt() -> str:
@@ -56,28 +48,6 @@ async def _assert_exact(client: openai.AsyncOpenAI, model: str, response, text: 
                                store=False)
     assert _cached(reference) == 0 and reference.usage.input_tokens == response.usage.input_tokens
     assert _output(response) == _output(reference) and response.usage.output_tokens == reference.usage.output_tokens
-
-
-async def test_two_first_responses_started_together_compute_the_prefix_once(stack):
-    """As two chats opening together (test_prefix_reuse.py): the router sends the second where the
-    first computes the instructions and tools, and the engine lets it attach the first one's mark."""
-    client = stack.client()
-    for _ in range(PAIRS_TRIED):
-        salt = _salt()
-        texts = [f"question {i}: how near is {i * 7}?" for i in range(2)]
-        async with stack.http() as http:
-            coalesced = await metric(http, PREFIX_COMPUTING_ROUTES)
-            responses = await asyncio.gather(*(_respond(client, stack.model, salt, text, instructions=LONG_INSTRUCTIONS)
-                                               for text in texts))
-            routed_together = await metric(http, PREFIX_COMPUTING_ROUTES) == coalesced + 1
-        if routed_together:
-            break
-    else:
-        pytest.fail(f"no pair of {PAIRS_TRIED} was routed together")
-    assert sorted(_cached(r) >= len(LONG_INSTRUCTIONS) for r in responses) == [False, True], [
-        _cached(r) for r in responses]
-    for text, response in zip(texts, responses):
-        await _assert_exact(client, stack.model, response, text, LONG_INSTRUCTIONS)
 
 
 async def test_a_first_response_reuses_what_an_earlier_request_of_its_salt_computed(stack):
