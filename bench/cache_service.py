@@ -4,7 +4,7 @@ Measures the turn-bookkeeping cycle a router + worker perform per turn,
     acquire lease (the reply carries the head) -> publish turn (releasing the lease),
 through the gRPC service (a real `python -m cache_service` process) and, as the floor,
 the very same Redis operations (the same two Lua scripts, same arguments) issued
-directly with redis-py, and the gRPC floor: the same client cycle against bench/grpc_floor.py, a
+directly with redis-py, and the gRPC floor: the same client cycle against bench/kit/grpc_floor.py, a
 server that answers with fixed replies. Each of C concurrent clients works on its own conversation, so the numbers
 measure overhead, not lease contention. Also measures state tier put/get throughput
 (fresh and incremental puts), next to plain redis-py SET/GET of the same bytes.
@@ -171,8 +171,8 @@ def redis_cycle_factory(r: aioredis.Redis):
 
 
 def start_floor() -> tuple[subprocess.Popen, str]:
-    """bench/grpc_floor.py: the same client cycle against a server that does nothing."""
-    proc = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor"], stdout=subprocess.PIPE, text=True)
+    """bench/kit/grpc_floor.py: the same client cycle against a server that does nothing."""
+    proc = subprocess.Popen([sys.executable, "-m", "bench.kit.grpc_floor"], stdout=subprocess.PIPE, text=True)
     return proc, f"127.0.0.1:{int(proc.stdout.readline())}"
 
 
@@ -299,7 +299,7 @@ def markdown(results: dict, before: dict | None = None) -> str:
              "Floor = the same two Lua scripts, same arguments, straight from redis-py. "
              "Ratio = time per cycle through the service / on raw Redis. gRPC floor = the same client cycle "
              "against a server that answers both calls with fixed replies and does nothing else "
-             "(bench/grpc_floor.py): gRPC and the client alone, below which no change to the service's "
+             "(bench/kit/grpc_floor.py): gRPC and the client alone, below which no change to the service's "
              "handlers can take the ratio.", ""]
     for fsync, points in results["cycles"].items():
         lines += [f"## appendfsync {fsync}", "",

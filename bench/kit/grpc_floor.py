@@ -1,4 +1,4 @@
-"""The cycle's gRPC floor: `python -m bench.grpc_floor` serves CacheService with no work at all.
+"""The cycle's gRPC floor: `python -m bench.kit.grpc_floor` serves CacheService with no work at all.
 
 AcquireLease and PublishTurn answer fixed replies the size of the service's (no Redis, no
 checks), registered as the service registers its handlers (wire.add_servicer: the same
