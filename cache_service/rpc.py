@@ -46,10 +46,18 @@ def is_out_of_memory(exc: BaseException) -> bool:
 _CLUSTER_IN_FLUX = (ClusterError, AskError, TryAgainError, SlotNotCoveredError)
 
 
+def is_closed_transport(exc: BaseException) -> bool:
+    """A write on a Redis connection its peer had closed (a primary killed mid-failover), as
+    uvloop reports it: a RuntimeError, which redis-py lets through (asyncio's own loop drops such
+    a write silently, and the read then fails as a ConnectionError). The command never left, so
+    it is the same as a lost connection: retrying is safe."""
+    return isinstance(exc, RuntimeError) and "handler is closed" in str(exc)
+
+
 def _as_cache_error(exc: BaseException) -> errors.CacheError | None:
     if isinstance(exc, errors.CacheError):
         return exc
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or is_closed_transport(exc):
         return errors.Unavailable(f"redis unavailable: {exc}")
     if isinstance(exc, _CLUSTER_IN_FLUX):
         return errors.Unavailable(f"the Redis Cluster is failing over: {type(exc).__name__}: {exc}")
