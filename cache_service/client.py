@@ -48,7 +48,7 @@ from cache_service.client_config import SERVICE_LIMITS, ClientConfig, RetryPolic
 from cache_service.client_transport import Transport
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
-from proto.contract import ConversationRef, prefix_scope_tag
+from proto.contract import TIER_HOLDER, ConversationRef, prefix_scope_tag
 
 TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(result=...))
 SentReply, SentToolCall = pb.SentReply, pb.SentToolCall  # its reply as the client was sent it
@@ -69,6 +69,9 @@ class PrefixMatch:
 
     index: int
     holders: tuple[tuple[str, int], ...]
+    # The state tier's longest of them (proto.contract.TIER_HOLDER in the index), as (name, tokens):
+    # not a replica, so not among `holders`; any replica can import it.
+    tier: tuple[str, int] | None = None
 
 
 def _messages(messages: Sequence[pb.Message | Mapping[str, Any]]) -> list[pb.Message]:
@@ -314,7 +317,10 @@ class CacheClient:
             reply = await self._calls.once("FindPrefix", request, timeout_s)
         if reply.index < 0:
             return None
-        return PrefixMatch(reply.index, tuple((h.replica, h.tokens) for h in reply.holders))
+        tier = next(((names[h.index], h.tokens) for h in reply.holders
+                     if h.replica == TIER_HOLDER and 0 <= h.index < len(names)), None)
+        replicas = tuple((h.replica, h.tokens) for h in reply.holders if h.replica != TIER_HOLDER)
+        return PrefixMatch(reply.index, replicas, tier)
 
     async def stats(self) -> pb.Stats:
         return await self._calls.unary("GetStats", pb.GetStatsRequest())

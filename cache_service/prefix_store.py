@@ -60,13 +60,13 @@ class PrefixIndexStore:
     async def forget(self, keys: PrefixKeys, replica: str, names: list[str]) -> None:
         await self._forget(keys=[keys.live, *map(keys.name, names)], args=[replica, *names])
 
-    async def find(self, keys: PrefixKeys, names: list[str]) -> tuple[int, list[tuple[str, int]]]:
+    async def find(self, keys: PrefixKeys, names: list[str]) -> tuple[int, list[tuple[str, int, int]]]:
         """(the highest index whose name has a live holder, [(replica, tokens of its longest
-        prefix among names)]); (-1, []) if none."""
+        prefix among names, that one's index)]); (-1, []) if none."""
         if not names:
             return -1, []
         index, flat = await self._find(keys=list(map(keys.name, names)), args=[now_ms()])
-        return int(index), [(flat[i].decode(), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+        return int(index), [(flat[i].decode(), int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)]
 
     async def live_names(self) -> int:
         """Names with a live entry (not expired, not forgotten by every holder), all scopes."""

@@ -389,6 +389,7 @@ for i = #KEYS, 1, -1 do
       if index < 0 then index = i - 1 end
       found[#found + 1] = replica
       found[#found + 1] = at and string.sub(value, 1, at - 1) or value
+      found[#found + 1] = i - 1
     end
   end
 end

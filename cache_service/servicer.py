@@ -317,7 +317,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         names = validation.prefix_names(request.names, "names", self.limits.max_prefix_names)
         index, holders = await self.store.prefixes.find(PrefixKeys(validation.prefix_scope(request.scope)), names)
         return pb.FindPrefixResponse(index=index, holders=[
-            pb.PrefixHolder(replica=replica, tokens=tokens) for replica, tokens in holders])
+            pb.PrefixHolder(replica=replica, tokens=tokens, index=at) for replica, tokens, at in holders])
 
     @rpc
     async def GetStats(self, request, context):

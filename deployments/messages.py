@@ -72,6 +72,10 @@ class TurnJob:
     # (routing/prefix_hints.py `prefix_estimates`): when nobody holds any of it, the router sends
     # requests sharing a long one to where the first of them computes it (coalescing).
     prefix_names: tuple[tuple[str, int], ...] = ()
+    # (name, tokens) of the longest prefix of a stateless request's messages the state tier holds
+    # (the prefix index's "~tier" holder): the router prices importing it, and the worker imports
+    # it when that is cheaper than computing what it lacks (worker/prefix_tier.py). A hint.
+    tier_prefix: tuple[str, int] | None = None
     # A stateless request's cache scope (its salt, scoped to the API key if auth is on): the
     # prefixes it reuses and keeps are named in it. A conversation's scope is its ref's salt.
     stateless_scope: str = ""
@@ -114,6 +118,7 @@ class Recovery(enum.Enum):
     LOCAL = "local"  # the head was on this replica
     TIER_IMPORT = "tier_import"  # imported from the state tier (a migration)
     TIER_PREFIX = "tier_prefix"  # an older head imported from the tier, the turns after it recomputed
+    PREFIX_IMPORT = "prefix_import"  # a stateless request's prefix checkpoint imported from the tier
     LEDGER_RECOMPUTE = "ledger_recompute"  # rebuilt from the ledger's token ids (a miss)
     REPLAY = "replay"  # not run: the turn had committed already (a retry), answered from the ledger
 

@@ -93,6 +93,10 @@ class AppSettings(BaseModel):
     tier_export_delay_s: float = Field(
         0.5, ge=0, le=60, description="async export: how long a conversation must be quiet on its replica before its "
                                       "head goes to the tier (a next turn within it supersedes the head)")
+    prefix_export_min_tokens: int = Field(
+        256, ge=1, description="prefix checkpoints (a shared system prompt and tool catalogue, a stateless request's "
+                               "end) of at least this many tokens go to the state tier (unless tier_export is off), "
+                               "so another replica can import them instead of computing them")
     api_keys: tuple[str, ...] = Field((), description="bearer tokens; empty: no authentication")
     rate_limit_rpm: int = Field(0, ge=0, description="requests per minute per API key (without keys: per bearer "
                                 "token sent, or none) beyond which /v1 routes answer 429 with Retry-After; 0: off")

@@ -385,12 +385,14 @@ class FindPrefixRequest(_message.Message):
     def __init__(self, names: _Optional[_Iterable[str]] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class PrefixHolder(_message.Message):
-    __slots__ = ("replica", "tokens")
+    __slots__ = ("replica", "tokens", "index")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     replica: str
     tokens: int
-    def __init__(self, replica: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, replica: _Optional[str] = ..., tokens: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class FindPrefixResponse(_message.Message):
     __slots__ = ("index", "holders")

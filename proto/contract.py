@@ -73,6 +73,11 @@ def prefix_scope_tag(scope: str) -> str:
     return hashlib.sha256(_SCOPE_TAG_DOMAIN + _framed(scope)).hexdigest()[:16]
 
 
+# The prefix index's holder name for the cache service's state tier (a prefix state any replica
+# can import): never a Serve replica id, and only the service announces it.
+TIER_HOLDER = "~tier"
+
+
 def tools_scope(scope: str, tools: Sequence[Any]) -> str:
     """The prefix-index scope of a request with function tools: the template renders them into
     the prompt, so chats with other tools share no prefix."""

@@ -103,7 +103,8 @@ def lease_panels() -> list[Panel]:
 
 def tier_panels() -> list[Panel]:
     moves = [("hybridserve_tier_imports_total", "tier import"), ("hybridserve_tier_prefix_imports_total",
-             "older head imported"), ("hybridserve_ledger_recomputes_total", "ledger recompute"),
+             "older head imported"), ("hybridserve_prefix_imports_total", "prefix checkpoint imported"),
+             ("hybridserve_ledger_recomputes_total", "ledger recompute"),
              ("hybridserve_migrations_total", "served away from owner")]
     return [
         panel("Heads moved between replicas", "ops", "where a replica without the head got it: the state tier, an "

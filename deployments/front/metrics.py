@@ -67,6 +67,9 @@ class ServeMetrics:
         self.tier_prefix_imports = Counter(
             "hybridserve_tier_prefix_imports", "older heads imported from the state tier (the turns after them "
             "recomputed)", registry=r)
+        self.prefix_imports = Counter(
+            "hybridserve_prefix_imports", "stateless requests whose prefix checkpoint was imported from the state "
+            "tier (computed on another replica) instead of computed", registry=r)
         self.ledger_recomputes = Counter(
             "hybridserve_ledger_recomputes", "heads rebuilt from the ledger (after any earlier head the replica "
             "still held)", registry=r)
@@ -99,6 +102,8 @@ class ServeMetrics:
             self.tier_imports.inc()
         elif recovery is Recovery.TIER_PREFIX:
             self.tier_prefix_imports.inc()
+        elif recovery is Recovery.PREFIX_IMPORT:
+            self.prefix_imports.inc()
         elif recovery is Recovery.LEDGER_RECOMPUTE:
             self.ledger_recomputes.inc()
         if moved:

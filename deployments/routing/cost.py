@@ -6,7 +6,10 @@
                 reported, plus its mean prefill (prompt less what was attached) for each request
                 sent to r since that report
     lacking(r)  the tokens of this request r must compute that the best-placed replica would not:
-                a stateless request or a first turn -> longest held prefix - the prefix r holds;
+                a stateless request or a first turn -> longest held prefix - the prefix r holds,
+                                                       or, where the state tier holds a longer one
+                                                       than r, its import (at r's import speed)
+                                                       plus the rest, if that is cheaper;
                 a conversation's turn               -> 0 on its owner; elsewhere the import of
                                                        its head from the tier, or, without a tier
                                                        copy, its recompute from the ledger (then
@@ -48,6 +51,9 @@ class RouteReason(enum.Enum):
     # nobody holds its prefix yet; an earlier request sharing it was sent here and computes it
     # (the engine lets this one attach it as soon as that one's prefill passed it)
     PREFIX_COMPUTING = "prefix_computing"
+    # the state tier holds more of its prefix than this replica, and importing it here is cheaper
+    # than any holder's queue or computing it (worker/prefix_tier.py imports it)
+    PREFIX_IMPORT = "prefix_import"
     LEAST_LOADED = "least_loaded"  # nobody holds anything of it: the shortest queue
 
 
@@ -81,6 +87,7 @@ class Need:
     head_tokens: int = 0  # a conversation's committed tokens (what a non-owner lacks)
     tier_has_head: bool = False  # the tier holds the current head: a non-owner imports it
     computing: frozenset[str] = frozenset()  # replicas in `held` only for computing it now (estimated tokens)
+    tier_tokens: int = 0  # the longest prefix of a stateless request the state tier holds (any replica imports it)
 
 
 @dataclass(frozen=True)
@@ -123,8 +130,18 @@ def expected_ttft(replica: str, need: Need, speeds: Speeds) -> float:
         if need.tier_has_head:
             return queue + need.head_tokens / speeds.imports(replica)
         return queue + need.head_tokens / speeds.prefill(replica)
-    best = max(need.held.values(), default=0)
-    return queue + (best - need.held.get(replica, 0)) / speeds.prefill(replica)
+    return queue + _prefix_lacking_s(replica, need, speeds)[0]
+
+
+def _prefix_lacking_s(replica: str, need: Need, speeds: Speeds) -> tuple[float, bool]:
+    """(seconds to get what `replica` lacks of the longest held prefix, whether by a tier import)."""
+    best = max(need.tier_tokens, max(need.held.values(), default=0))
+    own = need.held.get(replica, 0)
+    compute = (best - own) / speeds.prefill(replica)
+    if need.tier_tokens <= own:
+        return compute, False
+    imported = need.tier_tokens / speeds.imports(replica) + (best - need.tier_tokens) / speeds.prefill(replica)
+    return (imported, True) if imported < compute else (compute, False)
 
 
 def rank(candidates: Sequence[str], loads: Mapping[str, ReplicaLoad], need: Need) -> list[Choice]:
@@ -142,6 +159,8 @@ def rank(candidates: Sequence[str], loads: Mapping[str, ReplicaLoad], need: Need
         costs.sort(key=lambda c: c[2] != need.owner)
     first = costs[0][2]
     reason = _reason(first, candidates, need)
+    if not need.owner and _prefix_lacking_s(first, need, speeds)[1]:
+        reason = RouteReason.PREFIX_IMPORT
     return [Choice(r, cost, reason) for cost, _, r in costs]
 
 

@@ -22,6 +22,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -72,10 +73,19 @@ LOOKUP_FAILURES = FailureLog("prefix lookup")
 _HINT_ERRORS = (CacheError, grpc.RpcError, TimeoutError, OSError)
 
 
+@dataclass(frozen=True)
+class PrefixHints:
+    """Where a request's message prefixes are held: `holders` (replica, tokens of its longest),
+    and `tier`, (name, tokens) of the longest the state tier holds (None: none)."""
+
+    holders: tuple[tuple[str, int], ...] = ()
+    tier: tuple[str, int] | None = None
+
+
 async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict], *,
-                       timeout_s: float = PREFIX_LOOKUP_S) -> tuple[tuple[str, int], ...]:
-    """(replica, tokens held) of every replica holding a prefix of `messages` in `scope` (the
-    request's cache salt), each with its longest; () when none does or the lookup failed. The
+                       timeout_s: float = PREFIX_LOOKUP_S) -> PrefixHints:
+    """Every replica holding a prefix of `messages` in `scope` (the request's cache salt), each
+    with its longest, and the tier's longest; nothing when none does or the lookup failed. The
     index's answer is completed by what this ingress just saw replicas leave (recent_prefixes.py:
     an announce may land after an agent loop's next lookup)."""
     # The index bounds one lookup; the longest prefixes are the ones worth finding.
@@ -85,8 +95,10 @@ async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict],
         match = await cache.find_prefix(names, scope=scope, timeout_s=timeout_s)
     except _HINT_ERRORS as e:
         LOOKUP_FAILURES.failed(e)
-        return merged((), recent)
-    return merged(() if match is None else match.holders, recent)
+        return PrefixHints(merged((), recent))
+    if match is None:
+        return PrefixHints(merged((), recent))
+    return PrefixHints(merged(match.holders, recent), match.tier)
 
 
 def prefix_estimates(scope: str, messages: Sequence[dict], tools: Sequence[dict] = ()) -> tuple[tuple[str, int], ...]:
@@ -108,6 +120,13 @@ def announcement(scope: str, messages: Sequence[dict], reply: dict,
     messages[:k]; k == len(messages) + 1 the messages plus the reply (the assistant message as
     the client will send it back: its content, and its tool calls if it made any)."""
     return [(name, tokens) for _, name, tokens in _named(scope, messages, reply, checkpoints)]
+
+
+def keyed(scope: str, messages: Sequence[dict], reply: dict, checkpoints: Sequence[tuple[int, int]],
+          keys: Sequence[Hashable]) -> list[tuple[str, int, Hashable]]:
+    """(prefix name, tokens, engine name) of the checkpoints that name a prefix and have an
+    engine name (RequestOutput.checkpoint_keys): what the worker may export to the tier."""
+    return [(name, tokens, keys[i]) for i, name, tokens in _named(scope, messages, reply, checkpoints) if i < len(keys)]
 
 
 def _named(scope: str, messages: Sequence[dict], reply: dict,

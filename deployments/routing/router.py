@@ -97,8 +97,9 @@ def need_of(call: TurnJob | ReplicaCall, computing: RecentPrefixes | None = None
     head = call.head
     if head is None:  # stateless, or a conversation's first turn: where its prefix is held
         held = dict(call.prefix_holders)
-        if held or computing is None:
-            return Need(held)
+        tier = call.tier_prefix[1] if call.tier_prefix is not None else 0
+        if held or tier or computing is None:  # held somewhere: nothing to coalesce
+            return Need(held, tier_tokens=tier)
         # nobody holds any of it: where an earlier request sharing a long prefix computes it
         pending = computing.holders([name for name, _ in call.prefix_names])
         return Need(pending, computing=frozenset(pending))

@@ -96,9 +96,11 @@ class TurnRun:
         if conversation is None:  # nothing is committed: a retry is harmless, no key needed
             named = messages if request.prompt is None else prompt_as_messages(request.prompt)
             scope = tools_scope(request.scope, tools)
-            holders = await find_holders(cache, scope, named)
+            hints = await find_holders(cache, scope, named)
             return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
-                                                         prefix_holders=holders,
+                                                         prefix_holders=hints.holders,
+                                                         # a completion's prompt is imported by no one
+                                                         tier_prefix=hints.tier if request.prompt is None else None,
                                                          prefix_names=prefix_estimates(scope, named, tools),
                                                          stateless_scope=request.scope,
                                                          tools=tools, parse_tool_calls=request.parse_tool_calls,
@@ -130,8 +132,8 @@ class TurnRun:
         if not head.version:  # a new conversation: where is its prefix held (a hint)?
             try:
                 scope = tools_scope(conversation.salt, tools)
-                holders = await find_holders(cache, scope, messages)
-                run.job = replace(job, prefix_holders=holders, prefix_names=prefix_estimates(scope, messages, tools))
+                hints = await find_holders(cache, scope, messages)
+                run.job = replace(job, prefix_holders=hints.holders, prefix_names=prefix_estimates(scope, messages, tools))
             except BaseException:
                 await run.close()  # cancelled meanwhile: the lease is settled, as after any failure
                 raise

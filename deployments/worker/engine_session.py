@@ -31,9 +31,10 @@ from typing import Any
 from deployments.worker.turns_here import ConversationUse
 from deployments.messages import HeadRef
 from deployments.settings import RETAIN_TURNS, AppSettings
-from proto.contract import ConversationRef
+from proto.contract import ConversationRef, tokens_digest
 from workers.async_engine import AsyncEngine
 from workers.conversation import export as head_export
+from workers.conversation import prefix_export
 from workers.conversation.cache import ConversationCache
 from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
@@ -50,6 +51,7 @@ from workers.tools.formats import ToolFormat
 class EngineSession:  # implements Session (session.py)
     use: ConversationUse  # the turns running here, per conversation
     tokenizer: ChatTokenizer
+    prefix_tier: bool = True  # its prefix checkpoints go through the state tier (prefix_tier.py)
 
     def __init__(self, model_dir: str, settings: AppSettings):
         engine = LLMEngine(settings.engine_config(model_dir))
@@ -154,6 +156,41 @@ class EngineSession:  # implements Session (session.py)
         exported = await asyncio.to_thread(head_export.build_export, snapshot)
         await self.aengine.call(lambda _e: self.cache.remember_chunks(snapshot, exported))
         return snapshot.meta["version"], pack_export(exported)
+
+    # -- prefix checkpoints through the tier (prefix_tier.py) --------------------------------------
+    async def export_prefix(self, key: PrefixKey) -> list[bytes] | None:
+        """Tier parts of the checkpoint named `key`; None if it is no longer held here, or was
+        superseded by a longer link of its request chain (the export would be stale at once)."""
+        snapshot = await self.aengine.call(lambda e: prefix_export.snapshot_checkpoint(e, key))
+        if snapshot is None:
+            return None
+        exported = await asyncio.to_thread(head_export.build_export, snapshot)
+        await self.aengine.call(lambda _e: self.cache.remember_chunks(snapshot, exported))
+        return pack_export(exported)
+
+    async def held_prefix(self, scope: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          template: TemplateOptions) -> tuple[list[int], int]:
+        """(the prompt's token ids, the tokens of it this engine holds under `scope`): what a
+        stateless request of these messages would attach here."""
+        prompt = await asyncio.to_thread(self.cache.stateless_prompt, messages, tools, template)
+        return prompt, await self.aengine.call(lambda e: prefix_export.held_prefix_length(e, scope, prompt))
+
+    async def import_prefix(self, scope: str, blob: bytes, prompt: list[int]) -> int:
+        """Install another replica's prefix checkpoint under `scope` if it is a prefix of
+        `prompt` (token ids, exactly); returns its tokens. CorruptStateError if it is not."""
+        held = await self.aengine.call(lambda _e: self.cache.held_chunk_digests())
+
+        def verify() -> head_export.VerifiedHead:
+            header, chunks = unpack_export(blob)
+            verified = head_export.verify_export(header, chunks, self.identity, self.layout, held)
+            length = verified.meta["committed_tokens"]
+            if length >= len(prompt) or tokens_digest(prompt[:length]) != verified.meta["tokens_digest"]:
+                raise CorruptStateError("the tier's prefix checkpoint is not a prefix of this prompt")
+            return verified
+
+        verified = await asyncio.to_thread(verify)
+        key = await self.aengine.call(lambda e: prefix_export.install_checkpoint(e, scope, verified))
+        return key.length
 
     async def kv_cache_usage(self) -> float:
         return await self.aengine.call(lambda e: e.kv_cache_usage())

@@ -11,6 +11,8 @@
       announce: a stateless request's or a first turn's checkpointed prefixes to the prefix index
                 (routing/prefix_hints.py), in a task of its own; their names also go back in
                 TurnDone.prefixes, for the ingress's own routing of the next step (no race)
+      prefixes: a stateless request's long checkpoints go to the state tier, and a prefix the tier
+                holds is imported before the request when cheaper than computing it (prefix_tier.py)
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from cache_service.client import (
 from deployments.service.connection import CacheConnection
 from deployments.worker.engine_session import EngineSession
 from deployments.worker.session import Session
-from deployments.routing.prefix_hints import Announcer
+from deployments.routing.prefix_hints import Announcer, keyed
 from deployments.messages import (
     ErrorKind,
     HeadRef,
@@ -59,6 +61,7 @@ from deployments.worker.recovery_ladder import attach
 from deployments.routing.router import StickyConversationRouter
 from deployments.settings import AppSettings, Backend
 from deployments.worker.text_calls import TextCalls
+from deployments.worker.prefix_tier import PrefixTier
 from deployments.worker.tier_export import TierExporter
 from deployments.tool_replies import ReplyCalls
 from deployments.worker.vllm_session import VllmSession
@@ -127,6 +130,7 @@ class Worker(TextCalls):
         # Head tokens/s of its tier imports (ledger read, state fetch, install): what the router
         # prices moving a conversation here at.
         self.import_rate = Rate()
+        self.prefix_tier = PrefixTier(self.session, settings, self._cache, self._spawn, self.import_rate)
 
     # -- cache service ------------------------------------------------------------------------
     async def _cache(self) -> CacheClient:
@@ -179,6 +183,13 @@ class Worker(TextCalls):
             except Exception:  # the next sweep tries again; a copy is only ever older, never wrong
                 log.exception("forgetting idle conversations")
 
+    async def _prefill_speed(self) -> float:
+        return (await self.session.load()).prefill_tokens_per_s
+
+    async def prefix_tier_counters(self, call: ReplicaCall) -> tuple[str, dict[str, int]]:
+        """(this replica, its prefix-tier exports and imports): for operators and tests."""
+        return self.replica_id, dict(self.prefix_tier.counters)
+
     async def pending_exports(self, call: ReplicaCall) -> tuple[str, int]:
         """(this replica, committed heads waiting for their export to the tier): bounded by the
         conversations committed within the export delay; for operators and tests."""
@@ -202,9 +213,13 @@ class Worker(TextCalls):
                 stream = self.session.stream_completion(job.prompt, params, job.request_id, job.scope)
                 recovery = Recovery.NEW
             elif job.conversation is None:
+                recovery = Recovery.NEW
+                if job.tier_prefix is not None and not params.deterministic and await self.prefix_tier.import_for(
+                        tools_scope(job.scope, job.tools), job.scope, job.messages, list(job.tools), job.template,
+                        job.tier_prefix, self._prefill_speed):
+                    recovery = Recovery.PREFIX_IMPORT
                 stream = self.session.stream_stateless(job.messages, params, job.request_id, job.scope,
                                                        list(job.tools), job.template)
-                recovery = Recovery.NEW
             else:
                 if not self._expiring:
                     self._expiring = True
@@ -282,8 +297,12 @@ class Worker(TextCalls):
             hint_scope = tools_scope(job.scope, job.tools)
             if job.conversation is None:
                 named = job.messages if job.prompt is None else prompt_as_messages(job.prompt)
-                yield replace(done, prefixes=self.announcer.after_turn(
-                    hint_scope, named, calls.reply_message(), last.checkpoints, last.checkpoint_keys))
+                reply = calls.reply_message()
+                prefixes = self.announcer.after_turn(hint_scope, named, reply, last.checkpoints, last.checkpoint_keys)
+                if job.prompt is None:
+                    self.prefix_tier.offer(hint_scope, keyed(hint_scope, named, reply, last.checkpoints,
+                                                             last.checkpoint_keys))
+                yield replace(done, prefixes=prefixes)
                 return
             if last.turn_commit is None:
                 yield TurnFailed(ErrorKind.INTERNAL, "the engine finished the turn without preparing it")
@@ -291,8 +310,11 @@ class Worker(TextCalls):
             handed = True  # from here `_commit` owns the prepared turn, whatever happens to this stream
             outcome = await self._commit(job, done, last.turn_commit, calls)
             if isinstance(outcome, TurnDone) and job.head is None:  # a first turn: its messages are the chat
+                reply = calls.reply_message()
                 outcome = replace(outcome, prefixes=self.announcer.after_turn(
-                    hint_scope, job.messages, calls.reply_message(), last.checkpoints, last.checkpoint_keys))
+                    hint_scope, job.messages, reply, last.checkpoints, last.checkpoint_keys))
+                self.prefix_tier.offer(hint_scope, keyed(hint_scope, job.messages, reply, last.checkpoints,
+                                                         last.checkpoint_keys))
             yield outcome
         finally:
             self.announcer.withdraw(self.session.withdrawn_prefixes())  # evicted since the last turn ended

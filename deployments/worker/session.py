@@ -7,7 +7,8 @@ tests/serve/test_session_protocol.py checks that both sessions implement it.
                 ─ stream_turn (its final output carries the prepared TurnCommit)
                 ─ commit or abandon, as the cache service decided ─ turn_ended
     stateless:  stream_stateless (the longest held prefix of its prompt is reused)
-    the tier:   export_state (a committed head as tier parts), import_state (another replica's)
+    the tier:   export_state (a committed head as tier parts), import_state (another replica's);
+                export_prefix, held_prefix, import_prefix: prefix checkpoints (where prefix_tier)
     upkeep:     load (routing stats), held_heads, forget_idle, check_health, shutdown
 
 `use` is the replica's one count of the turns running here, per conversation: the session's
@@ -34,6 +35,7 @@ from workers.tools.formats import ToolFormat
 class Session(Protocol):
     use: ConversationUse
     tokenizer: ChatTokenizer  # the model's tokenizer and chat template (used off the engine thread too)
+    prefix_tier: bool  # exports and imports prefix checkpoints (the three calls below; else never called)
 
     @property
     def tool_format(self) -> ToolFormat:
@@ -90,6 +92,16 @@ class Session(Protocol):
     async def export_state(self, ref: ConversationRef) -> tuple[int, list[bytes]]:
         """(head version, tier parts) of the conversation's latest head."""
         ...
+
+    async def export_prefix(self, key: Any) -> list[bytes] | None:
+        """Tier parts of the prefix checkpoint the engine names `key` (None: no longer held)."""
+
+    async def held_prefix(self, scope: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          template: TemplateOptions) -> tuple[list[int], int]:
+        """(a stateless request's prompt ids, the tokens of it held here under `scope`)."""
+
+    async def import_prefix(self, scope: str, blob: bytes, prompt: list[int]) -> int:
+        """Install another replica's prefix checkpoint (a prefix of `prompt`); its tokens."""
 
     async def held_heads(self, ref: ConversationRef | None = None) -> int: ...
 

@@ -49,6 +49,7 @@ from workers.vllm_backend.streams import HostStreams
 class VllmSession:  # implements Session (session.py)
     use: ConversationUse  # the turns running here, per conversation
     tokenizer: ChatTokenizer
+    prefix_tier: bool = False  # see export_prefix
 
     def __init__(self, model_dir: str, settings: AppSettings):
         self.model_dir = model_dir
@@ -134,6 +135,18 @@ class VllmSession:  # implements Session (session.py)
         """(head version, tier parts) of the conversation's head."""
         await self.start()
         return await self.conversations.export(ref, self.identity, self.layout)
+
+    # Prefix checkpoints stay in this backend's host: its exports carry a conversation's head
+    # only (the worker never calls these, prefix_tier being False).
+    async def export_prefix(self, key: Any) -> list[bytes] | None:
+        return None
+
+    async def held_prefix(self, scope: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          template: TemplateOptions) -> tuple[list[int], int]:
+        return [], 0
+
+    async def import_prefix(self, scope: str, blob: bytes, prompt: list[int]) -> int:
+        raise CorruptStateError("the vLLM backend imports no prefix checkpoints")
 
     def withdrawn_prefixes(self) -> list:
         """None: this backend's checkpoints are vLLM's prefix cache, which evicts without telling;

@@ -51,10 +51,11 @@ async def test_a_request_sent_without_strict_routing_counts_once():
 
 
 def _job_request(n: int, *, owner: str = "", holders: tuple[tuple[str, int], ...] = (), head_tokens: int = 1000,
-                 tier_copy: bool = False, names: tuple[tuple[str, int], ...] = ()) -> PendingRequest:
+                 tier_copy: bool = False, names: tuple[tuple[str, int], ...] = (),
+                 tier: tuple[str, int] | None = None) -> PendingRequest:
     head = HeadRef(3, 3, head_tokens, "0" * 64, owner, 3 if tier_copy else 0) if owner else None
     job = TurnJob(f"req-{n}", [{"role": "user", "content": "hi"}], {}, "conv" if owner else None, head=head,
-                  prefix_holders=holders, prefix_names=names)
+                  prefix_holders=holders, prefix_names=names, tier_prefix=tier)
     return PendingRequest(args=[job], kwargs={},
                           metadata=RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}"))
 
@@ -105,6 +106,31 @@ async def test_each_replica_is_priced_at_its_own_measured_speed():
     assert await _first(router, replicas, _job_request(1, holders=(("a", 500),))) == "b"
     router, replicas = _router(a=slow, b={})
     assert await _first(router, replicas, _job_request(2, holders=(("a", 500),))) == "a"
+
+
+@pytest.mark.parametrize("import_speed, expected, reason", [
+    (20000.0, "b", "prefix_import"),  # 2,000 tokens in 0.1 s: cheaper than a's 1 s queue
+    (1500.0, "a", "prefix_holder"),   # 1.33 s: waiting for a is cheaper
+])
+async def test_an_idle_replica_imports_a_busy_holders_prefix_from_the_tier_exactly_when_cheaper(
+        import_speed, expected, reason):
+    """a holds a 2,000-token prefix behind 1,000 queued prompt tokens (1 s at 1,000 tokens/s); b
+    is idle and holds nothing, but the tier holds the prefix: b costs its import at b's measured
+    import speed. Recomputing it (2 s) never wins."""
+    before = _decisions(reason)
+    router, replicas = _router(a={"running_requests": 1, "waiting_prefill_tokens": 1000},
+                               b={"import_tokens_per_s": import_speed})
+    request = _job_request(1, holders=(("a", 2000),), tier=("name", 2000))
+    assert await _first(router, replicas, request) == expected
+    assert _decisions(reason) == before + 1
+
+
+async def test_a_prefix_only_the_tier_holds_goes_to_the_replica_importing_it_soonest():
+    """Nobody holds it: the tier does. Without it both replicas would recompute (least loaded)."""
+    router, replicas = _router(a={"import_tokens_per_s": 5000.0}, b={"import_tokens_per_s": 50000.0})
+    before = _decisions("prefix_import")
+    assert await _first(router, replicas, _job_request(1, tier=("name", 3000))) == "b"
+    assert _decisions("prefix_import") == before + 1
 
 
 async def test_the_longer_held_prefix_wins_at_equal_queues():

@@ -27,7 +27,7 @@ def parameters(function) -> list[tuple[str, inspect._ParameterKind, object]]:
 
 def test_the_protocol_is_read():
     assert {"stream_turn", "commit", "abandon", "holds", "export_state"} <= set(METHODS)
-    assert PROPERTIES == ["tool_format"] and ATTRIBUTES == ["tokenizer", "use"]
+    assert PROPERTIES == ["tool_format"] and ATTRIBUTES == ["prefix_tier", "tokenizer", "use"]
 
 
 @pytest.mark.parametrize("session", [EngineSession, VllmSession], ids=lambda c: c.__name__)

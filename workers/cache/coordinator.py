@@ -333,6 +333,30 @@ class CacheCoordinator:
         self.heads.add(head)
         return head
 
+    def install_checkpoint(
+        self, key: PrefixKey, state_len: int, blocks: list[int | None], aligned: bool,
+        write: Callable[[list[int], HolderSlots], None],
+    ) -> CommittedHead:
+        """A prefix checkpoint from an import (another replica computed it), named `key`, within
+        the checkpoints' budget: room is made by evicting other checkpoints only (never a head or
+        a request's state: the import is optional, as a mark is). `blocks` as for install_head.
+        All-or-nothing: OutOfCacheError (nothing changed) if it does not fit."""
+        holder = self.heads.new_holder(HolderKind.CHECKPOINT)
+        slots = 2 if aligned else 1
+        try:
+            shared = [b for b in blocks if b is not None]
+            self.kv.share(holder, shared)  # referenced first: evicting their owners cannot free them
+            new = len(blocks) - len(shared)
+            if not self.heads.room_for_checkpoint(new, slots, protect=holder):
+                raise OutOfCacheError(f"no room for an imported prefix checkpoint ({new} new blocks, {slots} slots)")
+            fresh = self.kv.fill(holder, blocks)
+            held = self.states.allocate(holder, aligned=aligned)
+            write(fresh, held)
+        except BaseException:
+            self._free(holder)
+            raise
+        return self.heads.add_checkpoint(holder, state_len, key)
+
     def remember_chunks(self, head: CommittedHead, digests: list[str]) -> None:
         """Name the head's full KV blocks by their contents' digests (an import knows them)."""
         full = head.state_len // self.kv.block_size

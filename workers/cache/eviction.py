@@ -33,11 +33,12 @@ class Eviction:
     def drop(self, head: CommittedHead) -> None:  # defined by HeadManager: it unnames and frees the head
         raise NotImplementedError
 
-    def _checkpoints_over(self, extra_slots: int = 0) -> bool:
-        """Checkpoints and open marks (plus `extra_slots` more) past their bytes or slots."""
+    def _checkpoints_over(self, extra_slots: int = 0, extra_bytes: int = 0) -> bool:
+        """Checkpoints and open marks (plus `extra_slots` more slots and `extra_bytes` more KV
+        bytes) past their bytes or slots."""
         marks = sum(len(m) for m in self.marking.values()) + extra_slots
         slots = sum(len(s) for h, s in self.states.slots.items() if h.kind is HolderKind.CHECKPOINT) + marks
-        used = self.bytes_used(HolderKind.CHECKPOINT) + marks * self.states.layout.slot_bytes
+        used = self.bytes_used(HolderKind.CHECKPOINT) + marks * self.states.layout.slot_bytes + extra_bytes
         return slots > self.checkpoint_slots or used > self.checkpoint_budget_bytes
 
     def bytes_used(self, kind: HolderKind = HolderKind.HEAD) -> int:

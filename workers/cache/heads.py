@@ -190,12 +190,13 @@ class HeadManager(Eviction, Integrity):
             return None
         holder = self.new_holder(HolderKind.CHECKPOINT)
         self._move(src, holder)
-        checkpoint = self._add_checkpoint(holder, state_len, key, ReuseSource.PREFIX)
+        checkpoint = self.add_checkpoint(holder, state_len, key, ReuseSource.PREFIX)
         checkpoint.chain_end = True
         checkpoint.awaiting_tool = awaiting_tool
         return checkpoint
 
-    def _add_checkpoint(self, holder: Holder, state_len: int, key: PrefixKey, source: ReuseSource) -> CommittedHead:
+    def add_checkpoint(self, holder: Holder, state_len: int, key: PrefixKey,
+                       source: ReuseSource = ReuseSource.PREFIX) -> CommittedHead:
         checkpoint = CommittedHead(holder, "", 0, 0, state_len, 0, prefix=key, source=source)
         self.add(checkpoint)
         self.counters["checkpoints_made"] += 1
@@ -213,6 +214,24 @@ class HeadManager(Eviction, Integrity):
         if not self.checkpoint_budget_bytes:
             return False
         short = lambda: self._checkpoints_over(extra_slots=1) or self.states.num_free < 1  # noqa: E731
+        now = time.monotonic()
+        self._evict_while(short, lambda h: False, protect, kind=HolderKind.CHECKPOINT,
+                          spare=lambda h: self._in_tool_pause(h, now))
+        return not short()
+
+    def room_for_checkpoint(self, blocks: int, slots: int, protect: Holder) -> bool:
+        """Room for a checkpoint imported from the tier (`blocks` new KV blocks, `slots` state
+        slots) within the checkpoints' budget and the free pools, evicting other unpinned
+        checkpoints only, and none waiting for its tools' results: like a mark, an import is
+        optional and never costs a conversation its head or a request its admission."""
+        if not self.checkpoint_budget_bytes:
+            return False
+        extra = blocks * self.kv.layout.block_bytes
+
+        def short() -> bool:
+            return (self._checkpoints_over(extra_slots=slots, extra_bytes=extra)
+                    or self.kv.num_free < blocks or self.states.num_free < slots)
+
         now = time.monotonic()
         self._evict_while(short, lambda h: False, protect, kind=HolderKind.CHECKPOINT,
                           spare=lambda h: self._in_tool_pause(h, now))
@@ -242,7 +261,7 @@ class HeadManager(Eviction, Integrity):
         holder = self.new_holder(HolderKind.CHECKPOINT)
         self.states.transfer(pending.holder, holder)
         self.kv.share(holder, request_table[: -(-position // self.kv.block_size)])
-        return self._add_checkpoint(holder, position, key, pending.mark.source)
+        return self.add_checkpoint(holder, position, key, pending.mark.source)
 
     def drop_marks(self, request_id: str) -> None:
         """The request stopped (finished, failed, preempted) before reaching these marks."""

@@ -69,6 +69,10 @@ class PrefixIndex(Generic[State]):
         if not lengths:
             del self._lengths[key.scope]
 
+    def holding(self, key: PrefixKey) -> list[State]:
+        """The states named `key` (none: an empty list)."""
+        return list(self._states.get(key, ()))
+
     def longest(self, scope: str, token_ids: list[int], max_length: int) -> tuple[PrefixKey, list[State]] | None:
         """The longest key of `scope` naming a prefix of `token_ids` no longer than max_length."""
         lengths = sorted(n for n in self._lengths.get(scope, ()) if 0 < n <= min(max_length, len(token_ids)))

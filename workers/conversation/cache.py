@@ -88,11 +88,16 @@ class ConversationCache:
         `cache_salt`, checkpoints its message boundaries and its end (the final output's
         `checkpoints`, labelled by the messages they cover, see boundaries.py)."""
         tokenizer = self._engine.tokenizer
-        prompt = build_turn_prompt(tokenizer, [], [], messages, tools, template).token_ids
+        prompt = self.stateless_prompt(messages, tools, template)
         return self._engine.add_request(
             request_id, prompt, params, prefix_scope=cache_salt, keep=KeepState.CHECKPOINT,
             marks=message_marks(tokenizer, messages, prompt, tools, template.kwargs),
             final_label=reply_label(messages))
+
+    def stateless_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                         template: TemplateOptions = DEFAULT_TEMPLATE) -> list[int]:
+        """A full-history request's prompt ids (any thread: the tokenizer only)."""
+        return build_turn_prompt(self._engine.tokenizer, [], [], messages, tools, template).token_ids
 
     def begin_completion(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
                          cache_salt: str) -> Request:

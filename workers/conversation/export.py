@@ -115,13 +115,15 @@ def build_export(snap: HeadSnapshot) -> ExportedHead:
         digest = chunk_digest(data)
         chunks.append((digest, data))
         listed.append({"kind": ChunkKind.STATE, "role": role.value, "digest": digest, "size": len(data)})
+    prefix = snap.meta.get("prefix")
     header = {
         "format": FORMAT_VERSION,
         "identity": snap.identity.to_dict(),
         "layout": snap.layout,
         **snap.meta,
-        "committed_tokens": len(snap.token_ids),
-        "tokens_digest": tokens_digest(snap.token_ids),
+        # A prefix checkpoint is named by its tokens' digest already (prefix_export.py): no ids to hash.
+        "committed_tokens": prefix["length"] if prefix else len(snap.token_ids),
+        "tokens_digest": prefix["digest"] if prefix else tokens_digest(snap.token_ids),
         "messages_digest": messages_digest(list(snap.messages)),
         "chunks": listed,
     }

@@ -7,6 +7,8 @@ before anything is allocated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from proto.contract import ConversationRef, tokens_digest
@@ -58,12 +60,30 @@ def install_head(
     held = caches.heads.latest(key)
     if held is not None and held.turn >= turn:
         return conv.head_info(held)
+    head = caches.install_head(
+        key, turn, meta["version"], meta["state_len"], meta["aligned_len"], shared_blocks(engine, verified),
+        aligned=SlotRole.ALIGNED in verified.states, write=state_writer(engine, verified),
+        canonical_window=meta["canonical_window"],
+    )
+    caches.remember_chunks(head, [digest for digest, _ in verified.blocks])
+    retention.retire_older(key, turn, keep=head.holder)  # imported for the turn about to run
+    return conv.head_info(head)
+
+
+def shared_blocks(engine: LLMEngine, verified: VerifiedHead) -> list[int | None]:
+    """Per block of the export, the local block holding that chunk (the export left it out), or
+    None (a new block the writer fills). CorruptStateError if a left-out chunk is gone meanwhile."""
     shared: list[int | None] = []
     for digest, data in verified.blocks:
-        block = caches.chunks.block_of(digest) if data is None else None
+        block = engine.caches.chunks.block_of(digest) if data is None else None
         if data is None and block is None:
             raise CorruptStateError(f"chunk {digest[:16]} is no longer held here: send it")
         shared.append(block)
+    return shared
+
+
+def state_writer(engine: LLMEngine, verified: VerifiedHead) -> Callable[[list[int], HolderSlots], None]:
+    """What fills an installed state's new blocks and slots from the export (engine thread)."""
     runner = engine.runner
 
     def write(new_blocks: list[int], slots: HolderSlots) -> None:
@@ -75,10 +95,4 @@ def install_head(
         ssm_t = torch.stack([verified.states[r][1] for r in roles], dim=1)
         runner.write_slots(list(roles.values()), conv_t, ssm_t)
 
-    head = caches.install_head(
-        key, turn, meta["version"], meta["state_len"], meta["aligned_len"], shared,
-        aligned=SlotRole.ALIGNED in verified.states, write=write, canonical_window=meta["canonical_window"],
-    )
-    caches.remember_chunks(head, [digest for digest, _ in verified.blocks])
-    retention.retire_older(key, turn, keep=head.holder)  # imported for the turn about to run
-    return conv.head_info(head)
+    return write

@@ -40,17 +40,37 @@ def _check_consistent(h: dict[str, Any]) -> None:
         problems = [
             (kinds.count(ChunkKind.KV) != state_len // bs, "full block chunks do not cover state_len"),
             (kinds.count(ChunkKind.KV_TAIL) != (1 if state_len % bs else 0), "tail chunk vs state_len"),
-            (h["committed_tokens"] != state_len + 1, "state_len must be the committed length - 1"),
             (not 0 <= aligned <= state_len, "aligned_len out of range"),
-            # Every head holds both states: a turn continuing it copies the aligned one as well.
-            (roles != [SlotRole.TERMINAL.value, SlotRole.ALIGNED.value], "slot roles"),
-            (h["turn"] < 1, "turn must be >= 1"),
+            *(_prefix_problems(h, state_len, roles) if "prefix" in h else _head_problems(h, state_len, roles)),
         ]
     except (KeyError, TypeError, AttributeError) as e:
         raise CorruptStateError(f"malformed export header: {e!r}") from e
     bad = [why for failed, why in problems if failed]
     if bad:
         raise CorruptStateError("inconsistent export: " + "; ".join(bad))
+
+
+def _head_problems(h: dict[str, Any], state_len: int, roles: list[str]) -> list[tuple[bool, str]]:
+    return [
+        (h["committed_tokens"] != state_len + 1, "state_len must be the committed length - 1"),
+        # Every head holds both states: a turn continuing it copies the aligned one as well.
+        (roles != [SlotRole.TERMINAL.value, SlotRole.ALIGNED.value], "slot roles"),
+        (h["turn"] < 1, "turn must be >= 1"),
+    ]
+
+
+def _prefix_problems(h: dict[str, Any], state_len: int, roles: list[str]) -> list[tuple[bool, str]]:
+    """A prefix checkpoint's state covers exactly the tokens it is named by, from its terminal
+    state alone (requests attach nothing else of it)."""
+    prefix = h["prefix"]
+    return [
+        (h["committed_tokens"] != state_len or prefix["length"] != state_len, "prefix length vs state_len"),
+        (h["tokens_digest"] != prefix["digest"], "prefix digest vs tokens digest"),
+        (roles != [SlotRole.TERMINAL.value], "slot roles"),
+        (h["aligned_len"] != 0, "a prefix checkpoint has no aligned state"),
+        (h["turn"] != 0 or h["conversation"] != "", "a prefix checkpoint belongs to no conversation"),
+        (state_len < 1, "empty prefix"),
+    ]
 
 
 def verify_export(
@@ -89,4 +109,6 @@ def verify_export(
     meta = {k: h[k] for k in ("conversation", "turn", "version", "state_len", "aligned_len",
                               "committed_tokens", "tokens_digest", "messages_digest")}
     meta["canonical_window"] = h.get("canonical_window", 0)  # deterministic tiles made it (0: no)
+    if "prefix" in h:
+        meta["prefix"] = h["prefix"]
     return VerifiedHead(meta, tuple(blocks), states)
