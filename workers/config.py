@@ -40,6 +40,11 @@ class CacheConfig:
     # A state whose reply ended in tool calls waits for the tools' results: for this long after
     # its last use it is evicted only after every other idle state (0: no such protection).
     tool_pause_s: float = 300.0
+    # The share of prefix_cache_bytes (and of its state slots) that such states hold safe from
+    # marks during their pause, the most recently used first; a mark may evict older ones past
+    # it (least recently used first), so ends nobody resumes cannot keep a replica from holding
+    # shared prefixes. 1: no mark evicts any; 0: marks evict them after every other checkpoint.
+    tool_pause_share: float = 0.5
 
     @property
     def align_tokens(self) -> int:
@@ -52,6 +57,8 @@ class CacheConfig:
             raise ValueError("mamba_align_tokens must be a multiple of block_size")
         if self.tool_pause_s < 0:
             raise ValueError(f"tool_pause_s must be >= 0: {self.tool_pause_s!r}")
+        if not 0 <= self.tool_pause_share <= 1:
+            raise ValueError(f"tool_pause_share must be in [0, 1]: {self.tool_pause_share!r}")
         if not self.prepared_turn_timeout_s > 0:
             raise ValueError(f"prepared_turn_timeout_s must be > 0: {self.prepared_turn_timeout_s!r}")
 

@@ -93,7 +93,7 @@ class LLMEngine:
                         cache.prefix_cache_bytes, probe_state.slot_bytes)
         heads = HeadManager(
             kv, states, cache.head_cache_bytes, cache.prepared_turn_timeout_s, cache.prefix_cache_bytes,
-            checkpoint_slots, cache.tool_pause_s,
+            checkpoint_slots, cache.tool_pause_s, cache.tool_pause_share,
         )
         self.caches = CacheCoordinator(kv, states, heads, self.runner.copy_slots)
         self.scheduler = Scheduler(config.scheduler, self.caches, cache.align_tokens)

@@ -33,8 +33,9 @@ Sides, one at a time on an otherwise idle benchmark, each under salts of its own
 
 Our sides run on one start of the app (`serve run` of config.yaml, as bench.serve), after a
 warm-up loop, in the order (a), (responses), (b), (c): a stateless step's end waiting for its
-tool's result is a checkpoint no mark evicts for the engine's tool_pause_s, and (c)'s, under
-salts nobody sends again, would leave a side run after it no room to mark its tenant's prefix.
+tool's result is a checkpoint that, for the engine's tool_pause_s, no mark evicts within the
+engine's tool_pause_share (half) of the checkpoints' budget, and (c)'s, under salts nobody sends
+again, would hold that half while a side run after it marks its tenant's prefix.
 Then, on the same app, the cost of constrained decoding (bench/agent/decode.py).
 
 `--decode-only`: the app and the cost of constrained decoding alone.

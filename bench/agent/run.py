@@ -72,11 +72,12 @@ SIDES = {
 
 
 # Run in this order on one app. A stateless step ending in a tool call leaves its end as a
-# checkpoint that no mark may evict for the engine's tool_pause_s (300 s): (c)'s 32 ends, each
-# under a salt nobody sends again, fill a replica's checkpoint budget for that long, so a side
-# run after (c) opens no marks and its first steps share nothing (the Responses side once
-# measured 0 of 8 that way). (c) runs last; the sides whose first steps share the tenant's
-# prefix run first, the ones whose ends are conversation heads (outside that budget) before (b).
+# checkpoint that for the engine's tool_pause_s (300 s) no mark may evict within its
+# tool_pause_share (half) of the checkpoint budget: (c)'s 32 ends, each under a salt nobody
+# sends again, would hold that half of a replica's budget for that long (with no share, they
+# filled it, and the Responses side run after them once shared 0 of 8 first steps). (c) runs
+# last; the sides whose first steps share the tenant's prefix run first, the ones whose ends are
+# conversation heads (outside that budget) before (b).
 OUR_SIDES = (Side.EXPLICIT, Side.RESPONSES, Side.STATELESS, Side.RECOMPUTE)
 
 

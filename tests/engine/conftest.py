@@ -48,6 +48,7 @@ def new_engine(
     num_state_slots: int = 0,
     head_cache_bytes: int = 1 * MiB,
     prefix_cache_bytes: int = 1 * MiB,
+    tool_pause_share: float = CacheConfig.tool_pause_share,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 0,
@@ -67,6 +68,7 @@ def new_engine(
                 num_state_slots=num_state_slots,
                 head_cache_bytes=head_cache_bytes,
                 prefix_cache_bytes=prefix_cache_bytes,
+                tool_pause_share=tool_pause_share,
             ),
         )
     )

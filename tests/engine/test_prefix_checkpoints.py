@@ -270,23 +270,33 @@ def test_a_waiting_request_never_waits_on_another_scope(tiny):
     assert same.num_cached_tokens == 40
 
 
-def test_a_mark_never_evicts_an_agent_loops_end_waiting_for_its_tools(tiny):
+def _wait_for_tools(driver: Driver, histories: list[list[int]]) -> list[list[int]]:
+    """Each history run as an agent loop's step whose reply was a tool call (the tiny model's
+    replies are not: its end is marked so); the loops' histories with their replies."""
+    heads = driver.engine.caches.heads
+    loops = []
+    for history in histories:
+        tokens, _ = driver.run(history)
+        (end,) = [c for c in heads.checkpoints.values() if c.state_len == len(history) + len(tokens) - 1]
+        end.awaiting_tool = True
+        loops.append(history + tokens)
+    return loops
+
+
+def test_a_mark_never_evicts_an_agent_loops_end_within_the_tool_pause_share(tiny):
     """The budget holds three states: two loops' ends, each waiting for its tools' results, and
-    one more. Another loop's request brings two marks (its system prompt, its last message):
-    one fits, the other must not take a waiting end (a mark may help some later request; the
-    end is what this loop's next step attaches). Both loops' next steps reuse all they left."""
+    one more; the ends (72% of its bytes, a third of its slots) are within a tool-pause share of
+    3/4. Another loop's request brings two marks (its system prompt, its last message): one
+    fits, the other must not take a waiting end (a mark may help some later request; the end is
+    what this loop's next step attaches). Both loops' next steps reuse all they left."""
     path = tiny[Arch.BAMBA].path
     probe = new_engine(path, prefix_cache_bytes=0)
     slot, block = probe.state_layout.slot_bytes, probe.kv_layout.block_bytes
-    ours = Driver(new_engine(path, prefix_cache_bytes=3 * slot + 13 * block))  # the ends take 2 and 10
+    # the ends take 2 slots and 10 blocks
+    ours = Driver(new_engine(path, prefix_cache_bytes=3 * slot + 13 * block, tool_pause_share=0.75))
     plain = Driver(new_engine(path, prefix_cache_bytes=0))
     heads = ours.engine.caches.heads
-    loops = [prompt_of(60 + i, seed=80 + i) for i in range(2)]
-    for i, history in enumerate(loops):
-        tokens, _ = ours.run(history)
-        (end,) = [c for c in heads.checkpoints.values() if c.state_len == len(history) + len(tokens) - 1]
-        end.awaiting_tool = True  # its reply was a tool call (the tiny model's replies are not)
-        loops[i] = history + tokens
+    loops = _wait_for_tools(ours, [prompt_of(60 + i, seed=80 + i) for i in range(2)])
     other = prompt_of(40, seed=90) + prompt_of(30, seed=91)
     marks = [CheckpointMark(40, label=1, source=ReuseSource.SYSTEM), CheckpointMark(60, label=2)]
     tokens, out = ours.run(other, marks=marks, keep=KeepState.FREE)
@@ -297,3 +307,36 @@ def test_a_mark_never_evicts_an_agent_loops_end_waiting_for_its_tools(tiny):
         assert out.num_cached_tokens == len(history) - 1, "the loop's end was evicted while it waited"
         assert tokens == plain.run(prompt)[0]
     assert heads.counters["tool_pause_evictions"] == 0
+
+
+def test_a_mark_evicts_the_oldest_agent_loops_end_past_the_tool_pause_share(tiny):
+    """Three loops' ends, each waiting for its tools' results, fill the budget (under salts
+    nobody may send again, they would keep it full for tool_pause_s). With the default share
+    (half) only the newest is safe from marks: a tenant's request marking its system prompt
+    evicts the oldest end, least recently used first, and the prompt is kept for the tenant's
+    next request. The two newest loops' next steps reuse all they left; the oldest recomputes."""
+    path = tiny[Arch.BAMBA].path
+    probe = new_engine(path, prefix_cache_bytes=0)
+    slot, block = probe.state_layout.slot_bytes, probe.kv_layout.block_bytes
+    ours = Driver(new_engine(path, prefix_cache_bytes=3 * (slot + 5 * block)))  # each end takes 1 and 5
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    heads = ours.engine.caches.heads
+    loops = _wait_for_tools(ours, [prompt_of(60 + i, seed=80 + i) for i in range(3)])
+    ends = {c.state_len: c for c in heads.checkpoints.values()}
+    assert sorted(ends) == [len(history) - 1 for history in loops]
+    system = prompt_of(40, seed=90)
+    mark = CheckpointMark(40, label=1, source=ReuseSource.SYSTEM)
+    prompt = system + prompt_of(30, seed=91)
+    tokens, out = ours.run(prompt, marks=[mark], keep=KeepState.FREE)
+    assert tokens == plain.run(prompt)[0]
+    assert len(out.checkpoints) == 1, "no room was made for the tenant's system prompt"
+    assert [heads.holds(ends[len(history) - 1]) for history in loops] == [False, True, True]
+    assert heads.counters["tool_pause_evictions"] == 1
+    prompt = system + prompt_of(30, seed=92)
+    tokens, out = ours.run(prompt, keep=KeepState.FREE)
+    assert out.num_cached_tokens == 40 and tokens == plain.run(prompt)[0]
+    for i, history in enumerate(loops):  # each loop's next step: its history, the reply, a tool result
+        prompt = history + prompt_of(12, seed=95)
+        tokens, out = ours.run(prompt, keep=KeepState.FREE)
+        assert out.num_cached_tokens == (0 if i == 0 else len(history) - 1), f"loop {i}"
+        assert tokens == plain.run(prompt)[0]

@@ -1,12 +1,15 @@
 """The eviction order of the head manager with tool pauses: a state waiting for its tools'
 results goes last, until its results came back (a request attached it, or a longer link
-superseded it) or its pause ran out."""
+superseded it) or its pause ran out. (What a mark spares of them: test_prefix_checkpoints.)"""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
 from workers.cache.heads import CommittedHead, HeadManager
+from workers.config import CacheConfig
 from workers.state_names import Holder, HolderKind, PrefixKey
 
 
@@ -34,3 +37,12 @@ def test_paused_states_go_last_until_their_results_came_back():
     off = _manager(pause_s=0.0)
     off.checkpoints = manager.checkpoints
     assert off.eviction_order(HolderKind.CHECKPOINT) == [spent, expired, waiting, resumed, old]
+
+
+def test_the_tool_pause_share_is_a_fraction_of_the_budget():
+    assert CacheConfig().tool_pause_share == 0.5
+    for share in (0.0, 1.0):
+        assert CacheConfig(tool_pause_share=share).tool_pause_share == share
+    for share in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="tool_pause_share"):
+            CacheConfig(tool_pause_share=share)

@@ -2,7 +2,9 @@
 
 A mixin of `HeadManager` (heads.py), which holds the state it reads: the LRU maps of heads and
 checkpoints, the marks being made, the pools, the budgets and the counters. The rules are in
-heads.py's docstring; the order is in `eviction_order`.
+heads.py's docstring; the order is in `eviction_order`; the states waiting for their tools
+that a mark may not evict (the newest, within `tool_pause_share` of the checkpoints' budget)
+in `_tool_pause_spared`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Eviction:
     checkpoint_budget_bytes: int
     checkpoint_slots: int
     tool_pause_s: float
+    tool_pause_share: float
     counters: dict[str, int]
 
     def drop(self, head: CommittedHead) -> None:  # defined by HeadManager: it unnames and frees the head
@@ -98,6 +101,33 @@ class Eviction:
         one a longer link superseded, has had its results back)."""
         return (head.awaiting_tool and not head.superseded and head.hits == 0
                 and now - head.last_used < self.tool_pause_s)
+
+    def _tool_pause_spared(self, now: float) -> set[Holder]:
+        """The checkpoints waiting for their tools that a mark may not evict: the most recently
+        used first, while together they hold at most `tool_pause_share` of the checkpoints' bytes
+        and of their slots. A mark takes the older ones beyond that share, least recently used
+        first, so a tenant's shared prefix is still kept when many loops wait at once.
+
+        An end never attached again (its salt was sent once) stays protected until its pause
+        runs out, as today: nothing tells it from a loop whose tools are slow, so no guess; the
+        share bounds what such ends hold meanwhile, and, being the oldest, they are the first a
+        mark takes once the share is full."""
+        waiting = sorted((c for c in self.checkpoints.values() if self._in_tool_pause(c, now)),
+                         key=lambda c: c.last_used, reverse=True)
+        max_bytes = self.tool_pause_share * self.checkpoint_budget_bytes
+        max_slots = self.tool_pause_share * self.checkpoint_slots
+        spared: set[Holder] = set()
+        blocks: set[int] = set()  # a block shared by several ends is counted once, as in the budget
+        slots = 0
+        for end in waiting:
+            more_blocks = blocks | set(self.kv.table(end.holder))
+            more_slots = slots + len(self.states.slots.get(end.holder, ()))
+            held = len(more_blocks) * self.kv.layout.block_bytes + more_slots * self.states.layout.slot_bytes
+            if held > max_bytes or more_slots > max_slots:
+                break
+            spared.add(end.holder)
+            blocks, slots = more_blocks, more_slots
+        return spared
 
     def eviction_order(self, kind: HolderKind | None) -> list[CommittedHead]:
         """Superseded checkpoints hit at most once first, then least recently used first; states

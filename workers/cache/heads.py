@@ -24,7 +24,8 @@ checkpoints are named by their token prefix in one `PrefixIndex` (under their ca
 live in the same LRU and follow the same pin rules; checkpoints have a byte budget of their own.
 Eviction takes first the checkpoints a longer one of the same request chain superseded (hit at
 most once: a shared system prompt is hit by every conversation and stays), then the least
-recently used of all.
+recently used of all; states waiting for their tools' results (tool_pause_s) go last, and a
+mark never evicts the most recent of them within `tool_pause_share` of the checkpoints' budget.
 
 Here: the heads' names, pins, checkpoints, marks and prepared turns. The records are in
 head_records.py, the eviction order and budgets in eviction.py, the invariants in
@@ -64,9 +65,11 @@ class HeadManager(Eviction, Integrity):
         checkpoint_budget_bytes: int = 0,
         checkpoint_slots: int = 0,
         tool_pause_s: float = 0.0,
+        tool_pause_share: float = 0.5,
     ):
         self.kv = kv
         self.tool_pause_s = tool_pause_s
+        self.tool_pause_share = tool_pause_share
         self.states = states
         self.budget_bytes = budget_bytes
         # Checkpoints (and marks) hold at most this many bytes and slots: the slots of the pool
@@ -89,7 +92,9 @@ class HeadManager(Eviction, Integrity):
         self.counters = {
             "evictions": 0, "detached": 0, "prepared_expired": 0, "checkpoint_evictions": 0,
             "prefix_hits": 0, "prefix_misses": 0, "checkpoints_made": 0,
-            "tool_pause_evictions": 0,  # states evicted while waiting for tool results (memory ran out)
+            # states evicted while waiting for tool results (memory ran out, or a mark took one
+            # past tool_pause_share of the checkpoints' budget)
+            "tool_pause_evictions": 0,
         }
 
     # -- lookup -------------------------------------------------------------------------------
@@ -209,14 +214,17 @@ class HeadManager(Eviction, Integrity):
     def room_for_mark(self, protect: Holder | None) -> bool:
         """Room for one more mark within the checkpoints' bytes and slots, evicting other unpinned
         checkpoints only (a mark is optional: it never costs a conversation its head or a
-        request its admission), and never one waiting for its tools' results: a mark may help
-        some later request, while that state is what an agent loop's next step attaches."""
+        request its admission). States waiting for their tools' results go last, and those
+        within `tool_pause_share` of the budget (the most recently used) never: a mark may help
+        some later request, while such a state is what an agent loop's next step attaches. Past
+        that share a mark takes the oldest, so ends nobody resumes (under a salt sent once)
+        cannot keep a replica from holding any shared prefix for tool_pause_s."""
         if not self.checkpoint_budget_bytes:
             return False
         short = lambda: self._checkpoints_over(extra_slots=1) or self.states.num_free < 1  # noqa: E731
-        now = time.monotonic()
+        spared = self._tool_pause_spared(time.monotonic())
         self._evict_while(short, lambda h: False, protect, kind=HolderKind.CHECKPOINT,
-                          spare=lambda h: self._in_tool_pause(h, now))
+                          spare=lambda h: h.holder in spared)
         return not short()
 
     def room_for_checkpoint(self, blocks: int, slots: int, protect: Holder) -> bool:
