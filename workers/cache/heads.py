@@ -229,9 +229,9 @@ class HeadManager(Eviction, Integrity):
 
     def room_for_checkpoint(self, blocks: int, slots: int, protect: Holder) -> bool:
         """Room for a checkpoint imported from the tier (`blocks` new KV blocks, `slots` state
-        slots) within the checkpoints' budget and the free pools, evicting other unpinned
-        checkpoints only, and none waiting for its tools' results: like a mark, an import is
-        optional and never costs a conversation its head or a request its admission."""
+        slots) within the checkpoints' budget and the free pools, by the rule of a mark (an
+        import is as optional): other unpinned checkpoints only, sparing the states waiting for
+        their tools within tool_pause_share."""
         if not self.checkpoint_budget_bytes:
             return False
         extra = blocks * self.kv.layout.block_bytes
@@ -240,9 +240,9 @@ class HeadManager(Eviction, Integrity):
             return (self._checkpoints_over(extra_slots=slots, extra_bytes=extra)
                     or self.kv.num_free < blocks or self.states.num_free < slots)
 
-        now = time.monotonic()
+        spared = self._tool_pause_spared(time.monotonic())
         self._evict_while(short, lambda h: False, protect, kind=HolderKind.CHECKPOINT,
-                          spare=lambda h: self._in_tool_pause(h, now))
+                          spare=lambda h: h.holder in spared)
         return not short()
 
     def open_mark(self, request_id: str, mark: CheckpointMark) -> PendingMark:
