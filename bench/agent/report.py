@@ -36,6 +36,7 @@ def step_table(res: dict) -> list[str]:
     if routed:
         lines += ["", "Why each request went where it went (`hybridserve_route_decisions_total{reason}` over the side):", ""]
         lines += [f"- {res['labels'][s]}: " + (", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none")
+                  + f"; prefix checkpoints imported from the state tier: {res['sides'][s].get('tier_imports', 0)}"
                   for s, d in routed]
     for s, r in res["sides"].items():
         if r.get("startup_error"):

@@ -99,17 +99,32 @@ def run_side(base_url: str, work: Workload, side: Side, plan: Plan, replay: dict
     out = summarize(res) | {"load_average_before": load, "load_average_after": load_average()}
     if ours:  # why each of the side's requests went where it went (the router's counter, this side's share)
         after = route_decisions(base_url)
-        out["route_decisions"] = {r: after[r] - before.get(r, 0) for r in after if after[r] - before.get(r, 0)}
+        out["route_decisions"] = {r: after[r] - before.get(r, 0) for r in after
+                                  if r != PREFIX_IMPORTS and after[r] - before.get(r, 0)}
+        out["tier_imports"] = after.get(PREFIX_IMPORTS, 0) - before.get(PREFIX_IMPORTS, 0)
     return out
 
 
+# Stateless requests whose prefix a replica imported from the state tier (a "reason" of its own here).
+PREFIX_IMPORTS = "~prefix_imports"
+
+
 def route_decisions(base_url: str) -> dict[str, int]:
-    """`hybridserve_route_decisions_total` by reason, read from the app's /metrics."""
+    """`hybridserve_route_decisions_total` by reason, and the prefix imports from the tier
+    (`hybridserve_prefix_imports_total`, as PREFIX_IMPORTS), read from the app's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return {s.labels["reason"]: int(s.value) for family in text_string_to_metric_families(text)
-            if family.name == "hybridserve_route_decisions" for s in family.samples if s.name.endswith("_total")}
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if family.name == "hybridserve_route_decisions":
+                out[sample.labels["reason"]] = int(sample.value)
+            elif family.name == "hybridserve_prefix_imports":
+                out[PREFIX_IMPORTS] = int(sample.value)
+    return out
 
 
 def measure_app(plan: Plan, model_dir: Path, work: Workload, tmp: Path, loops: bool = True) -> dict:

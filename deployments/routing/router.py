@@ -15,7 +15,9 @@ service's prefix index which replicas hold a prefix of its messages (a shared sy
 the history of a stateless chat resent in full) and how many tokens each, its longest:
 `TurnJob.prefix_holders` (a holder that is no longer a candidate counts for nothing). There the
 prompt's start is a local hit; elsewhere it is recomputed once, and then held there too. A
-holder is preferred exactly while the prefill it saves outweighs its longer queue.
+holder is preferred exactly while the prefill it saves outweighs its longer queue. Where the state
+tier holds a prefix too (`TurnJob.tier_prefix`), a replica lacking it may import it instead of
+computing it (worker/prefix_tier.py): priced at its measured import speed (cost.py).
 
 Requests arriving together over a prefix nobody holds yet (a tenant's loops starting over one tool
 catalogue) are coalesced: the first goes by load and its message prefixes of >= 32 (estimated)
