@@ -4,7 +4,8 @@
   `ConversationRef`;
 - the digest of a conversation's committed token ids (the head's `tokens_sha256`);
 - the name of a state chunk (sha256 of its bytes);
-- the names of a chat's message prefixes (the prefix index's keys);
+- the names of a chat's message prefixes (the prefix index's keys), and the holder name of the
+  state tier among that index's holders;
 - the identity of a model: what makes the bits of its state differ across machines.
 
 Pure standard library: the service imports this without torch.
@@ -71,6 +72,12 @@ def prefix_scope_tag(scope: str) -> str:
     shards. A digest of its own, not the names' chain root: the tag reveals nothing that would
     let one test guesses of a scope's messages against stored names."""
     return hashlib.sha256(_SCOPE_TAG_DOMAIN + _framed(scope)).hexdigest()[:16]
+
+
+# The holder the prefix index names for the cache service's state tier (a prefix checkpoint
+# exported there, cache.proto PrefixStateKey): only the service announces or withdraws it; a
+# client naming it as its replica is refused.
+TIER_HOLDER = "~tier"
 
 
 def tools_scope(scope: str, tools: Sequence[Any]) -> str:
