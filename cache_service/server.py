@@ -93,6 +93,8 @@ class CacheServer:
                                          embedded_redis=self.embedded is not None,
                                          tier_dir=str(cfg.tier.directory),
                                          tier_budget_bytes=cfg.tier.memory_budget_bytes,
+                                         prefix_tier_bytes=cfg.tier.prefix_budget_bytes,
+                                         prefix_ttl_s=cfg.prefix_ttl_s,
                                          tier_placement=cfg.tier_placement.value,
                                          auth=cfg.auth_token is not None,
                                          conversation_ttl_s=cfg.conversation_ttl_s,

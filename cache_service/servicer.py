@@ -260,6 +260,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         as a holder of its name (refreshed by every put and read, so it lives as long as the entry)."""
         key = validation.prefix_manifest(manifest, self.limits)
         entry = PrefixEntry((key.scope, key.name), key.tokens, tuple(refs))
+        self.tier.check_prefix_fits(entry.chunks)  # before its bytes travel
         async with self._staged(requests, entry.namespace, refs) as staged:
             reused = await asyncio.to_thread(self.tier.commit_prefix, entry, staged)
         await self.hints.announce(entry)

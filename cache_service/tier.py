@@ -179,6 +179,13 @@ class StateTier:
     def budget_bytes(self) -> int:
         return self._budget
 
+    def check_prefix_fits(self, chunks: tuple[ChunkRef, ...] | list[ChunkRef]) -> None:
+        """ResourceExhausted if these chunks alone exceed the prefix budget (lock-free: a constant)."""
+        size = sum({c.digest: c.size for c in chunks}.values())
+        if size > self._prefixes.budget_bytes:
+            raise errors.ResourceExhausted(
+                f"a prefix state of {size} bytes exceeds the tier's prefix budget of {self._prefixes.budget_bytes}")
+
     # -- mutations ----------------------------------------------------------------
 
     def commit(self, conv: str, incarnation: str, version: int, chunks: list[ChunkRef],
@@ -206,16 +213,11 @@ class StateTier:
         """Install a prefix checkpoint (replacing one of its name) as `commit` installs a head;
         returns the reused count. Least recently used prefix entries then go until the prefix
         budget holds; ResourceExhausted (nothing changed) if this one alone exceeds it."""
+        self.check_prefix_fits(entry.chunks)
         with self._lock:
-            unique = {c.digest: c.size for c in entry.chunks}
-            if sum(unique.values()) > self._prefixes.budget_bytes:
-                raise errors.ResourceExhausted(
-                    f"a prefix state of {sum(unique.values())} bytes exceeds the tier's prefix budget "
-                    f"of {self._prefixes.budget_bytes}")
             self._expire_prefixes()
-            ns = entry.namespace
-            reused = self._install(ns, list(entry.chunks), staged,
-                                   leaving=self._prefixes.released_by(entry.key, unique))
+            reused = self._install(entry.namespace, list(entry.chunks), staged,
+                                   leaving=self._prefixes.released_by(entry.key, (c.digest for c in entry.chunks)))
             self._release(self._prefixes.put(entry))
             while (victim := self._prefixes.next_eviction(keep=entry.key)) is not None:
                 self._withdraw(victim)
