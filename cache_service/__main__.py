@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="state tier spill directory [CACHE_TIER_DIR] (default DATA_DIR/tier)")
     p.add_argument("--tier-budget", type=parse_bytes, default=parse_bytes(env("CACHE_TIER_BUDGET", "1GiB")),
                    help="state tier memory budget, e.g. 512MiB [CACHE_TIER_BUDGET]")
+    p.add_argument("--prefix-tier-bytes", type=parse_bytes, default=env("CACHE_PREFIX_TIER_BYTES"),
+                   help="bytes the tier's prefix checkpoints may hold, e.g. 256MiB [CACHE_PREFIX_TIER_BYTES] "
+                        "(default a quarter of --tier-budget)")
     p.add_argument("--appendfsync", choices=[policy.value for policy in FsyncPolicy],
                    default=env("CACHE_REDIS_APPENDFSYNC", FsyncPolicy.ALWAYS.value),
                    help="AOF fsync policy of the embedded Redis [CACHE_REDIS_APPENDFSYNC]")
@@ -88,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval-s", type=float, default=float(env("CACHE_HEALTH_INTERVAL_S", "0.5")),
                    help="Redis probe period [CACHE_HEALTH_INTERVAL_S]")
     p.add_argument("--prefix-ttl-s", type=float, default=float(env("CACHE_PREFIX_TTL_S", "1800")),
-                   help="a prefix-index entry lives this long after its last announce [CACHE_PREFIX_TTL_S]")
+                   help="a prefix-index entry lives this long after its last announce, a prefix checkpoint in "
+                        "the tier after its last put or read [CACHE_PREFIX_TTL_S]")
     p.add_argument("--conversation-ttl-s", type=float,
                    default=float(env("CACHE_CONVERSATION_TTL_S", str(30 * 86400))),
                    help="a conversation expires this long after its last turn; 0 = never [CACHE_CONVERSATION_TTL_S]")
@@ -116,7 +120,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             raise ValueError(f"--auth-token-file {args.auth_token_file} is empty: write the shared secret "
                              "in it (or leave the flag out to run without authentication)")
     return ServerConfig(
-        tier=TierConfig(directory=Path(tier_dir), memory_budget_bytes=args.tier_budget),
+        tier=TierConfig(directory=Path(tier_dir), memory_budget_bytes=args.tier_budget,
+                        prefix_bytes=args.prefix_tier_bytes),
         redis_url=args.redis_url or None,
         redis_sentinels=_addresses(args.redis_sentinels),
         redis_cluster=_addresses(args.redis_cluster),

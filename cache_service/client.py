@@ -22,8 +22,8 @@ from its own acquire_lease; a different client instance must be given the Lease 
 Several instances (`"a:50051,b:50051"`, or `"dns:///peers:50051"` for every address a name resolves
 to): metadata calls go to any live instance and fail over to another on UNAVAILABLE (Redis holds
 the metadata, so every instance answers the same); state-tier entries go to the instances that
-rendezvous hashing ranks first for the conversation (placement.py, placed_tier.py). One plain
-address behaves as a single instance always did.
+rendezvous hashing ranks first for the conversation, or the prefix checkpoint (placement.py,
+placed_tier.py). One plain address behaves as a single instance always did.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cache_service import hashing, placed_tier, state_chunks
+from cache_service import hashing, placed_tier, placement, state_chunks
 from cache_service.errors import (  # noqa: F401 (the client's face: callers catch these from here)
     AlreadyExists, CacheError, DataLoss, DeadlineExceeded, Interrupted, InvalidArgument, LeaseHeld, LeaseLost,
     MissingChunks, NotFound, ResourceExhausted, StaleFence, StorageFull, Unauthenticated, Unavailable,
@@ -352,10 +352,26 @@ class CacheClient:
         chunks = state_chunks.cut(data, self.config.chunk_bytes)
         digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
         manifest = state_chunks.manifest(key_message(conv), version, incarnation, chunks, digests, lease)
+        return await self._put(conv.key, manifest, chunks, digests)
+
+    async def put_prefix_state(self, scope: str | None, name: str, tokens: int,
+                               data: bytes | Sequence[bytes]) -> pb.PutStateResponse:
+        """Export a prefix checkpoint: the state of the token prefix that `name` (a
+        message_prefix_digests(scope, ...) entry) names, `tokens` long, owned by no conversation.
+        The tier then holds it (replacing one of that name) and the prefix index names the tier,
+        TIER_HOLDER, among its holders; chunks travel only if the scope's entries lack them."""
+        prefix = pb.PrefixStateKey(scope=_scope_tag(scope), name=name, tokens=tokens)
+        chunks = state_chunks.cut(data, self.config.chunk_bytes)
+        digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
+        manifest = state_chunks.prefix_manifest(prefix, chunks, digests)
+        return await self._put(placement.prefix_key(prefix.scope, name), manifest, chunks, digests)
+
+    async def _put(self, placed_by: str, manifest: pb.StateManifest, chunks: Sequence[bytes],
+                   digests: Sequence[bytes]) -> pb.PutStateResponse:
         if self._calls.pool.single:
             return await self._put_on(manifest, chunks, digests, self._calls.retrying)
         return await placed_tier.put(
-            self._calls.pool, conv.key, self.config.tier_copies,
+            self._calls.pool, placed_by, self.config.tier_copies,
             lambda address: self._put_on(manifest, chunks, digests, self._calls.on(address)), self.config.retry)
 
     async def _put_on(self, manifest: pb.StateManifest, chunks: Sequence[bytes], digests: Sequence[bytes],
@@ -363,8 +379,8 @@ class CacheClient:
         """Ask which chunks the tier lacks, then stream the manifest and those; `run` makes each call
         (retrying on live instances, or once on one instance)."""
         missing = await run(lambda stub: stub.MissingChunks(
-            pb.MissingChunksRequest(key=manifest.key, digests=list(dict.fromkeys(digests))),
-            timeout=self.config.timeout_s, metadata=self._calls.metadata))
+            state_chunks.missing_request(manifest, digests), timeout=self.config.timeout_s,
+            metadata=self._calls.metadata))
 
         def stream(send: set[bytes]) -> Callable[[cache_pb2_grpc.CacheServiceStub], Any]:
             return lambda stub: stub.PutState(state_chunks.put_requests(manifest, chunks, digests, send),
@@ -379,13 +395,22 @@ class CacheClient:
                         incarnation: str | None = None) -> tuple[int, bytes]:
         """Import a head's state: (version, bytes), every chunk verified end to end. With
         `incarnation` (the head's), state of another life of the conversation is NotFound."""
-        request = pb.GetStateRequest(key=key_message(conv), version=version)
+        return await self._get(conv.key, pb.GetStateRequest(key=key_message(conv), version=version), incarnation)
 
+    async def get_prefix_state(self, scope: str | None, name: str) -> bytes:
+        """Import a prefix checkpoint's bytes, every chunk verified end to end; NotFound if the
+        tier does not hold it (never put, evicted, expired: the index's name is only a hint)."""
+        tag = _scope_tag(scope)
+        request = pb.GetStateRequest(prefix=pb.PrefixStateKey(scope=tag, name=name))
+        _, data = await self._get(placement.prefix_key(tag, name), request, None)
+        return data
+
+    async def _get(self, placed_by: str, request: pb.GetStateRequest, incarnation: str | None) -> tuple[int, bytes]:
         def attempt(stub: cache_pb2_grpc.CacheServiceStub) -> Any:
             return state_chunks.read_entry(stub.GetState(request, timeout=self.config.stream_timeout_s,
                                                          metadata=self._calls.metadata))
         if not self._calls.pool.single:
-            return await placed_tier.get(self._calls.pool, conv.key, self.config.tier_copies,
+            return await placed_tier.get(self._calls.pool, placed_by, self.config.tier_copies,
                                          lambda address: self._calls.on(address)(attempt, stream=True),
                                          self.config.retry, incarnation=incarnation)
         manifest, data = await self._calls.retrying(attempt, stream=True)

@@ -81,10 +81,20 @@ class Limits:
 class TierConfig:
     directory: Path
     memory_budget_bytes: int = 1 << 30
+    # Bytes prefix checkpoints (prefix_tier.py) may hold, memory and disk together; None: a
+    # quarter of the memory budget. They are hints anyone may put, so they must not crowd out
+    # the heads, whose loss costs a whole conversation's recompute.
+    prefix_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes < 0:
             raise ValueError("memory_budget_bytes must be >= 0")
+        if self.prefix_bytes is not None and self.prefix_bytes < 0:
+            raise ValueError("prefix_bytes must be >= 0")
+
+    @property
+    def prefix_budget_bytes(self) -> int:
+        return self.memory_budget_bytes // 4 if self.prefix_bytes is None else self.prefix_bytes
 
 
 @dataclass(frozen=True)

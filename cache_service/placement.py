@@ -11,7 +11,8 @@ moves only the keys it wins or held (~1/N of them), the others keep their place:
     key k:   inst-a 0x91..   inst-b 0x17..   inst-c 0xe4..      order: c, a, b
     c gone:  inst-a 0x91..   inst-b 0x17..                      order: a, b   (k's copy on a stays)
 
-The key is the conversation's hash (`ConversationRef.key`): a conversation has one entry.
+The key is the conversation's hash (`ConversationRef.key`): a conversation has one entry. A prefix
+checkpoint's is `prefix_key(scope tag, name)`, which no conversation hash can equal.
 
 An instance is named by its "host:port" address. A restarted pod comes back with a new address
 and an empty tier: it is a new instance, as it should be.
@@ -34,6 +35,11 @@ DNS_SCHEME = "dns:///"
 def score(instance: str, key: str) -> int:
     digest = hashlib.sha256(b"hybridserve/placement/v1\0" + instance.encode() + b"\0" + key.encode()).digest()
     return int.from_bytes(digest[:8], "big")
+
+
+def prefix_key(scope_tag: str, name: str) -> str:
+    """The placement key of a prefix checkpoint (cache.proto PrefixStateKey)."""
+    return f"prefix:{scope_tag}:{name}"
 
 
 def rank(key: str, instances: Iterable[str]) -> list[str]:

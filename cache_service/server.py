@@ -65,7 +65,7 @@ class CacheServer:
         await self._store.ping()  # fail at start, not at the first request
         await self._check_eviction_policy()
         signer = LeaseSigner(await self._store.lease_key())
-        tier = StateTier(cfg.tier)
+        tier = StateTier(cfg.tier, prefix_ttl_s=cfg.prefix_ttl_s)
         size = cfg.limits.max_grpc_message_bytes
         interceptors = [wire.SharedSecretInterceptor(cfg.auth_token)] if cfg.auth_token else []
         self._server = grpc.aio.server(interceptors=interceptors, options=[
@@ -93,6 +93,8 @@ class CacheServer:
                                          embedded_redis=self.embedded is not None,
                                          tier_dir=str(cfg.tier.directory),
                                          tier_budget_bytes=cfg.tier.memory_budget_bytes,
+                                         prefix_tier_bytes=cfg.tier.prefix_budget_bytes,
+                                         prefix_ttl_s=cfg.prefix_ttl_s,
                                          tier_placement=cfg.tier_placement.value,
                                          auth=cfg.auth_token is not None,
                                          conversation_ttl_s=cfg.conversation_ttl_s,
@@ -130,16 +132,18 @@ class CacheServer:
                 reason="an evicting Redis drops leases and heads silently; set maxmemory-policy noeviction"))
 
     async def _sweep_tier(self) -> None:
-        """Tier entries follow their conversation: once its head expired, the entry goes."""
+        """Tier entries follow their conversation: once its head expired, the entry goes. Prefix
+        checkpoints past their TTL go too (their names withdrawn from the index)."""
         while True:
             await asyncio.sleep(self.config.tier_sweep_interval_s)
+            expired = await self._servicer.hints.sweep()
             try:
                 dropped = await self._servicer.sweep_tier()
             except (OSError, RedisError) as exc:  # Redis away: the next sweep tries again
                 log.warning("tier_sweep_failed", extra=fields(error=str(exc)))
                 continue
-            if dropped:
-                log.info("tier_swept", extra=fields(dropped=dropped))
+            if dropped or expired:
+                log.info("tier_swept", extra=fields(dropped=dropped, prefixes_expired=expired))
 
     async def _supervise(self) -> None:
         """Probe Redis periodically: health follows it, a dead embedded Redis is restarted."""

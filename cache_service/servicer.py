@@ -12,18 +12,21 @@ the entry lives on other instances, and one lost with its instance is found miss
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from cache_service import errors, validation
 from cache_service.config import Limits, PutLimits, TierPlacement
 from cache_service.hashing import sha256
 from cache_service.keys import ConversationKeys, PrefixKeys
 from cache_service.leases import Fence, LeaseSigner
+from cache_service.prefix_tier import PrefixEntry, namespace
 from cache_service.rpc import RpcCounters, rpc
 from cache_service.store import MetadataStore
 from cache_service.tier import ChunkRef, StateTier
+from cache_service.tier_hints import TierHints
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
 
@@ -71,6 +74,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         self._fence_ttl_ms = fence_ttl_ms  # of the lease's TTL (ServerConfig.fence_ttl_ms)
         self._prefix_ttl_ms = prefix_ttl_ms
         self.counters = RpcCounters()
+        self.hints = TierHints(store.prefixes, tier, prefix_ttl_ms, limits.max_prefix_entries)
         # Serializes tier commits against deletes and rewinds of the same conversation,
         # so a put racing them cannot resurrect state they dropped.
         self._conv_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
@@ -211,9 +215,12 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def MissingChunks(self, request, context):
-        keys = self._key(request.key)
+        if request.HasField("prefix"):
+            ns = namespace(validation.prefix_request(request).scope)
+        else:
+            ns = self._key(request.key).conv_hash
         digests = validation.digests(request.digests, "digests", self.limits)
-        return pb.MissingChunksResponse(digests=await asyncio.to_thread(self.tier.missing, keys.conv_hash, digests))
+        return pb.MissingChunksResponse(digests=await asyncio.to_thread(self.tier.missing, ns, digests))
 
     async def _next(self, requests) -> pb.PutStateRequest | None:
         """The stream's next message, or None at its end; an idle stream is cut."""
@@ -230,13 +237,42 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
         if first is None or not first.HasField("manifest"):
             raise errors.InvalidArgument("a PutState stream must start with the manifest")
         manifest = first.manifest
+        refs = [ChunkRef(c.digest, c.size) for c in manifest.chunks]
+        if manifest.HasField("prefix"):
+            return await self._put_prefix(manifest, refs, requests)
         keys = validation.manifest(manifest, self.limits)
         fence = self._fence(keys, manifest.lease_token, manifest.lease_proof) if manifest.lease_token else None
         conv = keys.conv_hash
-        refs = [ChunkRef(c.digest, c.size) for c in manifest.chunks]
-        await asyncio.to_thread(self.tier.check_sizes, conv, refs)
+        async with self._staged(requests, conv, refs) as staged:
+            async with self._lock(keys):
+                # Refuse before marking Redis if something is missing (cheap, common case).
+                unsent = [r.digest for r in refs if r.digest not in staged]
+                if await asyncio.to_thread(self.tier.missing, conv, unsent):
+                    raise errors.MissingChunks("the stream lacks chunks the tier does not hold; resend them")
+                head = await self.store.mark_tier(keys, manifest.version, manifest.incarnation, fence)
+                reused = await asyncio.to_thread(self.tier.commit, conv, manifest.incarnation,
+                                                 manifest.version, refs, staged)
+        return pb.PutStateResponse(total_bytes=sum(r.size for r in refs), chunks_sent=len(staged),
+                                   chunks_reused=reused, head=self._with_tier(keys, head))
+
+    async def _put_prefix(self, manifest: pb.StateManifest, refs: list[ChunkRef], requests) -> pb.PutStateResponse:
+        """A prefix checkpoint: no head to mark, no lease; once committed, the tier is announced
+        as a holder of its name (refreshed by every put and read, so it lives as long as the entry)."""
+        key = validation.prefix_manifest(manifest, self.limits)
+        entry = PrefixEntry((key.scope, key.name), key.tokens, tuple(refs))
+        self.tier.check_prefix_fits(entry.chunks)  # before its bytes travel
+        async with self._staged(requests, entry.namespace, refs) as staged:
+            reused = await asyncio.to_thread(self.tier.commit_prefix, entry, staged)
+        await self.hints.announce(entry)
+        return pb.PutStateResponse(total_bytes=entry.total_bytes, chunks_sent=len(staged), chunks_reused=reused)
+
+    @contextlib.asynccontextmanager
+    async def _staged(self, requests, ns: str, refs: list[ChunkRef]) -> AsyncIterator[dict[bytes, bytes]]:
+        """The stream's chunks, each verified, held against the staging budget until the
+        caller's commit is done."""
+        await asyncio.to_thread(self.tier.check_sizes, ns, refs)
         sizes = {r.digest: r.size for r in refs}
-        to_send = sum(sizes[d] for d in await asyncio.to_thread(self.tier.missing, conv, list(sizes)))
+        to_send = sum(sizes[d] for d in await asyncio.to_thread(self.tier.missing, ns, list(sizes)))
         if to_send > self.staging.limit:
             raise errors.InvalidArgument(f"this put would send {to_send} bytes, over the service's "
                                          f"staging limit of {self.staging.limit}")
@@ -250,18 +286,9 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
                 reserved += size
                 chunk = await self._verified_chunk(message, sizes, staged)
                 staged[chunk.digest] = chunk.data
-            async with self._lock(keys):
-                # Refuse before marking Redis if something is missing (cheap, common case).
-                unsent = [d for d in sizes if d not in staged]
-                if await asyncio.to_thread(self.tier.missing, conv, unsent):
-                    raise errors.MissingChunks("the stream lacks chunks the tier does not hold; resend them")
-                head = await self.store.mark_tier(keys, manifest.version, manifest.incarnation, fence)
-                reused = await asyncio.to_thread(self.tier.commit, conv, manifest.incarnation,
-                                                 manifest.version, refs, staged)
+            yield staged
         finally:
             self.staging.release(reserved)
-        return pb.PutStateResponse(total_bytes=sum(r.size for r in refs), chunks_sent=len(staged),
-                                   chunks_reused=reused, head=self._with_tier(keys, head))
 
     async def _verified_chunk(self, message: pb.PutStateRequest, sizes: dict[bytes, int],
                               staged: dict[bytes, bytes]) -> pb.Chunk:
@@ -283,15 +310,22 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def GetState(self, request, context):
-        keys = self._key(request.key)
-        conv = keys.conv_hash
-        entry = self.tier.entry(conv, request.version)
-        yield pb.GetStateResponse(manifest=pb.StateManifest(
-            key=request.key, version=entry.version, incarnation=entry.incarnation,
-            chunks=[pb.ChunkRef(digest=r.digest, size=r.size) for r in entry.chunks]))
+        if request.HasField("prefix"):
+            key = validation.prefix_request(request)
+            entry = await asyncio.to_thread(self.tier.prefix_entry, key.scope, key.name)
+            ns = entry.namespace
+            manifest = pb.StateManifest(prefix=pb.PrefixStateKey(scope=key.scope, name=key.name, tokens=entry.tokens))
+        else:
+            ns = self._key(request.key).conv_hash
+            entry = self.tier.entry(ns, request.version)
+            manifest = pb.StateManifest(key=request.key, version=entry.version, incarnation=entry.incarnation)
+        manifest.chunks.extend(pb.ChunkRef(digest=r.digest, size=r.size) for r in entry.chunks)
+        yield pb.GetStateResponse(manifest=manifest)
         for ref in entry.chunks:
-            data = await asyncio.to_thread(self.tier.read_chunk, conv, entry, ref)
+            data = await asyncio.to_thread(self.tier.read_chunk, ns, entry, ref)
             yield pb.GetStateResponse(chunk=pb.Chunk(digest=ref.digest, data=data))
+        if isinstance(entry, PrefixEntry):
+            await self.hints.refresh(entry)
 
     # -- prefix index -------------------------------------------------------------------
 
@@ -305,7 +339,7 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
 
     @rpc
     async def ForgetPrefixes(self, request, context):
-        validation.identifier(request.replica, "replica", self.limits)
+        validation.replica(request.replica, self.limits)
         names = validation.prefix_names(request.names, "names", self.limits.max_prefix_entries)
         keys = PrefixKeys(validation.prefix_scope(request.scope))
         if names:
@@ -329,4 +363,5 @@ class CacheServicer(cache_pb2_grpc.CacheServiceServicer):
             tier_chunks=t.chunks, tier_spills=t.spills, tier_disk_reads=t.disk_reads,
             tier_checksum_failures=t.checksum_failures,
             rpc_counts=dict(self.counters.calls), rpc_errors=dict(self.counters.errors),
-            tier_staged_bytes=self.staging.used, prefix_index_names=prefix_names)
+            tier_staged_bytes=self.staging.used, prefix_index_names=prefix_names,
+            tier_prefix_entries=t.prefix_entries, tier_prefix_bytes=t.prefix_bytes)

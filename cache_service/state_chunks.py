@@ -22,11 +22,29 @@ def cut(data: bytes | Sequence[bytes], chunk_bytes: int) -> list[bytes]:
 
 def manifest(key: pb.ConversationKey, version: int, incarnation: str, chunks: Sequence[bytes],
              digests: Sequence[bytes], lease: pb.Lease | None) -> pb.StateManifest:
-    out = pb.StateManifest(key=key, version=version, incarnation=incarnation, chunks=[
-        pb.ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks, strict=True)])
+    out = pb.StateManifest(key=key, version=version, incarnation=incarnation, chunks=_refs(chunks, digests))
     if lease is not None:
         out.lease_token, out.lease_proof = lease.token, lease.proof
     return out
+
+
+def prefix_manifest(prefix: pb.PrefixStateKey, chunks: Sequence[bytes], digests: Sequence[bytes]) -> pb.StateManifest:
+    """A prefix checkpoint's manifest: no conversation, no version, no lease."""
+    return pb.StateManifest(prefix=prefix, chunks=_refs(chunks, digests))
+
+
+def missing_request(manifest: pb.StateManifest, digests: Sequence[bytes]) -> pb.MissingChunksRequest:
+    """Which of the manifest's chunks does the tier lack, in the entry's own namespace."""
+    request = pb.MissingChunksRequest(digests=list(dict.fromkeys(digests)))
+    if manifest.HasField("prefix"):
+        request.prefix.CopyFrom(manifest.prefix)
+    else:
+        request.key.CopyFrom(manifest.key)
+    return request
+
+
+def _refs(chunks: Sequence[bytes], digests: Sequence[bytes]) -> list[pb.ChunkRef]:
+    return [pb.ChunkRef(digest=d, size=len(c)) for d, c in zip(digests, chunks, strict=True)]
 
 
 async def put_requests(manifest: pb.StateManifest, chunks: Sequence[bytes], digests: Sequence[bytes],

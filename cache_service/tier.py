@@ -25,6 +25,11 @@ tier never interprets those bytes.
   recovered from the ledger instead) and raises DataLoss.
 - The index lives in memory: on start the spill directory is wiped, since files of a
   previous process have no entries pointing at them.
+- Beside the conversations' entries: prefix checkpoints, keyed by (scope tag, prefix name),
+  their chunks in one namespace per scope, bounded in bytes and by a TTL (prefix_tier.py keeps
+  their books). `conversations()` and `entry()` never see them. Entries the tier let go
+  (evicted, expired, corrupt) are queued for `take_withdrawn`, so the service can withdraw
+  their names from the prefix index.
 
 Thread-safe: the servicer calls it from worker threads so hashing and disk I/O stay
 off the event loop (hashlib releases the GIL on large buffers). `_lock` is held during
@@ -39,17 +44,19 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache_service import errors
 from cache_service.config import TierConfig
 from cache_service.hashing import sha256
+from cache_service.prefix_tier import PrefixBook, PrefixEntry, PrefixKey
 
 SPILL_SUBDIR = "tier-v1"
-ChunkKey = tuple[str, bytes]  # (conversation hash, sha256 digest)
+ChunkKey = tuple[str, bytes]  # (namespace: conversation hash or prefix_tier.namespace, sha256 digest)
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,8 @@ class TierStats:
     checksum_failures: int = 0
     entries: int = 0
     chunks: int = 0
+    prefix_entries: int = 0
+    prefix_bytes: int = 0
 
 
 @dataclass
@@ -87,7 +96,8 @@ class _Store:
 
 
 class StateTier:
-    def __init__(self, config: TierConfig):
+    def __init__(self, config: TierConfig, *, prefix_ttl_s: float = 1800.0,
+                 clock: Callable[[], float] = time.monotonic):
         self._budget = config.memory_budget_bytes
         self._dir = Path(config.directory) / SPILL_SUBDIR
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -96,6 +106,8 @@ class StateTier:
         self._entries: dict[str, Entry] = {}
         self._store = _Store()
         self._stats = TierStats()
+        self._prefixes = PrefixBook(config.prefix_budget_bytes, prefix_ttl_s, clock)
+        self._withdrawn: list[PrefixKey] = []
 
     # -- queries ------------------------------------------------------------------
 
@@ -126,8 +138,8 @@ class StateTier:
         with self._lock:
             self._check_sizes(conv, chunks)
 
-    def read_chunk(self, conv: str, entry: Entry, ref: ChunkRef) -> bytes:
-        """The chunk's bytes, checksum verified."""
+    def read_chunk(self, conv: str, entry: Entry | PrefixEntry, ref: ChunkRef) -> bytes:
+        """The chunk's bytes, checksum verified (`conv`: the entry's namespace)."""
         key = (conv, ref.digest)
         with self._lock:
             data = self._store.memory.get(key)
@@ -160,11 +172,19 @@ class StateTier:
                 memory_bytes=s.memory_bytes, disk_bytes=s.disk_bytes, spills=s.spills,
                 disk_reads=s.disk_reads, checksum_failures=s.checksum_failures,
                 entries=len(self._entries),
-                chunks=len(self._store.memory) + len(self._store.disk))
+                chunks=len(self._store.memory) + len(self._store.disk),
+                prefix_entries=len(self._prefixes), prefix_bytes=self._prefixes.bytes)
 
     @property
     def budget_bytes(self) -> int:
         return self._budget
+
+    def check_prefix_fits(self, chunks: tuple[ChunkRef, ...] | list[ChunkRef]) -> None:
+        """ResourceExhausted if these chunks alone exceed the prefix budget (lock-free: a constant)."""
+        size = sum({c.digest: c.size for c in chunks}.values())
+        if size > self._prefixes.budget_bytes:
+            raise errors.ResourceExhausted(
+                f"a prefix state of {size} bytes exceeds the tier's prefix budget of {self._prefixes.budget_bytes}")
 
     # -- mutations ----------------------------------------------------------------
 
@@ -182,30 +202,48 @@ class StateTier:
             if old is not None and old.incarnation == incarnation and old.version > version:
                 raise errors.VersionConflict(
                     f"state tier already holds newer version {old.version}", current_version=old.version)
-            self._check_sizes(conv, chunks)
             wanted = dict.fromkeys(c.digest for c in chunks)
-            absent = [d for d in wanted if d not in staged and not self._has(conv, d)]
-            if absent:
-                raise errors.MissingChunks(
-                    f"{len(absent)} chunk(s) are neither in the stream nor in the tier; "
-                    "resend them", missing=len(absent))
-            added = [d for d in wanted if not self._has(conv, d)]
-            for digest in added:
-                self._store.memory[(conv, digest)] = staged[digest]
-                self._stats.memory_bytes += len(staged[digest])
             superseded = [c.digest for c in old.chunks if c.digest not in wanted] if old else []
-            # Superseded chunks still in memory leave with the switch below: do not
-            # spill chunks for their sake.
-            leaving = sum(len(self._store.memory.get((conv, d), b"")) for d in dict.fromkeys(superseded))
-            try:
-                self._spill_over_budget(allowance=leaving)
-            except OSError as exc:
-                self._drop_chunks(conv, added)
-                raise errors.ResourceExhausted(
-                    f"state tier cannot spill to disk ({exc.strerror or exc}); nothing stored") from None
+            reused = self._install(conv, chunks, staged, leaving=superseded)
             self._entries[conv] = Entry(incarnation, version, tuple(chunks))
             self._drop_chunks(conv, superseded)
-            return len(wanted) - len(added)
+            return reused
+
+    def commit_prefix(self, entry: PrefixEntry, staged: Mapping[bytes, bytes]) -> int:
+        """Install a prefix checkpoint (replacing one of its name) as `commit` installs a head;
+        returns the reused count. Least recently used prefix entries then go until the prefix
+        budget holds; ResourceExhausted (nothing changed) if this one alone exceeds it."""
+        self.check_prefix_fits(entry.chunks)
+        with self._lock:
+            self._expire_prefixes()
+            reused = self._install(entry.namespace, list(entry.chunks), staged,
+                                   leaving=self._prefixes.released_by(entry.key, (c.digest for c in entry.chunks)))
+            self._release(self._prefixes.put(entry))
+            while (victim := self._prefixes.next_eviction(keep=entry.key)) is not None:
+                self._withdraw(victim)
+            return reused
+
+    def prefix_entry(self, scope_tag: str, name: str) -> PrefixEntry:
+        """The prefix checkpoint, now the most recently used; NotFound if absent or expired."""
+        with self._lock:
+            self._expire_prefixes()
+            entry = self._prefixes.use((scope_tag, name))
+        if entry is None:
+            raise errors.NotFound("state tier holds no prefix state of this name in this scope "
+                                  "(never put, evicted or expired): recompute it")
+        return entry
+
+    def expire_prefixes(self) -> int:
+        """Drop prefix checkpoints past their TTL; returns how many."""
+        with self._lock:
+            return self._expire_prefixes()
+
+    def take_withdrawn(self) -> list[PrefixKey]:
+        """Prefix checkpoints let go since the last call, and not put again since."""
+        with self._lock:
+            out = [key for key in dict.fromkeys(self._withdrawn) if key not in self._prefixes]
+            self._withdrawn.clear()
+            return out
 
     def drop(self, conv: str) -> bool:
         """Forget the conversation's entry and chunks (conversation deleted)."""
@@ -216,6 +254,49 @@ class StateTier:
             return entry is not None
 
     # -- internals (lock held) ----------------------------------------------------
+
+    def _install(self, ns: str, chunks: list[ChunkRef], staged: Mapping[bytes, bytes], leaving: list[bytes]) -> int:
+        """Put the chunks an entry lacks into memory and spill over budget; returns how many the
+        namespace already held. `leaving`: chunks that go once the entry is switched; if they are
+        still in memory, nothing is spilled for their sake. On any error nothing changed."""
+        self._check_sizes(ns, chunks)
+        wanted = dict.fromkeys(c.digest for c in chunks)
+        absent = [d for d in wanted if d not in staged and not self._has(ns, d)]
+        if absent:
+            raise errors.MissingChunks(
+                f"{len(absent)} chunk(s) are neither in the stream nor in the tier; "
+                "resend them", missing=len(absent))
+        added = [d for d in wanted if not self._has(ns, d)]
+        for digest in added:
+            self._store.memory[(ns, digest)] = staged[digest]
+            self._stats.memory_bytes += len(staged[digest])
+        allowance = sum(len(self._store.memory.get((ns, d), b"")) for d in dict.fromkeys(leaving))
+        try:
+            self._spill_over_budget(allowance=allowance)
+        except OSError as exc:
+            self._drop_chunks(ns, added)
+            raise errors.ResourceExhausted(
+                f"state tier cannot spill to disk ({exc.strerror or exc}); nothing stored") from None
+        return len(wanted) - len(added)
+
+    def _expire_prefixes(self) -> int:
+        expired = self._prefixes.expired()
+        for key in expired:
+            self._withdraw(key)
+        return len(expired)
+
+    def _withdraw(self, key: PrefixKey, entry: PrefixEntry | None = None) -> None:
+        released = self._prefixes.remove(key, entry)
+        if released is not None:
+            self._withdrawn.append(key)
+            self._release(released)
+
+    def _release(self, chunk_keys: list[ChunkKey]) -> None:
+        by_ns: dict[str, list[bytes]] = {}
+        for ns, digest in chunk_keys:
+            by_ns.setdefault(ns, []).append(digest)
+        for ns, digests in by_ns.items():
+            self._drop_chunks(ns, digests)
 
     def _check_sizes(self, conv: str, chunks: list[ChunkRef]) -> None:
         for i, ref in enumerate(chunks):
@@ -256,10 +337,12 @@ class StateTier:
         except OSError:
             pass  # not empty (other chunks of this conversation are on disk) or never made
 
-    def _drop_corrupt(self, conv: str, entry: Entry) -> None:
+    def _drop_corrupt(self, conv: str, entry: Entry | PrefixEntry) -> None:
         with self._lock:
             self._stats.checksum_failures += 1
-            if self._entries.get(conv) is entry:
+            if isinstance(entry, PrefixEntry):
+                self._withdraw(entry.key, entry)
+            elif self._entries.get(conv) is entry:
                 del self._entries[conv]
                 self._drop_chunks(conv, [c.digest for c in entry.chunks])
 

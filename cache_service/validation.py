@@ -12,7 +12,7 @@ from cache_service.config import Limits
 from cache_service.errors import InvalidArgument
 from cache_service.keys import ConversationKeys
 from proto import cache_pb2 as pb
-from proto.contract import ConversationRef
+from proto.contract import TIER_HOLDER, ConversationRef
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _INCARNATION_HEX = re.compile(r"[0-9a-f]{16}")
@@ -106,11 +106,48 @@ def manifest(m: pb.StateManifest, limits: Limits) -> ConversationKeys:
     keys = conversation(m.key, limits)
     if m.version <= 0:
         raise InvalidArgument("manifest.version must be the committed head version (> 0)")
-    if not m.chunks:
-        raise InvalidArgument("manifest.chunks must not be empty")
     if not _INCARNATION_HEX.fullmatch(m.incarnation):
         raise InvalidArgument("manifest.incarnation must be the exported head's incarnation "
                               "(Head.incarnation, 16 hex digits)")
+    _chunks(m, limits)
+    return keys
+
+
+def prefix_manifest(m: pb.StateManifest, limits: Limits) -> pb.PrefixStateKey:
+    """A prefix checkpoint's manifest: its key (with tokens), no conversation field."""
+    _no_conversation(m.key.conversation_id or m.key.cache_salt or m.version or m.incarnation
+                     or m.lease_token or m.lease_proof, "manifest")
+    key = prefix_state(m.prefix, "manifest.prefix")
+    if key.tokens <= 0:
+        raise InvalidArgument("manifest.prefix.tokens must be the prefix's length in tokens (> 0)")
+    _chunks(m, limits)
+    return key
+
+
+def prefix_state(key: pb.PrefixStateKey, field: str) -> pb.PrefixStateKey:
+    if key.scope and not _SCOPE_TAG.fullmatch(key.scope):
+        raise InvalidArgument(f"{field}.scope must be empty or a scope tag: 16 lowercase hex digits")
+    if not _PREFIX_NAME.fullmatch(key.name):
+        raise InvalidArgument(f"{field}.name must be a prefix name: 32 lowercase hex digits")
+    return key
+
+
+def prefix_request(request: pb.GetStateRequest | pb.MissingChunksRequest) -> pb.PrefixStateKey:
+    """The prefix of a read or a MissingChunks: no conversation key (nor version) beside it."""
+    _no_conversation(request.key.conversation_id or request.key.cache_salt or getattr(request, "version", 0),
+                     "request")
+    return prefix_state(request.prefix, "prefix")
+
+
+def _no_conversation(present: object, what: str) -> None:
+    if present:
+        raise InvalidArgument(f"a {what} naming a prefix must leave the conversation fields (key, version, "
+                              "incarnation, lease) empty")
+
+
+def _chunks(m: pb.StateManifest, limits: Limits) -> None:
+    if not m.chunks:
+        raise InvalidArgument("manifest.chunks must not be empty")
     digests((c.digest for c in m.chunks), "manifest.chunks", limits)
     sizes: dict[bytes, int] = {}
     for i, chunk in enumerate(m.chunks):
@@ -119,7 +156,6 @@ def manifest(m: pb.StateManifest, limits: Limits) -> ConversationKeys:
         if sizes.setdefault(chunk.digest, chunk.size) != chunk.size:
             raise InvalidArgument(f"manifest.chunks[{i}] repeats a digest with another size "
                                   f"({chunk.size} vs {sizes[chunk.digest]})")
-    return keys
 
 
 def prefix_names(values, field: str, bound: int) -> list[str]:
@@ -140,8 +176,17 @@ def prefix_scope(value: str) -> str:
     return value
 
 
+def replica(value: str, limits: Limits) -> str:
+    """A replica announcing or forgetting prefixes: never the state tier's holder name, which only
+    the service itself announces (a client could otherwise claim or withdraw the tier's copies)."""
+    identifier(value, "replica", limits)
+    if value == TIER_HOLDER:
+        raise InvalidArgument(f"replica {TIER_HOLDER!r} names the state tier: only the service announces it")
+    return value
+
+
 def announce_prefixes(req: pb.AnnouncePrefixesRequest, limits: Limits) -> list[tuple[str, int]]:
-    identifier(req.replica, "replica", limits)
+    replica(req.replica, limits)
     prefix_names((e.name for e in req.entries), "entries", limits.max_prefix_entries)
     for i, entry in enumerate(req.entries):
         if entry.tokens <= 0:

@@ -267,12 +267,14 @@ class ChunkRef(_message.Message):
     def __init__(self, digest: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class MissingChunksRequest(_message.Message):
-    __slots__ = ("key", "digests")
+    __slots__ = ("key", "digests", "prefix")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    prefix: PrefixStateKey
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., digests: _Optional[_Iterable[bytes]] = ..., prefix: _Optional[_Union[PrefixStateKey, _Mapping]] = ...) -> None: ...
 
 class MissingChunksResponse(_message.Message):
     __slots__ = ("digests",)
@@ -280,21 +282,33 @@ class MissingChunksResponse(_message.Message):
     digests: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class PrefixStateKey(_message.Message):
+    __slots__ = ("scope", "name", "tokens")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    scope: str
+    name: str
+    tokens: int
+    def __init__(self, scope: _Optional[str] = ..., name: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class StateManifest(_message.Message):
-    __slots__ = ("key", "version", "chunks", "incarnation", "lease_token", "lease_proof")
+    __slots__ = ("key", "version", "chunks", "incarnation", "lease_token", "lease_proof", "prefix")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_PROOF_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     version: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkRef]
     incarnation: str
     lease_token: int
     lease_proof: bytes
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., incarnation: _Optional[str] = ..., lease_token: _Optional[int] = ..., lease_proof: _Optional[bytes] = ...) -> None: ...
+    prefix: PrefixStateKey
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkRef, _Mapping]]] = ..., incarnation: _Optional[str] = ..., lease_token: _Optional[int] = ..., lease_proof: _Optional[bytes] = ..., prefix: _Optional[_Union[PrefixStateKey, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("digest", "data")
@@ -325,12 +339,14 @@ class PutStateResponse(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., chunks_sent: _Optional[int] = ..., chunks_reused: _Optional[int] = ..., head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
-    __slots__ = ("key", "version")
+    __slots__ = ("key", "version", "prefix")
     KEY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     key: ConversationKey
     version: int
-    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+    prefix: PrefixStateKey
+    def __init__(self, key: _Optional[_Union[ConversationKey, _Mapping]] = ..., version: _Optional[int] = ..., prefix: _Optional[_Union[PrefixStateKey, _Mapping]] = ...) -> None: ...
 
 class GetStateResponse(_message.Message):
     __slots__ = ("manifest", "chunk")
@@ -407,7 +423,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("tier_memory_bytes", "tier_disk_bytes", "tier_budget_bytes", "tier_entries", "tier_chunks", "tier_spills", "tier_disk_reads", "tier_checksum_failures", "rpc_counts", "rpc_errors", "tier_staged_bytes", "prefix_index_names")
+    __slots__ = ("tier_memory_bytes", "tier_disk_bytes", "tier_budget_bytes", "tier_entries", "tier_chunks", "tier_spills", "tier_disk_reads", "tier_checksum_failures", "rpc_counts", "rpc_errors", "tier_staged_bytes", "prefix_index_names", "tier_prefix_entries", "tier_prefix_bytes")
     class RpcCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -434,6 +450,8 @@ class Stats(_message.Message):
     RPC_ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIER_STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_INDEX_NAMES_FIELD_NUMBER: _ClassVar[int]
+    TIER_PREFIX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TIER_PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     tier_memory_bytes: int
     tier_disk_bytes: int
     tier_budget_bytes: int
@@ -446,4 +464,6 @@ class Stats(_message.Message):
     rpc_errors: _containers.ScalarMap[str, int]
     tier_staged_bytes: int
     prefix_index_names: int
-    def __init__(self, tier_memory_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_budget_bytes: _Optional[int] = ..., tier_entries: _Optional[int] = ..., tier_chunks: _Optional[int] = ..., tier_spills: _Optional[int] = ..., tier_disk_reads: _Optional[int] = ..., tier_checksum_failures: _Optional[int] = ..., rpc_counts: _Optional[_Mapping[str, int]] = ..., rpc_errors: _Optional[_Mapping[str, int]] = ..., tier_staged_bytes: _Optional[int] = ..., prefix_index_names: _Optional[int] = ...) -> None: ...
+    tier_prefix_entries: int
+    tier_prefix_bytes: int
+    def __init__(self, tier_memory_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_budget_bytes: _Optional[int] = ..., tier_entries: _Optional[int] = ..., tier_chunks: _Optional[int] = ..., tier_spills: _Optional[int] = ..., tier_disk_reads: _Optional[int] = ..., tier_checksum_failures: _Optional[int] = ..., rpc_counts: _Optional[_Mapping[str, int]] = ..., rpc_errors: _Optional[_Mapping[str, int]] = ..., tier_staged_bytes: _Optional[int] = ..., prefix_index_names: _Optional[int] = ..., tier_prefix_entries: _Optional[int] = ..., tier_prefix_bytes: _Optional[int] = ...) -> None: ...

@@ -207,7 +207,8 @@ class CacheServiceServicer:
 
     def MissingChunks(self, request, context):
         """State tier. A put first asks which chunk digests the tier lacks, then streams a
-        manifest plus only those chunks.
+        manifest plus only those chunks. An entry is a conversation's head (`key`) or a prefix
+        checkpoint (`prefix`, see PrefixStateKey).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

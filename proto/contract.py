@@ -4,7 +4,8 @@
   `ConversationRef`;
 - the digest of a conversation's committed token ids (the head's `tokens_sha256`);
 - the name of a state chunk (sha256 of its bytes);
-- the names of a chat's message prefixes (the prefix index's keys);
+- the names of a chat's message prefixes (the prefix index's keys), and the holder name of the
+  state tier among that index's holders;
 - the identity of a model: what makes the bits of its state differ across machines.
 
 Pure standard library: the service imports this without torch.
@@ -73,8 +74,9 @@ def prefix_scope_tag(scope: str) -> str:
     return hashlib.sha256(_SCOPE_TAG_DOMAIN + _framed(scope)).hexdigest()[:16]
 
 
-# The prefix index's holder name for the cache service's state tier (a prefix state any replica
-# can import): never a Serve replica id, and only the service announces it.
+# The holder the prefix index names for the cache service's state tier (a prefix checkpoint
+# exported there, cache.proto PrefixStateKey): only the service announces or withdraws it; a
+# client naming it as its replica is refused.
 TIER_HOLDER = "~tier"
 
 

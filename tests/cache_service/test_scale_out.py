@@ -12,8 +12,8 @@ import pytest
 from cs_helpers import History, ServiceProcess, commit_turn
 
 from cache_service.client import CacheClient, ClientConfig, Interrupted, NotFound, RetryPolicy
-from cache_service.placement import rank
-from proto.contract import ConversationRef, tokens_digest
+from cache_service.placement import prefix_key, rank
+from proto.contract import TIER_HOLDER, ConversationRef, prefix_scope_tag, tokens_digest
 
 INSTANCES = 3
 RENDEZVOUS = {"CACHE_TIER_PLACEMENT": "rendezvous"}
@@ -107,6 +107,26 @@ async def test_entries_live_on_their_two_ranked_instances_and_spread_over_all(fl
         # A deleted conversation leaves no copy behind.
         assert await client.delete_conversation(convs[0])
         assert await holders(peers, fleet, convs[0]) == set()
+    await asyncio.gather(*(p.close() for p in peers))
+
+
+async def test_a_prefix_checkpoint_lives_on_the_two_instances_ranked_for_its_scope_and_name(fleet):
+    targets, peers = [p.target for p in fleet], single_clients(fleet)
+    scope, names = "tenant-scale-out", [uuid.uuid4().hex for _ in range(6)]
+    async with fleet_client(fleet) as client:
+        for name in names:
+            await client.put_prefix_state(scope, name, 64, [b"system prompt" * 100, name.encode()])
+        for name in names:
+            held = set()
+            for peer, target in zip(peers, targets):
+                try:
+                    await peer.get_prefix_state(scope, name)
+                    held.add(target)
+                except NotFound:
+                    pass
+            assert held == set(rank(prefix_key(prefix_scope_tag(scope), name), targets)[:2])
+            assert await client.get_prefix_state(scope, name) == b"system prompt" * 100 + name.encode()
+            assert (await client.find_prefix([name], scope=scope)).holders == ((TIER_HOLDER, 64),)
     await asyncio.gather(*(p.close() for p in peers))
 
 
