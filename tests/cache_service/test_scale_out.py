@@ -13,7 +13,7 @@ from cs_helpers import History, ServiceProcess, commit_turn
 
 from cache_service.client import CacheClient, ClientConfig, Interrupted, NotFound, RetryPolicy
 from cache_service.placement import prefix_key, rank
-from proto.contract import TIER_HOLDER, ConversationRef, prefix_scope_tag, tokens_digest
+from proto.contract import ConversationRef, prefix_scope_tag, tokens_digest
 
 INSTANCES = 3
 RENDEZVOUS = {"CACHE_TIER_PLACEMENT": "rendezvous"}
@@ -126,7 +126,8 @@ async def test_a_prefix_checkpoint_lives_on_the_two_instances_ranked_for_its_sco
                     pass
             assert held == set(rank(prefix_key(prefix_scope_tag(scope), name), targets)[:2])
             assert await client.get_prefix_state(scope, name) == b"system prompt" * 100 + name.encode()
-            assert (await client.find_prefix([name], scope=scope)).holders == ((TIER_HOLDER, 64),)
+            match = await client.find_prefix([name], scope=scope)
+            assert match.holders == () and match.tier == (name, 64)
     await asyncio.gather(*(p.close() for p in peers))
 
 
