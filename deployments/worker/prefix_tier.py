@@ -55,7 +55,7 @@ class PrefixTier:
                  spawn: Callable[[Coroutine], None], import_rate: Rate):
         self.session, self.settings, self._cache, self._spawn = session, settings, cache, spawn
         self.import_rate = import_rate  # head and prefix imports alike: tokens installed per second
-        self.on = settings.tier_export is not TierExport.OFF and getattr(session, "prefix_tier", False)
+        self.on = settings.tier_export is not TierExport.OFF and session.prefix_tier
         self._pending: OrderedDict[tuple[str, str], tuple[PrefixKey, int, float]] = OrderedDict()
         self._done: OrderedDict[tuple[str, str], None] = OrderedDict()  # (scope, name) sent or fetched
         self._exporting = False
