@@ -14,8 +14,9 @@ a one-token request of its own before the real one (vLLM has no state inside a p
 Constrained decoding (structured outputs, forced and "auto" tool calls) runs as vLLM's own
 structured outputs on its guidance backend: llguidance with our grammars and our view of the
 tokenizer (workers/vllm_backend/structured.py). What the backend does not do: deterministic
-mode and priorities (400s), and checkpoints at a conversation's first turn's last message (only
-its system prompt's). vLLM's own prefix caching stays off: it is block-grained for hybrids and
+mode and priorities (400s), and two of the boundaries our engine marks: the end of a first
+message that is no system prompt, and a conversation's first turn's last message (it keeps only
+its system prompt). vLLM's own prefix caching stays off: it is block-grained for hybrids and
 crashes on CPU.
 """
 

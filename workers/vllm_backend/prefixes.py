@@ -150,7 +150,7 @@ class HostPrefixes:
         for mark in sorted(marks, key=lambda m: m.position):
             if mark.position - reach >= self.prime_min_tokens and self.fits(mark.position):
                 await self._prime(salt, tuple(prompt[:mark.position]), mark.source)
-                reach = self.index.reach(salt, prompt)  # the mark's, unless its prime failed
+                reach = self.index.reach(salt, prompt)  # the mark's, unless its prime failed or did not fit
         return self.index.longest(salt, prompt)
 
     def release(self, checkpoint: PrefixCheckpoint | None) -> None:
