@@ -4,15 +4,20 @@ vLLM's engine in an engine host process (workers/vllm_backend). The conversation
 prompts (workers/conversation/prompt.py, as our engine does) and streams the host's frames.
 
 A stateless request (the whole chat each time) loads the longest prefix checkpoint of its
-prompt and leaves one where it ends, and a system prompt is kept as a checkpoint of its own for
-the new chats that open with it (workers/vllm_backend/prefixes.py): as on our engine, a chat
-resent in full runs only its new messages, and a shared system prompt is computed once.
+prompt and leaves one where it ends and at the message boundaries our engine marks
+(workers/conversation/boundaries.py): its system prompt, kept for the new chats that open with
+it, and the end of its last message, kept for a next request that renders the history otherwise
+(workers/vllm_backend/prefixes.py). As on our engine, a chat resent in full runs only its new
+messages, and a shared system prompt is computed once; unlike it, a boundary not held yet costs
+a one-token request of its own before the real one (vLLM has no state inside a prompt).
 
 Constrained decoding (structured outputs, forced and "auto" tool calls) runs as vLLM's own
 structured outputs on its guidance backend: llguidance with our grammars and our view of the
 tokenizer (workers/vllm_backend/structured.py). What the backend does not do: deterministic
-mode and priorities (400s), and checkpoints at a prompt's other message boundaries. vLLM's own
-prefix caching stays off: it is block-grained for hybrids and crashes on CPU.
+mode and priorities (400s), and two of the boundaries our engine marks: the end of a first
+message that is no system prompt, and a conversation's first turn's last message (it keeps only
+its system prompt). vLLM's own prefix caching stays off: it is block-grained for hybrids and
+crashes on CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from deployments.messages import HeadRef
 from deployments.settings import AppSettings
 from deployments.worker.turns_here import ConversationUse
 from proto.contract import ConversationRef, ModelIdentity
-from workers.conversation.boundaries import system_boundary
+from workers.conversation.boundaries import message_marks
 from workers.conversation.export_format import unpack_export
 from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
@@ -34,6 +39,7 @@ from workers.engine import RequestOutput
 from workers.errors import CorruptStateError, InvalidRequestError
 from workers.grammar.compiler import GrammarCompiler
 from workers.load import EngineLoad
+from workers.request import CheckpointMark, ReuseSource
 from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
 from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
@@ -197,20 +203,26 @@ class VllmSession:  # implements Session (session.py)
                                    template).token_ids
         load = self.conversations.begin(conv, request_id)
         # A first turn opening with a system prompt starts from its checkpoint (shared by new chats).
-        system_end = self._system_end(suffix, prompt, tools) if load is None and conv.turn == 0 else 0
-        return self.streams.turn(conv, suffix, prompt, params, request_id, load, system_end)
+        marks = self._marks(suffix, prompt, tools, template) if load is None and conv.turn == 0 else ()
+        system = tuple(m for m in marks if m.source is ReuseSource.SYSTEM)
+        return self.streams.turn(conv, suffix, prompt, params, request_id, load, system)
 
-    def _system_end(self, messages: list[dict[str, Any]], prompt: list[int],
-                    tools: list[dict[str, Any]] | None) -> int:
-        """Where the prompt's system message ends (0: it opens with none, or none is kept here)."""
-        return system_boundary(self.tokenizer, messages, prompt, tools) if self.prefixes.enabled else 0
+    def _marks(self, messages: list[dict[str, Any]], prompt: list[int], tools: list[dict[str, Any]] | None,
+               template: TemplateOptions) -> tuple[CheckpointMark, ...]:
+        """The prompt's message boundaries our engine marks (none when nothing is kept here), but
+        the end of a first message that is no system prompt: here each boundary not held costs a
+        request of its own, and chats sharing a first user message but not what follows are rare."""
+        if not self.prefixes.enabled:
+            return ()
+        marks = message_marks(self.tokenizer, messages, prompt, tools, template.kwargs)
+        return tuple(m for m in marks if m.source is ReuseSource.SYSTEM or m.label == len(messages))
 
     def stream_stateless(self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str,
                          cache_salt: str, tools: list[dict[str, Any]] | None = None,
                          template: TemplateOptions = DEFAULT_TEMPLATE) -> AsyncIterator[RequestOutput]:
         params = backend_params(params, self.vocab_size)
         prompt = build_turn_prompt(self.tokenizer, [], [], messages, tools, template).token_ids  # no committed ids
-        return self.streams.stateless(len(messages), prompt, self._system_end(messages, prompt, tools), params,
+        return self.streams.stateless(len(messages), prompt, self._marks(messages, prompt, tools, template), params,
                                       request_id, cache_salt)
 
     def stream_completion(self, prompt: str | tuple[int, ...], params: SamplingParams, request_id: str,
@@ -219,7 +231,7 @@ class VllmSession:  # implements Session (session.py)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        return self.streams.stateless(1, ids, 0, params, request_id, cache_salt)  # one pseudo-message
+        return self.streams.stateless(1, ids, (), params, request_id, cache_salt)  # one pseudo-message
 
     # Each verdict also drops the ledgers that hold no head here (as the engine session does):
     # ledgers stay those with a head, within head_cache_mb, and those of turns running here.

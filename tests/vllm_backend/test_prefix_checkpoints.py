@@ -20,6 +20,10 @@ def test_the_longest_proper_prefix_of_the_salt_is_found():
     assert index.longest("s", [1, 2, 9, 4, 5]).head_id == "short"
     assert index.longest("s", [2, 1, 3]) is None
     assert index.longest("u", [1, 2, 3, 4, 5]) is None  # another salt shares nothing
+    pins = [c.loads for c in index]
+    assert index.reach("s", [1, 2, 3, 4, 5]) == 4 and index.reach("s", [1, 2, 3, 4]) == 2  # what longest loads,
+    assert index.reach("u", [1, 2]) == 0
+    assert [c.loads for c in index] == pins  # but pinning nothing
 
 
 def test_the_budget_drops_the_least_recently_used_but_never_one_being_loaded():

@@ -389,15 +389,17 @@ def user_message(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
-async def test_a_chat_resent_in_full_runs_only_its_new_messages(dense_session):
+async def test_a_chat_resent_in_full_runs_only_its_new_messages(dense_session, monkeypatch):
     """A stateless request (an ordinary OpenAI client's: the whole chat each time) loads the
     checkpoint the previous request left at its end and computes only the rest; its reply is
     vLLM's own run of the whole prompt. A checkpoint is exact: another salt, or a history whose
-    reply was edited, attaches nothing of it."""
+    reply was edited, attaches nothing of it. (No message boundary is primed here, so that what is
+    loaded is only ever an earlier request's end: boundaries are the next tests'.)"""
     from workers.vllm_backend.prefixes import state_bytes
     from workers.request import ReuseSource
 
     session = dense_session
+    monkeypatch.setattr(session.prefixes, "prime_min_tokens", 10**9)
     stored = len(session.prefixes.index)
     history: list[dict] = []
     ends = [0]  # tokens of each request's checkpoint
@@ -433,14 +435,15 @@ SYSTEM = {"role": "system", "content": "You are a patient guide to the sea, the 
 async def test_a_system_prompt_is_computed_once_for_the_chats_that_open_with_it(dense_session):
     """New chats opening with the same system prompt (stateless ones, and a conversation's first
     turn) load its checkpoint, computed once on its own; replies equal vLLM's run of the whole
-    prompt. A system prompt under another salt, or a short one, is computed with its prompt."""
-    from workers.vllm_backend.prefixes import MIN_SYSTEM_TOKENS
+    prompt. A system prompt under another salt, or a short one, is computed with its prompt. (The
+    user messages are too short past it for the end of the last message to be primed too.)"""
+    from workers.vllm_backend.prefixes import PRIME_MIN_TOKENS
     from workers.request import ReuseSource
 
     session = dense_session
     system_end = len(session.tokenizer.encode(session.tokenizer.render_chat([SYSTEM], add_generation_prompt=False)))
-    assert system_end >= MIN_SYSTEM_TOKENS
-    for i, text in enumerate(QUESTIONS[:2]):
+    assert system_end >= PRIME_MIN_TOKENS
+    for i, text in enumerate(["Hi", "Hello there"]):
         messages = [SYSTEM, user_message(text)]
         outs = [o async for o in session.stream_stateless(messages, SamplingParams(**GREEDY), f"system-{i}",
                                                           "salt-s")]
@@ -464,6 +467,52 @@ async def test_a_system_prompt_is_computed_once_for_the_chats_that_open_with_it(
     outs = [o async for o in session.stream_stateless(short, SamplingParams(**GREEDY), "system-short", "salt-s")]
     assert outs[-1].num_cached_tokens == 0
     assert outs[-1].checkpoints == ((3, outs[-1].num_prompt_tokens + sum(len(o.new_tokens) for o in outs) - 1),)
+    await host_is_clean(session)
+
+
+
+async def test_a_history_rendered_otherwise_loads_the_end_of_its_last_message(dense_session):
+    """A stateless request also keeps the end of its last message (the whole history before the
+    generation prompt), labelled as our engine labels it: new here and long enough, it is computed
+    first by a request of its own. The next request of a client that renders the reply otherwise
+    (drops its reasoning; an agent loop) loads it and computes only the rest; replies equal vLLM's
+    run of the whole prompt. A history already held is not computed again."""
+    from workers.request import ReuseSource
+    from workers.vllm_backend.prefixes import PRIME_MIN_TOKENS
+
+    session = dense_session
+    tokenizer = session.tokenizer
+    history = [user_message(QUESTIONS[0]), {"role": "assistant", "content": "Wide and deep."},
+               user_message(QUESTIONS[1])]
+    history_ids = tokenizer.encode(tokenizer.render_chat(history, add_generation_prompt=False))
+    assert len(history_ids) >= PRIME_MIN_TOKENS
+    prompt = tokenizer.encode(tokenizer.render_chat(history, add_generation_prompt=True))
+    stored = len(session.prefixes.index)
+    outs = [o async for o in session.stream_stateless(history, SamplingParams(**GREEDY), "render-1", "salt-r")]
+    reply = [t for o in outs for t in o.new_token_ids]
+    assert reply == await stateless_tokens(session, prompt, "render-ref-1")
+    assert outs[-1].num_cached_tokens == len(history_ids) and outs[-1].reused_from is ReuseSource.PREFIX
+    # Announced as the prefix index names them: messages[:3], and messages[:3] + the reply.
+    assert outs[-1].checkpoints == ((3, len(history_ids)), (4, len(prompt) + len(reply) - 1))
+    assert len(session.prefixes.index) == stored + 2
+    boundary = next(c for c in session.prefixes.index if c.salt == "salt-r" and list(c.tokens) == history_ids)
+
+    # The reply rendered otherwise, and a message short enough that nothing more is primed for it.
+    following = [*history, {"role": "assistant", "content": "Ok."}, user_message("Why?")]
+    following_prompt = tokenizer.encode(tokenizer.render_chat(following, add_generation_prompt=True))
+    assert following_prompt[:len(history_ids)] == history_ids
+    following_end = len(tokenizer.encode(tokenizer.render_chat(following, add_generation_prompt=False)))
+    assert following_end - len(history_ids) < PRIME_MIN_TOKENS
+    outs = [o async for o in session.stream_stateless(following, SamplingParams(**GREEDY), "render-2", "salt-r")]
+    assert [t for o in outs for t in o.new_token_ids] == await stateless_tokens(session, following_prompt,
+                                                                                "render-ref-2")
+    assert outs[-1].num_cached_tokens == len(history_ids) and outs[-1].reused_from is ReuseSource.PREFIX
+
+    outs = [o async for o in session.stream_stateless(history, SamplingParams(**GREEDY), "render-3", "salt-r")]
+    assert [t for o in outs for t in o.new_token_ids] == reply
+    assert outs[-1].num_cached_tokens == len(history_ids)
+    assert (3, len(history_ids)) in outs[-1].checkpoints
+    assert boundary.head_id in {c.head_id for c in session.prefixes.index}  # loaded, not computed again
     await host_is_clean(session)
 
 

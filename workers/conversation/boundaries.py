@@ -35,16 +35,6 @@ def message_marks(
     return tuple(marks.values())
 
 
-def system_boundary(
-    tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int],
-    tools: Sequence[dict[str, Any]] | None = None,
-) -> int:
-    """Where the prompt's opening system message ends (0: none, or no boundary there)."""
-    if not messages or messages[0].get("role") != "system":
-        return 0
-    return _boundary(tokenizer, messages[:1], prompt_ids, tools)
-
-
 def _boundary(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int],
               tools: Sequence[dict[str, Any]] | None, kwargs: dict[str, Any] | None = None) -> int:
     """The length of `messages` rendered, if that is a proper prefix of the prompt's ids; else 0."""

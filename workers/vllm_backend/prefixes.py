@@ -1,19 +1,26 @@
-"""Prefix checkpoints on the vLLM backend, kept in the engine host: where a stateless request
-ended, so the same chat resent in full with one more message (what an ordinary OpenAI client
-does every turn) runs only what is new; and a system prompt, so new chats opening with it
-(stateless, or a conversation's first turn) do not compute it again.
+"""Prefix checkpoints on the vLLM backend, kept in the engine host, at the places our engine
+keeps them (workers/conversation/boundaries.py): where a stateless request ended, so the same
+chat resent in full with one more message (what an ordinary OpenAI client does every turn) runs
+only what is new; and at its message boundaries, the end of a system prompt (new chats opening
+with it, stateless or a conversation's first turn, do not compute it again) and the end of its
+last message (the whole history before the generation prompt: the next request of a client that
+renders the reply otherwise, e.g. without its reasoning, still shares it).
 
     attach     the longest checkpoint under the request's salt whose tokens begin its prompt
                (exact token ids: a history rendered otherwise misses, it never misleads),
                pinned until the request ends so no budget drops what a request loads
-    prime      a system prompt of MIN_SYSTEM_TOKENS or more not held yet is computed first, on
-               its own (vLLM computes a prompt in one go: there is no state inside one), and
-               kept; concurrent requests opening with it wait for the same one
+    prime      a boundary PRIME_MIN_TOKENS or more beyond the longest checkpoint the request
+               would load (so not held yet) is computed first, by a one-token request of its own
+               loading that checkpoint, and kept (vLLM computes a prompt in one go: there is no
+               state inside one); concurrent requests sharing it wait for the same one
     keep       a finished stateless request's captured state, its prompt and reply but the last
                token (what vLLM computed), becomes a checkpoint
 
-prefix_cache_mb holds them, least recently used dropped first; a state that could not fit in
-it (the host's layout says how big it is) is neither captured nor primed.
+A prime costs one more request before the real one (an engine step, a round trip to the host
+and a copy of the state in and out), never more computed tokens: the real request loads what
+the prime computed. prefix_cache_mb holds the checkpoints, least recently used dropped first; a
+state that could not fit in it (the host's layout says how big it is) is neither captured nor
+primed.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.request import ReuseSource
+from workers.request import CheckpointMark, ReuseSource
 from workers.sampling import SamplingParams
 from workers.vllm_backend.engine_host import EngineHost
 from workers.vllm_backend.lru_budget import LruBudget
@@ -34,9 +41,10 @@ from workers.vllm_backend.requests import vllm_sampling
 
 log = logging.getLogger("hybridserve.vllm")
 
-# A shorter system prompt is computed with the rest of the prompt: priming it would cost an
-# extra request (an engine step and a round trip to the host) to save a few dozen tokens.
-MIN_SYSTEM_TOKENS = 32
+# A boundary closer than this to what the request loads anyway is computed with the rest of the
+# prompt: priming it would cost an extra request (an engine step and a round trip to the host)
+# to save a later request a few dozen tokens.
+PRIME_MIN_TOKENS = 32
 _PRIME = vllm_sampling(SamplingParams(temperature=0.0, max_tokens=1), None)  # one token: vLLM computes the prompt
 
 
@@ -73,15 +81,23 @@ class PrefixCheckpoints:
 
     def longest(self, salt: str, prompt: Sequence[int]) -> PrefixCheckpoint | None:
         """The longest checkpoint of `salt` that is a proper prefix of `prompt`, pinned (release it)."""
-        prompt = tuple(prompt)
+        best = self._longest(salt, tuple(prompt))
+        if best is not None:
+            best.loads += 1
+            self._held.touch(best.head_id)
+        return best
+
+    def reach(self, salt: str, prompt: Sequence[int]) -> int:
+        """How many tokens of `prompt` its longest checkpoint covers (what `longest` would load)."""
+        best = self._longest(salt, tuple(prompt))
+        return len(best.tokens) if best is not None else 0
+
+    def _longest(self, salt: str, prompt: tuple[int, ...]) -> PrefixCheckpoint | None:
         best = None
         for c in self._held:
             n = len(c.tokens)
             if c.salt == salt and n < len(prompt) and (best is None or n > len(best.tokens)) and prompt[:n] == c.tokens:
                 best = c
-        if best is not None:
-            best.loads += 1
-            self._held.touch(best.head_id)
         return best
 
     def release(self, checkpoint: PrefixCheckpoint) -> None:
@@ -112,6 +128,7 @@ class HostPrefixes:
         self.index = PrefixCheckpoints(budget_bytes)
         self._priming: dict[tuple[str, tuple[int, ...]], asyncio.Future] = {}
         self._numbers = itertools.count()
+        self.prime_min_tokens = PRIME_MIN_TOKENS
         self.layout: dict[str, Any] = {}  # the host's (export.host_layout), once it is up
 
     @property
@@ -122,47 +139,53 @@ class HostPrefixes:
         """Whether a state of `tokens` tokens fits the budget (its KV blocks and Mamba pages)."""
         return self.enabled and bool(self.layout) and state_bytes(self.layout, tokens) <= self.index.budget_bytes
 
-    async def attach(self, salt: str, prompt: Sequence[int], system_end: int) -> PrefixCheckpoint | None:
+    async def attach(self, salt: str, prompt: Sequence[int], marks: Sequence[CheckpointMark]
+                     ) -> PrefixCheckpoint | None:
         """The checkpoint the request loads, pinned (release it when the request ends), or None.
-        system_end: where the prompt's system message ends (0: it has none)."""
+        marks: the prompt's message boundaries (boundaries.message_marks); each one
+        prime_min_tokens beyond what the request would load is computed first and kept."""
         if not self.enabled:
             return None
-        found = self.index.longest(salt, prompt)
-        if (system_end >= MIN_SYSTEM_TOKENS and (found is None or len(found.tokens) < system_end)
-                and self.fits(system_end)):
-            if found is not None:
-                self.index.release(found)
-            await self._prime(salt, tuple(prompt[:system_end]))
-            found = self.index.longest(salt, prompt)
-        return found
+        reach = self.index.reach(salt, prompt)
+        for mark in sorted(marks, key=lambda m: m.position):
+            if mark.position - reach >= self.prime_min_tokens and self.fits(mark.position):
+                await self._prime(salt, tuple(prompt[:mark.position]), mark.source)
+                reach = self.index.reach(salt, prompt)  # the mark's, unless its prime failed or did not fit
+        return self.index.longest(salt, prompt)
 
     def release(self, checkpoint: PrefixCheckpoint | None) -> None:
         if checkpoint is not None:
             self.index.release(checkpoint)
 
-    def system_checkpoint(self, salt: str, prompt: Sequence[int], system_end: int) -> tuple[tuple[int, int], ...]:
-        """The request's system prompt checkpoint, if held, as RequestOutput.checkpoints (label 1:
-        the first message) for the prefix index: new chats opening with it are routed here."""
-        held = system_end and self.index.holds(salt, prompt[:system_end])
-        return ((1, system_end),) if held else ()
+    def held_marks(self, salt: str, prompt: Sequence[int], marks: Sequence[CheckpointMark]
+                   ) -> tuple[tuple[int, int], ...]:
+        """The request's marks held here, as RequestOutput.checkpoints ((label, tokens): the
+        first `label` messages) for the prefix index: chats sharing them are routed here."""
+        return tuple((m.label, m.position) for m in sorted(marks, key=lambda m: m.position)
+                     if self.index.holds(salt, prompt[:m.position]))
 
-    async def _prime(self, salt: str, tokens: tuple[int, ...]) -> None:
+    async def _prime(self, salt: str, tokens: tuple[int, ...], source: ReuseSource) -> None:
         key = (salt, tokens)
         priming = self._priming.get(key)
         if priming is None:
-            priming = self._priming[key] = detached(self._compute(salt, tokens))
+            priming = self._priming[key] = detached(self._compute(salt, tokens, source))
             priming.add_done_callback(lambda _: self._priming.pop(key, None))
         await asyncio.shield(priming)  # a request cancelled meanwhile leaves it to the others
 
-    async def _compute(self, salt: str, tokens: tuple[int, ...]) -> None:
+    async def _compute(self, salt: str, tokens: tuple[int, ...], source: ReuseSource) -> None:
+        """`tokens` computed (loading their longest checkpoint) and kept as a checkpoint."""
         request_id = f"prime/{next(self._numbers)}"
-        last = None
-        async for frame in self.host.stream(request_id, list(tokens), _PRIME, None, capture=True):
-            last = frame
-        if last is not None and last.get("error"):  # vLLM refused it: the request computes its whole prompt
-            log.warning("priming a system prompt of %d tokens failed: %s", len(tokens), last["error"])
+        base, last = self.index.longest(salt, tokens), None
+        try:
+            async for frame in self.host.stream(request_id, list(tokens), _PRIME,
+                                                (base.head_id, len(base.tokens)) if base else None, capture=True):
+                last = frame
+        finally:
+            self.release(base)
+        if last is not None and last.get("error"):  # vLLM refused it: the request computes it itself
+            log.warning("priming a prefix of %d tokens failed: %s", len(tokens), last["error"])
         elif last is not None and last.get("prepared") is not None:
-            await self.keep(salt, [*tokens, *last["tokens"]], last["prepared"], request_id, ReuseSource.SYSTEM)
+            await self.keep(salt, [*tokens, *last["tokens"]], last["prepared"], request_id, source)
 
     async def keep(self, salt: str, tokens: list[int], captured: int, request_id: str,
                    source: ReuseSource = ReuseSource.PREFIX) -> int:

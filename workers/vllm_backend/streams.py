@@ -1,6 +1,7 @@
 """A vLLM backend request as our engine's outputs: a conversation's turn (its head loaded, its end
 captured prepared for the two-phase commit, conversations.py) or a stateless request (the longest
-prefix checkpoint loaded, its end kept as one, prefixes.py), streamed from the engine host."""
+prefix checkpoint loaded, its message boundaries and its end kept as ones, prefixes.py), streamed
+from the engine host."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 from workers.conversation.ledger import ConversationLedger
 from workers.engine import RequestOutput
 from workers.errors import PromptTooLongError
-from workers.request import ReuseSource
+from workers.request import CheckpointMark, ReuseSource
 from workers.sampling import SamplingParams
 from workers.tokenizer import ChatTokenizer
 from workers.tools.formats import ToolFormat
@@ -33,13 +34,14 @@ class HostStreams:
         self.prefixes = prefixes
 
     async def turn(self, conv: ConversationLedger, suffix: list[dict[str, Any]], prompt: list[int],
-                   params: SamplingParams, request_id: str, load: tuple[str, int] | None, system_end: int
-                   ) -> AsyncIterator[RequestOutput]:
+                   params: SamplingParams, request_id: str, load: tuple[str, int] | None,
+                   marks: tuple[CheckpointMark, ...]) -> AsyncIterator[RequestOutput]:
+        """marks: where a first turn may start from a checkpoint (its system prompt's), or ()."""
         prepared, base = False, None
         try:
             params = await self.fit(prompt, params)
-            if system_end:
-                base = await self.prefixes.attach(conv.ref.salt, prompt, system_end)
+            if marks:
+                base = await self.prefixes.attach(conv.ref.salt, prompt, marks)
                 load = (base.head_id, len(base.tokens)) if base is not None else None
             outputs = OutputStream(request_id, self.tokenizer, params, len(prompt), self.conversations.eos_token_ids)
             async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids, self.tool_format), load,
@@ -54,7 +56,7 @@ class HostStreams:
                         await self.host.call("abandon", id=request_id)
                         raise
                     prepared = True
-                    checkpoints = self.prefixes.system_checkpoint(conv.ref.salt, prompt, system_end)
+                    checkpoints = self.prefixes.held_marks(conv.ref.salt, prompt, marks)
                 yield outputs.output(frame, record, reused=base.source if base else ReuseSource.HEAD,
                                      checkpoints=checkpoints)
         finally:
@@ -73,10 +75,12 @@ class HostStreams:
             return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         return params
 
-    async def stateless(self, num_messages: int, prompt: list[int], system_end: int, params: SamplingParams,
-                        request_id: str, salt: str) -> AsyncIterator[RequestOutput]:
+    async def stateless(self, num_messages: int, prompt: list[int], marks: tuple[CheckpointMark, ...],
+                        params: SamplingParams, request_id: str, salt: str) -> AsyncIterator[RequestOutput]:
+        """marks: the prompt's message boundaries (boundaries.message_marks), labelled as our
+        engine labels them; the end is labelled num_messages + 1 (the messages and the reply)."""
         params = await self.fit(prompt, params)
-        base: PrefixCheckpoint | None = await self.prefixes.attach(salt, prompt, system_end)
+        base: PrefixCheckpoint | None = await self.prefixes.attach(salt, prompt, marks)
         try:
             outputs = OutputStream(request_id, self.tokenizer, params, len(prompt), self.conversations.eos_token_ids)
             async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids, self.tool_format),
@@ -88,7 +92,7 @@ class HostStreams:
                     # once), and kept whole even if this stream is cancelled meanwhile.
                     tokens = await asyncio.shield(detached(self.prefixes.keep(
                         salt, prompt + outputs.output_ids + list(frame["tokens"]), frame["prepared"], request_id)))
-                    checkpoints = self.prefixes.system_checkpoint(salt, prompt, system_end)
+                    checkpoints = self.prefixes.held_marks(salt, prompt, marks)
                     if tokens:
                         checkpoints += ((num_messages + 1, tokens),)  # the messages and the reply
                 yield outputs.output(frame, reused=base.source if base else ReuseSource.PREFIX,
