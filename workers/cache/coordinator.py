@@ -316,46 +316,51 @@ class CacheCoordinator:
         All-or-nothing: the shared blocks are referenced first (so evicting their owners cannot
         free them), then room is made, then new blocks and slots are allocated and written; on
         any failure the holder is released and nothing else changed."""
-        holder = self.heads.new_holder(HolderKind.HEAD)
-        try:
-            shared = [b for b in blocks if b is not None]
-            self.kv.share(holder, shared)  # referenced first: evicting their owners cannot free them
-            new = len(blocks) - len(shared)
-            if not self.heads.make_room(new, 2 if aligned else 1, None, idle=False, admitted=self.admitted):
-                raise OutOfCacheError(f"cache full: importing a head needs {new} new blocks")
-            fresh = self.kv.fill(holder, blocks)
-            held = self.states.allocate(holder, aligned=aligned)
-            write(fresh, held)
-        except BaseException:
-            self._free(holder)
-            raise
+        slots = 2 if aligned else 1
+
+        def room(new: int, holder: Holder) -> bool:
+            return self.heads.make_room(new, slots, None, idle=False, admitted=self.admitted)
+
+        holder = self._install(HolderKind.HEAD, blocks, aligned, write, room, "importing a head")
         head = CommittedHead(holder, key, turn, version, state_len, aligned_len, canonical_window)
         self.heads.add(head)
         return head
 
     def install_checkpoint(
-        self, key: PrefixKey, state_len: int, blocks: list[int | None], aligned: bool,
-        write: Callable[[list[int], HolderSlots], None],
+        self, key: PrefixKey, state_len: int, blocks: list[int | None], write: Callable[[list[int], HolderSlots], None],
     ) -> CommittedHead:
-        """A prefix checkpoint from an import (another replica computed it), named `key`, within
-        the checkpoints' budget: room is made by evicting other checkpoints only (never a head or
-        a request's state: the import is optional, as a mark is). `blocks` as for install_head.
-        All-or-nothing: OutOfCacheError (nothing changed) if it does not fit."""
-        holder = self.heads.new_holder(HolderKind.CHECKPOINT)
-        slots = 2 if aligned else 1
+        """A prefix checkpoint from an import (another replica computed it), named `key`: its
+        terminal state and `blocks` as for install_head, within the checkpoints' budget; room is
+        made by evicting other checkpoints only (never a head or a request's state: the import is
+        optional, as a mark is). All-or-nothing: OutOfCacheError (nothing changed) if it does not fit."""
+
+        def room(new: int, holder: Holder) -> bool:
+            return self.heads.room_for_checkpoint(new, 1, protect=holder)
+
+        holder = self._install(HolderKind.CHECKPOINT, blocks, False, write, room, "importing a prefix checkpoint")
+        return self.heads.add_checkpoint(holder, state_len, key)
+
+    def _install(self, kind: HolderKind, blocks: list[int | None], aligned: bool,
+                 write: Callable[[list[int], HolderSlots], None], room: Callable[[int, Holder], bool],
+                 what: str) -> Holder:
+        """A new holder of `kind` with an import's blocks and slots. The shared blocks are
+        referenced first (so evicting their owners cannot free them), then `room` is made for the
+        new ones, then new blocks and slots are allocated and written; on any failure the holder
+        is released and nothing else changed."""
+        holder = self.heads.new_holder(kind)
         try:
             shared = [b for b in blocks if b is not None]
-            self.kv.share(holder, shared)  # referenced first: evicting their owners cannot free them
+            self.kv.share(holder, shared)
             new = len(blocks) - len(shared)
-            if not self.heads.room_for_checkpoint(new, slots, protect=holder):
-                raise OutOfCacheError(f"no room for an imported prefix checkpoint ({new} new blocks, {slots} slots)")
+            if not room(new, holder):
+                raise OutOfCacheError(f"cache full: {what} needs {new} new blocks")
             fresh = self.kv.fill(holder, blocks)
             held = self.states.allocate(holder, aligned=aligned)
             write(fresh, held)
         except BaseException:
             self._free(holder)
             raise
-        return self.heads.add_checkpoint(holder, state_len, key)
+        return holder
 
     def remember_chunks(self, head: CommittedHead, digests: list[str]) -> None:
         """Name the head's full KV blocks by their contents' digests (an import knows them)."""

@@ -82,8 +82,7 @@ def install_checkpoint(engine: LLMEngine, scope: str, verified: VerifiedHead) ->
     if key in caches.heads.index:
         return key
     checkpoint = caches.install_checkpoint(
-        key, verified.meta["state_len"], shared_blocks(engine, verified),
-        aligned=False, write=state_writer(engine, verified))
+        key, verified.meta["state_len"], shared_blocks(engine, verified), write=state_writer(engine, verified))
     caches.remember_chunks(checkpoint, [digest for digest, _ in verified.blocks])
     return key
 
