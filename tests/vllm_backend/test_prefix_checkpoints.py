@@ -21,8 +21,9 @@ def test_the_longest_proper_prefix_of_the_salt_is_found():
     assert index.longest("s", [2, 1, 3]) is None
     assert index.longest("u", [1, 2, 3, 4, 5]) is None  # another salt shares nothing
     pins = [c.loads for c in index]
-    assert index.reach("s", [1, 2, 3, 4, 5]) == 4 and index.reach("s", [1, 2, 3, 4]) == 2  # what longest loads,
-    assert index.reach("u", [1, 2]) == 0
+    # what longest loads, and whether it is a request's end (none here: all kept as boundaries),
+    assert index.reach("s", [1, 2, 3, 4, 5]) == (4, False) and index.reach("s", [1, 2, 3, 4]) == (2, False)
+    assert index.reach("u", [1, 2]) == (0, False)
     assert [c.loads for c in index] == pins  # but pinning nothing
 
 

@@ -516,6 +516,26 @@ async def test_a_history_rendered_otherwise_loads_the_end_of_its_last_message(de
     await host_is_clean(session)
 
 
+async def test_a_client_resending_its_history_as_it_got_it_is_primed_nothing(dense_session):
+    """A client resending the chat as it got it loads the previous request's end: the end of its
+    last message would be loaded by nobody (its next request loads this one's end), so no request
+    of its own computes it (one per turn) and no second copy of the state is kept."""
+    from workers.vllm_backend.prefixes import PRIME_MIN_TOKENS
+
+    session = dense_session
+    history = [user_message(QUESTIONS[0])]
+    outs = [o async for o in session.stream_stateless(list(history), SamplingParams(**GREEDY), "as-got-1", "salt-a")]
+    end = outs[-1].checkpoints[-1][1]
+    history += [{"role": "assistant", "content": "".join(o.text_delta for o in outs)}, user_message(QUESTIONS[1])]
+    rendered = session.tokenizer.encode(session.tokenizer.render_chat(history, add_generation_prompt=False))
+    assert len(rendered) - end >= PRIME_MIN_TOKENS  # long enough that a new chat's would be primed
+    stored = len(session.prefixes.index)
+    outs = [o async for o in session.stream_stateless(list(history), SamplingParams(**GREEDY), "as-got-2", "salt-a")]
+    assert outs[-1].num_cached_tokens == end
+    assert [k for k, _ in outs[-1].checkpoints] == [len(history) + 1]  # its end only
+    assert len(session.prefixes.index) == stored + 1
+    await host_is_clean(session)
+
 
 STALL_S = 1.0
 

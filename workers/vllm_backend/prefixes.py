@@ -12,7 +12,9 @@ renders the reply otherwise, e.g. without its reasoning, still shares it).
     prime      a boundary PRIME_MIN_TOKENS or more beyond the longest checkpoint the request
                would load (so not held yet) is computed first, by a one-token request of its own
                loading that checkpoint, and kept (vLLM computes a prompt in one go: there is no
-               state inside one); concurrent requests sharing it wait for the same one
+               state inside one); concurrent requests sharing it wait for the same one. The last
+               message's end only where the request loads no earlier request's end: a client
+               resending the chat as it got it never loads it, and would pay a prime a turn
     keep       a finished stateless request's captured state, its prompt and reply but the last
                token (what vLLM computed), becomes a checkpoint
 
@@ -56,6 +58,7 @@ class PrefixCheckpoint:
     nbytes: int
     source: ReuseSource = ReuseSource.PREFIX  # SYSTEM: a system prompt's
     loads: int = 0  # requests loading it now: never dropped meanwhile
+    end: bool = False  # where a request ended (prompt + reply), not a message boundary it primed
 
 
 class PrefixCheckpoints:
@@ -87,10 +90,11 @@ class PrefixCheckpoints:
             self._held.touch(best.head_id)
         return best
 
-    def reach(self, salt: str, prompt: Sequence[int]) -> int:
-        """How many tokens of `prompt` its longest checkpoint covers (what `longest` would load)."""
+    def reach(self, salt: str, prompt: Sequence[int]) -> tuple[int, bool]:
+        """How many tokens of `prompt` its longest checkpoint covers (what `longest` would load),
+        and whether that one is where a request ended."""
         best = self._longest(salt, tuple(prompt))
-        return len(best.tokens) if best is not None else 0
+        return (len(best.tokens), best.end) if best is not None else (0, False)
 
     def _longest(self, salt: str, prompt: tuple[int, ...]) -> PrefixCheckpoint | None:
         best = None
@@ -146,11 +150,17 @@ class HostPrefixes:
         prime_min_tokens beyond what the request would load is computed first and kept."""
         if not self.enabled:
             return None
-        reach = self.index.reach(salt, prompt)
+        reach, loads_an_end = self.index.reach(salt, prompt)
         for mark in sorted(marks, key=lambda m: m.position):
+            # A request that loads an earlier request's end is a client resending its history as
+            # it got it: its next request will load this one's end too, and a last-message mark
+            # would cost a request per turn and a second copy of the state for nothing. Primed
+            # for new chats and for clients that render the history otherwise (the end missed).
+            if mark.source is not ReuseSource.SYSTEM and loads_an_end:
+                continue
             if mark.position - reach >= self.prime_min_tokens and self.fits(mark.position):
                 await self._prime(salt, tuple(prompt[:mark.position]), mark.source)
-                reach = self.index.reach(salt, prompt)  # the mark's, unless its prime failed or did not fit
+                reach, loads_an_end = self.index.reach(salt, prompt)  # the mark's, unless its prime failed or did not fit
         return self.index.longest(salt, prompt)
 
     def release(self, checkpoint: PrefixCheckpoint | None) -> None:
@@ -188,7 +198,7 @@ class HostPrefixes:
             await self.keep(salt, [*tokens, *last["tokens"]], last["prepared"], request_id, source)
 
     async def keep(self, salt: str, tokens: list[int], captured: int, request_id: str,
-                   source: ReuseSource = ReuseSource.PREFIX) -> int:
+                   source: ReuseSource = ReuseSource.PREFIX, end: bool = False) -> int:
         """A finished request's captured state (of `tokens`, its prompt and output) as a
         checkpoint; returns the tokens it covers (0: not kept)."""
         if captured != len(tokens) - 1:  # the state must cover all the tokens but the last
@@ -199,7 +209,7 @@ class HostPrefixes:
             nbytes = await self.host.call("commit", id=request_id, head=head_id)
         except ValueError:  # not prepared there after all: nothing to keep
             return 0
-        dropped = self.index.keep(PrefixCheckpoint(head_id, salt, tuple(tokens[:captured]), nbytes, source))
+        dropped = self.index.keep(PrefixCheckpoint(head_id, salt, tuple(tokens[:captured]), nbytes, source, end=end))
         if dropped:
             await self.host.call("drop", heads=dropped)
         return 0 if head_id in dropped else captured

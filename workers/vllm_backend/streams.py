@@ -91,7 +91,8 @@ class HostStreams:
                     # Kept before the last output goes out (the client's next request may follow at
                     # once), and kept whole even if this stream is cancelled meanwhile.
                     tokens = await asyncio.shield(detached(self.prefixes.keep(
-                        salt, prompt + outputs.output_ids + list(frame["tokens"]), frame["prepared"], request_id)))
+                        salt, prompt + outputs.output_ids + list(frame["tokens"]), frame["prepared"], request_id,
+                        end=True)))
                     checkpoints = self.prefixes.held_marks(salt, prompt, marks)
                     if tokens:
                         checkpoints += ((num_messages + 1, tokens),)  # the messages and the reply
