@@ -24,10 +24,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from cache_service.tier import ChunkKey, ChunkRef
+from cache_service.tier_chunks import ChunkKey, ChunkRef
 
 PrefixKey = tuple[str, str]  # (scope tag, prefix name)
 

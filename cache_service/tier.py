@@ -54,15 +54,9 @@ from cache_service import errors
 from cache_service.config import TierConfig
 from cache_service.hashing import sha256
 from cache_service.prefix_tier import PrefixBook, PrefixEntry, PrefixKey
+from cache_service.tier_chunks import ChunkKey, ChunkRef
 
 SPILL_SUBDIR = "tier-v1"
-ChunkKey = tuple[str, bytes]  # (namespace: conversation hash or prefix_tier.namespace, sha256 digest)
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    digest: bytes
-    size: int
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,15 @@ class CorruptStateError(EngineError):
     """An exported head failed its checksums or does not fit this engine's model and layout."""
 
 
+class PrefixMismatchError(CorruptStateError):
+    """A prefix checkpoint (sound in itself) covers other tokens than the prompt it was fetched
+    for begins with: the same messages rendered otherwise (another chat_template_kwargs)."""
+
+    def __init__(self, message: str, length: int, digest: str):
+        super().__init__(message)
+        self.length, self.digest = length, digest
+
+
 class RequestIdInUseError(InvalidRequestError):
     """A request with this id is already running or streaming."""
 

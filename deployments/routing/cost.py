@@ -6,10 +6,10 @@
                 reported, plus its mean prefill (prompt less what was attached) for each request
                 sent to r since that report
     lacking(r)  the tokens of this request r must compute that the best-placed replica would not:
-                a stateless request or a first turn -> longest held prefix - the prefix r holds,
-                                                       or, where the state tier holds a longer one
-                                                       than r, its import (at r's import speed)
-                                                       plus the rest, if that is cheaper;
+                a stateless request or a first turn -> longest held prefix - the prefix r holds
+                                                       (a stateless chat: or, where the state tier
+                                                       holds a longer one than r, its import at
+                                                       r's import speed plus the rest, if cheaper);
                 a conversation's turn               -> 0 on its owner; elsewhere the import of
                                                        its head from the tier, or, without a tier
                                                        copy, its recompute from the ledger (then

@@ -44,7 +44,7 @@ from deployments.routing.prefix_hints import find_holders, prefix_estimates
 from deployments.routing.recent_prefixes import RECENT
 from deployments.messages import (ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob,
                                    prompt_as_messages)
-from deployments.settings import AppSettings
+from deployments.settings import AppSettings, Backend, TierExport
 from deployments.turn.outcome import IdempotencyKey
 from deployments.turn.request import HeadMoved, TurnRequest
 from proto.contract import ConversationRef, tools_scope
@@ -67,6 +67,14 @@ class Lease:
 
 class _LeaseLostMidTurn(Exception):
     pass
+
+
+def imports_prefixes(settings: AppSettings, request: TurnRequest) -> bool:
+    """Whether a worker may import this stateless request's prefix from the state tier, so the
+    router should price that (worker/prefix_tier.py): a chat (a completion's prompt is imported by
+    no one), not deterministic (it attaches nothing), on our engine with the tier in use."""
+    return (request.prompt is None and not request.sampling.get("deterministic")
+            and settings.backend is Backend.OURS and settings.tier_export is not TierExport.OFF)
 
 
 class TurnRun:
@@ -99,8 +107,8 @@ class TurnRun:
             hints = await find_holders(cache, scope, named)
             return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
                                                          prefix_holders=hints.holders,
-                                                         # a completion's prompt is imported by no one
-                                                         tier_prefix=hints.tier if request.prompt is None else None,
+                                                         tier_prefix=hints.tier if imports_prefixes(settings, request)
+                                                         else None,
                                                          prefix_names=prefix_estimates(scope, named, tools),
                                                          stateless_scope=request.scope,
                                                          tools=tools, parse_tool_calls=request.parse_tool_calls,

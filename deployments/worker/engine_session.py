@@ -40,7 +40,7 @@ from workers.conversation.export_format import pack_export, unpack_export
 from workers.conversation.records import CommitMode, HeadInfo, LedgerTurn, TurnCommit
 from workers.state_names import PrefixKey
 from workers.engine import LLMEngine, RequestOutput
-from workers.errors import CorruptStateError
+from workers.errors import CorruptStateError, PrefixMismatchError
 from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
@@ -177,7 +177,8 @@ class EngineSession:  # implements Session (session.py)
 
     async def import_prefix(self, scope: str, blob: bytes, prompt: list[int]) -> int:
         """Install another replica's prefix checkpoint under `scope` if it is a prefix of
-        `prompt` (token ids, exactly); returns its tokens. CorruptStateError if it is not."""
+        `prompt` (token ids, exactly); returns its tokens. PrefixMismatchError if it is not,
+        CorruptStateError if it is unsound."""
         held = await self.aengine.call(lambda _e: self.cache.held_chunk_digests())
 
         def verify() -> head_export.VerifiedHead:
@@ -185,7 +186,8 @@ class EngineSession:  # implements Session (session.py)
             verified = head_export.verify_export(header, chunks, self.identity, self.layout, held)
             length = verified.meta["committed_tokens"]
             if length >= len(prompt) or tokens_digest(prompt[:length]) != verified.meta["tokens_digest"]:
-                raise CorruptStateError("the tier's prefix checkpoint is not a prefix of this prompt")
+                raise PrefixMismatchError("the tier's prefix checkpoint is not a prefix of this prompt", length,
+                                          verified.meta["tokens_digest"])
             return verified
 
         verified = await asyncio.to_thread(verify)

@@ -28,10 +28,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from cache_service.client import CacheClient, CacheError
+from deployments.routing.cost import DEFAULT_IMPORT_SPEEDUP  # until measured: the router's assumption
 from deployments.routing.prefix_hints import FailureLog
 from deployments.settings import AppSettings, TierExport
 from deployments.worker.session import Session
-from workers.errors import CorruptStateError, OutOfCacheError
+from proto.contract import tokens_digest
+from workers.errors import CorruptStateError, EngineShutdownError, OutOfCacheError, PrefixMismatchError
 from workers.load import Rate
 from workers.state_names import PrefixKey
 from workers.template_options import TemplateOptions
@@ -41,13 +43,17 @@ log = logging.getLogger("hybridserve.worker")
 # A shorter gain is computed rather than fetched: a round trip to the tier and an install cost
 # about what a few dozen tokens of prefill do.
 IMPORT_MIN_TOKENS = 64
-# Until this replica has measured an import: taken as this many times faster than prefill
-# (it moves bytes, prefill does FLOPs; routing/cost.py assumes the same).
-DEFAULT_IMPORT_SPEEDUP = 10.0
 # Checkpoints waiting for their export at most (the oldest dropped: the tier is a cache), and
-# names this replica remembers having exported or imported (not sent again).
+# names this replica remembers having exported or imported: not sent again for SENT_FOR_S (the
+# tier lets an entry go after the prefix TTL, 30 min, unread, or sooner past its byte bound; a
+# name still hot here goes again after this long), nor after an import found it gone.
 PENDING_KEPT = 256
 NAMES_KEPT = 16384
+SENT_FOR_S = 600.0
+# An import may take at most this many times the prefill it saves (at least IMPORT_DEADLINE_MIN_S):
+# a slow or stalled tier must not hold a request longer than computing the prefix would.
+IMPORT_DEADLINE_FACTOR = 2.0
+IMPORT_DEADLINE_MIN_S = 1.0
 
 
 class PrefixTier:
@@ -57,7 +63,11 @@ class PrefixTier:
         self.import_rate = import_rate  # head and prefix imports alike: tokens installed per second
         self.on = settings.tier_export is not TierExport.OFF and session.prefix_tier
         self._pending: OrderedDict[tuple[str, str], tuple[PrefixKey, int, float]] = OrderedDict()
-        self._done: OrderedDict[tuple[str, str], None] = OrderedDict()  # (scope, name) sent or fetched
+        self._done: OrderedDict[tuple[str, str], float] = OrderedDict()  # (scope, name) -> when sent or fetched
+        # (scope, name) -> (tokens, digest) of a tier entry that was no prefix of the prompt it was
+        # fetched for (another rendering of the same messages: other chat_template_kwargs): a
+        # prompt that does not begin with those tokens skips the fetch
+        self._mismatched: OrderedDict[tuple[str, str], tuple[int, str, float]] = OrderedDict()
         self._exporting = False
         self.failures = FailureLog("prefix tier")
         self.counters = {"exports": 0, "export_skips": 0, "imports": 0, "import_misses": 0}
@@ -70,7 +80,7 @@ class PrefixTier:
             return
         due = time.monotonic() + self.settings.tier_export_delay_s
         for name, tokens, key in keyed:
-            if tokens < self.settings.prefix_export_min_tokens or (scope, name) in self._done:
+            if tokens < self.settings.prefix_export_min_tokens or self._sent_lately(scope, name):
                 continue
             self._pending[scope, name] = (key, tokens, due)
             self._pending.move_to_end((scope, name))
@@ -104,6 +114,11 @@ class PrefixTier:
             self._remember(scope, name)
         except (CacheError, OutOfCacheError) as e:
             self.failures.failed(e)
+        except EngineShutdownError:
+            raise
+        except Exception as e:  # a defect here must not end the exports queued behind it unseen
+            log.exception("exporting prefix %s", name)
+            self.failures.failed(e)
 
     # -- import --------------------------------------------------------------------------------
     async def import_for(self, scope: str, engine_scope: str, messages: list[dict[str, Any]],
@@ -115,21 +130,31 @@ class PrefixTier:
         if not self.on or tier_prefix is None:
             return False
         name, tokens = tier_prefix
-        started = time.perf_counter()
         prompt, held = await self.session.held_prefix(engine_scope, messages, tools, template)
         gain = min(tokens, len(prompt) - 1) - held
-        if gain < IMPORT_MIN_TOKENS or not self._cheaper(tokens, gain, await prefill_speed()):
+        speed = await prefill_speed()
+        if gain < IMPORT_MIN_TOKENS or not self._cheaper(tokens, gain, speed) or self._mismatches(scope, name, prompt):
             return False
+        deadline = max(IMPORT_DEADLINE_MIN_S, IMPORT_DEADLINE_FACTOR * gain / speed if speed > 0 else 0.0)
+        started = time.perf_counter()
         try:
-            blob = await (await self._cache()).get_prefix_state(scope, name)
+            blob = await asyncio.wait_for((await self._cache()).get_prefix_state(scope, name), deadline)
             installed = await self.session.import_prefix(engine_scope, blob, prompt)
-        except (CacheError, CorruptStateError, OutOfCacheError) as e:  # a cache: compute it instead
+        except PrefixMismatchError as e:  # the same messages rendered otherwise: not fetched again for it
             self.counters["import_misses"] += 1
+            self._mismatched[scope, name] = (e.length, e.digest, time.monotonic())
+            self._mismatched.move_to_end((scope, name))
+            while len(self._mismatched) > NAMES_KEPT:
+                self._mismatched.popitem(last=False)
+            return False
+        except (CacheError, CorruptStateError, OutOfCacheError, TimeoutError) as e:  # a cache: compute it instead
+            self.counters["import_misses"] += 1
+            self._done.pop((scope, name), None)  # gone from the tier, maybe: a replica holding it may send it again
             log.debug("prefix import of %s failed, computing it: %s", name, e)
             return False
         self.import_rate.observe(installed, time.perf_counter() - started)
         self.counters["imports"] += 1
-        self._remember(scope, name)  # the tier has it: never sent back
+        self._remember(scope, name)  # the tier has it: not sent back for a while
         return True
 
     def _cheaper(self, tokens: int, gain: int, prefill_tokens_per_s: float) -> bool:
@@ -138,8 +163,20 @@ class PrefixTier:
         imports = self.import_rate.value or prefill_tokens_per_s * DEFAULT_IMPORT_SPEEDUP
         return tokens / imports < gain / prefill_tokens_per_s
 
+    def _mismatches(self, scope: str, name: str, prompt: list[int]) -> bool:
+        """The tier's entry of `name`, lately fetched, covers tokens `prompt` does not begin with."""
+        seen = self._mismatched.get((scope, name))
+        if seen is None or time.monotonic() - seen[2] > SENT_FOR_S:
+            return False
+        length, digest, _ = seen
+        return tokens_digest(prompt[:length]) != digest
+
+    def _sent_lately(self, scope: str, name: str) -> bool:
+        at = self._done.get((scope, name))
+        return at is not None and time.monotonic() - at < SENT_FOR_S
+
     def _remember(self, scope: str, name: str) -> None:
-        self._done[scope, name] = None
+        self._done[scope, name] = time.monotonic()
         self._done.move_to_end((scope, name))
         while len(self._done) > NAMES_KEPT:
             self._done.popitem(last=False)

@@ -102,3 +102,18 @@ def test_an_evicted_checkpoint_has_nothing_to_export(models):
     checkpoint = a.engine.caches.heads.index.holding(key)[0]
     a.engine.caches.heads.drop(checkpoint)
     assert snapshot_checkpoint(a.engine, key) is None
+
+
+def test_a_second_import_shares_the_blocks_an_earlier_one_brought(models):
+    """The tier sends every chunk of an entry; blocks this engine holds by the same digest (an
+    earlier import of the system prompt) are shared, not allocated again."""
+    a, b = prefix_engine(models), prefix_engine(models)
+    made = stateless(a, "a1", SYSTEM + user("hello"))
+    system, end = made.request.checkpoint_keys[0], made.request.checkpoint_keys[-1]
+    install_checkpoint(b.engine, SALT, verified(b, exported_blob(a, system)))
+    kv = b.engine.caches.kv
+    free = kv.usage().free
+    install_checkpoint(b.engine, SALT, verified(b, exported_blob(a, end)))
+    full_shared = system.length // kv.block_size
+    assert full_shared > 0
+    assert free - kv.usage().free == -(-end.length // kv.block_size) - full_shared

@@ -120,13 +120,14 @@ class Eviction:
         blocks: set[int] = set()  # a block shared by several ends is counted once, as in the budget
         slots = 0
         for end in waiting:
-            more_blocks = blocks | set(self.kv.table(end.holder))
+            new_blocks = set(self.kv.table(end.holder)) - blocks  # on the engine thread per mark: no set copies
             more_slots = slots + len(self.states.slots.get(end.holder, ()))
-            held = len(more_blocks) * self.kv.layout.block_bytes + more_slots * self.states.layout.slot_bytes
+            held = (len(blocks) + len(new_blocks)) * self.kv.layout.block_bytes + more_slots * self.states.layout.slot_bytes
             if held > max_bytes or more_slots > max_slots:
                 break
             spared.add(end.holder)
-            blocks, slots = more_blocks, more_slots
+            blocks |= new_blocks
+            slots = more_slots
         return spared
 
     def eviction_order(self, kind: HolderKind | None) -> list[CommittedHead]:

@@ -60,9 +60,10 @@ def install_head(
     held = caches.heads.latest(key)
     if held is not None and held.turn >= turn:
         return conv.head_info(held)
+    shared = shared_blocks(engine, verified)
     head = caches.install_head(
-        key, turn, meta["version"], meta["state_len"], meta["aligned_len"], shared_blocks(engine, verified),
-        aligned=SlotRole.ALIGNED in verified.states, write=state_writer(engine, verified),
+        key, turn, meta["version"], meta["state_len"], meta["aligned_len"], shared,
+        aligned=SlotRole.ALIGNED in verified.states, write=state_writer(engine, verified, shared),
         canonical_window=meta["canonical_window"],
     )
     caches.remember_chunks(head, [digest for digest, _ in verified.blocks])
@@ -71,23 +72,27 @@ def install_head(
 
 
 def shared_blocks(engine: LLMEngine, verified: VerifiedHead) -> list[int | None]:
-    """Per block of the export, the local block holding that chunk (the export left it out), or
-    None (a new block the writer fills). CorruptStateError if a left-out chunk is gone meanwhile."""
+    """Per block of the export, the local block already holding that chunk (its digest names its
+    contents: a tier import sends every chunk, and one this engine holds is shared, not copied),
+    or None (a new block the writer fills). CorruptStateError if a chunk the export left out is
+    gone meanwhile."""
     shared: list[int | None] = []
     for digest, data in verified.blocks:
-        block = engine.caches.chunks.block_of(digest) if data is None else None
+        block = engine.caches.chunks.block_of(digest)
         if data is None and block is None:
             raise CorruptStateError(f"chunk {digest[:16]} is no longer held here: send it")
         shared.append(block)
     return shared
 
 
-def state_writer(engine: LLMEngine, verified: VerifiedHead) -> Callable[[list[int], HolderSlots], None]:
-    """What fills an installed state's new blocks and slots from the export (engine thread)."""
+def state_writer(engine: LLMEngine, verified: VerifiedHead,
+                 shared: list[int | None]) -> Callable[[list[int], HolderSlots], None]:
+    """What fills an installed state's new blocks (those `shared` leaves None) and its slots from
+    the export (engine thread)."""
     runner = engine.runner
 
     def write(new_blocks: list[int], slots: HolderSlots) -> None:
-        fresh = [data for _, data in verified.blocks if data is not None]
+        fresh = [data for (_, data), block in zip(verified.blocks, shared, strict=True) if block is None]
         if fresh:
             runner.write_blocks(new_blocks, torch.stack(fresh, dim=2))
         roles = slots.roles

@@ -66,6 +66,7 @@ def _prefix_problems(h: dict[str, Any], state_len: int, roles: list[str]) -> lis
     return [
         (h["committed_tokens"] != state_len or prefix["length"] != state_len, "prefix length vs state_len"),
         (h["tokens_digest"] != prefix["digest"], "prefix digest vs tokens digest"),
+        (not isinstance(prefix["scope"], str), "prefix scope"),
         (roles != [SlotRole.TERMINAL.value], "slot roles"),
         (h["aligned_len"] != 0, "a prefix checkpoint has no aligned state"),
         (h["turn"] != 0 or h["conversation"] != "", "a prefix checkpoint belongs to no conversation"),

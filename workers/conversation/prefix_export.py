@@ -81,8 +81,9 @@ def install_checkpoint(engine: LLMEngine, scope: str, verified: VerifiedHead) ->
     caches = engine.caches
     if key in caches.heads.index:
         return key
-    checkpoint = caches.install_checkpoint(
-        key, verified.meta["state_len"], shared_blocks(engine, verified), write=state_writer(engine, verified))
+    shared = shared_blocks(engine, verified)
+    checkpoint = caches.install_checkpoint(key, verified.meta["state_len"], shared,
+                                           write=state_writer(engine, verified, shared))
     caches.remember_chunks(checkpoint, [digest for digest, _ in verified.blocks])
     return key
 
