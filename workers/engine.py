@@ -33,7 +33,9 @@ from workers.deterministic.verifier import Verifier
 from workers.grammar.compiler import GrammarCompiler
 from workers.grammar.guide import TokenGuide
 from workers.identity import model_identity
-from workers.loop.admission import check_prompt, check_prompt_logprobs, check_request_id, keyed_marks, seeded
+from workers.loop.admission import (
+    check_constraint_starts, check_prompt, check_prompt_logprobs, check_request_id, keyed_marks, seeded,
+)
 from workers.loop.fast_step import FastStep
 from workers.load import EngineLoad
 from workers.loop.finishing import Finisher
@@ -184,6 +186,15 @@ class LLMEngine:
             self._finisher.start(choice)
         self.scheduler.add(request)
         return request
+
+    def check_constraint(self, constraint) -> None:
+        """Refuse (InvalidRequestError) a constraint whose reply cannot begin: its grammar allows
+        no first token this model may produce, and an empty reply is not whole either (e.g. a
+        regex opening with a character no token spells). Any thread: a fresh matcher, no engine
+        state. Found here it is a 400 before anything runs; later in a reply, a dead end fails
+        the request as the request's own doing (RequestOutput.error_invalid)."""
+        guide = TokenGuide(self.grammars.matcher(constraint), self.model_config.vocab_size, self._mask_threads)
+        check_constraint_starts(guide, self.banned_token_ids)
 
     def abort(self, request_id: str) -> None:
         """End a request, with every choice of it (n > 1) still running."""

@@ -263,7 +263,7 @@ class Worker(TextCalls):
             async for out in stream:
                 if out.error:
                     last = out if out.index == 0 else last  # choice 0's prepared turn is abandoned below
-                    yield TurnFailed(ErrorKind.INTERNAL, out.error)
+                    yield TurnFailed(ErrorKind.INVALID if out.error_invalid else ErrorKind.INTERNAL, out.error)
                     return
                 if out.index:
                     choice = others.setdefault(

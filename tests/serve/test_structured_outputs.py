@@ -100,6 +100,8 @@ async def test_priority_is_served_and_changes_nothing_alone(stack):
     ({"guided_choice": ["a"], "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "llguidance"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
     ({"guided_choice": []}, "guided_choice", "at least 1 item"),
+    # a character no token of the model spells: the reply cannot begin (found by the fuzz test as a 500)
+    ({"guided_regex": "\x08"}, None, "allows no first token"),
 ])
 async def test_what_cannot_be_served_is_a_400_naming_it(stack, endpoint, extra, param, says):
     client = stack.client()
@@ -113,6 +115,24 @@ async def test_what_cannot_be_served_is_a_400_naming_it(stack, endpoint, extra, 
     assert param is None or error["param"] == param, error
     assert says in error["message"], error
     assert (error["code"] == "unsupported_parameter") == (says == "not supported"), error  # served, but not so
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_constraint_that_leads_nowhere_midway_is_the_requests_error_not_the_servers(stack, stream):
+    """"a" then a character no token spells: the reply begins, then the grammar allows nothing
+    the model may produce. The request's doing: a 400 before anything was sent, an error event
+    of type invalid_request_error in a stream, never a 500."""
+    body = {"model": stack.model, "prompt": "hi", "max_tokens": 8, "guided_regex": "a\x08", "stream": stream}
+    async with stack.http() as http:
+        response = await http.post("/v1/completions", json=body)
+    if not stream:
+        assert response.status_code == 400, response.text
+        assert "allows no token" in response.json()["error"]["message"]
+        return
+    assert response.status_code == 200, response.text
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: {")]
+    errors = [json.loads(e)["error"] for e in events if "error" in json.loads(e)]
+    assert errors and errors[-1]["type"] == "invalid_request_error", response.text
 
 
 async def test_a_structured_output_beside_another_constraint_is_a_400_naming_both(stack):

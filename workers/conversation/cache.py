@@ -73,6 +73,7 @@ class ConversationCache:
         """Compile and check a constrained request's grammar (cached). Off-thread: it touches no
         engine state, so a bad schema is refused before the request reaches the engine thread."""
         self._engine.grammars.prepare(constraint)
+        self._engine.check_constraint(constraint)
 
     # -- a request without a conversation ------------------------------------------------------------
     def begin_stateless(

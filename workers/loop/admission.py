@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+import torch
+
 from workers.cache.heads import HeadManager
 from workers.cache.layout import KVCacheLayout
 from workers.cache.prefix_index import prefix_keys
 from workers.deterministic.seed import derived_seed
 from workers.errors import InvalidRequestError, PromptTooLongError, RequestIdInUseError
+from workers.grammar.guide import TokenGuide
 from workers.request import CheckpointMark, HeadAttachment
 from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler
@@ -68,3 +71,11 @@ def keyed_marks(scope: str, prompt: list[int], marks: tuple[CheckpointMark, ...]
     keys = {k.length: k for k in prefix_keys(scope, list(prompt), positions)}
     return tuple(dataclasses.replace(m, key=keys[m.position]) for m in sorted(marks, key=lambda m: m.position)
                  if m.position in keys)
+
+
+def check_constraint_starts(guide: TokenGuide, banned: torch.Tensor) -> None:
+    """InvalidRequestError if the constraint's grammar allows no first token the model may
+    sample (`banned`: its never-sampled ids) and an empty reply is not whole either."""
+    mask = guide.allowed(())
+    if mask is not None and not mask.index_fill(0, banned, False).any() and not guide.accepts(()):
+        raise InvalidRequestError("the constraint allows no first token this model can produce")

@@ -86,8 +86,8 @@ class FastStep:
             if grammar_failed.get(request.request_id) == COMPLETE:
                 finisher.finish(request, FinishReason.STOP)
                 outputs.append(output_of(request, (), ""))
-            elif request.request_id in grammar_failed:
-                outputs.append(finisher.fail(request, grammar_failed[request.request_id]))
+            elif request.request_id in grammar_failed:  # the request's constraint leads nowhere: its doing
+                outputs.append(finisher.fail(request, grammar_failed[request.request_id], invalid=True))
             elif request.deterministic:  # a candidate: nothing reaches the client unverified
                 self.verifier.on_candidate(request, token, finisher.ends)
                 prefetch_mask(request)

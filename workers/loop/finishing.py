@@ -131,6 +131,7 @@ class Finisher:
         request.finish_reason = FinishReason.ERROR
         request.finish_error = f"finishing the request failed: {error}"
 
-    def fail(self, request: Request, message: str) -> RequestOutput:
+    def fail(self, request: Request, message: str, invalid: bool = False) -> RequestOutput:
+        """End the request with an error (`invalid`: its own input's doing, see RequestOutput)."""
         self.finish(request, FinishReason.ERROR)
-        return output_of(request, (), "", error=message)
+        return output_of(request, (), "", error=message, invalid=invalid)

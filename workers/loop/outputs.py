@@ -24,6 +24,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    # The error is the request's own doing, not the server's: its constraint allows no token the
+    # model may produce from where the reply stands (a 400, not a 500).
+    error_invalid: bool = False
     seed: int = 0  # the sampling seed used (drawn from the OS for unseeded requests)
     # What the request's on_finished returned, on its final output: a conversation turn's
     # `TurnCommit` (see workers/conversation/API.md).
@@ -55,10 +58,12 @@ class RequestOutput:
         return [t.token_id for t in self.new_tokens]
 
 
-def output_of(request: Request, tokens: Iterable[SampledToken], delta: str, error: str | None = None) -> RequestOutput:
+def output_of(request: Request, tokens: Iterable[SampledToken], delta: str, error: str | None = None,
+              invalid: bool = False) -> RequestOutput:
     """The request's output for this step (its final fields once it has finished)."""
     return RequestOutput(
         request_id=request.request_id,
+        error_invalid=invalid,
         new_tokens=tuple(tokens),
         text_delta=delta,
         finished=request.is_finished,
