@@ -73,7 +73,14 @@ class ReplicaLoad:
         """From a replica's routing stats (Worker.record_routing_stats) and the requests Serve
         and this router count against it now."""
         reported = int(stats.get("running_requests", 0))
-        return cls(reported, int(stats.get("waiting_prefill_tokens", 0)), max(0, live_requests - reported),
+        waiting = int(stats.get("waiting_prefill_tokens", 0))
+        if live_requests < reported:
+            # Requests of the report finished since (Serve's count drops as each one ends): their
+            # unprefilled prompts went with them. Left in, the report taken while a request
+            # prefilled makes its own replica look busy by its prompt right after it ended, and
+            # a repeat of that prompt (which saves one token less) goes elsewhere.
+            waiting = waiting * live_requests // reported
+        return cls(reported, waiting, max(0, live_requests - reported),
                    float(stats.get("prefill_tokens_per_s", 0.0)), float(stats.get("import_tokens_per_s", 0.0)),
                    float(stats.get("mean_prefill_tokens", 0.0)))
 

@@ -98,6 +98,15 @@ async def test_a_holder_is_worth_waiting_for_exactly_while_its_saved_prefill_exc
     assert _decisions(reason) == before + 1
 
 
+async def test_a_report_older_than_the_requests_it_counts_does_not_price_their_prompts():
+    """a's last report was taken while the request that left its 44-token prefix still prefilled
+    (one running, 45 tokens waiting); that request has ended since (Serve counts nothing in flight
+    on a). Its own prompt is no queue: the repeat of it goes to a, which holds 44 of its 45."""
+    router, replicas = _router(a={"running_requests": 1, "waiting_prefill_tokens": 45}, b={})
+    router.on_new_queue_len_info(replicas[0].replica_id, 0)
+    assert await _first(router, replicas, _job_request(1, holders=(("a", 44),))) == "a"
+
+
 async def test_each_replica_is_priced_at_its_own_measured_speed():
     """A slow holder (100 tokens/s) with 100 tokens queued (1 s) loses to a fast replica
     recomputing the 500-token prefix (0.5 s); with nothing queued it wins (0 s)."""
