@@ -35,7 +35,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from cache_service import hashing, placed_tier, placement, state_chunks
@@ -45,10 +44,11 @@ from cache_service.errors import (  # noqa: F401 (the client's face: callers cat
     VersionConflict,
 )
 from cache_service.client_config import SERVICE_LIMITS, ClientConfig, RetryPolicy  # noqa: F401 (the client's face)
+from cache_service.client_prefixes import PrefixIndexCalls, PrefixMatch, scope_tag  # noqa: F401 (PrefixMatch: the client's face)
 from cache_service.client_transport import Transport
 from proto import cache_pb2 as pb
 from proto import cache_pb2_grpc
-from proto.contract import TIER_HOLDER, ConversationRef, prefix_scope_tag
+from proto.contract import ConversationRef
 
 TurnResult = pb.TurnResult  # what a committed turn answered (publish_turn(result=...))
 SentReply, SentToolCall = pb.SentReply, pb.SentToolCall  # its reply as the client was sent it
@@ -59,19 +59,6 @@ def key_message(conv: ConversationRef) -> pb.ConversationKey:
 
 
 LeaseArg = int | pb.Lease
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Who holds a chat's prefixes: `index` into the names asked for (entry k names
-    messages[:k + 1]) of the longest any replica holds, and every holder as (replica, tokens of
-    its longest)."""
-
-    index: int
-    holders: tuple[tuple[str, int], ...]
-    # The state tier's longest of them (proto.contract.TIER_HOLDER in the index), as (name, tokens):
-    # not a replica, so not among `holders`; any replica can import it.
-    tier: tuple[str, int] | None = None
 
 
 def _messages(messages: Sequence[pb.Message | Mapping[str, Any]]) -> list[pb.Message]:
@@ -86,7 +73,7 @@ def _messages(messages: Sequence[pb.Message | Mapping[str, Any]]) -> list[pb.Mes
     return out
 
 
-class CacheClient:
+class CacheClient(PrefixIndexCalls):
     def __init__(self, target: str, config: ClientConfig | None = None):
         """`target`: one address, or several and/or `dns:///name:port` entries, comma-separated."""
         self.config = config or ClientConfig()
@@ -281,47 +268,6 @@ class CacheClient:
             key=key_message(conv), lease_token=token, lease_proof=proof, expected_version=expected_version,
             new_owner=new_owner))
 
-    # -- the prefix index -------------------------------------------------------------
-
-    # Every prefix call names the scope its names were made in (message_prefix_digests' first
-    # argument): the service keeps one scope's names together, on one Redis Cluster slot. None:
-    # no scope (the index's common slot, as before scopes existed).
-
-    async def announce_prefixes(self, replica: str, entries: Sequence[tuple[str, int]],
-                                *, scope: str | None = None) -> None:
-        """Record that `replica` holds the state of each (prefix name, tokens); more than one
-        request's worth (SERVICE_LIMITS.max_prefix_entries) is sent in several."""
-        step, tag = SERVICE_LIMITS.max_prefix_entries, _scope_tag(scope)
-        for start in range(0, len(entries), step):
-            await self._calls.unary("AnnouncePrefixes", pb.AnnouncePrefixesRequest(replica=replica, scope=tag, entries=[
-                pb.PrefixEntry(name=name, tokens=tokens) for name, tokens in entries[start:start + step]]))
-
-    async def forget_prefixes(self, replica: str, names: Sequence[str], *, scope: str | None = None) -> None:
-        """`replica` no longer holds these prefixes (names it never announced are fine)."""
-        step, tag = SERVICE_LIMITS.max_prefix_entries, _scope_tag(scope)
-        for start in range(0, len(names), step):
-            await self._calls.unary("ForgetPrefixes", pb.ForgetPrefixesRequest(
-                replica=replica, scope=tag, names=list(names[start:start + step])))
-
-    async def find_prefix(self, names: Sequence[str], *, scope: str | None = None,
-                          timeout_s: float | None = None) -> PrefixMatch | None:
-        """The longest prefix among `names` (a chat's message_prefix_digests) that a replica
-        holds, None if none does. With `timeout_s` the call is one attempt within that deadline
-        (a routing hint must not wait for retries); without, as every call."""
-        if not names:
-            return None
-        request = pb.FindPrefixRequest(names=list(names), scope=_scope_tag(scope))
-        if timeout_s is None:
-            reply = await self._calls.unary("FindPrefix", request)
-        else:
-            reply = await self._calls.once("FindPrefix", request, timeout_s)
-        if reply.index < 0:
-            return None
-        tier = next(((names[h.index], h.tokens) for h in reply.holders
-                     if h.replica == TIER_HOLDER and 0 <= h.index < len(names)), None)
-        replicas = tuple((h.replica, h.tokens) for h in reply.holders if h.replica != TIER_HOLDER)
-        return PrefixMatch(reply.index, replicas, tier)
-
     async def stats(self) -> pb.Stats:
         return await self._calls.unary("GetStats", pb.GetStatsRequest())
 
@@ -360,7 +306,7 @@ class CacheClient:
         message_prefix_digests(scope, ...) entry) names, `tokens` long, owned by no conversation.
         The tier then holds it (replacing one of that name) and the prefix index names the tier,
         TIER_HOLDER, among its holders; chunks travel only if the scope's entries lack them."""
-        prefix = pb.PrefixStateKey(scope=_scope_tag(scope), name=name, tokens=tokens)
+        prefix = pb.PrefixStateKey(scope=scope_tag(scope), name=name, tokens=tokens)
         chunks = state_chunks.cut(data, self.config.chunk_bytes)
         digests = await asyncio.to_thread(lambda: [hashing.sha256(c) for c in chunks])
         manifest = state_chunks.prefix_manifest(prefix, chunks, digests)
@@ -400,7 +346,7 @@ class CacheClient:
     async def get_prefix_state(self, scope: str | None, name: str) -> bytes:
         """Import a prefix checkpoint's bytes, every chunk verified end to end; NotFound if the
         tier does not hold it (never put, evicted, expired: the index's name is only a hint)."""
-        tag = _scope_tag(scope)
+        tag = scope_tag(scope)
         request = pb.GetStateRequest(prefix=pb.PrefixStateKey(scope=tag, name=name))
         _, data = await self._get(placement.prefix_key(tag, name), request, None)
         return data
@@ -417,7 +363,3 @@ class CacheClient:
         if incarnation is not None and manifest.incarnation != incarnation:
             raise NotFound("the state tier holds another incarnation of this conversation")
         return manifest.version, data
-
-
-def _scope_tag(scope: str | None) -> str:
-    return "" if scope is None else prefix_scope_tag(scope)

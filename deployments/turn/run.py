@@ -40,11 +40,11 @@ from deployments import errors
 from deployments.turn import outcome
 from deployments.errors import APIError
 from deployments.turn.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
-from deployments.routing.prefix_hints import find_holders, prefix_estimates
+from deployments.routing.prefix_hints import find_holders, prefix_estimates, tier_import_applies
 from deployments.routing.recent_prefixes import RECENT
 from deployments.messages import (ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob,
                                    prompt_as_messages)
-from deployments.settings import AppSettings, Backend, TierExport
+from deployments.settings import AppSettings
 from deployments.turn.outcome import IdempotencyKey
 from deployments.turn.request import HeadMoved, TurnRequest
 from proto.contract import ConversationRef, tools_scope
@@ -67,14 +67,6 @@ class Lease:
 
 class _LeaseLostMidTurn(Exception):
     pass
-
-
-def imports_prefixes(settings: AppSettings, request: TurnRequest) -> bool:
-    """Whether a worker may import this stateless request's prefix from the state tier, so the
-    router should price that (worker/prefix_tier.py): a chat (a completion's prompt is imported by
-    no one), not deterministic (it attaches nothing), on our engine with the tier in use."""
-    return (request.prompt is None and not request.sampling.get("deterministic")
-            and settings.backend is Backend.OURS and settings.tier_export is not TierExport.OFF)
 
 
 class TurnRun:
@@ -107,8 +99,8 @@ class TurnRun:
             hints = await find_holders(cache, scope, named)
             return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
                                                          prefix_holders=hints.holders,
-                                                         tier_prefix=hints.tier if imports_prefixes(settings, request)
-                                                         else None,
+                                                         tier_prefix=hints.tier if tier_import_applies(
+                                                             settings, request.prompt, request.sampling) else None,
                                                          prefix_names=prefix_estimates(scope, named, tools),
                                                          stateless_scope=request.scope,
                                                          tools=tools, parse_tool_calls=request.parse_tool_calls,

@@ -123,7 +123,7 @@ class PrefixTier:
     # -- import --------------------------------------------------------------------------------
     async def import_for(self, scope: str, engine_scope: str, messages: list[dict[str, Any]],
                          tools: list[dict[str, Any]] | None, template: TemplateOptions,
-                         tier_prefix: tuple[str, int] | None, prefill_speed: Callable[[], Awaitable[float]]) -> bool:
+                         tier_prefix: tuple[str, int] | None) -> bool:
         """Install the tier's prefix of this request's messages when that beats computing it
         here; True if it did (the request then attaches it). `scope`: the index's (tools
         included), `engine_scope`: the engine's (the request's salt)."""
@@ -132,7 +132,7 @@ class PrefixTier:
         name, tokens = tier_prefix
         prompt, held = await self.session.held_prefix(engine_scope, messages, tools, template)
         gain = min(tokens, len(prompt) - 1) - held
-        speed = await prefill_speed()
+        speed = (await self.session.load()).prefill_tokens_per_s
         if gain < IMPORT_MIN_TOKENS or not self._cheaper(tokens, gain, speed) or self._mismatches(scope, name, prompt):
             return False
         deadline = max(IMPORT_DEADLINE_MIN_S, IMPORT_DEADLINE_FACTOR * gain / speed if speed > 0 else 0.0)

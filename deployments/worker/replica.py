@@ -183,9 +183,6 @@ class Worker(TextCalls):
             except Exception:  # the next sweep tries again; a copy is only ever older, never wrong
                 log.exception("forgetting idle conversations")
 
-    async def _prefill_speed(self) -> float:
-        return (await self.session.load()).prefill_tokens_per_s
-
     async def prefix_tier_counters(self, call: ReplicaCall) -> tuple[str, dict[str, int]]:
         """(this replica, its prefix-tier exports and imports): for operators and tests."""
         return self.replica_id, dict(self.prefix_tier.counters)
@@ -216,7 +213,7 @@ class Worker(TextCalls):
                 recovery = Recovery.NEW
                 if job.tier_prefix is not None and not params.deterministic and await self.prefix_tier.import_for(
                         tools_scope(job.scope, job.tools), job.scope, job.messages, list(job.tools), job.template,
-                        job.tier_prefix, self._prefill_speed):
+                        job.tier_prefix):
                     recovery = Recovery.PREFIX_IMPORT
                 stream = self.session.stream_stateless(job.messages, params, job.request_id, job.scope,
                                                        list(job.tools), job.template)
