@@ -136,11 +136,14 @@ class CacheServer:
         checkpoints past their TTL go too (their names withdrawn from the index)."""
         while True:
             await asyncio.sleep(self.config.tier_sweep_interval_s)
-            expired = await self._servicer.hints.sweep()
             try:
+                expired = await self._servicer.hints.sweep()
                 dropped = await self._servicer.sweep_tier()
             except (OSError, RedisError) as exc:  # Redis away: the next sweep tries again
                 log.warning("tier_sweep_failed", extra=fields(error=str(exc)))
+                continue
+            except Exception:  # a sweeper that died would let the tier keep what expired, unseen
+                log.exception("tier_sweep_error")
                 continue
             if dropped or expired:
                 log.info("tier_swept", extra=fields(dropped=dropped, prefixes_expired=expired))

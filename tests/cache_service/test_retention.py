@@ -95,8 +95,13 @@ async def test_an_idle_conversation_expires_whole_and_its_tier_entry_follows(sho
         await cache.put_state(conv, 1, b"exported head state")
         assert (await cache.get_head(conv)).tier_version == 1
         assert 0 < redis_client.pttl(conversation_keys(conv)["head"]) <= SHORT_TTL_S * 1000
+        # The head, ledger and marks go at the TTL; the fence outlives them by the last lease's TTL
+        # (a holder that lost its lease must still be refused), bounded too. Waiting on the fence
+        # as well would put the deadline on the fence's expiry itself.
+        fence_key = conversation_keys(conv)["fence"].encode()
+        assert 0 < redis_client.pttl(fence_key) <= SHORT_TTL_S * 1000 + LEASE_MS
         deadline = time.monotonic() + SHORT_TTL_S + 10
-        while stored_keys(redis_client, conv) or (await cache.stats()).tier_entries:
+        while [k for k in stored_keys(redis_client, conv) if k != fence_key] or (await cache.stats()).tier_entries:
             assert time.monotonic() < deadline, f"still stored: {stored_keys(redis_client, conv)}"
             await asyncio.sleep(0.2)
         with pytest.raises(NotFound):
