@@ -99,6 +99,11 @@ class Scheduler:
             place -= 1
         self.waiting.insert(place, request)
 
+    def awaited_tokens(self) -> int:
+        """Prompt tokens of waiting requests that a running one is computing for them (they will
+        attach its mark, prefix_wait.py): no prefill of theirs, whatever their prompts say."""
+        return sum(max(0, awaited_prefix(r, self.running) - r.num_computed_tokens) for r in self.waiting)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -3,8 +3,9 @@
     expected_ttft(r) = (ahead(r) + lacking(r)) / prefill_speed(r)          [+ import(r) for a head]
 
     ahead(r)    prefill tokens queued on r before this request: the waiting prompt tokens r last
-                reported, plus its mean prefill (prompt less what was attached) for each request
-                sent to r since that report
+                reported (of its requests still live), plus the estimated prefill of each request
+                this router sent to r since that report (sent_log.py: its prompt less what r held
+                or was computing of it; r's mean prefill where the router could not tell)
     lacking(r)  the tokens of this request r must compute that the best-placed replica would not:
                 a stateless request or a first turn -> longest held prefix - the prefix r holds
                                                        (a stateless chat: or, where the state tier
@@ -17,6 +18,10 @@
     speeds      measured by each replica (prefill tokens/s of its engine steps, head tokens/s of
                 its tier imports) and reported with its routing stats; a replica that has not
                 measured yet is taken to run at the fleet's median
+
+A replica computing the request's prefix for an earlier arrival (coalescing) has that prefix in
+its queue; it is also what the request lacks anywhere else, so it is counted once: only its queue
+beyond the prefix is extra there.
 
 The part of the prompt nobody holds (a turn's new messages) costs every replica the same and is
 left out: it cannot change which one is cheapest at equal speeds, and the router does not
@@ -62,27 +67,36 @@ class ReplicaLoad:
     """What the router knows of one candidate's queue and speeds."""
 
     reported_requests: int = 0  # requests in its engine at its last report
-    waiting_prefill_tokens: int = 0  # prompt tokens not yet computed at its last report
-    sent_since_report: int = 0  # requests routed to it since (Serve's live queue minus reported)
+    waiting_prefill_tokens: int = 0  # prompt tokens not yet computed, of the reported requests still live
+    sent_since_report: int = 0  # requests routed to it since its report, still live
     prefill_tokens_per_s: float = 0.0  # 0: not measured yet
     import_tokens_per_s: float = 0.0  # head tokens imported from the tier per second; 0: not measured
     mean_prefill_tokens: float = 0.0  # 0: not measured yet
+    # the estimated prefill of each of those sent (None: unknown, priced at the mean); empty: a
+    # mean prefill for each of `sent_since_report`
+    sent_prefill_tokens: tuple[float | None, ...] = ()
 
     @classmethod
-    def of(cls, stats: Mapping, live_requests: int) -> "ReplicaLoad":
-        """From a replica's routing stats (Worker.record_routing_stats) and the requests Serve
-        and this router count against it now."""
+    def of(cls, stats: Mapping, live_requests: int | None, sent: Sequence[float | None] = ()) -> "ReplicaLoad":
+        """From a replica's routing stats (Worker.record_routing_stats), the requests Serve and
+        this router count against it now (None: Serve's count is stale, the report stands), and
+        what this router sent it since that report (SentLog.since: estimated prefill each)."""
         reported = int(stats.get("running_requests", 0))
         waiting = int(stats.get("waiting_prefill_tokens", 0))
-        if live_requests < reported:
-            # Requests of the report finished since (Serve's count drops as each one ends): their
-            # unprefilled prompts went with them. Left in, the report taken while a request
-            # prefilled makes its own replica look busy by its prompt right after it ended, and
-            # a repeat of that prompt (which saves one token less) goes elsewhere.
-            waiting = waiting * live_requests // reported
-        return cls(reported, waiting, max(0, live_requests - reported),
+        sent = tuple(sent)
+        if live_requests is not None:
+            # Requests end roughly in the order they came: the newest sends are the ones still live.
+            sent = sent[max(0, len(sent) - live_requests):]
+            old = min(reported, max(0, live_requests - len(sent)))
+            if old < reported:
+                # Requests of the report finished since (Serve's count drops as each one ends):
+                # their unprefilled prompts went with them. Left in, the report taken while a
+                # request prefilled makes its own replica look busy by its prompt right after it
+                # ended, and a repeat of that prompt (which saves one token less) goes elsewhere.
+                waiting = waiting * old // reported
+        return cls(reported, waiting, len(sent),
                    float(stats.get("prefill_tokens_per_s", 0.0)), float(stats.get("import_tokens_per_s", 0.0)),
-                   float(stats.get("mean_prefill_tokens", 0.0)))
+                   float(stats.get("mean_prefill_tokens", 0.0)), sent)
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,20 @@ class Need:
     tier_has_head: bool = False  # the tier holds the current head: a non-owner imports it
     computing: frozenset[str] = frozenset()  # replicas in `held` only for computing it now (estimated tokens)
     tier_tokens: int = 0  # the longest prefix of a stateless request the state tier holds (any replica imports it)
+    # the request's own prompt (a conversation's turn: its new messages), estimated; 0: unknown
+    prompt_tokens: int = 0
+
+
+def prefill_estimate(replica: str, need: Need) -> float | None:
+    """The tokens this request will compute on `replica` (None: the router cannot tell): what the
+    sent log counts against that replica until its next report."""
+    if not need.prompt_tokens:
+        return None
+    if need.owner:  # the new messages, and the head where it must be recomputed
+        moved = replica != need.owner and not need.tier_has_head
+        return need.prompt_tokens + (need.head_tokens if moved else 0)
+    own = max(need.held.get(replica, 0), need.tier_tokens)
+    return max(0, need.prompt_tokens - own)
 
 
 @dataclass(frozen=True)
@@ -124,13 +152,22 @@ class Speeds:
 
     def queue_s(self, replica: str) -> float:
         load = self._loads[replica]
-        ahead = load.waiting_prefill_tokens + load.sent_since_report * (load.mean_prefill_tokens or self._prompt)
-        return ahead / self.prefill(replica)
+        mean = load.mean_prefill_tokens or self._prompt
+        if load.sent_prefill_tokens:
+            sent = sum(mean if tokens is None else tokens for tokens in load.sent_prefill_tokens)
+        else:
+            sent = load.sent_since_report * mean
+        return (load.waiting_prefill_tokens + sent) / self.prefill(replica)
 
 
 def expected_ttft(replica: str, need: Need, speeds: Speeds) -> float:
     """This request's time to first token on `replica`, less the part every replica shares."""
     queue = speeds.queue_s(replica)
+    if replica in need.computing:
+        # The prefix it computes for this request is in its queue and is what this request lacks
+        # anywhere else: counted once. Waiting for it costs no more than computing it elsewhere,
+        # and the fleet computes it once; only the queue beyond it is extra.
+        queue = max(0.0, queue - need.held[replica] / speeds.prefill(replica))
     if need.owner:  # a conversation's turn: the owner has the head, anyone else must get it
         if replica == need.owner:
             return queue

@@ -118,9 +118,18 @@ def prefix_estimates(scope: str, messages: Sequence[dict], tools: Sequence[dict]
     chars = len(json.dumps(list(tools))) if tools else 0
     out = []
     for name, message in zip(names, messages):
-        chars += len(str(message.get("content") or "")) + len(json.dumps(message.get("tool_calls") or ""))
+        chars += _chars(message)
         out.append((name, chars // CHARS_PER_TOKEN))
     return tuple(out)
+
+
+def estimated_tokens(messages: Sequence[dict]) -> int:
+    """The messages' length in tokens, as prefix_estimates weighs it (a conversation's new messages)."""
+    return sum(_chars(m) for m in messages) // CHARS_PER_TOKEN
+
+
+def _chars(message: dict) -> int:
+    return len(str(message.get("content") or "")) + len(json.dumps(message.get("tool_calls") or ""))
 
 
 def announcement(scope: str, messages: Sequence[dict], reply: dict,

@@ -26,26 +26,25 @@ while that is cheapest, and the engine attaches the first one's mark as soon as 
 passed it (workers/cache/prefix_wait.py) instead of computing the prefix again.
 
 Queue = the worker's routing stats (`record_routing_stats`, every second: requests in its engine,
-prompt tokens waiting, measured speeds) plus the requests sent since: this router's live count
-(Serve's queue-length cache, and the choices it made that Serve has not counted yet) beyond the
-reported requests. Equal costs go to the less loaded replica (fewer requests, then more free
-blocks, then at random). A replica that
+prompt tokens waiting, measured speeds) plus what this router sent it since that report, each at
+its own estimated prefill there (sent_log.py), as many as Serve's live count allows. Equal costs
+go to the less loaded replica (fewer requests, then more free blocks, then at random). A replica that
 takes a conversation it does not own gets the head by the recovery ladder (tier import, else
 ledger recompute); see worker/replica.py.
 
 Simultaneous arrivals: Serve counts a request against its replica only once it was sent
 (`on_send_request`), after probing, i.e. after an `await`; two new conversations routed in
 that window would both see an idle pool and pick the same replica. So a choice counts from
-the moment it is made:
+the moment it is made (SentLog.choose):
 
     choose_replicas(X) ─ X's first rank gets +1 ─┐   choose_replicas(Y) sees A busier: B
                                                  └─ on_send_request(A): Serve counts X now, -1
 
 `on_send_request(replica)` is the one hook Serve calls for every request sent (with or without
 strict max_ongoing_requests; `on_request_routed` only runs on the strict path) and it bumps
-Serve's queue-length cache: so it takes back one choice of that replica, the oldest. A choice
-no request was sent for (cancelled while probing; its request went to a later rank) stops
-counting after CHOICE_TTL_S.
+Serve's queue-length cache: so the oldest choice of that replica becomes a send (SentLog.on_send).
+A choice no request was sent for (cancelled while probing; its request went to a later rank) stops
+counting after CHOICE_TTL_S (sent_log.py).
 
 The base router matches a choice to the request it was made for (by internal request id).
 Serve's `FIFOMixin` must not be used here: it hands a replica chosen for one conversation to
@@ -55,7 +54,6 @@ whichever request is first in the queue, i.e. to another conversation, breaking 
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 from typing import Any
 
@@ -63,13 +61,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from deployments.messages import ReplicaCall, TurnJob
 from deployments.routing import fleet
-from deployments.routing.cost import Need, ReplicaLoad, RouteReason, rank
+from deployments.routing.cost import Need, ReplicaLoad, RouteReason, prefill_estimate, rank
 from deployments.routing.decisions import count_decision
+from deployments.routing.prefix_hints import estimated_tokens
 from deployments.routing.recent_prefixes import RecentPrefixes
-
-# A choice no request was sent for (cancelled while probing, or sent to a later rank) stops
-# counting after this.
-CHOICE_TTL_S = 2.0
+from deployments.routing.sent_log import SentLog
 # Coalescing: a prefix nobody held, sent to a replica, is taken as being computed there this long
 # (a first request's prefill and reply, under load; its end's announce then names the holder).
 COMPUTING_TTL_S = 60.0
@@ -100,15 +96,17 @@ def need_of(call: TurnJob | ReplicaCall, computing: RecentPrefixes | None = None
     if head is None:  # stateless, or a conversation's first turn: where its prefix is held
         held = dict(call.prefix_holders)
         tier = call.tier_prefix[1] if call.tier_prefix is not None else 0
+        prompt = call.prefix_names[-1][1] if call.prefix_names else 0
         if held or tier or computing is None:  # held somewhere: nothing to coalesce
-            return Need(held, tier_tokens=tier)
+            return Need(held, tier_tokens=tier, prompt_tokens=prompt)
         # nobody holds any of it: where an earlier request sharing a long prefix computes it
         pending = computing.holders([name for name, _ in call.prefix_names])
-        return Need(pending, computing=frozenset(pending))
+        return Need(pending, computing=frozenset(pending), prompt_tokens=prompt)
+    prompt = estimated_tokens(call.messages)
     if not head.owner:  # nobody holds the head: any replica imports or recomputes it
-        return Need({})
+        return Need({}, prompt_tokens=prompt + head.committed_tokens)
     return Need({head.owner: head.committed_tokens}, owner=head.owner, head_tokens=head.committed_tokens,
-                tier_has_head=head.tier_version == head.version)
+                tier_has_head=head.tier_version == head.version, prompt_tokens=prompt)
 
 
 def load_key(queue_len: int | None, chosen: int, stats: dict[str, Any]) -> tuple[int, int, int, float]:
@@ -122,8 +120,8 @@ class StickyConversationRouter(RequestRouter):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         fleet.register(self)  # /metrics reads the replicas' routing stats through it
-        # internal request id -> (replica of its first rank, when chosen): not yet counted by Serve
-        self._chosen: dict[str, tuple[ReplicaID, float]] = {}
+        # choices Serve has not counted yet, and what was sent since each replica's report
+        self._sent = SentLog()
         # message prefixes nobody held when a request with them was routed: where they are computed
         self._computing = RecentPrefixes(ttl_s=COMPUTING_TTL_S)
 
@@ -136,17 +134,15 @@ class StickyConversationRouter(RequestRouter):
         if pending_request is not None:
             # Every candidate is in the ranks below: if all are full, back off before retrying.
             pending_request.routing_context.should_backoff = True
-            self._chosen.pop(request_id, None)  # a retry chooses again
-        chosen = self._chosen_counts()
+            self._sent.forget_choice(request_id)  # a retry chooses again
+        chosen = self._sent.unsent()
         call = requested_call(pending_request)
         need = need_of(call, self._computing) if call is not None else None
         by_load, rest = self._shortlist(candidate_replicas, chosen, need)
         ranks = by_load
         if need is not None and by_load:
             by_name = {r.replica_id.unique_id: r for r in by_load}
-            cache = self.replica_queue_len_cache
-            queues = {name: ReplicaLoad.of(r.routing_stats, (cache.get(r.replica_id) or 0) + chosen[r.replica_id])
-                      for name, r in by_name.items()}
+            queues = {name: self._load(r, chosen) for name, r in by_name.items()}
             choices = rank(list(by_name), queues, need)
             ranks = [by_name[c.replica] for c in choices]
             if isinstance(call, TurnJob):
@@ -155,8 +151,17 @@ class StickyConversationRouter(RequestRouter):
                     self._computing.record(choices[0].replica, [
                         (name, tokens) for name, tokens in call.prefix_names if tokens >= COALESCE_MIN_TOKENS])
         if request_id is not None and ranks:
-            self._chosen[request_id] = (ranks[0].replica_id, time.monotonic())
+            tokens = prefill_estimate(ranks[0].replica_id.unique_id, need) if need is not None else None
+            self._sent.choose(request_id, ranks[0].replica_id, tokens)
         return [[r] for r in ranks] + [[r] for r in rest]
+
+    def _load(self, replica: RunningReplica, chosen: Counter[ReplicaID]) -> ReplicaLoad:
+        """Its last report, and what this router sent it since (Serve's count: how many of those
+        are still live; None once Serve's count went stale, then the report stands)."""
+        stats = replica.routing_stats or {}
+        counted = self.replica_queue_len_cache.get(replica.replica_id)
+        live = None if counted is None else counted + chosen[replica.replica_id]
+        return ReplicaLoad.of(stats, live, self._sent.since(replica.replica_id, float(stats.get("reported_at", 0.0))))
 
     def _shortlist(self, candidates: list[RunningReplica], chosen: Counter[ReplicaID],
                    need: Need | None) -> tuple[list[RunningReplica], list[RunningReplica]]:
@@ -180,14 +185,10 @@ class StickyConversationRouter(RequestRouter):
         shortlist = [candidates[i] for i in sorted(priced, key=loads.__getitem__)]
         return shortlist, [candidates[i] for i in order if i not in priced]
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._sent.forget_replicas({r.replica_id for r in replicas})
+
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)  # Serve's queue-length cache counts the request from now
-        mine = [(at, request_id) for request_id, (replica, at) in self._chosen.items() if replica == replica_id]
-        if mine:
-            del self._chosen[min(mine)[1]]
-
-    def _chosen_counts(self) -> Counter[ReplicaID]:
-        expired = time.monotonic() - CHOICE_TTL_S
-        for request_id in [k for k, (_, at) in self._chosen.items() if at < expired]:
-            del self._chosen[request_id]
-        return Counter(replica for replica, _ in self._chosen.values())
+        self._sent.on_send(replica_id)

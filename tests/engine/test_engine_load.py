@@ -4,8 +4,9 @@ these (deployments/routing/cost.py)."""
 
 from __future__ import annotations
 
-from tests.engine.conftest import new_engine, prompt_of
+from tests.engine.conftest import GREEDY, new_engine, prompt_of
 from workers.checkpoint import Arch
+from workers.request import CheckpointMark, ReuseSource
 from workers.sampling import SamplingParams
 
 
@@ -27,3 +28,18 @@ def test_load_reports_waiting_prompt_tokens_then_the_measured_prefill_speed(tiny
     done = engine.load()
     assert done.requests == 0 and done.waiting_prefill_tokens == 0 and done.prefill_tokens_per_s > 0
     assert done.mean_prefill_tokens == 100 * 0.9 + 60 * 0.1  # b admitted after a
+
+
+def test_a_request_waiting_for_a_prefix_another_computes_reports_only_its_own_tail(tiny):
+    """Loops started together over one 40-token system prompt: the first prefills it, the second
+    waits to attach its mark (prefix_wait.py). The router must not price the second's 40 tokens
+    as queue: the replica computing them would look busy by the very prefix it is about to hold,
+    and the next loop of the tenant would go elsewhere and compute it again."""
+    engine = new_engine(tiny[Arch.BAMBA].path, max_num_batched_tokens=24)
+    system = prompt_of(40, seed=15)
+    mark = (CheckpointMark(40, label=1, source=ReuseSource.SYSTEM),)
+    engine.add_request("a", system + prompt_of(20, seed=1), GREEDY, prefix_scope="one", marks=mark)
+    engine.add_request("b", system + prompt_of(20, seed=2), GREEDY, prefix_scope="one", marks=mark)
+    assert engine.load().waiting_prefill_tokens == 120  # nothing running: nobody computes it yet
+    engine.step()  # a admitted, 24 of its 60 computed; b waits for a's mark at 40
+    assert engine.load().waiting_prefill_tokens == (60 - 24) + 20

@@ -4,6 +4,8 @@ never both at once."""
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +160,47 @@ async def test_requests_sent_since_the_last_report_count_as_queue():
     router, replicas = _router(a={}, b={})
     firsts = [await _first(router, replicas, _job_request(n, holders=(("a", 250),))) for n in range(4)]
     assert firsts == ["a", "a", "a", "b"]  # a's queue: 0, 100, 200 tokens < 250; then 300 > 250
+
+
+def _burst(first: int, n: int) -> list[PendingRequest]:
+    """Loops of different tenants starting together: 2,000-token prompts sharing nothing."""
+    return [_job_request(k, names=((f"task-{k}", 2000),)) for k in range(first, first + n)]
+
+
+async def test_a_stale_report_hides_none_of_the_requests_sent_since():
+    """a's last report still counts 5 requests that have ended (Serve counts none in flight on it)
+    when 8 loops arrive together. Each is priced at its own prompt where it goes: they split 4/4.
+    (Counted only beyond the report's 5, the first sends to a cost nothing: bench.agent saw 7 of 8
+    loops go to one replica of two.)"""
+    router, replicas = _router(a={"running_requests": 5}, b={})
+    router.on_new_queue_len_info(replicas[0].replica_id, 0)
+    firsts = [await _first(router, replicas, request) for request in _burst(0, 8)]
+    assert Counter(firsts) == {"a": 4, "b": 4}, firsts
+
+
+async def test_a_replicas_past_prompts_do_not_price_a_new_burst():
+    """a served long prompts before (mean prefill 2,000 tokens), b short ones (100). A burst of
+    2,000-token prompts costs each replica the same per request: they split 4/4 (priced at each
+    replica's mean, b took 20 before a took one)."""
+    router, replicas = _router(a={"mean_prefill_tokens": 2000.0}, b={"mean_prefill_tokens": 100.0})
+    firsts = [await _first(router, replicas, request) for request in _burst(0, 8)]
+    assert Counter(firsts) == {"a": 4, "b": 4}, firsts
+
+
+async def test_requests_a_report_covers_are_not_counted_again():
+    """Two 2,000-token requests were sent to a; a's next report (taken after they were sent) has
+    them prefilled (nothing waiting). b reports 500 tokens waiting. The next request goes to a:
+    its sends are in its report now, not queue on top of it."""
+    router, replicas = _router(a={}, b={})
+    a, b = replicas
+    for request in _burst(0, 2):
+        await router.choose_replicas([a], request)
+        router.on_send_request(a.replica_id)
+    a.routing_stats |= {"running_requests": 2, "waiting_prefill_tokens": 0, "reported_at": time.time() + 1e-3}
+    b.routing_stats |= {"running_requests": 1, "waiting_prefill_tokens": 500}
+    router.on_new_queue_len_info(a.replica_id, 2)
+    router.on_new_queue_len_info(b.replica_id, 1)
+    assert await _first(router, replicas, _burst(2, 1)[0]) == "a"
 
 
 async def test_a_busy_owner_keeps_its_turn_unless_the_tier_holds_the_head():
