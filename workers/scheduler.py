@@ -102,7 +102,8 @@ class Scheduler:
     def awaited_tokens(self) -> int:
         """Prompt tokens of waiting requests that a running one is computing for them (they will
         attach its mark, prefix_wait.py): no prefill of theirs, whatever their prompts say."""
-        return sum(max(0, awaited_prefix(r, self.running) - r.num_computed_tokens) for r in self.waiting)
+        marks = self.caches.open_marks
+        return sum(max(0, awaited_prefix(r, self.running, marks) - r.num_computed_tokens) for r in self.waiting)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -132,7 +133,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             self.caches.attach_prefix(request)
-            if awaited_prefix(request, self.running):  # a running request is about to checkpoint it
+            if awaited_prefix(request, self.running, self.caches.open_marks):  # a running request is about to checkpoint it
                 waiting_for_a_prefix.append(self.waiting.popleft())
                 continue
             start = request.head.state_len if request.head else request.num_computed_tokens

@@ -340,3 +340,28 @@ def test_a_mark_evicts_the_oldest_agent_loops_end_past_the_tool_pause_share(tiny
         tokens, out = ours.run(prompt, keep=KeepState.FREE)
         assert out.num_cached_tokens == (0 if i == 0 else len(history) - 1), f"loop {i}"
         assert tokens == plain.run(prompt)[0]
+
+
+def test_a_request_never_waits_for_a_mark_that_will_not_be_kept(tiny):
+    """Two agent loops' ends, waiting for their tools' results, fill the checkpoint budget and
+    are all within the tool-pause share: the first request's mark gets no room and will make no
+    checkpoint. A request sharing its prefix must not wait for it (it would wait through the
+    whole prefill, then compute the prefix anyway): both run at once, with the tokens of a run
+    without reuse."""
+    path = tiny[Arch.BAMBA].path
+    probe = new_engine(path, prefix_cache_bytes=0)
+    slot, block = probe.state_layout.slot_bytes, probe.kv_layout.block_bytes
+    ours = Driver(new_engine(path, prefix_cache_bytes=2 * (slot + 5 * block), tool_pause_share=1.0))
+    plain = Driver(new_engine(path, prefix_cache_bytes=0))
+    _wait_for_tools(ours, [prompt_of(60 + i, seed=80 + i) for i in range(2)])
+    engine = ours.engine
+    system = prompt_of(40, seed=16)
+    mark = (CheckpointMark(40, label=1, source=ReuseSource.SYSTEM),)
+    prompts = [system + prompt_of(20, seed=1), system + prompt_of(20, seed=2)]
+    requests = [engine.add_request(f"x{i}", p, GREEDY, prefix_scope="tenant", marks=mark) for i, p in enumerate(prompts)]
+    engine.step()
+    assert [r.num_computed_tokens > 0 for r in requests] == [True, True], "waited for a mark with no room"
+    while engine.has_unfinished():
+        engine.step()
+    for request, prompt in zip(requests, prompts):
+        assert list(request.output_token_ids) == plain.run(prompt)[0]

@@ -29,7 +29,7 @@ from workers.cache.kv_blocks import KVCacheManager, blocks_for
 from workers.cache.manager import CacheManager
 from workers.cache.mamba_slots import MambaStateManager
 from workers.errors import OutOfCacheError
-from workers.request import KeepState, Request
+from workers.request import CheckpointMark, KeepState, Request
 
 
 @dataclass
@@ -162,6 +162,10 @@ class CacheCoordinator:
                 pending.scheduled = True
                 cut.append((pending.mark.position, pending.slot))
         return cut
+
+    def open_marks(self, request_id: str) -> list[CheckpointMark]:
+        """The request's marks that will become checkpoints (each has its slot), by position."""
+        return [pending.mark for pending in self.heads.marks_of(request_id)]
 
     def has_marks(self, request: Request) -> bool:
         return bool(self.heads.marks_of(request.request_id))
