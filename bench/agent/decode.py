@@ -9,9 +9,11 @@ is a cached prefix, a short prefill and its decode):
   json_schema  a short request: a json_schema response_format vs none.
 
 max_tokens is below the shortest reply the grammars allow; requests sample (temperature 1, a
-seed per prompt: greedy replies of the random-weight model end at once without a grammar), yet
-unconstrained replies may still end early (their token counts are recorded). The measure is
-therefore the decode step itself: the gaps between a request's consecutive streamed deltas
+seed per prompt: greedy replies of the random-weight model end at once without a grammar), and
+the unconstrained ones are sent with ignore_eos (vLLM's field, no logits processor: a plain
+decode step), so both sides reply max_tokens tokens and the batches are the same size all
+along (their token counts are recorded; before, unconstrained replies ended after 2-33 tokens
+and the grammar's steps were compared with smaller batches). The measure is the decode step itself: the gaps between a request's consecutive streamed deltas
 (content or tool-call pieces, one per decode step) while the whole batch is still streaming
 (from the last request's first delta to the first request's last), median over the batch and
 rounds. A forced call's first delta comes once its name is decoded, so its gaps start there.
@@ -53,7 +55,8 @@ async def _batch(client: openai.AsyncOpenAI, model: str, kind: str, constrained:
     recs = [StepRecord(conversation=i, turn=0, delta_at_s=[]) for i in range(len(scripts))]
     await asyncio.gather(*(
         _stream_chat(client, rec, model=model, max_tokens=max_tokens, temperature=1.0, seed=i,
-                     extra_body={"cache_salt": f"decode-{kind}-{i}"}, **_request(kind, constrained, s, tools, i))
+                     extra_body={"cache_salt": f"decode-{kind}-{i}", **({} if constrained else {"ignore_eos": True})},
+                     **_request(kind, constrained, s, tools, i))
         for i, (s, rec) in enumerate(zip(scripts, recs))))
     return recs
 
