@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from workers.engine import LLMEngine, RequestOutput
 from workers.errors import EngineShutdownError, RequestIdInUseError
+from workers.load import EngineLoad
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._closed = False
         self._submit_lock = threading.Lock()  # `call` vs `shutdown`: nothing is queued after the drain
+        # The engine's queue and speeds as of its last step or commands, for routing stats: read
+        # from any thread without waiting for a step (a long prefill step held every report
+        # back past Serve's 5 s timeout, and the router priced the one before).
+        self.load: EngineLoad = engine.load()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -174,6 +179,7 @@ class AsyncEngine:
             idle = not self.engine.has_unfinished()
             self._run_commands(block=idle, timeout=self.engine.seconds_to_next_deadline() if idle else None)
             self.engine.expire_prepared()
+            self.load = self.engine.load()
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
@@ -183,6 +189,7 @@ class AsyncEngine:
                 outputs = self.engine.fail_all(f"engine step crashed: {e}")
             for out in outputs:
                 self._deliver(out)
+            self.load = self.engine.load()
 
     def _run_commands(self, block: bool, timeout: float | None) -> None:
         try:

@@ -22,6 +22,7 @@ class EngineLoad:
     waiting_prefill_tokens: int = 0  # prompt tokens its requests have not computed yet
     prefill_tokens_per_s: float = 0.0  # 0: not measured yet
     mean_prefill_tokens: float = 0.0  # tokens a request computes once admitted (after what it attached); 0: not measured yet
+    taken_at: float = 0.0  # wall time it describes (0: now); what the router sent after it is in no report
 
 
 class Rate:

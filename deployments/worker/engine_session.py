@@ -212,8 +212,9 @@ class EngineSession:  # implements Session (session.py)
         return self.aengine.engine.max_model_len
 
     async def load(self) -> EngineLoad:
-        """Its queue and measured speeds, for routing stats."""
-        return await self.aengine.call(lambda e: e.load())
+        """Its queue and measured speeds, for routing stats: as of the engine's last step, without
+        waiting for the one running."""
+        return self.aengine.load
 
     # -- turns ------------------------------------------------------------------------------
     async def prepare_grammar(self, params: SamplingParams) -> None:

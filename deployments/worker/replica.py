@@ -149,7 +149,7 @@ class Worker(TextCalls):
         await self._cache()  # Serve calls this every period from the start: connect before the first turn
         load = await self.session.load()
         # reported_at (wall time, as the router's): what was sent after it is in no report (routing/sent_log.py)
-        return {"reported_at": time.time(), "running_requests": load.requests, "free_kv_blocks": load.free_kv_blocks,
+        return {"reported_at": load.taken_at or time.time(), "running_requests": load.requests, "free_kv_blocks": load.free_kv_blocks,
                 "waiting_prefill_tokens": load.waiting_prefill_tokens,
                 "prefill_tokens_per_s": load.prefill_tokens_per_s, "mean_prefill_tokens": load.mean_prefill_tokens,
                 "import_tokens_per_s": self.import_rate.value,
