@@ -69,7 +69,7 @@ class TurnJob:
     # prices the prefill each one saves (routing/cost.py). A hint.
     prefix_holders: tuple[tuple[str, int], ...] = ()
     # (name, estimated tokens) of each message prefix of a stateless request or a new conversation
-    # (routing/prefix_hints.py `prefix_estimates`): when nobody holds any of it, the router sends
+    # (routing/token_estimate.py `prefix_estimates`): when nobody holds any of it, the router sends
     # requests sharing a long one to where the first of them computes it (coalescing).
     prefix_names: tuple[tuple[str, int], ...] = ()
     # (name, tokens) of the longest prefix of a stateless request's messages the state tier holds

@@ -17,7 +17,6 @@ ids match exactly, so a stale entry costs a recompute, never a wrong answer.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -42,9 +41,6 @@ WARN_EVERY_S = 60.0
 # Announces a worker has in flight at most; more are dropped (and counted as failed): while the
 # cache service is down each one retries for a while, and they must not pile up.
 MAX_ANNOUNCES_IN_FLIGHT = 64
-# A rough length of text in tokens (English and JSON), for routing only: what a prefix's prefill
-# would cost before anyone has tokenized it.
-CHARS_PER_TOKEN = 4
 # Engine checkpoint names a worker remembers the announces of (far more than its prefix budget
 # holds checkpoints of a small model; the oldest are the likeliest evicted already).
 NAMES_KEPT = 16384
@@ -77,10 +73,13 @@ _HINT_ERRORS = (CacheError, grpc.RpcError, TimeoutError, OSError)
 @dataclass(frozen=True)
 class PrefixHints:
     """Where a request's message prefixes are held: `holders` (replica, tokens of its longest),
-    and `tier`, (name, tokens) of the longest the state tier holds (None: none)."""
+    `tier`, (name, tokens) of the longest the state tier holds (None: none), and `longest`, (k,
+    tokens): the longest any replica holds is messages[:k], that many tokens as its engine counted
+    them (what token_estimate.py calibrates its estimates by)."""
 
     holders: tuple[tuple[str, int], ...] = ()
     tier: tuple[str, int] | None = None
+    longest: tuple[int, int] | None = None
 
 
 async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict], *,
@@ -90,7 +89,8 @@ async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict],
     index's answer is completed by what this ingress just saw replicas leave (recent_prefixes.py:
     an announce may land after an agent loop's next lookup)."""
     # The index bounds one lookup; the longest prefixes are the ones worth finding.
-    names = message_prefix_digests(scope, list(messages))[-SERVICE_LIMITS.max_prefix_names:]
+    every = message_prefix_digests(scope, list(messages))
+    names = every[-SERVICE_LIMITS.max_prefix_names:]
     recent = RECENT.holders(names)
     try:
         match = await cache.find_prefix(names, scope=scope, timeout_s=timeout_s)
@@ -99,7 +99,10 @@ async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict],
         return PrefixHints(merged((), recent))
     if match is None:
         return PrefixHints(merged((), recent))
-    return PrefixHints(merged(match.holders, recent), match.tier)
+    longest = None
+    if match.holders:  # the holders' longest is names[match.index]
+        longest = (len(every) - len(names) + match.index + 1, max(tokens for _, tokens in match.holders))
+    return PrefixHints(merged(match.holders, recent), match.tier, longest)
 
 
 def tier_import_applies(settings: AppSettings, prompt: object, sampling: dict) -> bool:
@@ -108,28 +111,6 @@ def tier_import_applies(settings: AppSettings, prompt: object, sampling: dict) -
     one), not deterministic (it attaches nothing), on our engine with the tier in use."""
     return (prompt is None and not sampling.get("deterministic")
             and settings.backend is Backend.OURS and settings.tier_export is not TierExport.OFF)
-
-
-def prefix_estimates(scope: str, messages: Sequence[dict], tools: Sequence[dict] = ()) -> tuple[tuple[str, int], ...]:
-    """(name, estimated tokens) of each prefix messages[:k]: the names the index uses, and a
-    length the router can weigh without a tokenizer (characters / CHARS_PER_TOKEN, the tools
-    included: the template renders them into the prompt's start)."""
-    names = message_prefix_digests(scope, list(messages))
-    chars = len(json.dumps(list(tools))) if tools else 0
-    out = []
-    for name, message in zip(names, messages):
-        chars += _chars(message)
-        out.append((name, chars // CHARS_PER_TOKEN))
-    return tuple(out)
-
-
-def estimated_tokens(messages: Sequence[dict]) -> int:
-    """The messages' length in tokens, as prefix_estimates weighs it (a conversation's new messages)."""
-    return sum(_chars(m) for m in messages) // CHARS_PER_TOKEN
-
-
-def _chars(message: dict) -> int:
-    return len(str(message.get("content") or "")) + len(json.dumps(message.get("tool_calls") or ""))
 
 
 def announcement(scope: str, messages: Sequence[dict], reply: dict,

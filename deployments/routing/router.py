@@ -63,9 +63,9 @@ from deployments.messages import ReplicaCall, TurnJob
 from deployments.routing import fleet
 from deployments.routing.cost import Need, ReplicaLoad, RouteReason, prefill_estimate, rank
 from deployments.routing.decisions import count_decision
-from deployments.routing.prefix_hints import estimated_tokens
 from deployments.routing.recent_prefixes import RecentPrefixes
 from deployments.routing.sent_log import SentLog
+from deployments.routing.token_estimate import estimated_tokens
 # Coalescing: a prefix nobody held, sent to a replica, is taken as being computed there this long
 # (a first request's prefill and reply, under load; its end's announce then names the holder).
 COMPUTING_TTL_S = 60.0

@@ -40,7 +40,8 @@ from deployments import errors
 from deployments.turn import outcome
 from deployments.errors import APIError
 from deployments.turn.lease_keeper import RENEWALS_PER_TTL, KeptLease, LeaseKeeper
-from deployments.routing.prefix_hints import find_holders, prefix_estimates, tier_import_applies
+from deployments.routing.prefix_hints import find_holders, tier_import_applies
+from deployments.routing.token_estimate import prefix_estimates
 from deployments.routing.recent_prefixes import RECENT
 from deployments.messages import (ErrorKind, HeadRef, TurnDelta, TurnDone, TurnEvent, TurnFailed, TurnJob,
                                    prompt_as_messages)
@@ -101,7 +102,7 @@ class TurnRun:
                                                          prefix_holders=hints.holders,
                                                          tier_prefix=hints.tier if tier_import_applies(
                                                              settings, request.prompt, request.sampling) else None,
-                                                         prefix_names=prefix_estimates(scope, named, tools),
+                                                         prefix_names=prefix_estimates(scope, named, tools, hints.longest),
                                                          stateless_scope=request.scope,
                                                          tools=tools, parse_tool_calls=request.parse_tool_calls,
                                                          template=request.template, prompt=request.prompt),
@@ -133,7 +134,8 @@ class TurnRun:
             try:
                 scope = tools_scope(conversation.salt, tools)
                 hints = await find_holders(cache, scope, messages)
-                run.job = replace(job, prefix_holders=hints.holders, prefix_names=prefix_estimates(scope, messages, tools))
+                run.job = replace(job, prefix_holders=hints.holders,
+                                  prefix_names=prefix_estimates(scope, messages, tools, hints.longest))
             except BaseException:
                 await run.close()  # cancelled meanwhile: the lease is settled, as after any failure
                 raise

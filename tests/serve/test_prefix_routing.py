@@ -77,7 +77,11 @@ async def test_a_stateless_request_carries_the_holders_of_its_prefixes(service):
         await cache.announce_prefixes("replica-a", [(names[0], 12)], scope=salt)
         await cache.announce_prefixes("replica-b", [(names[2], 30)], scope=salt)
         # every holder with its longest: the router weighs replica-a's 12 tokens against its queue too
-        assert sorted((await start(cache, salt)).job.prefix_holders) == [("replica-a", 12), ("replica-b", 30)]
+        job = (await start(cache, salt)).job
+        assert sorted(job.prefix_holders) == [("replica-a", 12), ("replica-b", 30)]
+        # the longest held (messages[:3], 30 tokens as replica-b's engine counted them) calibrates
+        # the router's estimates of every prefix's length: 30 tokens there, whatever characters said
+        assert job.prefix_names[2] == (names[2], 30)
         assert (await start(cache, f"other-{salt}")).job.prefix_holders == ()  # another scope
 
 
