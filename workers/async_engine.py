@@ -17,6 +17,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# How old the engine's load snapshot may get while it runs (its reports go out every second).
+LOAD_EVERY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,12 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._closed = False
         self._submit_lock = threading.Lock()  # `call` vs `shutdown`: nothing is queued after the drain
-        # The engine's queue and speeds as of its last step or commands, for routing stats: read
-        # from any thread without waiting for a step (a long prefill step held every report
-        # back past Serve's 5 s timeout, and the router priced the one before).
+        # The engine's queue, speeds and KV usage as of a recent pause between steps (at most
+        # LOAD_EVERY_S old while it runs), for routing stats: read from any thread without waiting
+        # for a step (a long prefill step held every report past Serve's 5 s timeout, and the
+        # router priced the one before).
         self.load: EngineLoad = engine.load()
+        self._load_due = 0.0
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -179,7 +185,6 @@ class AsyncEngine:
             idle = not self.engine.has_unfinished()
             self._run_commands(block=idle, timeout=self.engine.seconds_to_next_deadline() if idle else None)
             self.engine.expire_prepared()
-            self.load = self.engine.load()
             if self._stop.is_set() or not self.engine.has_unfinished():
                 continue
             try:
@@ -189,7 +194,18 @@ class AsyncEngine:
                 outputs = self.engine.fail_all(f"engine step crashed: {e}")
             for out in outputs:
                 self._deliver(out)
-            self.load = self.engine.load()
+            self._take_load()
+
+    def _take_load(self) -> None:
+        """Refresh `load` once the engine is idle, else at most every LOAD_EVERY_S (it walks every
+        block table: not each decode step's cost)."""
+        now = time.monotonic()
+        if now >= self._load_due or not self.engine.has_unfinished():
+            self._load_due = now + LOAD_EVERY_S
+            try:
+                self.load = self.engine.load()
+            except Exception:  # a report is not worth the loop: the last one stands
+                log.exception("engine load snapshot failed")
 
     def _run_commands(self, block: bool, timeout: float | None) -> None:
         try:
@@ -199,9 +215,12 @@ class AsyncEngine:
         while True:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(self.engine))
+                    result = fn(self.engine)
                 except BaseException as e:  # handed to the awaiting caller
                     future.set_exception(e)
+                else:
+                    self._take_load()  # before its caller can read the load
+                    future.set_result(result)
             try:
                 fn, future = self._commands.get_nowait()
             except queue.Empty:

@@ -257,7 +257,7 @@ class LLMEngine:
         waiting = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests
                       if r.request_id not in forks) - self.scheduler.awaited_tokens()
         return EngineLoad(len(requests), self.caches.kv.num_free, waiting, self._fast_step.prefill_rate.value,
-                          self.scheduler.prefill_per_request.value, time.time())
+                          self.scheduler.prefill_per_request.value, time.time(), self.kv_cache_usage())
 
     def withdrawn_prefixes(self) -> list[PrefixKey]:
         """Names of checkpoints evicted (or dropped) since the last call, no state holding them any

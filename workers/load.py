@@ -23,6 +23,7 @@ class EngineLoad:
     prefill_tokens_per_s: float = 0.0  # 0: not measured yet
     mean_prefill_tokens: float = 0.0  # tokens a request computes once admitted (after what it attached); 0: not measured yet
     taken_at: float = 0.0  # wall time it describes (0: now); what the router sent after it is in no report
+    kv_cache_usage: float = 0.0  # the fraction of KV blocks requests hold (vllm:kv_cache_usage_perc)
 
 
 class Rate:

@@ -195,7 +195,7 @@ class EngineSession:  # implements Session (session.py)
         return key.length
 
     async def kv_cache_usage(self) -> float:
-        return await self.aengine.call(lambda e: e.kv_cache_usage())
+        return self.aengine.load.kv_cache_usage  # as load(): no wait for the running step
 
     def withdrawn_prefixes(self) -> list[PrefixKey]:
         return self.aengine.engine.withdrawn_prefixes()  # thread-safe: no engine-thread call needed
