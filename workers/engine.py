@@ -254,8 +254,7 @@ class LLMEngine:
         """Its queue and measured speeds, for routing stats and heartbeats."""
         requests = self.scheduler.requests.values()
         forks = {f.request_id for r in requests for f in r.forks}  # n > 1: they will not prefill
-        waiting = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests
-                      if r.request_id not in forks) - self.scheduler.awaited_tokens()
+        waiting = self.scheduler.unprefilled_tokens(skip=forks)
         return EngineLoad(len(requests), self.caches.kv.num_free, waiting, self._fast_step.prefill_rate.value,
                           self.scheduler.prefill_per_request.value, time.time(), self.kv_cache_usage())
 

@@ -125,6 +125,7 @@ class Request:
     reused_from: ReuseSource = ReuseSource.NONE
     prefix_lookup: bool = False  # attach the longest held prefix when admitted without a head
     prefixes_seen: int = -1  # the prefix index's version at its last lookup (a miss is not redone)
+    held_estimate: tuple[int, int] = (-1, 0)  # (index version, tokens held) while it waits, for routing stats
     checkpoints_made: list[tuple[int, int]] = field(default_factory=list)  # (label, tokens)
     checkpoint_keys: list[PrefixKey] = field(default_factory=list)  # their names, in the same order
     # A constrained reply's TokenGuide (workers/grammar/guide.py): the tokens it may sample next.

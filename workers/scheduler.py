@@ -99,11 +99,23 @@ class Scheduler:
             place -= 1
         self.waiting.insert(place, request)
 
-    def awaited_tokens(self) -> int:
-        """Prompt tokens of waiting requests that a running one is computing for them (they will
-        attach its mark, prefix_wait.py): no prefill of theirs, whatever their prompts say."""
+    def unprefilled_tokens(self, skip: set[str]) -> int:
+        """Prompt tokens its requests (but `skip`) have yet to compute, as the router prices a
+        queue: a waiting request's prompt less the prefix it will start from, held now
+        (coordinator.held_prefix_length) or computed for it by a running request's mark
+        (prefix_wait.py). Counted whole, a loop's next step queued behind a long step made its
+        replica look busy by the very history it holds, and the router sent the next one away."""
         marks = self.caches.open_marks
-        return sum(max(0, awaited_prefix(r, self.running, marks) - r.num_computed_tokens) for r in self.waiting)
+        waiting = {r.request_id for r in self.waiting}
+        total = 0
+        for r in self.requests.values():
+            if r.request_id in skip:
+                continue
+            done = r.num_computed_tokens
+            if r.request_id in waiting:
+                done = max(done, self.caches.held_prefix_length(r), awaited_prefix(r, self.running, marks))
+            total += max(0, r.num_prompt_tokens - done)
+        return total
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -220,7 +232,7 @@ class Scheduler:
             chunk.request.tile_window = 0
             if chunk.snapshot is not None:
                 chunk.request.aligned_len = chunk.snapshot[0]
-            if chunk.request.marks and self.caches.has_marks(chunk.request):
+            if chunk.request.marks and self.caches.open_marks(chunk.request.request_id):
                 self.caches.reach_marks(chunk.request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:

@@ -98,15 +98,12 @@ class TurnRun:
             named = messages if request.prompt is None else prompt_as_messages(request.prompt)
             scope = tools_scope(request.scope, tools)
             hints = await find_holders(cache, scope, named)
-            return cls(settings, workers, cache, TurnJob(request_id, messages, request.sampling,
-                                                         prefix_holders=hints.holders,
-                                                         tier_prefix=hints.tier if tier_import_applies(
-                                                             settings, request.prompt, request.sampling) else None,
-                                                         prefix_names=prefix_estimates(scope, named, tools, hints.longest),
-                                                         stateless_scope=request.scope,
-                                                         tools=tools, parse_tool_calls=request.parse_tool_calls,
-                                                         template=request.template, prompt=request.prompt),
-                       None)
+            tier = hints.tier if tier_import_applies(settings, request.prompt, request.sampling) else None
+            job = TurnJob(request_id, messages, request.sampling, prefix_holders=hints.holders, tier_prefix=tier,
+                          prefix_names=prefix_estimates(scope, named, tools, hints.longest),
+                          stateless_scope=request.scope, tools=tools, parse_tool_calls=request.parse_tool_calls,
+                          template=request.template, prompt=request.prompt)
+            return cls(settings, workers, cache, job, None)
         granted = await _acquire(settings, cache, conversation, request_id, request.wait_if_busy)
         head = granted.head  # the head at the time of the acquire; version 0: a new conversation
         idempotency = request.idempotency

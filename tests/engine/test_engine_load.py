@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tests.engine.conftest import GREEDY, new_engine, prompt_of
 from workers.checkpoint import Arch
-from workers.request import CheckpointMark, ReuseSource
+from workers.request import CheckpointMark, KeepState, ReuseSource
 from workers.sampling import SamplingParams
 
 
@@ -43,3 +43,22 @@ def test_a_request_waiting_for_a_prefix_another_computes_reports_only_its_own_ta
     assert engine.load().waiting_prefill_tokens == 120  # nothing running: nobody computes it yet
     engine.step()  # a admitted, 24 of its 60 computed; b waits for a's mark at 40
     assert engine.load().waiting_prefill_tokens == (60 - 24) + 20
+
+
+def test_a_queued_request_reports_only_what_its_held_prefix_leaves(tiny):
+    """An agent loop's next step queued behind a running step: its prompt is the history the
+    replica holds (the last step's end) and a tool result. It is no queue of that history: counted
+    whole, the replica looked busy by the very history it holds and the router sent the loop's
+    next step to recompute it elsewhere (bench.agent, step 2)."""
+    engine = new_engine(tiny[Arch.BAMBA].path)
+    history = prompt_of(50, seed=3)
+    engine.add_request("a", history, GREEDY, prefix_scope="loop", keep=KeepState.CHECKPOINT)
+    reply = []
+    while engine.has_unfinished():
+        reply += [t.token_id for out in engine.step() for t in out.new_tokens]
+    step = history + reply + prompt_of(30, seed=4)
+    engine.add_request("b", step, GREEDY, prefix_scope="loop")
+    held = len(history) + len(reply) - 1  # the end: all it saw and generated but its last token
+    assert engine.load().waiting_prefill_tokens == len(step) - held
+    engine.add_request("c", step, GREEDY, prefix_scope="another loop")  # another scope holds nothing
+    assert engine.load().waiting_prefill_tokens == len(step) - held + len(step)

@@ -88,6 +88,21 @@ class CacheCoordinator:
             request.head = found.attachment()
             self.heads.pin(found, request)
 
+    def held_prefix_length(self, request: Request) -> int:
+        """How much of a waiting request's prompt it will start from: its head, or the longest prefix
+        held under its scope (read-only: nothing pinned or counted; redone once something is named)."""
+        if request.head is not None:
+            return request.head.state_len
+        if not request.prefix_lookup or request.prefix_scope is None:
+            return 0
+        version, length = request.held_estimate
+        if version != self.heads.index_version:
+            prompt = request.prompt_token_ids
+            found = self.heads.index.longest(request.prefix_scope, prompt, len(prompt) - 1)
+            length = found[0].length if found is not None else 0
+            request.held_estimate = (self.heads.index_version, length)
+        return length
+
     def try_admit(self, request: Request, num_new_tokens: int, idle: bool) -> bool:
         """Give a waiting request its slots and blocks for num_new_tokens more tokens,
         continuing its head if it still has one; False (nothing changed) if it cannot fit."""
@@ -166,9 +181,6 @@ class CacheCoordinator:
     def open_marks(self, request_id: str) -> list[CheckpointMark]:
         """The request's marks that will become checkpoints (each has its slot), by position."""
         return [pending.mark for pending in self.heads.marks_of(request_id)]
-
-    def has_marks(self, request: Request) -> bool:
-        return bool(self.heads.marks_of(request.request_id))
 
     def reach_marks(self, request: Request) -> None:
         """The request's state now covers num_computed_tokens: marks up to there become checkpoints
