@@ -145,7 +145,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             self.caches.attach_prefix(request)
-            if awaited_prefix(request, self.running, self.caches.open_marks):  # a running request is about to checkpoint it
+            # a running request is about to checkpoint a prefix of it
+            if awaited_prefix(request, self.running, self.caches.open_marks):
                 waiting_for_a_prefix.append(self.waiting.popleft())
                 continue
             start = request.head.state_len if request.head else request.num_computed_tokens

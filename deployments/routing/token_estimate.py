@@ -5,8 +5,9 @@ The router adds these estimates to queues the replicas report in real tokens (co
 sent_log.py), and subtracts real held prefixes from them, so they must be in the same unit.
 Characters over four is the English rule; other text and vocabularies differ by several times
 (bench.agent's checkpoint counts a tenant's system prompt and tool catalogue as 2,033 tokens
-where characters over four said 467). So every prefix lookup that finds a holder teaches the scale: the holder's engine counted messages[:k] as T tokens, the
-estimate said E, and T / E is how this deployment's text tokenizes (TokenScale, a running mean).
+where characters over four said 467). So every prefix lookup that finds a holder teaches the
+scale: the holder's engine counted messages[:k] as T tokens, the estimate said E, and T / E is
+how this deployment's text tokenizes (TokenScale, a running mean).
 The request's own ratio is used where it has one; a request nobody holds anything of uses the
 learned scale.
 """
@@ -70,7 +71,8 @@ def prefix_estimates(scope: str, messages: Sequence[dict], tools: Sequence[dict]
     if longest is not None and 0 < longest[0] <= len(raw):
         ratio = scale.observe(longest[1], raw[longest[0] - 1])
     factor = ratio if ratio is not None else scale.value
-    return tuple((name, round(tokens * factor)) for name, tokens in zip(message_prefix_digests(scope, list(messages)), raw))
+    names = message_prefix_digests(scope, list(messages))
+    return tuple((name, round(tokens * factor)) for name, tokens in zip(names, raw))
 
 
 def estimated_tokens(messages: Sequence[dict], scale: TokenScale = SCALE) -> int:

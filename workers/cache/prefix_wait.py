@@ -9,7 +9,8 @@ first one's checkpoint instead of all computing it.
 
 A waiting request never waits on a request that left the running set (finished, aborted,
 preempted), on a mark already passed, or on a mark that got no room when its request was
-admitted (it will make no checkpoint): it runs as a miss then, at once. Deterministic requests neither look up nor mark, and never wait.
+admitted (it will make no checkpoint): it runs as a miss then, at once. Deterministic requests
+neither look up nor mark, and never wait.
 """
 
 from __future__ import annotations
