@@ -12,6 +12,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable, Iterable, TypeVar
 
 import redis
 from redis_sentinel_set import RedisChild
@@ -19,6 +20,7 @@ from redis_sentinel_set import RedisChild
 from cache_service.embedded_redis import find_redis_server
 
 PRIMARIES = 3
+T = TypeVar("T")
 BUS_OFFSET = 10000  # a node's cluster bus listens on its port + 10000, so the port must be <= 55535
 
 
@@ -85,6 +87,23 @@ class RedisClusterSet:
 
     def node_of_slot(self, slot: int) -> RedisChild:
         return self.nodes_of_slot(slot)[0]
+
+    def spread(self, candidates: Iterable[T], slot_of: Callable[[T], int], per_primary: int) -> list[T]:
+        """`per_primary` of `candidates` on each primary, taken in turn from each: a test that must reach
+        every shard picks its keys so, rather than hope that random names happen to cover them (twelve
+        random names miss one of three primaries once in 43 runs)."""
+        ranges = [(first, last, primary[1]) for first, last, primary, *_ in
+                  self.nodes[0].client().execute_command("CLUSTER SLOTS")]
+        chosen: dict[int, list[T]] = {}
+        for candidate in candidates:
+            slot = slot_of(candidate)
+            port = next(port for first, last, port in ranges if first <= slot <= last)
+            bucket = chosen.setdefault(port, [])
+            if len(bucket) < per_primary:
+                bucket.append(candidate)
+            if len(chosen) == PRIMARIES and all(len(b) == per_primary for b in chosen.values()):
+                return [c for group in zip(*chosen.values()) for c in group]
+        raise ValueError(f"the candidates reach {len(chosen)} of {PRIMARIES} primaries {per_primary} times each")
 
     @staticmethod
     def promoted(candidates: list[RedisChild], timeout_s: float = 30.0) -> RedisChild:
