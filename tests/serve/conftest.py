@@ -124,7 +124,6 @@ def stack(tmp_path_factory):
         service = ServiceProcess(data_dir=root / "service", redis_url=redis.url)
         cleanup.callback(service.close)
         service.start()
-        port = _free_port()
         cleanup.callback(ray.shutdown)
         # Logical CPUs: a second app (tier off) and replacement replicas must fit beside the first.
         # "local": a Ray of the session's own; without an address ray.init joins the latest live
@@ -132,6 +131,7 @@ def stack(tmp_path_factory):
         start_ray(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                   runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
         cleanup.callback(serve.shutdown)
+        port = _free_port()  # after Ray's own processes took theirs
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_args(str(model_dir), service, tier_export="async", served_model_name=SERVED_NAMES,
                                      max_output_tokens=MAX_OUTPUT_TOKENS)), name=APP, route_prefix="/")

@@ -26,8 +26,7 @@ from deployments.turn.run import TurnRun
 from proto.contract import ConversationRef, tokens_digest
 from tests.cache_service.cs_helpers import fast_client
 
-TTL_S = 1.0
-PERIOD_S = TTL_S / 4
+TTL_S = 2.0  # renewals every 0.5 s: a turn survives a second's stall of this process, as on a loaded machine
 TURN_S = 3 * TTL_S  # the turn outlives its lease three times over unless it is renewed
 Fault = Callable[[int, grpc.aio.ServicerContext], Awaitable[None]]
 
@@ -190,7 +189,7 @@ async def test_a_lease_the_service_says_is_gone_stops_the_turn_at_once(turns, co
     events, replica = await run_turn(settings, cache, keeper, conv_id, take_it_away)
     stopped = time.monotonic() - await released
     assert isinstance(events[-1], TurnFailed) and events[-1].kind is ErrorKind.CONFLICT, events[-1]
-    assert replica.cancelled and stopped < 2 * PERIOD_S + 0.5, stopped  # not at the end of the stream
+    assert replica.cancelled and stopped < TURN_S / 2, stopped  # at the next renewals, not at the end of the stream
     assert (Renewal.LOST in [r for _, r in renewals])
 
 

@@ -119,7 +119,8 @@ async def test_a_failed_lookup_routes_by_load_quickly(service, fault):
         if fault == "hung":
             os.kill(service.proc.pid, signal.SIGCONT)
     assert run.job.prefix_holders == ()
-    assert elapsed < PREFIX_LOOKUP_S + 0.5, f"the hint held the request up for {elapsed:.2f} s"
+    # bounded by the lookup's own deadline (plus a loaded machine's slack), not retried for minutes
+    assert elapsed < PREFIX_LOOKUP_S + 2.0, f"the hint held the request up for {elapsed:.2f} s"
     assert LOOKUP_FAILURES.count == failures + 1
 
 
