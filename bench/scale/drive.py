@@ -3,8 +3,9 @@
     sessions (closed loop, min(R x BATCH, max_sessions) of them), each over and over:
         draw a conversation and a session of the mix (mix.py)
         per turn:  AcquireLease (ingress; its reply carries the head)
-                   route: StickyConversationRouter.choose_replicas (fleet.py)
-                   the chosen replica computes, renews, publishes, exports (replica.py)
+                   renew the lease every TTL / RENEWALS_PER_TTL until the turn ends (ingress)
+                   route: StickyConversationRouter.choose_replicas, the first rank with room (fleet.py)
+                   the chosen replica computes, publishes, exports (replica.py)
 
 A warm-up, then a measured window: turns, call latencies, Redis counters and CPU times are the
 window's. At the end every turn the sessions completed is checked against the ledgers in Redis.
@@ -13,6 +14,7 @@ window's. At the end every turn the sessions completed is checked against the le
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import tempfile
 import time
@@ -21,9 +23,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cache_service.client import CacheClient
+from cache_service.errors import CacheError
 from deployments.messages import HeadRef, TurnJob
 from deployments.routing.decisions import ROUTING_REGISTRY
 from deployments.routing.cost import RouteReason
+from deployments.turn.lease_keeper import RENEWALS_PER_TTL
 
 from bench.kit.stats import percentile
 from bench.scale import services
@@ -86,16 +90,44 @@ async def run_session(index: int, conv, steps, cache: CacheClient, fleet: Fleet,
             latencies.add("acquire", time.perf_counter() - t0)
             head = HeadRef.of(lease.head)
             job = TurnJob(uuid.uuid4().hex, [], {}, conversation=conv, lease=lease, head=head)
-            replica = await fleet.route(job)
-            moved = head.committed_tokens if head.owner and head.owner != replica.name else 0
-            await replica.run_turn(conv, lease, head.version, head.committed_tokens, moved, step)
-            fleet.finished(replica)
+            async with kept(cache, conv, lease, latencies):
+                replica = await fleet.route(job)
+                moved = head.committed_tokens if head.owner and head.owner != replica.name else 0
+                try:
+                    await replica.run_turn(conv, lease, head.version, head.committed_tokens, moved, step)
+                finally:
+                    fleet.finished(replica)
         except Exception as error:  # counted and reported: a point with errors is not a clean point
             counts.errors[type(error).__name__] = counts.errors.get(type(error).__name__, 0) + 1
             return
         counts.turns += 1
         if latencies.open:
             counts.window_turns += 1
+
+
+@contextlib.asynccontextmanager
+async def kept(cache: CacheClient, conv, lease, latencies: Latencies):
+    """The lease renewed from its grant until the turn ends, as the ingress's lease keeper does
+    (deployments/turn/run.py): also while the turn waits for a replica with room or for a slot."""
+    task = asyncio.create_task(_renew(cache, conv, lease, latencies))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _renew(cache: CacheClient, conv, lease, latencies: Latencies) -> None:
+    period = LEASE_TTL_MS / 1000 / RENEWALS_PER_TTL
+    while True:
+        await asyncio.sleep(period)
+        t0 = time.perf_counter()
+        try:
+            await cache.renew_lease(conv, lease, LEASE_TTL_MS)
+        except CacheError:  # a lease lost is the publish's error (LeaseLost), counted there
+            return
+        latencies.add("renew", time.perf_counter() - t0)
 
 
 def reason_counts() -> dict[str, float]:

@@ -3,13 +3,15 @@ exactly as Serve calls it, with each replica behind a Serve `RunningReplica` vie
 
 Serve's `RunningReplica` looks up its actor handle when built; a simulated replica has no actor,
 so the view takes the replica info alone (the router reads only `replica_id` and
-`routing_stats`). After the choice, `on_send_request` is called as Serve does when it sends, and
+`routing_stats`). After the choice, `on_send_request` is called for the first replica with
+room, as Serve does when it sends, and
 Serve's queue-length cache is set from the replica's live count when a turn ends (Serve learns
 it from probes, which the view answers the same way).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -50,15 +52,25 @@ class Fleet:
         self.router.update_replicas(self.views)
         self.route_seconds: list[float] = []
         self.reasons: dict[str, int] = {}
+        self._turn_ended = asyncio.Event()
 
     async def route(self, job: TurnJob) -> SimulatedReplica:
-        t0 = time.perf_counter()
+        """The first replica with room in the router's ranks, as Serve sends (a replica at
+        max_ongoing_requests, BATCH here, is skipped); with none, it waits for a turn to end and
+        asks the router again, as Serve backs off and retries."""
         request = PendingRequest([job], {}, RequestMetadata(job.request_id, uuid.uuid4().hex))
-        ranks = await self.router.choose_replicas(self.views, request)
-        chosen = ranks[0][0].replica_id
-        self.router.on_send_request(chosen)
-        self.route_seconds.append(time.perf_counter() - t0)
-        return self.replicas[chosen.unique_id]
+        while True:
+            t0 = time.perf_counter()
+            ranks = await self.router.choose_replicas(self.views, request)
+            self.route_seconds.append(time.perf_counter() - t0)
+            room = [v.replica_id for rank in ranks for v in rank
+                    if self.replicas[v.replica_id.unique_id].in_flight < BATCH]
+            if room:
+                self.router.on_send_request(room[0])
+                return self.replicas[room[0].unique_id]
+            await self._turn_ended.wait()
 
     def finished(self, replica: SimulatedReplica) -> None:
         self.router.replica_queue_len_cache.update(self._ids[replica.name], replica.in_flight)
+        self._turn_ended.set()  # wakes every route waiting for room; the next ones wait on a new event
+        self._turn_ended = asyncio.Event()

@@ -2,15 +2,15 @@
 
 Per turn, on one of its BATCH slots (a turn waits for a free slot):
 
-    sleep the turn's time (cost_model.py), renewing the lease every lease TTL / RENEWALS_PER_TTL
-    as the app's lease keeper does          -> RenewLease
+    sleep the turn's time (cost_model.py) (the driver, as the ingress, renews the lease meanwhile)
     publish the head + ledger entry, releasing the lease, owner = this replica
                                             -> PublishTurn
     after the slot is free, where the mix says the conversation goes quiet: export the head
                                             -> PutState (MissingChunks + stream), as tier_export
 
 It reports the routing stats a worker reports (Worker.record_routing_stats) into the dict its
-Serve `RunningReplica` view hands the router, live rather than once a second.
+Serve `RunningReplica` view hands the router, live rather than once a second, each update
+stamped `reported_at` as a worker's report is (the router adds only the sends after it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import time
 from collections import defaultdict
 
 from cache_service.client import CacheClient
-from deployments.turn.lease_keeper import RENEWALS_PER_TTL
 from proto.contract import ConversationRef, tokens_digest
 
 from bench.scale.cost_model import BATCH, IMPORT_TOKENS_PER_S, PREFILL_TOKENS_PER_S
@@ -60,7 +59,8 @@ class SimulatedReplica:
 
     def _report(self) -> None:
         tokens, turns = self._prefill_seen
-        self.routing_stats.update(running_requests=self.in_flight, waiting_prefill_tokens=self.waiting_prefill,
+        self.routing_stats.update(reported_at=time.time(), running_requests=self.in_flight,
+                                  waiting_prefill_tokens=self.waiting_prefill,
                                   mean_prefill_tokens=tokens / turns if turns else 0.0)
 
     async def run_turn(self, conv: ConversationRef, lease, head_version: int, committed: int, moved_tokens: int,
@@ -76,7 +76,7 @@ class SimulatedReplica:
                 self._prefill_seen[0] += work.new_prompt_tokens
                 self._prefill_seen[1] += 1
                 self._report()
-                await self._compute(conv, lease, work.seconds(moved_tokens))
+                await asyncio.sleep(work.seconds(moved_tokens))
                 new_tokens = [TOKEN] * (work.new_prompt_tokens + work.output_tokens)
                 t0 = time.perf_counter()
                 head = await self.cache.publish_turn(
@@ -94,13 +94,3 @@ class SimulatedReplica:
             await self.cache.put_state(conv, head, os.urandom(self.state_bytes))
             self.latencies.add("tier_put", time.perf_counter() - t0)
         return head.version, head.committed_tokens
-
-    async def _compute(self, conv: ConversationRef, lease, seconds: float) -> None:
-        period = LEASE_TTL_MS / 1000 / RENEWALS_PER_TTL
-        end = time.monotonic() + seconds
-        while end - time.monotonic() > period:
-            await asyncio.sleep(period)
-            t0 = time.perf_counter()
-            await self.cache.renew_lease(conv, lease, LEASE_TTL_MS)
-            self.latencies.add("renew", time.perf_counter() - t0)
-        await asyncio.sleep(max(0.0, end - time.monotonic()))
