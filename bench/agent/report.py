@@ -53,7 +53,7 @@ def decode_lines(res: dict) -> list[str]:
         return []
     rows = []
     for kind, rec in d.items():
-        for key, label in (("step_gap_s", "gap between deltas, whole batch"),
+        for key, label in (("step_gap_s", "mean gap between a request's deltas, whole batch (not judged)"),
                            ("total_s_per_token", "total / output tokens"), ("inter_token_s", "after the first delta")):
             if key in rec:
                 m = rec[key]
@@ -68,7 +68,7 @@ def decode_lines(res: dict) -> list[str]:
             "Output tokens per request (on / off): "
             + "; ".join(f"{k} {on} / {off}" for k, (on, off) in tokens.items()) + ".",
             *[f"Rounds whose batch streamed whole ({k}, on / off): {sum(w['on'])}/{len(w['on'])} / "
-              f"{sum(w['off'])}/{len(w['off'])} (otherwise the gaps of every delta)."
+              f"{sum(w['off'])}/{len(w['off'])} (otherwise each request's mean gap over all its deltas)."
               for k, r in d.items() if (w := r.get("whole_batch_rounds"))], ""]
 
 
