@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cache_service.client import CacheClient
-from cache_service.errors import CacheError
+from cache_service.errors import CacheError, LeaseLost
 from deployments.messages import HeadRef, TurnJob
 from deployments.routing.decisions import ROUTING_REGISTRY
 from deployments.routing.cost import RouteReason
@@ -125,8 +125,10 @@ async def _renew(cache: CacheClient, conv, lease, latencies: Latencies) -> None:
         t0 = time.perf_counter()
         try:
             await cache.renew_lease(conv, lease, LEASE_TTL_MS)
-        except CacheError:  # a lease lost is the publish's error (LeaseLost), counted there
+        except LeaseLost:  # definite: the publish fails with it too, and is counted there
             return
+        except CacheError:  # anything else: the next tick is the retry, as the ingress's keeper does
+            continue
         latencies.add("renew", time.perf_counter() - t0)
 
 

@@ -4,9 +4,8 @@ exactly as Serve calls it, with each replica behind a Serve `RunningReplica` vie
 Serve's `RunningReplica` looks up its actor handle when built; a simulated replica has no actor,
 so the view takes the replica info alone (the router reads only `replica_id` and
 `routing_stats`). After the choice, `on_send_request` is called for the first replica with
-room, as Serve does when it sends, and
-Serve's queue-length cache is set from the replica's live count when a turn ends (Serve learns
-it from probes, which the view answers the same way).
+room, as Serve does when it sends, and Serve's queue-length cache is set from the replica's live
+count when a turn ends (Serve learns it from probes, which the view answers the same way).
 """
 
 from __future__ import annotations
