@@ -19,6 +19,11 @@
                 its tier imports) and reported with its routing stats; a replica that has not
                 measured yet is taken to run at the fleet's median
 
+A replica at its max_ongoing_requests (by Serve's count, which Serve skips it by) is ranked after
+every replica with room, so the first rank is where the request goes and its reason says why:
+a conversation's full owner is left as a busy one is (`owner_busy_moved`), a full holder as a busy
+one (`prefix_holder_busy`, or `prefix_import` where another replica imports the prefix instead).
+
 A replica computing the request's prefix for an earlier arrival (coalescing) has that prefix in
 its queue; it is also what the request lacks anywhere else, so it is counted once: only its queue
 beyond the prefix is extra there.
@@ -33,6 +38,7 @@ replica holds it too.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
@@ -75,12 +81,16 @@ class ReplicaLoad:
     # the estimated prefill of each of those sent (None: unknown, priced at the mean); empty: a
     # mean prefill for each of `sent_since_report`
     sent_prefill_tokens: tuple[float | None, ...] = ()
+    full: bool = False  # at its max_ongoing_requests: Serve sends the request to a later rank
 
     @classmethod
-    def of(cls, stats: Mapping, live_requests: int | None, sent: Sequence[float | None] = ()) -> "ReplicaLoad":
+    def of(cls, stats: Mapping, live_requests: int | None, sent: Sequence[float | None] = (),
+           max_ongoing_requests: int = 0) -> "ReplicaLoad":
         """From a replica's routing stats (Worker.record_routing_stats), the requests Serve and
-        this router count against it now (None: Serve's count is stale, the report stands), and
-        what this router sent it since that report (SentLog.since: estimated prefill each)."""
+        this router count against it now (None: Serve's count is stale, the report stands), what
+        this router sent it since that report (SentLog.since: estimated prefill each), and the
+        requests it takes at once (0: no limit known)."""
+        full = live_requests is not None and 0 < max_ongoing_requests <= live_requests
         reported = int(stats.get("running_requests", 0))
         waiting = int(stats.get("waiting_prefill_tokens", 0))
         sent = tuple(sent)
@@ -96,7 +106,7 @@ class ReplicaLoad:
                 waiting = waiting * old // reported
         return cls(reported, waiting, len(sent),
                    float(stats.get("prefill_tokens_per_s", 0.0)), float(stats.get("import_tokens_per_s", 0.0)),
-                   float(stats.get("mean_prefill_tokens", 0.0)), sent)
+                   float(stats.get("mean_prefill_tokens", 0.0)), sent, full)
 
 
 @dataclass(frozen=True)
@@ -194,12 +204,16 @@ def rank(candidates: Sequence[str], loads: Mapping[str, ReplicaLoad], need: Need
     # A holder that is no candidate (gone, or not of this deployment) saves nobody anything.
     need = replace(need, held={r: tokens for r, tokens in need.held.items() if r in candidates})
     speeds = Speeds(loads)
-    costs = sorted(((expected_ttft(r, need, speeds), i, r) for i, r in enumerate(candidates)))
+    full = {r for r in candidates if loads[r].full}
+    if len(full) == len(candidates):  # all full: Serve backs off and asks again; the order stands
+        full = set()
+    costs = sorted(((math.inf if r in full else expected_ttft(r, need, speeds), i, r)
+                    for i, r in enumerate(candidates)))
     if not costs:
         return []
-    if need.owner in candidates and not need.tier_has_head:
+    if need.owner in candidates and not need.tier_has_head and need.owner not in full:
         # Without a tier copy a move recomputes the whole history from the ledger and leaves the
-        # owner's copy stale: the turn waits for its owner (Serve skips it only when it is full).
+        # owner's copy stale: the turn waits for its owner (unless it is full: Serve skips it).
         costs.sort(key=lambda c: c[2] != need.owner)
     first = costs[0][2]
     reason = _reason(first, candidates, need)

@@ -8,7 +8,9 @@ are all full (`max_ongoing_requests`) is skipped:
     [[cheapest], [next cheapest], ...]   by expected time to first token (cost.py): its queue
                                          plus the prefill (or head import) it needs
     a conversation's owner without a tier copy of its head goes first whatever its queue (a move
-    would recompute the history); with a tier copy it competes: the head moves when that is cheaper
+    would recompute the history); with a tier copy it competes: the head moves when that is cheaper;
+    a replica at max_ongoing_requests by Serve's count goes after those with room (Serve would
+    skip it): the first rank is where the request goes, and its counted reason says why
 
 Prefix holders: for a stateless request or a new conversation the ingress asks the cache
 service's prefix index which replicas hold a prefix of its messages (a shared system prompt,
@@ -161,7 +163,8 @@ class StickyConversationRouter(RequestRouter):
         stats = replica.routing_stats or {}
         counted = self.replica_queue_len_cache.get(replica.replica_id)
         live = None if counted is None else counted + chosen[replica.replica_id]
-        return ReplicaLoad.of(stats, live, self._sent.since(replica.replica_id, float(stats.get("reported_at", 0.0))))
+        return ReplicaLoad.of(stats, live, self._sent.since(replica.replica_id, float(stats.get("reported_at", 0.0))),
+                              replica.max_ongoing_requests)
 
     def _shortlist(self, candidates: list[RunningReplica], chosen: Counter[ReplicaID],
                    need: Need | None) -> tuple[list[RunningReplica], list[RunningReplica]]:

@@ -26,6 +26,7 @@ class Candidate:
 
     replica_id: ReplicaID
     routing_stats: dict[str, Any] = field(default_factory=dict)
+    max_ongoing_requests: int = 64  # room for the queues these tests give, unless a test says otherwise
 
 
 def _pending(n: int) -> PendingRequest:
@@ -62,7 +63,7 @@ def _job_request(n: int, *, owner: str = "", holders: tuple[tuple[str, int], ...
                           metadata=RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}"))
 
 
-def _router(**stats: dict[str, Any]) -> tuple[StickyConversationRouter, list[Candidate]]:
+def _router(max_ongoing_requests: int = 64, **stats: dict[str, Any]) -> tuple[StickyConversationRouter, list[Candidate]]:
     """A router over replicas with the given routing stats, each as measured by its worker
     (speeds default to 1,000 prefill tokens/s), nothing sent to any yet."""
     deployment = DeploymentID(name="Worker", app_name="router-test")
@@ -70,7 +71,7 @@ def _router(**stats: dict[str, Any]) -> tuple[StickyConversationRouter, list[Can
     replicas = []
     for name, given in stats.items():
         replica = Candidate(ReplicaID(name, deployment), {"prefill_tokens_per_s": 1000.0, "mean_prefill_tokens": 100.0,
-                                                          **given})
+                                                          **given}, max_ongoing_requests)
         router.on_new_queue_len_info(replica.replica_id, int(given.get("running_requests", 0)))
         replicas.append(replica)
     return router, replicas
@@ -215,6 +216,31 @@ async def test_a_busy_owner_keeps_its_turn_unless_the_tier_holds_the_head():
     assert _decisions("owner_busy_moved") == before + 1
     router, replicas = _router(a={"running_requests": 1, "waiting_prefill_tokens": 50}, b={})
     assert await _first(router, replicas, _job_request(3, owner="a", tier_copy=True)) == "a"  # 0.05 s < 0.1 s
+
+
+@pytest.mark.parametrize("tier, reason", [(None, "prefix_holder_busy"), (("name", 2000), "prefix_import")])
+async def test_a_full_holder_ranks_after_a_replica_with_room_and_the_reason_says_where_the_request_went(
+        tier, reason):
+    """a holds the request's 2,000-token prefix with nothing queued, but runs its
+    max_ongoing_requests (8, by Serve's count): Serve would skip it, so b, which has room, is the
+    first rank, and the decision counted is b's: it computes the prefix, or imports it where the
+    tier holds it. Before, a ranked first and `prefix_holder` was counted for a request b served."""
+    router, replicas = _router(8, a={"running_requests": 8}, b={})
+    before = _decisions(reason)
+    request = _job_request(1, holders=(("a", 2000),), tier=tier)
+    assert _names(await router.choose_replicas(replicas, request)) == ["b", "a"]
+    assert _decisions(reason) == before + 1
+    router.on_new_queue_len_info(replicas[0].replica_id, 7)  # a has room again: the holder wins
+    assert await _first(router, replicas, _job_request(2, holders=(("a", 2000),), tier=tier)) == "a"
+
+
+async def test_a_full_owner_is_left_as_a_busy_one_and_all_full_keeps_the_order():
+    router, replicas = _router(8, a={"running_requests": 8}, b={})
+    before = _decisions("owner_busy_moved")
+    assert await _first(router, replicas, _job_request(1, owner="a")) == "b"  # no tier copy: recomputed there
+    assert _decisions("owner_busy_moved") == before + 1
+    router.on_new_queue_len_info(replicas[1].replica_id, 8)  # both full: Serve backs off, the owner stays first
+    assert await _first(router, replicas, _job_request(2, owner="a")) == "a"
 
 
 async def test_the_owner_wins_over_prefix_holders_and_when_gone_the_holders_count_for_nothing():
