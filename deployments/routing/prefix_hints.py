@@ -27,7 +27,7 @@ import grpc
 
 from cache_service.client import SERVICE_LIMITS, CacheClient, CacheError
 from deployments.routing.recent_prefixes import RECENT, merged
-from deployments.settings import AppSettings, Backend, TierExport
+from deployments.settings import AppSettings, TierExport
 from proto.contract import message_prefix_digests
 
 log = logging.getLogger("hybridserve.prefix_index")
@@ -108,9 +108,10 @@ async def find_holders(cache: CacheClient, scope: str, messages: Sequence[dict],
 def tier_import_applies(settings: AppSettings, prompt: object, sampling: dict) -> bool:
     """Whether a worker may import a stateless request's prefix from the state tier, so the router
     should price that (worker/prefix_tier.py): a chat (a completion's `prompt` is imported by no
-    one), not deterministic (it attaches nothing), on our engine with the tier in use."""
+    one), not deterministic (it attaches nothing), with the tier in use and prefix checkpoints
+    kept (either backend: each imports its own format's)."""
     return (prompt is None and not sampling.get("deterministic")
-            and settings.backend is Backend.OURS and settings.tier_export is not TierExport.OFF)
+            and settings.tier_export is not TierExport.OFF and settings.prefix_cache_mb > 0)
 
 
 def announcement(scope: str, messages: Sequence[dict], reply: dict,

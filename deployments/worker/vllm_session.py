@@ -9,7 +9,10 @@ prompt and leaves one where it ends and at the message boundaries our engine mar
 it, and the end of its last message, kept for a next request that renders the history otherwise
 (workers/vllm_backend/prefixes.py). As on our engine, a chat resent in full runs only its new
 messages, and a shared system prompt is computed once; unlike it, a boundary not held yet costs
-a one-token request of its own before the real one (vLLM has no state inside a prompt).
+a one-token request of its own before the real one (vLLM has no state inside a prompt). Its
+checkpoints travel through the state tier as our engine's do (worker/prefix_tier.py): exported
+in this backend's format (workers/vllm_backend/export.py), so only another vLLM worker of the
+same layout imports them.
 
 Constrained decoding (structured outputs, forced and "auto" tool calls) runs as vLLM's own
 structured outputs on its guidance backend: llguidance with our grammars and our view of the
@@ -30,17 +33,19 @@ from typing import Any
 from deployments.messages import HeadRef
 from deployments.settings import AppSettings
 from deployments.worker.turns_here import ConversationUse
-from proto.contract import ConversationRef, ModelIdentity
+from proto.contract import ConversationRef, ModelIdentity, tokens_digest
 from workers.conversation.boundaries import message_marks
-from workers.conversation.export_format import unpack_export
+from workers.conversation.export_format import pack_export, unpack_export
+from workers.conversation.prefix_export import scope_digest
 from workers.conversation.prompt import build_turn_prompt
 from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
-from workers.errors import CorruptStateError, InvalidRequestError
+from workers.errors import CorruptStateError, InvalidRequestError, PrefixMismatchError
 from workers.grammar.compiler import GrammarCompiler
 from workers.load import EngineLoad
 from workers.request import CheckpointMark, ReuseSource
 from workers.sampling import SamplingParams
+from workers.state_names import PrefixKey
 from workers.tokenizer import ChatTokenizer
 from workers.template_options import DEFAULT_TEMPLATE, TemplateOptions
 from workers.tools.formats import ToolFormat, plain_message, tool_format_for
@@ -55,7 +60,7 @@ from workers.vllm_backend.streams import HostStreams
 class VllmSession:  # implements Session (session.py)
     use: ConversationUse  # the turns running here, per conversation
     tokenizer: ChatTokenizer
-    prefix_tier: bool = False  # see export_prefix
+    prefix_tier: bool  # its prefix checkpoints go through the state tier (where it keeps any)
 
     def __init__(self, model_dir: str, settings: AppSettings):
         self.model_dir = model_dir
@@ -74,6 +79,7 @@ class VllmSession:  # implements Session (session.py)
         self.conversations = HostedConversations(self.host, settings.head_cache_mb << 20, self.tokenizer,
                                                  eos_token_ids)
         self.prefixes = HostPrefixes(self.host, settings.prefix_cache_mb << 20)
+        self.prefix_tier = self.prefixes.enabled
         self.streams = HostStreams(self.host, self.tokenizer, self.allowed_ids, self._tool_format, self.conversations,
                                    self.prefixes)
         self.use = ConversationUse()
@@ -142,22 +148,49 @@ class VllmSession:  # implements Session (session.py)
         await self.start()
         return await self.conversations.export(ref, self.identity, self.layout)
 
-    # Prefix checkpoints stay in this backend's host: its exports carry a conversation's head
-    # only (the worker never calls these, prefix_tier being False).
-    async def export_prefix(self, key: Any) -> list[bytes] | None:
-        return None
+    # -- prefix checkpoints through the tier (worker/prefix_tier.py) ------------------------------
+    async def export_prefix(self, key: PrefixKey) -> list[bytes] | None:
+        """Tier parts of the checkpoint named `key`; None if it is no longer held here, or was
+        superseded by a longer link of its request chain."""
+        await self.start()
+        parts = await self.prefixes.export(key)
+        if parts is None:
+            return None
+        meta = vllm_export.prefix_meta(key.scope, key.length, key.digest)
+        exported = await asyncio.to_thread(vllm_export.build_export, meta, self.identity, self.layout, parts)
+        return pack_export(exported)
 
     async def held_prefix(self, scope: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                           template: TemplateOptions) -> tuple[list[int], int]:
-        return [], 0
+        """(the prompt's token ids, the tokens of it held here under `scope`): what a stateless
+        request of these messages would load."""
+        prompt = await asyncio.to_thread(self._stateless_prompt, messages, tools, template)
+        return prompt, self.prefixes.index.reach(scope, prompt)[0]
 
     async def import_prefix(self, scope: str, blob: bytes, prompt: list[int]) -> int:
-        raise CorruptStateError("the vLLM backend imports no prefix checkpoints")
+        """Install another vLLM worker's prefix checkpoint under `scope` if it is a prefix of
+        `prompt` (token ids, exactly); returns its tokens. PrefixMismatchError if it is not,
+        CorruptStateError if it is unsound, another backend's or another scope's."""
+        await self.start()
 
-    def withdrawn_prefixes(self) -> list:
-        """None: this backend's checkpoints are vLLM's prefix cache, which evicts without telling;
-        their announces expire with the prefix index's TTL."""
-        return []
+        def verify() -> vllm_export.HeadParts:
+            header, chunks = unpack_export(blob)
+            meta, parts = vllm_export.verify_export(header, chunks, self.identity, self.layout)
+            prefix = meta.get("prefix")
+            if prefix is None:
+                raise CorruptStateError("the export is a conversation's head, not a prefix checkpoint")
+            if prefix["scope"] != scope_digest(scope):
+                raise CorruptStateError("the export is another cache scope's prefix checkpoint")
+            if parts.state_len >= len(prompt) or tokens_digest(prompt[:parts.state_len]) != prefix["digest"]:
+                raise PrefixMismatchError("the tier's prefix checkpoint is not a prefix of this prompt",
+                                          parts.state_len, prefix["digest"])
+            return parts
+
+        parts = await asyncio.to_thread(verify)
+        return await self.prefixes.install(scope, tuple(prompt[:parts.state_len]), parts)
+
+    def withdrawn_prefixes(self) -> list[PrefixKey]:
+        return self.prefixes.index.withdrawn()
 
     async def kv_cache_usage(self) -> float:
         if not self.host.ready:
@@ -221,9 +254,13 @@ class VllmSession:  # implements Session (session.py)
                          cache_salt: str, tools: list[dict[str, Any]] | None = None,
                          template: TemplateOptions = DEFAULT_TEMPLATE) -> AsyncIterator[RequestOutput]:
         params = backend_params(params, self.vocab_size)
-        prompt = build_turn_prompt(self.tokenizer, [], [], messages, tools, template).token_ids  # no committed ids
+        prompt = self._stateless_prompt(messages, tools, template)
         return self.streams.stateless(len(messages), prompt, self._marks(messages, prompt, tools, template), params,
                                       request_id, cache_salt)
+
+    def _stateless_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          template: TemplateOptions) -> list[int]:
+        return build_turn_prompt(self.tokenizer, [], [], messages, tools, template).token_ids  # no committed ids
 
     def stream_completion(self, prompt: str | tuple[int, ...], params: SamplingParams, request_id: str,
                           cache_salt: str) -> AsyncIterator[RequestOutput]:

@@ -21,10 +21,13 @@ import pytest
 from ray import serve
 
 from cache_service.client import CacheClient
-from deployments.app import build_app
+from deployments.app import ChatIngress, Worker, build_app
+from deployments.settings import AppSettings
 from proto.contract import message_prefix_digests
 from tests.serve.conftest import app_args, never_ending
 from tests.serve.helpers import chat_turn, conversation, metric, prefix_holders, stateless_reference, tier_copy, user
+from tests.serve.test_prefix_tier import SYSTEM as LONG_SYSTEM
+from tests.serve.test_prefix_tier import ask, tier_prefix
 from tests.serve.test_recovery import kill_replica, replica_replaced
 from tests.serve.test_template_fields import HI, OPENED, rendered
 from tests.serve.test_tool_calls import TOOLS
@@ -39,6 +42,7 @@ pytestmark = [
     pytest.mark.skipif(not (VENV_DIR / ".ready").exists(), reason="no vLLM venv (python -m workers.vllm_backend.venv)"),
 ]
 VLLM_APP, PREFIX = "hybridserve-vllm", "/vllm"
+VLLM_IMPORT_APP, VLLM_IMPORT_PREFIX = "hybridserve-vllm-import", "/vllm-import"
 QUESTIONS = ["Tell me about the sea.", "And the mountains?", "Both in one line.", "Backwards?", "One more word."]
 
 
@@ -146,6 +150,43 @@ async def test_template_fields_render_the_prompt_as_on_our_engine(stack, vllm_ap
                                                     extra_body={"cache_salt": f"tpl-{uuid.uuid4().hex}"})
         assert reply.prompt_tokens == reference.usage.prompt_tokens, fields
         assert reply.text == reference.choices[0].text, fields
+
+
+@pytest.fixture
+def vllm_importer(stack, vllm_app):
+    """A second app of one vLLM replica on the same checkpoint and cache service: its engine host
+    holds nothing yet."""
+    settings = AppSettings.model_validate(app_args(vllm_app.model_dir, stack.service, backend="vllm",
+                                                   tier_export="async", kv_cache_mb=32))
+    serve.run(ChatIngress.bind(settings, Worker.options(num_replicas=1).bind(settings, None), None),
+              name=VLLM_IMPORT_APP, route_prefix=VLLM_IMPORT_PREFIX)
+    yield stack.client(VLLM_IMPORT_PREFIX)
+    serve.delete(VLLM_IMPORT_APP)
+
+
+async def test_a_prefix_computed_by_one_replica_is_imported_by_another_with_the_same_tokens(
+        stack, vllm_app, vllm_importer):
+    """A tenant's long system prompt, computed by a replica of the vLLM app, goes to the state
+    tier in this backend's format; a replica that never computed it (the second app's) is routed
+    to import it, and loads it instead of computing it, with the same tokens as a recompute."""
+    salt = f"tenant-{uuid.uuid4().hex[:8]}"
+    first_chat = [LONG_SYSTEM, user("hello")]
+    await chat_turn(stack.client(PREFIX), vllm_app.model, first_chat, conversation_id=None, cache_salt=salt)
+    async with CacheClient(stack.service.target) as cache:
+        name, tokens = await tier_prefix(cache, salt, message_prefix_digests(salt, first_chat))
+    assert name == message_prefix_digests(salt, first_chat)[0] and tokens >= 256  # the system prompt's
+
+    chat = [LONG_SYSTEM, user("good morning")]
+    async with stack.http() as http:
+        imports = await metric(http, "hybridserve_prefix_imports_total", prefix=VLLM_IMPORT_PREFIX)
+        reply = await ask(vllm_importer, vllm_app.model, chat, salt)
+        assert reply.model_extra["hybridserve"]["recovery"] == "prefix_import"
+        assert reply.usage.prompt_tokens_details.cached_tokens == tokens  # vLLM's count: loaded, not computed
+        assert await metric(http, "hybridserve_prefix_imports_total", prefix=VLLM_IMPORT_PREFIX) == imports + 1
+        decided = 'hybridserve_route_decisions_total{reason="prefix_import"}'
+        assert await metric(http, decided, prefix=VLLM_IMPORT_PREFIX) >= 1
+    reference = await stateless_reference(stack.client(PREFIX), vllm_app.model, chat, max_tokens=8)
+    assert [t.token for t in reply.choices[0].logprobs.content] == reference.tokens
 
 
 async def test_owner_killed_between_turns_continues_from_the_tier_with_the_same_tokens(stack, vllm_app, conv_id):

@@ -65,3 +65,31 @@ def test_a_state_is_sized_from_the_layout_and_one_beyond_the_budget_is_not_kept(
     prefixes.layout = LAYOUT
     assert prefixes.fits(256) and not prefixes.fits(257)
     assert not HostPrefixes(host=None, budget_bytes=0).fits(1)
+
+
+def test_checkpoints_are_named_as_our_engine_names_them_and_found_by_that_name():
+    from proto.contract import tokens_digest
+    from workers.state_names import PrefixKey
+
+    index = PrefixCheckpoints(1000)
+    index.keep(checkpoint("a", (1, 2, 3)))
+    index.keep(checkpoint("b", (1, 2, 3), salt="t"))
+    key = PrefixKey("s", 3, tokens_digest((1, 2, 3)))
+    found = index.pinned(key)
+    assert found.head_id == "a" and found.key == key and found.loads == 1  # pinned: the budget keeps it
+    index.release(found)
+    assert index.pinned(PrefixKey("u", 3, key.digest)) is None  # another salt's name finds nothing
+    assert index.pinned(PrefixKey("s", 2, tokens_digest((1, 2)))) is None
+
+
+def test_the_names_of_dropped_checkpoints_are_withdrawn_once_but_not_replaced_ones():
+    index = PrefixCheckpoints(100)
+    index.keep(checkpoint("a", (1,)))
+    index.keep(checkpoint("a2", (1,)))  # the same tokens again: the name is still held
+    assert index.withdrawn() == []
+    index.keep(checkpoint("b", (2,)))
+    index.keep(checkpoint("c", (3,)))  # over the budget: (1,) goes
+    assert [k.length for k in index.withdrawn()] == [1]
+    assert index.withdrawn() == []  # each reported once
+    assert index.keep(checkpoint("huge", (7,), nbytes=500)) == ["huge"]  # never held: nothing to withdraw
+    assert index.withdrawn() == []

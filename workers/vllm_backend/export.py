@@ -5,6 +5,11 @@
     chunks: one per KV block index (every attention layer's block, in layer order), then the
             Mamba state pages of every layer in one chunk
 
+A prefix checkpoint (prefixes.py) travels in the same format, owned by no conversation: its
+header has "prefix": {scope: sha256 of the salt, length, digest}, conversation "", turn 0, and
+committed_tokens = state_len = length (its state covers all its tokens; a head's, all but the
+last), as our engine's prefix exports (workers/conversation/prefix_export.py).
+
 The layout is the engine host's: vLLM's version, its block size, the conv-state layout of its
 Mamba kernels (SD or DS, a platform choice), every layer's name, shape and dtype. A head is only
 installed where format, model identity and layout are all equal: never across backends (our
@@ -21,6 +26,7 @@ import torch
 
 from proto.contract import ModelIdentity, chunk_digest
 from workers.conversation.export_format import ExportedHead, parse_fitting_header, seal_header
+from workers.conversation.prefix_export import scope_digest
 from workers.errors import CorruptStateError
 from workers.identity import model_identity
 from workers.quantization import WeightQuantization
@@ -59,6 +65,12 @@ def build_export(meta: dict[str, Any], identity: ModelIdentity, layout: dict[str
     return ExportedHead(seal_header(header), tuple(chunks))
 
 
+def prefix_meta(scope: str, length: int, digest: str) -> dict[str, Any]:
+    """The header fields of a prefix checkpoint's export: `scope`, the salt (only its digest goes)."""
+    return {"conversation": "", "turn": 0, "version": 0, "committed_tokens": length, "tokens_digest": digest,
+            "prefix": {"scope": scope_digest(scope), "length": length, "digest": digest}}
+
+
 def verify_export(header: bytes, chunks: dict[str, bytes], identity: ModelIdentity,
                   layout: dict[str, Any]) -> tuple[dict[str, Any], HeadParts]:
     """(the header's meta, the head's parts) if the export is intact and fits this engine host;
@@ -67,8 +79,13 @@ def verify_export(header: bytes, chunks: dict[str, bytes], identity: ModelIdenti
     try:
         listed, state_len = h["chunks"], int(h["state_len"])
         expected = -(-state_len // layout["block_size"])
-        if [c["kind"] for c in listed] != ["kv"] * expected + ["state"] or h["committed_tokens"] != state_len + 1:
+        prefix = h.get("prefix")
+        # a head's state covers all its tokens but the last; a prefix checkpoint's, all of them
+        committed = state_len if prefix is not None else state_len + 1
+        if [c["kind"] for c in listed] != ["kv"] * expected + ["state"] or h["committed_tokens"] != committed:
             raise CorruptStateError("inconsistent export: chunks do not cover state_len")
+        if prefix is not None and (prefix["length"] != state_len or prefix["digest"] != h["tokens_digest"]):
+            raise CorruptStateError("inconsistent export: the prefix does not name its state")
         data = []
         for c in listed:
             raw = chunks.get(c["digest"])
@@ -76,6 +93,8 @@ def verify_export(header: bytes, chunks: dict[str, bytes], identity: ModelIdenti
                 raise CorruptStateError(f"chunk {str(c['digest'])[:16]} is missing or failed its checksum")
             data.append(raw)
         meta = {k: h[k] for k in ("conversation", "turn", "version", "committed_tokens", "tokens_digest")}
+        if prefix is not None:
+            meta["prefix"] = {k: prefix[k] for k in ("scope", "length", "digest")}
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptStateError(f"malformed export header: {e!r}") from e
     return meta, HeadParts(state_len, data[:-1], data[-1])

@@ -18,6 +18,11 @@ renders the reply otherwise, e.g. without its reasoning, still shares it).
     keep       a finished stateless request's captured state, its prompt and reply but the last
                token (what vLLM computed), becomes a checkpoint
 
+    export   a checkpoint's state (its host head) goes to the state tier as a prefix export
+             (export.py), named as our engine names one (PrefixKey: salt, length, token digest);
+             one a longer link of its request chain superseded is not sent
+    install  another worker's export of a prefix of a request's prompt becomes a checkpoint here
+
 A prime costs one more request before the real one (an engine step, a round trip to the host
 and a copy of the state in and out), never more computed tokens: the real request loads what
 the prime computed. prefix_cache_mb holds the checkpoints, least recently used dropped first; a
@@ -30,13 +35,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from proto.contract import tokens_digest
+from workers.errors import CorruptStateError, OutOfCacheError
 from workers.request import CheckpointMark, ReuseSource
+from workers.state_names import PrefixKey
 from workers.sampling import SamplingParams
 from workers.vllm_backend.engine_host import EngineHost
+from workers.vllm_backend.export import HeadParts
 from workers.vllm_backend.lru_budget import LruBudget
 from workers.vllm_backend.host.hybridserve_vllm.heads import LayerLayout, block_count
 from workers.vllm_backend.requests import vllm_sampling
@@ -59,6 +69,16 @@ class PrefixCheckpoint:
     source: ReuseSource = ReuseSource.PREFIX  # SYSTEM: a system prompt's
     loads: int = 0  # requests loading it now: never dropped meanwhile
     end: bool = False  # where a request ended (prompt + reply), not a message boundary it primed
+    superseded: bool = False  # an end a longer link of its request chain (the next step) replaced
+    key: PrefixKey = field(init=False)  # its name, as our engine names a checkpoint (announced, exported)
+
+    def __post_init__(self):
+        self.key = PrefixKey(self.salt, len(self.tokens), tokens_digest(self.tokens))
+
+
+# Names of checkpoints dropped since the worker last asked (their announces are withdrawn); a
+# name past this many is left to expire with the prefix index's TTL.
+WITHDRAWN_KEPT = 4096
 
 
 class PrefixCheckpoints:
@@ -67,6 +87,7 @@ class PrefixCheckpoints:
     def __init__(self, budget_bytes: int):
         self._held: LruBudget[str, PrefixCheckpoint] = LruBudget(  # by head id
             budget_bytes, lambda c: c.nbytes, lambda _, c: c.loads > 0)
+        self._withdrawn: deque[PrefixKey] = deque(maxlen=WITHDRAWN_KEPT)
 
     @property
     def budget_bytes(self) -> int:
@@ -107,6 +128,20 @@ class PrefixCheckpoints:
     def release(self, checkpoint: PrefixCheckpoint) -> None:
         checkpoint.loads -= 1
 
+    def pinned(self, key: PrefixKey) -> PrefixCheckpoint | None:
+        """The checkpoint named `key`, pinned (release it), or None if none is held."""
+        for c in self._held:
+            if c.key == key:
+                c.loads += 1
+                return c
+        return None
+
+    def withdrawn(self) -> list[PrefixKey]:
+        """The names of checkpoints dropped since the last call (each once)."""
+        names = list(self._withdrawn)
+        self._withdrawn.clear()
+        return names
+
     def holds(self, salt: str, tokens: Sequence[int]) -> bool:
         tokens = tuple(tokens)
         return any(c.salt == salt and c.tokens == tokens for c in self._held)
@@ -121,7 +156,9 @@ class PrefixCheckpoints:
         for head_id in dropped:
             self._held.pop(head_id)
         self._held.put(checkpoint.head_id, checkpoint)
-        return dropped + [c.head_id for c in self._held.over_budget()]
+        over = self._held.over_budget()
+        self._withdrawn.extend(c.key for c in over if c.key != checkpoint.key)
+        return dropped + [c.head_id for c in over]
 
 
 class HostPrefixes:
@@ -168,11 +205,13 @@ class HostPrefixes:
             self.index.release(checkpoint)
 
     def held_marks(self, salt: str, prompt: Sequence[int], marks: Sequence[CheckpointMark]
-                   ) -> tuple[tuple[int, int], ...]:
+                   ) -> tuple[tuple[tuple[int, int], ...], tuple[PrefixKey, ...]]:
         """The request's marks held here, as RequestOutput.checkpoints ((label, tokens): the
-        first `label` messages) for the prefix index: chats sharing them are routed here."""
-        return tuple((m.label, m.position) for m in sorted(marks, key=lambda m: m.position)
-                     if self.index.holds(salt, prompt[:m.position]))
+        first `label` messages) for the prefix index (chats sharing them are routed here), and
+        their names (RequestOutput.checkpoint_keys: what the worker may export)."""
+        held = [m for m in sorted(marks, key=lambda m: m.position) if self.index.holds(salt, prompt[:m.position])]
+        return (tuple((m.label, m.position) for m in held),
+                tuple(PrefixKey(salt, m.position, tokens_digest(prompt[:m.position])) for m in held))
 
     async def _prime(self, salt: str, tokens: tuple[int, ...], source: ReuseSource) -> None:
         key = (salt, tokens)
@@ -198,21 +237,57 @@ class HostPrefixes:
             await self.keep(salt, [*tokens, *last["tokens"]], last["prepared"], request_id, source)
 
     async def keep(self, salt: str, tokens: list[int], captured: int, request_id: str,
-                   source: ReuseSource = ReuseSource.PREFIX, end: bool = False) -> int:
+                   source: ReuseSource = ReuseSource.PREFIX, end: bool = False) -> PrefixCheckpoint | None:
         """A finished request's captured state (of `tokens`, its prompt and output) as a
-        checkpoint; returns the tokens it covers (0: not kept)."""
+        checkpoint; returns it (None: not kept)."""
         if captured != len(tokens) - 1:  # the state must cover all the tokens but the last
             await self.host.call("abandon", id=request_id)
-            return 0
+            return None
         head_id = f"prefix/{next(self._numbers)}"
         try:
             nbytes = await self.host.call("commit", id=request_id, head=head_id)
         except ValueError:  # not prepared there after all: nothing to keep
-            return 0
-        dropped = self.index.keep(PrefixCheckpoint(head_id, salt, tuple(tokens[:captured]), nbytes, source, end=end))
+            return None
+        return await self._hold(PrefixCheckpoint(head_id, salt, tuple(tokens[:captured]), nbytes, source, end=end))
+
+    async def _hold(self, checkpoint: PrefixCheckpoint) -> PrefixCheckpoint | None:
+        """`checkpoint` (its state in the host) in the index; None if the budget dropped it."""
+        dropped = self.index.keep(checkpoint)
         if dropped:
             await self.host.call("drop", heads=dropped)
-        return 0 if head_id in dropped else captured
+        return None if checkpoint.head_id in dropped else checkpoint
+
+    async def export(self, key: PrefixKey) -> HeadParts | None:
+        """The state of the checkpoint named `key`; None if it is no longer held here or a
+        longer link of its request chain superseded it (the export would be stale at once)."""
+        checkpoint = self.index.pinned(key)
+        if checkpoint is None:
+            return None
+        try:
+            if checkpoint.superseded:
+                return None
+            state_len, blocks, state = await self.host.export_head(checkpoint.head_id)
+        finally:
+            self.release(checkpoint)
+        return HeadParts(state_len, blocks, state)
+
+    async def install(self, salt: str, tokens: tuple[int, ...], parts: HeadParts) -> int:
+        """Another worker's checkpoint of `tokens` (verified: export.verify_export) held here
+        under `salt`; returns its tokens. OutOfCacheError if it cannot fit the budget (nothing
+        changes), CorruptStateError if the host refuses its bytes."""
+        if self.index.holds(salt, tokens):
+            return len(tokens)
+        if not self.fits(len(tokens)):
+            raise OutOfCacheError(f"a prefix checkpoint of {len(tokens)} tokens does not fit prefix_cache_mb")
+        head_id = f"prefix/{next(self._numbers)}"
+        try:
+            nbytes = await self.host.call("install", head=head_id, tokens=parts.state_len, blocks=parts.blocks,
+                                          state=parts.state)
+        except ValueError as e:
+            raise CorruptStateError(f"the engine host refused the prefix checkpoint: {e}") from e
+        if await self._hold(PrefixCheckpoint(head_id, salt, tokens, nbytes)) is None:
+            raise OutOfCacheError("the prefix checkpoints' budget is held by checkpoints in use")
+        return len(tokens)
 
 
 def detached(work) -> asyncio.Task:

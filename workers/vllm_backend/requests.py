@@ -98,9 +98,10 @@ class OutputStream:
         self._stopped = False
 
     def output(self, frame: dict[str, Any], turn_commit: Any = None, *, reused: ReuseSource = ReuseSource.HEAD,
-               checkpoints: tuple[tuple[int, int], ...] = ()) -> RequestOutput:
+               checkpoints: tuple[tuple[int, int], ...] = (), checkpoint_keys: tuple = ()) -> RequestOutput:
         """reused: where a loaded state came from (a conversation's head, or a prefix checkpoint);
-        checkpoints: on the last frame, those the request left (RequestOutput.checkpoints)."""
+        checkpoints: on the last frame, those the request left (RequestOutput.checkpoints), and
+        checkpoint_keys their names."""
         logprobs = frame.get("logprobs") or [None] * len(frame["tokens"])
         tokens, text = [], ""
         finished = frame["finished"]
@@ -122,4 +123,5 @@ class OutputStream:
             self.request_id, tuple(tokens), text, finished,
             _REASONS.get(frame["reason"], FinishReason.ERROR) if finished else None,
             self.num_prompt_tokens, cached, error=frame.get("error"), seed=self.params.resolved_seed,
-            turn_commit=turn_commit, checkpoints=checkpoints, reused_from=reused if cached else ReuseSource.NONE)
+            turn_commit=turn_commit, checkpoints=checkpoints, checkpoint_keys=checkpoint_keys,
+            reused_from=reused if cached else ReuseSource.NONE)

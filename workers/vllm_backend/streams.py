@@ -46,7 +46,7 @@ class HostStreams:
             outputs = OutputStream(request_id, self.tokenizer, params, len(prompt), self.conversations.eos_token_ids)
             async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids, self.tool_format), load,
                                                 capture=True):
-                record, checkpoints = None, ()
+                record, checkpoints, keys = None, (), ()
                 if frame["finished"] and frame["prepared"] is not None:
                     try:
                         record = self.conversations.prepare(conv, suffix, prompt,
@@ -56,9 +56,9 @@ class HostStreams:
                         await self.host.call("abandon", id=request_id)
                         raise
                     prepared = True
-                    checkpoints = self.prefixes.held_marks(conv.ref.salt, prompt, marks)
+                    checkpoints, keys = self.prefixes.held_marks(conv.ref.salt, prompt, marks)
                 yield outputs.output(frame, record, reused=base.source if base else ReuseSource.HEAD,
-                                     checkpoints=checkpoints)
+                                     checkpoints=checkpoints, checkpoint_keys=keys)
         finally:
             self.prefixes.release(base)
             if not prepared:
@@ -86,17 +86,20 @@ class HostStreams:
             async for frame in self.host.stream(request_id, prompt, vllm_sampling(params, self.allowed_ids, self.tool_format),
                                                 (base.head_id, len(base.tokens)) if base else None,
                                                 capture=self.prefixes.fits(len(prompt) + params.max_tokens)):
-                checkpoints = ()
+                checkpoints, keys = (), ()
                 if frame["finished"] and frame.get("prepared") is not None:
                     # Kept before the last output goes out (the client's next request may follow at
                     # once), and kept whole even if this stream is cancelled meanwhile.
-                    tokens = await asyncio.shield(detached(self.prefixes.keep(
+                    kept = await asyncio.shield(detached(self.prefixes.keep(
                         salt, prompt + outputs.output_ids + list(frame["tokens"]), frame["prepared"], request_id,
                         end=True)))
-                    checkpoints = self.prefixes.held_marks(salt, prompt, marks)
-                    if tokens:
-                        checkpoints += ((num_messages + 1, tokens),)  # the messages and the reply
+                    checkpoints, keys = self.prefixes.held_marks(salt, prompt, marks)
+                    if kept is not None:
+                        checkpoints += ((num_messages + 1, len(kept.tokens)),)  # the messages and the reply
+                        keys += (kept.key,)
+                        if base is not None and base.end:
+                            base.superseded = True  # the chain goes on from this longer link
                 yield outputs.output(frame, reused=base.source if base else ReuseSource.PREFIX,
-                                     checkpoints=checkpoints)
+                                     checkpoints=checkpoints, checkpoint_keys=keys)
         finally:
             self.prefixes.release(base)
