@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -43,12 +43,20 @@ class Plan:
     preset: str = "bench"
     tenants: int = 2  # loop i is tenant i % tenants's: one system prompt, catalogue and cache_salt each
     think_s: tuple[float, float] = (0.0, 0.0)  # an agent's pause between a tool's result and its next step
+    # The app's cache budgets per worker (MiB) where config.yaml's do not hold the plan's working set.
+    cache_mb: dict[str, int] = field(default_factory=dict)
 
 
 # Shaped like a deployment: 2 tenants of 4 loops each, started together, 10 steps, tool results
 # of 200-2,000 tokens, and the agent's think-time between steps.
+# Its histories reach 10-14k tokens, 40-56 MiB of heads each at this checkpoint's 4 KiB of KV a token
+# (4 attention layers, 2 KV heads of 64, float32): config.yaml's 128 MiB of heads per worker holds
+# fewer than three of a worker's four loops, and a head dropped before its write-behind export is
+# recomputed from the ledger at the next step. Sized as a deployment sizes them for its sessions
+# (vLLM's server is given 30% of the machine's memory for its KV cache).
 FULL = Plan(loops=8, steps=10, catalogue_tokens=2000, result_tokens=(200, 2000), max_tokens=160, decode_rounds=4,
-            decode_max_tokens=40, request_timeout_s=900, side_budget_s=2400, think_s=(0.5, 2.0))
+            decode_max_tokens=40, request_timeout_s=900, side_budget_s=2400, think_s=(0.5, 2.0),
+            cache_mb={"kv_cache_mb": 1024, "head_cache_mb": 512, "prefix_cache_mb": 512})
 
 
 QUICK = Plan(loops=8, steps=4, catalogue_tokens=2000, result_tokens=(200, 500), max_tokens=160, decode_rounds=2,
@@ -128,7 +136,7 @@ def route_decisions(base_url: str) -> dict[str, int]:
 
 
 def measure_app(plan: Plan, model_dir: Path, work: Workload, tmp: Path, loops: bool = True) -> dict:
-    server, base_url, config = start_app(model_dir, tmp)
+    server, base_url, config = start_app(model_dir, tmp, args=plan.cache_mb)
     out: dict = {"config": config, "command": server.argv, "sides": {}}
     try:
         out["startup_s"] = server.wait_ready(600)
