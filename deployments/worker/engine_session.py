@@ -148,7 +148,16 @@ class EngineSession:  # implements Session (session.py)
             return head_export.verify_export(header, chunks, self.identity, self.layout, held)
 
         verified = await asyncio.to_thread(verify)
-        return await self.aengine.call(lambda _e: self.cache.install_head(ref, verified))
+
+        def install(_e) -> HeadInfo:
+            info = self.cache.install_head(ref, verified)
+            self.cache.mark_in_tier(ref, verified.meta["version"])  # it came from there
+            return info
+
+        return await self.aengine.call(install)
+
+    async def tier_holds(self, ref: ConversationRef, version: int) -> None:
+        await self.aengine.call(lambda _e: self.cache.mark_in_tier(ref, version))
 
     async def export_state(self, ref: ConversationRef) -> tuple[int, list[bytes]]:
         """(head version, tier parts) of the conversation's latest head."""

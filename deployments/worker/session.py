@@ -7,7 +7,8 @@ tests/serve/test_session_protocol.py checks that both sessions implement it.
                 ─ stream_turn (its final output carries the prepared TurnCommit)
                 ─ commit or abandon, as the cache service decided ─ turn_ended
     stateless:  stream_stateless (the longest held prefix of its prompt is reused)
-    the tier:   export_state (a committed head as tier parts), import_state (another replica's);
+    the tier:   export_state (a committed head as tier parts), tier_holds (it landed there),
+                import_state (another replica's);
                 export_prefix, held_prefix, import_prefix: prefix checkpoints (where prefix_tier)
     upkeep:     load (routing stats), held_heads, forget_idle, check_health, shutdown
 
@@ -91,6 +92,11 @@ class Session(Protocol):
 
     async def export_state(self, ref: ConversationRef) -> tuple[int, list[bytes]]:
         """(head version, tier parts) of the conversation's latest head."""
+        ...
+
+    async def tier_holds(self, ref: ConversationRef, version: int) -> None:
+        """The tier now holds the conversation's head of `version` (it was exported): where memory
+        runs short, such heads are let go before those held only here."""
         ...
 
     async def export_prefix(self, key: Any) -> list[bytes] | None:

@@ -82,6 +82,7 @@ class TierExporter:
             # The incarnation the turn saw, carried: looked up now, it could be a re-created
             # conversation's at the same version, and this state would land under it.
             await (await self._cache()).put_state(conv, version, parts, incarnation=head.incarnation or None)
+            await self.session.tier_holds(conv, version)  # let go first where memory runs short
         except VersionConflict:
             log.debug("export of %s v%d superseded by a newer turn", conv.id, head.version)
         except (CacheError, ConversationBusyError, ConversationNotFoundError) as e:

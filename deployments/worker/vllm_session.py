@@ -143,6 +143,9 @@ class VllmSession:  # implements Session (session.py)
         meta, parts = await asyncio.to_thread(vllm_export.verify_export, header, chunks, self.identity, self.layout)
         return await self.conversations.install(ref, meta, parts)
 
+    async def tier_holds(self, ref: ConversationRef, version: int) -> None:
+        """Nothing: this backend's heads go by their byte budget's LRU alone."""
+
     async def export_state(self, ref: ConversationRef) -> tuple[int, list[bytes]]:
         """(head version, tier parts) of the conversation's head."""
         await self.start()

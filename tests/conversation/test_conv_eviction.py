@@ -136,3 +136,24 @@ def test_waiting_turns_pinned_heads_do_not_deadlock_the_pool(models, reference_e
     from their token ids when their head is gone)."""
     cc, heads, results = two_long_turns(models, reference_engines, usable_blocks=16)
     assert cc.stats()["published"] == 4
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_a_head_the_tier_holds_goes_before_one_held_only_here(models, exported):
+    """Room for two heads, three conversations: the third's head evicts one. Least recently
+    used, c0's would go; but where the worker exported c1's head (the state tier holds a copy,
+    its next turn imports it), c1's goes first and c0's, which only this engine holds and which
+    would be recomputed from its ledger, stays."""
+    arch = Arch.GRANITEMOEHYBRID
+    eng = new_engine(models[arch], **PRESSURES["head_budget"][0](*sizes(models[arch])))
+    cc = new_cache(eng)
+    for cid in ("c0", "c1"):
+        cc.begin_turn(ConversationRef(cid, "s"), user(f"hello {cid}"), greedy(5), f"{cid}-1")
+        drive(eng)
+    if exported:
+        cc.mark_in_tier(ConversationRef("c1", "s"), head_of(cc, "c1", "s").version)
+    cc.begin_turn(ConversationRef("c2", "s"), user("hello c2"), greedy(5), "c2-1")
+    drive(eng)
+    held = {cid for cid in ("c0", "c1", "c2") if head_of(cc, cid, "s") is not None}
+    assert held == ({"c0", "c2"} if exported else {"c1", "c2"})
+    assert cc.stats()["evictions"] == 1

@@ -131,16 +131,19 @@ class Eviction:
         return spared
 
     def eviction_order(self, kind: HolderKind | None) -> list[CommittedHead]:
-        """Superseded checkpoints hit at most once first, then least recently used first; states
-        waiting for tool results (within tool_pause_s) last of all: an agent loop's pause for
-        its tools is not idleness, its next step comes back for this state."""
+        """Superseded checkpoints hit at most once first, then heads the state tier holds a copy
+        of (the next turn imports one, where a head held only here is recomputed from its
+        ledger), then least recently used first; states waiting for tool results (within
+        tool_pause_s) last of all: an agent loop's pause for its tools is not idleness, its
+        next step comes back for this state."""
         if kind is HolderKind.HEAD or not self.checkpoints:
-            order = list(self.heads.values())
+            order = sorted(self.heads.values(), key=lambda h: not h.in_tier)  # stable: least recently used first
         else:
             checkpoints = list(self.checkpoints.values())
             spent = [c for c in checkpoints if c.superseded and c.hits <= 1]
             rest = checkpoints if kind is HolderKind.CHECKPOINT else [*self.heads.values(), *checkpoints]
-            order = spent + sorted((h for h in rest if not (h.superseded and h.hits <= 1)), key=lambda h: h.last_used)
+            order = spent + sorted((h for h in rest if not (h.superseded and h.hits <= 1)),
+                                   key=lambda h: (not h.in_tier, h.last_used))
         if not self.tool_pause_s:
             return order
         now = time.monotonic()

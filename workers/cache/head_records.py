@@ -28,6 +28,7 @@ class CommittedHead:
     superseded: bool = False  # a checkpoint a longer one of the same request chain replaced
     chain_end: bool = False  # a checkpoint of where a request ended (a chain's link, not a mark)
     awaiting_tool: bool = False  # its reply ended in tool calls: the next request brings their results
+    in_tier: bool = False  # the state tier holds a copy (exported or imported): evicted before heads only here
 
     @property
     def pins(self) -> int:

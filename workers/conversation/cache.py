@@ -169,6 +169,13 @@ class ConversationCache:
     def install_head(self, ref: ConversationRef, verified: export.VerifiedHead) -> HeadInfo:
         return install_head(self._engine, self._conversations, self._retention, ref, verified)
 
+    def mark_in_tier(self, ref: ConversationRef, version: int) -> None:
+        """The state tier holds the conversation's head of `version` (exported or imported): under
+        pressure it is evicted before heads held only here, since the next turn imports it."""
+        for head in self._heads.of_conversation(ref.key):
+            if head.version == version:
+                head.in_tier = True
+
     def export_identity(self) -> tuple[ModelIdentity, dict[str, Any]]:
         """What `export.verify_export` checks a foreign export against."""
         return self._engine.identity, export.engine_layout(self._engine)
