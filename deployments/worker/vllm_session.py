@@ -30,6 +30,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from deployments.messages import HeadRef
 from deployments.settings import AppSettings
 from deployments.worker.turns_here import ConversationUse
@@ -42,7 +44,9 @@ from workers.conversation.records import HeadInfo, LedgerTurn, TurnCommit
 from workers.engine import RequestOutput
 from workers.errors import CorruptStateError, InvalidRequestError, PrefixMismatchError
 from workers.grammar.compiler import GrammarCompiler
+from workers.grammar.guide import TokenGuide
 from workers.load import EngineLoad
+from workers.loop.admission import check_constraint_starts
 from workers.request import CheckpointMark, ReuseSource
 from workers.sampling import SamplingParams
 from workers.state_names import PrefixKey
@@ -67,6 +71,7 @@ class VllmSession:  # implements Session (session.py)
         self.tokenizer = ChatTokenizer(Path(model_dir))
         self._tool_format = tool_format_for(self.tokenizer.chat_template)
         self.vocab_size, self.allowed_ids, eos_token_ids = vocabulary(self.tokenizer, model_dir)
+        self._banned_ids = torch.tensor(sorted(self.tokenizer.never_sample_ids), dtype=torch.long)
         # Checks constraints here (a bad schema is a 400); vLLM's guidance backend runs them.
         self.grammars = GrammarCompiler(self.tokenizer.hf, self.vocab_size, eos_token_ids, self._tool_format)
         self.host = EngineHost(HostSettings(
@@ -227,7 +232,14 @@ class VllmSession:  # implements Session (session.py)
         and checked off the loop, cached as on our engine)."""
         backend_params(params, self.vocab_size)
         if params.constraint is not None:
-            await asyncio.to_thread(self.grammars.prepare, params.constraint)
+            await asyncio.to_thread(self._check_grammar, params.constraint)
+
+    def _check_grammar(self, constraint) -> None:
+        """Compiled (cached), and refused where the reply cannot begin: no first token this model
+        may produce and an empty reply not whole (as on our engine: LLMEngine.check_constraint)."""
+        self.grammars.prepare(constraint)
+        guide = TokenGuide(self.grammars.matcher(constraint), self.vocab_size, None)
+        check_constraint_starts(guide, self._banned_ids)
 
     def stream_turn(self, ref: ConversationRef, suffix: list[dict[str, Any]], params: SamplingParams,
                     request_id: str, tools: list[dict[str, Any]] | None = None,

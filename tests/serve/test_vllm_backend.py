@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 from ray import serve
 
@@ -227,6 +228,19 @@ async def test_what_the_backend_does_not_do_is_a_400(stack, vllm_app, conv_id):
             "conversation_id": conv_id, "cache_salt": "x", "tools": TOOLS, "tool_choice": "auto"})
         assert auto.status_code == 200, auto.text
         assert auto.json()["turn"] == 1
+
+
+async def test_a_constraint_whose_reply_cannot_begin_is_a_400_as_on_our_engine(stack, vllm_app):
+    """A character no token of the model spells: vLLM's guidance backend would be handed a
+    grammar that allows nothing. Refused on the worker before anything runs."""
+    client = stack.client(PREFIX)
+    for extra in ({"guided_regex": "\x08"}, {"structured_outputs": {"regex": "\x08"}}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model=vllm_app.model, prompt="hi", max_tokens=4, extra_body=extra)
+        assert "allows no first token" in refused.value.body["message"], refused.value.body
+    reply = await client.completions.create(model=vllm_app.model, prompt="hi", max_tokens=4,
+                                            extra_body={"guided_regex": "[a-z]+"})
+    assert reply.choices[0].text and reply.choices[0].text.isalpha()  # the engine host went on
 
 
 async def test_a_dead_engine_host_is_a_503_and_its_replica_is_replaced(stack, vllm_app, conv_id):

@@ -26,7 +26,8 @@ class GrammarError(EngineError):
 
 
 class TokenGuide:
-    def __init__(self, matcher, vocab_size: int, executor: ThreadPoolExecutor):
+    def __init__(self, matcher, vocab_size: int, executor: ThreadPoolExecutor | None):
+        """executor: where `prefetch` computes masks (None: a guide that never prefetches)."""
         self._matcher = matcher
         self._vocab = vocab_size
         self._executor = executor
