@@ -119,6 +119,15 @@ def load_key(queue_len: int | None, chosen: int, stats: dict[str, Any]) -> tuple
 
 
 class StickyConversationRouter(RequestRouter):
+    # Serve probes a replica whose queue length its cache no longer holds (an entry lasts 10 s)
+    # and tries the next rank if the answer takes longer than this. Its 0.1 s is missed by a busy
+    # worker on a loaded machine (the replica's event loop waits for the GIL behind its engine
+    # thread), and a conversation's owner skipped so runs the turn on another replica, which
+    # imports the head or, with no tier copy yet, recomputes the whole history. A slow answer is
+    # not a dead replica: Serve drops those from the candidates.
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 2.0
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         fleet.register(self)  # /metrics reads the replicas' routing stats through it

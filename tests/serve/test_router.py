@@ -4,6 +4,7 @@ never both at once."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -12,8 +13,8 @@ from typing import Any
 import pytest
 
 # Serve has no public constructor of a router's deployment id, handle source or request metadata.
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
-from ray.serve.request_router import PendingRequest, ReplicaID
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata, RunningReplicaInfo
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from deployments.messages import HeadRef, TurnJob
 from deployments.routing.decisions import ROUTING_REGISTRY
@@ -27,6 +28,21 @@ class Candidate:
     replica_id: ReplicaID
     routing_stats: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int = 64  # room for the queues these tests give, unless a test says otherwise
+
+
+class SlowToAnswer(RunningReplica):
+    """A live replica whose answer to Serve's queue-length probe takes `delay_s` (a busy
+    worker's event loop on a loaded machine); no actor behind it."""
+
+    def __init__(self, replica_id: ReplicaID, delay_s: float):
+        self._replica_info = RunningReplicaInfo(replica_id, None, None, None, replica_id.unique_id, 8,
+                                                routing_stats={})
+        self._multiplexed_model_ids = set()
+        self.delay_s = delay_s
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        await asyncio.sleep(self.delay_s)
+        return 2
 
 
 def _pending(n: int) -> PendingRequest:
@@ -51,6 +67,18 @@ async def test_a_request_sent_without_strict_routing_counts_once():
     assert ranks[0] == [a], "the request sent to a was counted twice"
     router.on_send_request(a.replica_id)  # two each now: the tie goes to b's free blocks
     assert (await router.choose_replicas([a, b], _pending(3)))[0] == [b]
+
+
+async def test_an_owner_slow_to_answer_the_queue_probe_is_not_skipped():
+    """Serve probes a replica whose cached queue length expired and tries the next rank if the
+    answer is late. An owner taking 0.3 s to answer (Serve's own deadline is 0.1 s) is busy, not
+    gone: skipped, its conversation's turn would run elsewhere and import or recompute the head."""
+    deployment = DeploymentID(name="Worker", app_name="router-test")
+    router = StickyConversationRouter(deployment, DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    owner = SlowToAnswer(ReplicaID("owner", deployment), 0.3)
+    router.update_replicas([owner])
+    chosen = await router._select_from_candidate_replicas([owner], 0)  # the first try of the owner's rank
+    assert chosen is not None and chosen.replica_id == owner.replica_id
 
 
 def _job_request(n: int, *, owner: str = "", holders: tuple[tuple[str, int], ...] = (), head_tokens: int = 1000,
