@@ -143,8 +143,12 @@ class PrefixCheckpoints:
         return names
 
     def holds(self, salt: str, tokens: Sequence[int]) -> bool:
+        return self.held(salt, tokens) is not None
+
+    def held(self, salt: str, tokens: Sequence[int]) -> PrefixCheckpoint | None:
+        """The checkpoint of exactly `tokens` under `salt`, if held (not pinned)."""
         tokens = tuple(tokens)
-        return any(c.salt == salt and c.tokens == tokens for c in self._held)
+        return next((c for c in self._held if c.salt == salt and c.tokens == tokens), None)
 
     def keep(self, checkpoint: PrefixCheckpoint) -> list[str]:
         """Hold a new checkpoint; returns the head ids to drop in the host (one of the same
@@ -209,9 +213,9 @@ class HostPrefixes:
         """The request's marks held here, as RequestOutput.checkpoints ((label, tokens): the
         first `label` messages) for the prefix index (chats sharing them are routed here), and
         their names (RequestOutput.checkpoint_keys: what the worker may export)."""
-        held = [m for m in sorted(marks, key=lambda m: m.position) if self.index.holds(salt, prompt[:m.position])]
-        return (tuple((m.label, m.position) for m in held),
-                tuple(PrefixKey(salt, m.position, tokens_digest(prompt[:m.position])) for m in held))
+        held = [(m, c) for m in sorted(marks, key=lambda m: m.position)
+                if (c := self.index.held(salt, prompt[:m.position])) is not None]
+        return tuple((m.label, m.position) for m, _ in held), tuple(c.key for _, c in held)
 
     async def _prime(self, salt: str, tokens: tuple[int, ...], source: ReuseSource) -> None:
         key = (salt, tokens)
